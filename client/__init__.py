@@ -1,0 +1,1 @@
+"""Python client for the ampwatch REST API, and the `ampwatch` command line."""

@@ -1,0 +1,1 @@
+"""Alembic migrations of the ampwatch schema (applied by `ampwatch db upgrade` and on start)."""

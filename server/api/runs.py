@@ -1,0 +1,50 @@
+"""/api/v1/runs: register, list, read and delete runs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query, Response
+
+from server.deps import SessionDep, SettingsDep
+from server.runs import delete_run, get_run, list_runs, run_public, run_ranks, upsert_run
+from server.schemas import RUN_ID_PATTERN, Health, RunPublic, RunsPublic, RunUpsert
+
+router = APIRouter(prefix="/runs", tags=["runs"])
+RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
+
+
+@router.put("/{run_id}", response_model=RunPublic)
+def put_run(run_id: RunIdPath, body: RunUpsert, session: SessionDep,
+            settings: SettingsDep) -> RunPublic:
+    """Register a run, or update the fields the body names (idempotent)."""
+    run = upsert_run(session, run_id, body, settings)
+    return run_public(run, run_ranks(session, run_id), settings)
+
+
+@router.get("", response_model=RunsPublic)
+def get_runs(
+    session: SessionDep,
+    settings: SettingsDep,
+    project: Annotated[str | None, Query(max_length=256)] = None,
+    name: Annotated[str | None, Query(max_length=256, description="substring")] = None,
+    status: Health | None = None,
+    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+) -> RunsPublic:
+    """Runs, newest first, filtered by project, name substring and health status."""
+    return list_runs(session, settings, project=project, name=name, status=status,
+                     limit=limit, offset=offset)
+
+
+@router.get("/{run_id}", response_model=RunPublic)
+def get_one_run(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
+    """One run with its totals per rank."""
+    return run_public(get_run(session, run_id), run_ranks(session, run_id), settings)
+
+
+@router.delete("/{run_id}", status_code=204, response_class=Response)
+def remove_run(run_id: RunIdPath, session: SessionDep) -> Response:
+    """Delete the run and all its data."""
+    delete_run(session, run_id)
+    return Response(status_code=204)

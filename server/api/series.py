@@ -1,0 +1,79 @@
+"""/api/v1/runs/{run_id}/steps and /layers: a run's data over a step range."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Path, Query
+
+from server.api.runs import RunIdPath
+from server.deps import SessionDep
+from server.queries import layer_series_query, layers_query, matrix_query, steps_query
+from server.responses import WireJSONResponse
+from server.runs import get_run
+from server.schemas import MAX_STEP, LayerSeriesPublic, LayersPublic, MatrixPublic, StepsPublic
+
+router = APIRouter(prefix="/runs", tags=["series"])
+Start = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="first step (inclusive)")]
+End = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="last step (inclusive)")]
+Rank = Annotated[int, Query(ge=0, le=1_000_000)]
+MaxPoints = Annotated[
+    int | None,
+    Query(ge=10, le=100_000, description="downsample to about this many points; skipped "
+          "and non-finite steps are always kept in addition"),
+]
+
+
+@router.get("/{run_id}/steps", response_model=StepsPublic)
+def get_steps(
+    run_id: RunIdPath,
+    session: SessionDep,
+    start: Start = None,
+    end: End = None,
+    rank: Annotated[int | None, Query(ge=0, le=1_000_000, description="all ranks if unset")] = None,
+    max_points: MaxPoints = None,
+    limit: Annotated[int, Query(ge=1, le=100_000)] = 10_000,
+) -> WireJSONResponse:
+    """Per-step records (loss scale, skipped, grad norm, loss, lr, timings, ...)."""
+    run = get_run(session, run_id)
+    return WireJSONResponse(steps_query(session, run, rank=rank, start=start, end=end,
+                                        max_points=max_points, limit=limit))
+
+
+@router.get("/{run_id}/layers", response_model=LayersPublic)
+def get_layers(run_id: RunIdPath, session: SessionDep, rank: Rank = 0) -> WireJSONResponse:
+    """The layer table with per-layer summaries for one rank."""
+    return WireJSONResponse(layers_query(session, get_run(session, run_id), rank=rank))
+
+
+@router.get("/{run_id}/layers/matrix", response_model=MatrixPublic)
+def get_matrix(
+    run_id: RunIdPath,
+    session: SessionDep,
+    metric: Literal["grad_norm", "act_absmax", "act_time_ms"] = "grad_norm",
+    rank: Rank = 0,
+    start: Start = None,
+    end: End = None,
+    buckets: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+) -> WireJSONResponse:
+    """Layers x step buckets for heatmaps: the largest finite value per bucket, or the
+    non-finite one when the bucket had one."""
+    run = get_run(session, run_id)
+    return WireJSONResponse(matrix_query(session, run, metric=metric, rank=rank, start=start,
+                                         end=end, buckets=buckets))
+
+
+@router.get("/{run_id}/layers/{index}/series", response_model=LayerSeriesPublic)
+def get_layer_series(
+    run_id: RunIdPath,
+    index: Annotated[int, Path(ge=0, le=1_000_000)],
+    session: SessionDep,
+    rank: Rank = 0,
+    start: Start = None,
+    end: End = None,
+    max_points: MaxPoints = None,
+) -> WireJSONResponse:
+    """One layer's grad norm per step and its sampled activation stats."""
+    run = get_run(session, run_id)
+    return WireJSONResponse(layer_series_query(session, run, index, rank=rank, start=start,
+                                               end=end, max_points=max_points))

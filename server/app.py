@@ -1,0 +1,60 @@
+"""`create_app(settings)`: the FastAPI application. No module-level state."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from sqlalchemy.orm import sessionmaker
+
+from server import __version__
+from server.api import batches, findings, health, runs, series
+from server.db import make_engine, upgrade
+from server.deps import require_token
+from server.errors import AmpwatchServerError
+from server.middleware import RequestBodyMiddleware
+from server.responses import WireJSONResponse
+from server.settings import Settings
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    """The ampwatch server. Connects to `settings.database_url` and, unless
+    `migrate_on_start` is off, applies pending migrations before serving."""
+    settings = settings or Settings()
+    engine = make_engine(settings.database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        engine.dispose()
+
+    if settings.migrate_on_start:
+        upgrade(engine)
+
+    app = FastAPI(
+        title="ampwatch",
+        version=__version__,
+        summary="Numerical health of PyTorch mixed-precision training runs.",
+        description="Non-finite floats travel as the strings \"NaN\", \"Infinity\" and "
+        "\"-Infinity\"; null means missing. See docs/wire-format.md.",
+        default_response_class=WireJSONResponse,
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.engine = engine
+    app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
+
+    @app.exception_handler(AmpwatchServerError)
+    async def _domain_error(_request: Request, exc: AmpwatchServerError) -> WireJSONResponse:
+        return WireJSONResponse({"detail": exc.message}, status_code=exc.status_code)
+
+    api = APIRouter(prefix="/api/v1")
+    api.include_router(health.router)
+    protected = APIRouter(dependencies=[Depends(require_token)])
+    for module in (runs, batches, series, findings):
+        protected.include_router(module.router)
+    api.include_router(protected)
+    app.include_router(api)
+    return app

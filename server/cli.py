@@ -1,0 +1,68 @@
+"""`ampwatch serve` and `ampwatch db upgrade`, registered into the ampwatch CLI
+through the `ampwatch.cli` entry point (client/ never imports server/)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pydantic import ValidationError
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    serve = commands.add_parser("serve", help="run the ampwatch server")
+    serve.add_argument("--host", help="bind address (AMPWATCH_HOST, default 127.0.0.1)")
+    serve.add_argument("--port", type=int, help="port (AMPWATCH_PORT, default 8000)")
+    serve.add_argument("--database-url",
+                       help="sqlite:///PATH or postgresql+psycopg://... (AMPWATCH_DATABASE_URL)")
+    serve.add_argument("--log-level", default="info",
+                       choices=["critical", "error", "warning", "info", "debug"])
+    serve.set_defaults(func=_serve)
+
+    db = commands.add_parser("db", help="database schema commands")
+    db_commands = db.add_subparsers(dest="db_command", required=True)
+    up = db_commands.add_parser("upgrade", help="apply pending migrations and exit")
+    up.add_argument("--database-url", help="as for serve (AMPWATCH_DATABASE_URL)")
+    up.set_defaults(func=_db_upgrade)
+
+
+def _settings(args: argparse.Namespace):
+    from server.settings import Settings
+
+    overrides = {k: v for k in ("host", "port", "database_url")
+                 if (v := getattr(args, k, None)) is not None}
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        errors = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        sys.exit(f"ampwatch: invalid settings: {errors}")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import create_app
+
+    settings = _settings(args)
+    app = create_app(settings)
+    print(f"ampwatch: serving on http://{settings.host}:{settings.port} "
+          f"(database {_display_url(settings.database_url)})", flush=True)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    return 0
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from server.db import make_engine, upgrade
+
+    settings = _settings(args)
+    engine = make_engine(settings.database_url)
+    upgrade(engine)
+    engine.dispose()
+    print(f"ampwatch: database at {_display_url(settings.database_url)} is up to date")
+    return 0
+
+
+def _display_url(url: str) -> str:
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

@@ -1,0 +1,46 @@
+"""FastAPI dependencies as `Annotated` aliases: the session, the settings, auth."""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Iterator
+from typing import Annotated
+
+from fastapi import Depends, HTTPException, Request
+from sqlalchemy.orm import Session
+
+from server.settings import Settings
+
+
+def get_settings(request: Request) -> Settings:
+    return request.app.state.settings
+
+
+def get_session(request: Request) -> Iterator[Session]:
+    with request.app.state.sessionmaker() as session:
+        yield session
+
+
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+SessionDep = Annotated[Session, Depends(get_session)]
+
+
+def require_token(request: Request, settings: SettingsDep) -> None:
+    """401 unless AMPWATCH_TOKEN is unset or the request carries it (constant-time check).
+
+    Accepted as `Authorization: Bearer <token>`, or as the `ampwatch_token` cookie that
+    the dashboard's login form sets for browsers.
+    """
+    if settings.token is None:
+        return
+    expected = settings.token.get_secret_value().encode()
+    header = request.headers.get("authorization", "")
+    scheme, _, supplied = header.partition(" ")
+    if scheme.lower() != "bearer":
+        supplied = request.cookies.get("ampwatch_token", "")
+    if not hmac.compare_digest(supplied.strip().encode(), expected):
+        raise HTTPException(
+            status_code=401,
+            detail="missing or wrong token: send 'Authorization: Bearer <AMPWATCH_TOKEN>'",
+            headers={"WWW-Authenticate": "Bearer"},
+        )

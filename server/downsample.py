@@ -1,0 +1,88 @@
+"""Server-side downsampling that never hides a problem.
+
+Steps: equal-width buckets keep, per bucket, the steps where each watched series is
+at its minimum and maximum, and every skipped or non-finite step is kept whatever the
+budget. Matrices (layers x steps): each bucket keeps its largest finite value, or the
+non-finite value when the bucket had one. Both are O(n) numpy passes.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from server.series import MISSING
+
+
+def _buckets(n: int, n_buckets: int) -> tuple[int, int]:
+    """(bucket width, bucket count) covering n items with at most n_buckets buckets."""
+    width = max(1, math.ceil(n / max(1, n_buckets)))
+    return width, math.ceil(n / width)
+
+
+def _padded(values: np.ndarray, width: int, count: int, fill: float) -> np.ndarray:
+    pad = width * count - len(values)
+    return np.concatenate([values, np.full(pad, fill)]).reshape(count, width)
+
+
+def keep_extremes(
+    columns: list[np.ndarray], always: np.ndarray, max_points: int
+) -> np.ndarray:
+    """Sorted positions to keep from n points.
+
+    columns: series whose per-bucket min and max must survive (NaN = missing or
+    non-finite; non-finite points should be in `always`). always: bool mask of points
+    kept unconditionally (skipped or non-finite steps). The result has about
+    `max_points` positions plus the `always` ones.
+    """
+    n = len(always)
+    if n <= max_points:
+        return np.arange(n)
+    per_bucket = max(1, 2 * len(columns))
+    width, count = _buckets(n, max(1, max_points // per_bucket))
+    starts = np.arange(count) * width
+    keep = [np.flatnonzero(always), starts]
+    for col in columns:
+        finite = np.isfinite(col)
+        if not finite.any():
+            continue
+        hi = _padded(np.where(finite, col, -np.inf), width, count, -np.inf)
+        lo = _padded(np.where(finite, col, np.inf), width, count, np.inf)
+        has = np.isfinite(hi).any(axis=1)
+        keep.append((starts + hi.argmax(axis=1))[has])
+        keep.append((starts + lo.argmin(axis=1))[has])
+    index = np.unique(np.concatenate(keep))
+    return index[index < n]
+
+
+def bucket_matrix(
+    steps: np.ndarray, values: np.ndarray, n_buckets: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Reduce an (n_steps, n_layers) matrix to at most n_buckets columns.
+
+    Returns (step_start, step_end, reduced (n_layers, buckets) float64, empty mask).
+    A cell is the bucket's largest finite value; NaN when the bucket had a NaN, else
+    +inf when it had an infinity; empty when every value was MISSING.
+    """
+    n, n_layers = values.shape
+    if n == 0:
+        return (np.zeros(0, np.int64), np.zeros(0, np.int64),
+                np.zeros((n_layers, 0)), np.zeros((n_layers, 0), bool))
+    width, count = _buckets(n, n_buckets)
+    pad = width * count - n
+    if pad:
+        values = np.concatenate([values, np.full((pad, n_layers), MISSING, values.dtype)])
+    cube = values.reshape(count, width, n_layers)
+    finite = np.isfinite(cube)
+    # all real values are >= 0 and MISSING is -1, so -1 means "no finite value"
+    best = np.where(finite, cube, MISSING).max(axis=1).astype(np.float64)
+    bad = ~finite.all(axis=1)
+    if bad.any():
+        b, layer = np.nonzero(bad)
+        cells = cube[b, :, layer]
+        best[b, layer] = np.where(np.isnan(cells).any(axis=1), np.nan, np.inf)
+    empty = best == float(MISSING)
+    starts = np.arange(count) * width
+    ends = np.minimum(starts + width, n) - 1
+    return steps[starts], steps[ends], best.T, empty.T

@@ -1,0 +1,97 @@
+"""Ingest of one agent batch: validate against the run, store whole or not at all,
+dedupe on (run, rank, seq), update the rank's totals, run the detectors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import numpy as np
+from sqlalchemy import select, update
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from client.wire import encode_tree
+from server import analysis
+from server.errors import InvalidInput, NotFound
+from server.models import Batch, Run, RunRank, utcnow
+from server.schemas import BatchAck, BatchIn
+from server.series import FIELD_INDEX
+from server.settings import Settings
+from server.storage import new_batch_row, unpack_row, update_layer_stats, vector_length_errors
+
+_INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
+
+
+def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings) -> BatchAck:
+    """Store `batch` in one transaction; a repeated (run, rank, seq) changes nothing.
+
+    The first statement is a write (touching the run), so concurrent SQLite writers
+    queue on the busy timeout instead of failing on a read-to-write lock upgrade.
+    """
+    now = utcnow()
+    touched = session.execute(
+        update(Run).where(Run.id == run_id).values(last_seen_at=now)
+    ).rowcount
+    if not touched:
+        session.rollback()
+        raise NotFound(f"no run with id {run_id!r}: register it with PUT /api/v1/runs/{run_id}")
+    n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
+    errors = vector_length_errors(batch.steps, n_layers)
+    if errors:
+        session.rollback()
+        raise InvalidInput("; ".join(errors))
+
+    events = encode_tree([e.model_dump() for e in batch.events])
+    row = new_batch_row(run_id, batch.rank, batch.seq, batch.steps, n_layers, events)
+    insert = _INSERTS[session.get_bind().dialect.name]
+    stored = session.execute(
+        insert(Batch).values(**row).on_conflict_do_nothing()
+    ).rowcount
+    ack = BatchAck(run_id=run_id, rank=batch.rank, seq=batch.seq, duplicate=not stored,
+                   stored_steps=len(batch.steps) if stored else 0)
+    if not stored:
+        session.rollback()
+        return ack
+
+    series = unpack_row(SimpleNamespace(**row), n_layers, with_layers=True, with_acts=True)
+    rank_row = session.get(RunRank, (run_id, batch.rank), with_for_update=True)
+    if rank_row is None:
+        rank_row = RunRank(run_id=run_id, rank=batch.rank, batches=0, max_seq=-1, steps=0,
+                           skipped=0, dropped_batches=0, dropped_steps=0)
+        session.add(rank_row)
+    _fold_totals(rank_row, batch, series)
+    rank_row.last_seen_at = now
+    update_layer_stats(rank_row, series)
+    session.flush()
+    if len(series) or series.events:
+        run = session.get(Run, run_id)
+        analysis.on_ingest(session, run, batch.rank, row["first_step"], row["last_step"],
+                           settings.analysis)
+    session.commit()
+    return ack
+
+
+def _fold_totals(rank_row: RunRank, batch: BatchIn, series) -> None:
+    rank_row.batches += 1
+    rank_row.max_seq = max(rank_row.max_seq, batch.seq)
+    rank_row.steps += len(series)
+    rank_row.skipped += int(series.skipped.sum())
+    rank_row.dropped_batches = max(rank_row.dropped_batches, batch.dropped_batches)
+    rank_row.dropped_steps = max(rank_row.dropped_steps, batch.dropped_steps)
+    if not len(series):
+        return
+    last = int(series.steps[-1])
+    if rank_row.last_step is None or last >= rank_row.last_step:
+        rank_row.last_step = last
+        scale = _last_finite(series, "scale_after")
+        if scale is None:
+            scale = _last_finite(series, "loss_scale")
+        if scale is not None:
+            rank_row.loss_scale = scale
+
+
+def _last_finite(series, name: str) -> float | None:
+    i = FIELD_INDEX[name]
+    col = series.scalars[:, i]
+    ok = series.present[:, i] & np.isfinite(col)
+    return float(col[ok][-1]) if ok.any() else None

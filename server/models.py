@@ -1,0 +1,161 @@
+"""SQLAlchemy 2 models. The schema is created and changed only by Alembic (migrations/).
+
+Per-layer data is the bulk of a run, so it is stored one row per ingested batch with
+packed arrays (`Batch`), not one row per layer and step: ingest is one INSERT per batch
+and a heatmap of a long run reads a few thousand rows (see server/series.py).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING_CONVENTION = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[str] = mapped_column(String(128), primary_key=True)
+    name: Mapped[str] = mapped_column(String(256), index=True)
+    project: Mapped[str] = mapped_column(String(256), index=True)
+    tags: Mapped[list[Any]] = mapped_column(default=list)
+    config: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    environment: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # health from open findings: healthy, warning, critical
+    status: Mapped[str] = mapped_column(String(16), default="healthy", index=True)
+    open_findings: Mapped[int] = mapped_column(Integer, default=0)
+    n_layers: Mapped[int] = mapped_column(Integer, default=0)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+
+
+class Layer(Base):
+    __tablename__ = "layers"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    index: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(512))
+    type: Mapped[str] = mapped_column(String(128))
+    param_count: Mapped[int] = mapped_column(BigInteger, default=0)
+    dtype: Mapped[str | None] = mapped_column(String(32))
+    shapes: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    attrs: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    forward_index: Mapped[int | None] = mapped_column(Integer)
+
+
+class RunRank(Base):
+    """Running totals of one rank's stream, updated on every ingested batch."""
+
+    __tablename__ = "run_ranks"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    batches: Mapped[int] = mapped_column(Integer, default=0)
+    max_seq: Mapped[int] = mapped_column(Integer, default=-1)
+    steps: Mapped[int] = mapped_column(Integer, default=0)
+    skipped: Mapped[int] = mapped_column(Integer, default=0)
+    last_step: Mapped[int | None] = mapped_column(BigInteger)
+    # finite values only: SQLite turns NaN into NULL
+    loss_scale: Mapped[float | None] = mapped_column(Float)
+    dropped_batches: Mapped[int] = mapped_column(Integer, default=0)
+    dropped_steps: Mapped[int] = mapped_column(Integer, default=0)
+    last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # per-layer running summaries, float64 (LAYER_STATS_ROWS, n_layers); server/storage.py
+    layer_stats: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+    @property
+    def lost_batches(self) -> int:
+        return self.max_seq + 1 - self.batches
+
+
+class Batch(Base):
+    """One ingested batch: packed columns of its steps (server/series.py)."""
+
+    __tablename__ = "batches"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    n_steps: Mapped[int] = mapped_column(Integer)
+    n_layers: Mapped[int] = mapped_column(Integer)
+    format: Mapped[int] = mapped_column(Integer)
+    received_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    scalars: Mapped[bytes] = mapped_column(LargeBinary)
+    present: Mapped[bytes] = mapped_column(LargeBinary)
+    layer_grad: Mapped[bytes | None] = mapped_column(LargeBinary)
+    act_step: Mapped[bytes | None] = mapped_column(LargeBinary)
+    act_absmax: Mapped[bytes | None] = mapped_column(LargeBinary)
+    act_dtype: Mapped[bytes | None] = mapped_column(LargeBinary)
+    act_time: Mapped[bytes | None] = mapped_column(LargeBinary)
+    events: Mapped[list[Any] | None] = mapped_column(JSON)
+
+    __table_args__ = (Index("ix_batches_run_rank_steps", "run_id", "rank", "first_step"),)
+
+
+class Finding(Base):
+    """Something the analysis flagged. A persisting condition updates its open finding
+    (matched by `key`) instead of adding rows; a recovered condition resolves it."""
+
+    __tablename__ = "findings"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer, default=0)
+    kind: Mapped[str] = mapped_column(String(64))
+    code: Mapped[str | None] = mapped_column(String(64))
+    key: Mapped[str] = mapped_column(String(512))
+    severity: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), default="open")
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    last_step: Mapped[int | None] = mapped_column(BigInteger)
+    layer: Mapped[str | None] = mapped_column(String(512))
+    message: Mapped[str] = mapped_column(Text)
+    evidence: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    count: Mapped[int] = mapped_column(Integer, default=1)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (
+        Index("ix_findings_run_key", "run_id", "key"),
+        Index("ix_findings_severity_status", "severity", "status"),
+    )

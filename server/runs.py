@@ -1,0 +1,159 @@
+"""Run registration, listing and deletion, and the public view of a run."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+
+from sqlalchemy import delete, func, select
+from sqlalchemy.orm import Session
+
+from server import analysis
+from server.errors import NotFound
+from server.models import Layer, Run, RunRank, utcnow
+from server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
+from server.settings import Settings
+
+
+def as_utc(moment: datetime | None) -> datetime | None:
+    """SQLite hands back naive datetimes; every stored time is UTC."""
+    if moment is None or moment.tzinfo is not None:
+        return moment
+    return moment.replace(tzinfo=UTC)
+
+
+def get_run(session: Session, run_id: str) -> Run:
+    run = session.get(Run, run_id)
+    if run is None:
+        raise NotFound(f"no run with id {run_id!r}")
+    return run
+
+
+def upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Settings) -> Run:
+    """Create the run or update the fields the body names; `layers` replaces the table."""
+    run = session.get(Run, run_id, with_for_update=True)
+    now = utcnow()
+    if run is None:
+        run = Run(id=run_id, name=body.name or run_id, project=body.project or "default",
+                  tags=[], config={}, environment={}, created_at=now)
+        session.add(run)
+    if body.name is not None:
+        run.name = body.name
+    if body.project is not None:
+        run.project = body.project
+    if body.tags is not None:
+        run.tags = list(body.tags)
+    if body.config is not None:
+        run.config = body.config
+    if body.environment is not None:
+        run.environment = body.environment.model_dump(mode="json", exclude_none=True)
+    if body.layers is not None:
+        session.execute(delete(Layer).where(Layer.run_id == run_id))
+        session.flush()
+        session.add_all(
+            Layer(run_id=run_id, **layer.model_dump()) for layer in body.layers
+        )
+        run.n_layers = len(body.layers)
+    run.updated_at = now
+    session.flush()
+    analysis.on_register(session, run, settings.analysis)
+    session.commit()
+    return run
+
+
+def delete_run(session: Session, run_id: str) -> None:
+    """Delete a run and everything stored for it."""
+    run = get_run(session, run_id)
+    session.delete(run)
+    session.commit()
+
+
+def list_runs(
+    session: Session,
+    settings: Settings,
+    *,
+    project: str | None = None,
+    name: str | None = None,
+    status: str | None = None,
+    limit: int = 50,
+    offset: int = 0,
+) -> RunsPublic:
+    """Runs newest first; `name` matches a substring, case-insensitively."""
+    query = select(Run)
+    if project is not None:
+        query = query.where(Run.project == project)
+    if name:
+        query = query.where(func.lower(Run.name).contains(name.lower(), autoescape=True))
+    if status is not None:
+        query = query.where(Run.status == status)
+    total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    runs = list(
+        session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset))
+    )
+    ranks = _ranks_of(session, [r.id for r in runs])
+    items = [run_public(r, ranks.get(r.id, []), settings) for r in runs]
+    return RunsPublic(items=items, total=total, limit=limit, offset=offset)
+
+
+def _ranks_of(session: Session, run_ids: list[str]) -> dict[str, list[RunRank]]:
+    by_run: dict[str, list[RunRank]] = {}
+    if run_ids:
+        rows = session.scalars(
+            select(RunRank).where(RunRank.run_id.in_(run_ids)).order_by(RunRank.rank)
+        )
+        for row in rows:
+            by_run.setdefault(row.run_id, []).append(row)
+    return by_run
+
+
+def run_ranks(session: Session, run_id: str) -> list[RunRank]:
+    return _ranks_of(session, [run_id]).get(run_id, [])
+
+
+def run_public(run: Run, ranks: list[RunRank], settings: Settings) -> RunPublic:
+    """The API view of a run: its fields plus totals over its ranks."""
+    steps = sum(r.steps for r in ranks)
+    skipped = sum(r.skipped for r in ranks)
+    last_seen = as_utc(run.last_seen_at)
+    live = last_seen is not None and (
+        (utcnow() - last_seen).total_seconds() <= settings.live_seconds
+    )
+    lead = min(ranks, key=lambda r: r.rank) if ranks else None
+    return RunPublic(
+        id=run.id,
+        name=run.name,
+        project=run.project,
+        tags=run.tags,
+        config=run.config,
+        environment=run.environment,
+        status=run.status,
+        live=live,
+        open_findings=run.open_findings,
+        n_layers=run.n_layers,
+        steps=steps,
+        skipped=skipped,
+        skip_rate=skipped / steps if steps else None,
+        last_step=max((r.last_step for r in ranks if r.last_step is not None), default=None),
+        loss_scale=lead.loss_scale if lead else None,
+        lost_batches=sum(r.lost_batches for r in ranks),
+        dropped_batches=sum(r.dropped_batches for r in ranks),
+        dropped_steps=sum(r.dropped_steps for r in ranks),
+        created_at=as_utc(run.created_at),
+        updated_at=as_utc(run.updated_at),
+        last_seen_at=last_seen,
+        ranks=[
+            RankPublic(
+                rank=r.rank,
+                next_seq=r.max_seq + 1,
+                batches=r.batches,
+                lost_batches=r.lost_batches,
+                steps=r.steps,
+                skipped=r.skipped,
+                last_step=r.last_step,
+                loss_scale=r.loss_scale,
+                dropped_batches=r.dropped_batches,
+                dropped_steps=r.dropped_steps,
+                last_seen_at=as_utc(r.last_seen_at),
+            )
+            for r in ranks
+        ],
+    )

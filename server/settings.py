@@ -1,0 +1,50 @@
+"""Server settings: one validated object, read from AMPWATCH_* environment variables
+and command-line flags, and passed to `create_app`. Nothing reads them at import time."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from server.analysis.settings import AnalysisSettings
+
+
+def default_database_url() -> str:
+    """SQLite file under $XDG_DATA_HOME/ampwatch (~/.local/share/ampwatch by default)."""
+    base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+    return f"sqlite:///{base / 'ampwatch' / 'ampwatch.db'}"
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(
+        env_prefix="AMPWATCH_", env_nested_delimiter="__", extra="ignore"
+    )
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=1, le=65535)
+    database_url: str = Field(default_factory=default_database_url)
+    token: SecretStr | None = None
+    # largest request body accepted, after gzip decompression
+    max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # a run is live when a batch arrived within this many seconds
+    live_seconds: float = Field(60.0, gt=0)
+    migrate_on_start: bool = True
+    # detector thresholds; env vars like AMPWATCH_ANALYSIS__SKIP_STREAK_WARNING
+    analysis: AnalysisSettings = Field(default_factory=AnalysisSettings)
+
+    @field_validator("database_url")
+    @classmethod
+    def _known_backend(cls, url: str) -> str:
+        if not url.startswith(("sqlite", "postgresql")):
+            raise ValueError("database_url must be a sqlite:/// or postgresql+psycopg:// URL")
+        if url.startswith("postgresql://"):
+            url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
+        return url
+
+    @field_validator("token")
+    @classmethod
+    def _empty_token_is_none(cls, token: SecretStr | None) -> SecretStr | None:
+        return token if token and token.get_secret_value() else None

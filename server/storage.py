@@ -1,0 +1,289 @@
+"""Packing batches into rows and reading step ranges back as `StepSeries`.
+
+A batch row holds its steps as raw numpy bytes (little-endian), so reading a long
+run is a handful of large reads and one `np.frombuffer` per row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from server.models import Batch, Layer, RunRank
+from server.schemas import StepIn
+from server.series import (
+    DTYPE_CODE,
+    MISSING,
+    SCALAR_FIELDS,
+    STORAGE_FORMAT,
+    StepSeries,
+    concat,
+)
+
+_MISSING_F = float(MISSING)
+_CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.scalars, Batch.present, Batch.events)
+_LAYER_COLUMNS = (Batch.layer_grad,)
+_ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time)
+
+# rows of RunRank.layer_stats
+(
+    GRAD_LAST,
+    GRAD_MAX,
+    GRAD_NONFINITE,
+    ACT_MAX,
+    ACT_NONFINITE,
+    ACT_DTYPE,
+    TIME_SUM,
+    TIME_COUNT,
+) = range(8)
+LAYER_STATS_ROWS = 8
+
+
+def _vector(values: list[float | None]) -> list[float]:
+    return [_MISSING_F if v is None else v for v in values]
+
+
+def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
+    """Batch columns for `steps`; assumes per-layer vectors were checked against n_layers."""
+    n = len(steps)
+    k = len(SCALAR_FIELDS)
+    scalars = np.zeros((n, k), dtype=np.float64)
+    present = np.zeros((n, k), dtype=bool)
+    for i, s in enumerate(steps):
+        for j, name in enumerate(SCALAR_FIELDS):
+            v = getattr(s, name)
+            if v is None:
+                continue
+            if name == "autocast_dtype":
+                v = DTYPE_CODE[v]
+            scalars[i, j] = float(v)
+            present[i, j] = True
+
+    out: dict[str, bytes | None] = {
+        "scalars": scalars.tobytes(),
+        "present": present.tobytes(),
+        "layer_grad": None,
+        "act_step": None,
+        "act_absmax": None,
+        "act_dtype": None,
+        "act_time": None,
+    }
+    if any(s.layer_grad_norm is not None for s in steps):
+        missing_row = [_MISSING_F] * n_layers
+        grad = np.array(
+            [missing_row if s.layer_grad_norm is None else _vector(s.layer_grad_norm)
+             for s in steps],
+            dtype=np.float32,
+        )
+        out["layer_grad"] = grad.tobytes()
+    sampled = [s for s in steps if s.activations is not None]
+    if sampled:
+        none_row = [None] * n_layers
+        out["act_step"] = np.array([s.step for s in sampled], dtype=np.int64).tobytes()
+        out["act_absmax"] = np.array(
+            [_vector(s.activations.absmax) for s in sampled], dtype=np.float32
+        ).tobytes()
+        out["act_dtype"] = np.array(
+            [[DTYPE_CODE[d] if d else 0 for d in (s.activations.dtype or none_row)]
+             for s in sampled],
+            dtype=np.uint8,
+        ).tobytes()
+        out["act_time"] = np.array(
+            [_vector(s.activations.time_ms or none_row) for s in sampled], dtype=np.float32
+        ).tobytes()
+    return out
+
+
+def vector_length_errors(steps: list[StepIn], n_layers: int) -> list[str]:
+    """Human-readable complaints about per-layer vectors of the wrong length."""
+    errors = []
+    for s in steps:
+        vectors = {"layer_grad_norm": s.layer_grad_norm}
+        if s.activations is not None:
+            vectors |= {
+                "activations.absmax": s.activations.absmax,
+                "activations.dtype": s.activations.dtype,
+                "activations.time_ms": s.activations.time_ms,
+            }
+        for name, vec in vectors.items():
+            if vec is not None and len(vec) != n_layers:
+                errors.append(
+                    f"step {s.step}: {name} has {len(vec)} entries, the run's layer table "
+                    f"has {n_layers}"
+                )
+        if len(errors) >= 5:
+            break
+    return errors
+
+
+def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool) -> StepSeries:
+    n = row.n_steps
+    k = len(SCALAR_FIELDS)
+    scalars = np.frombuffer(row.scalars, dtype=np.float64)
+    # a batch packed with fewer scalar fields (older format) gets missing columns
+    k_row = scalars.size // n if n else k
+    scalars = scalars.reshape(n, k_row)
+    present = np.frombuffer(row.present, dtype=bool).reshape(n, k_row)
+    if k_row < k:
+        scalars = np.pad(scalars, ((0, 0), (0, k - k_row)))
+        present = np.pad(present, ((0, 0), (0, k - k_row)))
+    width = row.n_layers
+    layer_grad = None
+    if with_layers and row.layer_grad is not None:
+        layer_grad = _fit(np.frombuffer(row.layer_grad, dtype=np.float32).reshape(n, width),
+                          n_layers, MISSING)
+    act_step = np.zeros(0, dtype=np.int64)
+    act_absmax = act_dtype = act_time = None
+    if with_acts and row.act_step is not None:
+        act_step = np.frombuffer(row.act_step, dtype=np.int64)
+        m = act_step.size
+        act_absmax = _fit(np.frombuffer(row.act_absmax, np.float32).reshape(m, width),
+                          n_layers, MISSING)
+        act_dtype = _fit(np.frombuffer(row.act_dtype, np.uint8).reshape(m, width), n_layers, 0)
+        act_time = _fit(np.frombuffer(row.act_time, np.float32).reshape(m, width),
+                        n_layers, MISSING)
+    return StepSeries(
+        scalars=scalars,
+        present=present,
+        layer_grad=layer_grad,
+        act_step=act_step,
+        act_absmax=act_absmax,
+        act_dtype=act_dtype,
+        act_time=act_time,
+        n_layers=n_layers,
+        events=list(row.events or []),
+    )
+
+
+def _fit(block: np.ndarray, n_layers: int, fill) -> np.ndarray:
+    """Batches sent before the layer table grew or shrank: pad or cut to n_layers."""
+    width = block.shape[1]
+    if width == n_layers:
+        return block
+    if width > n_layers:
+        return block[:, :n_layers]
+    return np.pad(block, ((0, 0), (0, n_layers - width)), constant_values=fill)
+
+
+def load_series(
+    session: Session,
+    run_id: str,
+    rank: int,
+    start: int | None = None,
+    end: int | None = None,
+    last_n: int | None = None,
+    *,
+    n_layers: int | None = None,
+    with_layers: bool = True,
+    with_acts: bool = True,
+) -> StepSeries:
+    """Steps of one rank in [start, end] (inclusive), or its last `last_n` steps.
+
+    Reads only the batch columns asked for; cost is one row per stored batch in range.
+    """
+    if n_layers is None:
+        n_layers = len(load_layers(session, run_id))
+    columns = list(_CORE_COLUMNS)
+    if with_layers:
+        columns += _LAYER_COLUMNS
+    if with_acts:
+        columns += _ACT_COLUMNS
+    query = select(*columns).where(Batch.run_id == run_id, Batch.rank == rank)
+    if start is not None:
+        query = query.where(Batch.last_step >= start)
+    if end is not None:
+        query = query.where(Batch.first_step <= end)
+    if last_n is not None:
+        rows, total = [], 0
+        for row in session.execute(query.order_by(Batch.last_step.desc())):
+            rows.append(row)
+            total += row.n_steps
+            if total >= last_n:
+                break
+        rows.reverse()
+    else:
+        rows = session.execute(query.order_by(Batch.first_step)).all()
+    series = concat([unpack_row(r, n_layers, with_layers, with_acts) for r in rows], n_layers)
+    steps = series.steps
+    keep = np.ones(len(series), dtype=bool)
+    if start is not None:
+        keep &= steps >= start
+    if end is not None:
+        keep &= steps <= end
+    if last_n is not None and len(series) > last_n:
+        keep[: len(series) - last_n] = False
+    if not keep.all():
+        series = series.take(np.flatnonzero(keep))
+    return series
+
+
+def load_layers(session: Session, run_id: str) -> list[Layer]:
+    """The run's layer table in index order."""
+    return list(session.scalars(select(Layer).where(Layer.run_id == run_id).order_by(Layer.index)))
+
+
+def update_layer_stats(rank_row: RunRank, series: StepSeries) -> None:
+    """Fold one batch into the rank's per-layer running summaries (no history read)."""
+    n_layers = series.n_layers
+    stats = np.zeros((LAYER_STATS_ROWS, n_layers))
+    stats[[GRAD_LAST, GRAD_MAX, ACT_MAX]] = -1.0
+    if rank_row.layer_stats is not None:
+        old = np.frombuffer(rank_row.layer_stats, dtype=np.float64).reshape(LAYER_STATS_ROWS, -1)
+        width = min(old.shape[1], n_layers)
+        stats[:, :width] = old[:, :width]
+    if series.layer_grad is not None:
+        _fold(stats, series.layer_grad, GRAD_MAX, GRAD_NONFINITE, GRAD_LAST)
+    if series.act_absmax is not None:
+        _fold(stats, series.act_absmax, ACT_MAX, ACT_NONFINITE)
+        dtypes = series.act_dtype
+        stats[ACT_DTYPE] = _last_present(dtypes, dtypes != 0, stats[ACT_DTYPE])
+        times = series.act_time
+        timed = times != MISSING
+        stats[TIME_SUM] += np.where(timed, times, 0).sum(axis=0)
+        stats[TIME_COUNT] += timed.sum(axis=0)
+    rank_row.layer_stats = stats.tobytes()
+
+
+def _fold(stats: np.ndarray, block: np.ndarray, max_row: int, nonfinite_row: int,
+          last_row: int | None = None) -> None:
+    finite = np.isfinite(block)
+    present = block != MISSING
+    stats[nonfinite_row] += (~finite).sum(axis=0)
+    stats[max_row] = np.maximum(stats[max_row], np.where(finite, block, -1.0).max(axis=0))
+    if last_row is not None:
+        stats[last_row] = _last_present(block, present, stats[last_row])
+
+
+def _last_present(block: np.ndarray, present: np.ndarray, default: np.ndarray) -> np.ndarray:
+    """Per column, the last value where `present`, else `default`."""
+    last_index = block.shape[0] - 1 - present[::-1].argmax(axis=0)
+    last = block[last_index, np.arange(block.shape[1])]
+    return np.where(present.any(axis=0), last, default)
+
+
+def layer_stats(rank_row: RunRank | None, n_layers: int) -> np.ndarray | None:
+    if rank_row is None or rank_row.layer_stats is None:
+        return None
+    stats = np.frombuffer(rank_row.layer_stats, dtype=np.float64).reshape(LAYER_STATS_ROWS, -1)
+    if stats.shape[1] != n_layers:
+        stats = _fit(stats, n_layers, 0.0)
+    return stats
+
+
+def new_batch_row(run_id: str, rank: int, seq: int, steps: list[StepIn], n_layers: int,
+                  events: list[dict]) -> dict:
+    """Values for one INSERT into batches."""
+    return {
+        "run_id": run_id,
+        "rank": rank,
+        "seq": seq,
+        "first_step": steps[0].step if steps else -1,
+        "last_step": steps[-1].step if steps else -1,
+        "n_steps": len(steps),
+        "n_layers": n_layers,
+        "format": STORAGE_FORMAT,
+        "events": events or None,
+        **pack_steps(steps, n_layers),
+    }
+

@@ -1,0 +1,142 @@
+"""Shared fixtures: a real app on a real database (a temp SQLite file, and Postgres
+when AMPWATCH_TEST_POSTGRES_URL is set), a real HTTP client, a live server process."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+
+POSTGRES_URL = os.environ.get("AMPWATCH_TEST_POSTGRES_URL")
+NO_POSTGRES = "AMPWATCH_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)"
+
+
+@pytest.fixture(scope="session")
+def postgres_database() -> Iterator[str]:
+    """A fresh database on the test Postgres server for this test session, dropped after."""
+    if not POSTGRES_URL:
+        pytest.skip(NO_POSTGRES)
+    admin_url = make_url(POSTGRES_URL).set(drivername="postgresql+psycopg")
+    name = f"ampwatch_test_{uuid.uuid4().hex[:10]}"
+    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}"'))
+    try:
+        yield admin_url.set(database=name).render_as_string(hide_password=False)
+    finally:
+        with admin.connect() as conn:
+            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
+
+
+def _empty_postgres(url: str) -> None:
+    engine = create_engine(url)
+    with engine.begin() as conn:
+        tables = conn.execute(text(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'public' "
+            "AND tablename <> 'alembic_version'"
+        )).scalars().all()
+        if tables:
+            conn.execute(text("TRUNCATE " + ", ".join(f'"{t}"' for t in tables) + " CASCADE"))
+    engine.dispose()
+
+
+@pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each test using this runs once on SQLite and once on Postgres."""
+    if request.param == "sqlite":
+        return f"sqlite:///{tmp_path / 'ampwatch.db'}"
+    url = request.getfixturevalue("postgres_database")
+    _empty_postgres(url)
+    return url
+
+
+@pytest.fixture
+def settings(database_url: str):
+    from server.settings import Settings
+
+    return Settings(database_url=database_url)
+
+
+@pytest.fixture
+def app(settings):
+    from server.app import create_app
+
+    app = create_app(settings)
+    yield app
+    app.state.engine.dispose()
+
+
+@pytest.fixture
+def api(app):
+    """A real HTTP client (httpx over ASGI) on the real app."""
+    from fastapi.testclient import TestClient
+
+    with TestClient(app, raise_server_exceptions=True) as client:
+        yield client
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    """`ampwatch serve` in a child process on a free port; stop/start keep the database."""
+
+    def __init__(self, database_url: str, log_path: Path, env: dict | None = None) -> None:
+        self.database_url = database_url
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.env = {**os.environ, **(env or {})}
+        self.process: subprocess.Popen | None = None
+
+    def start(self, timeout: float = 30.0) -> None:
+        log = self.log_path.open("ab")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "client.cli", "serve", "--port", str(self.port),
+             "--database-url", self.database_url, "--log-level", "warning"],
+            stdout=log, stderr=subprocess.STDOUT, env=self.env,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited: {self.log_path.read_text()[-2000:]}")
+            try:
+                if httpx.get(f"{self.url}/api/v1/health", timeout=1).status_code == 200:
+                    return
+            except httpx.TransportError:
+                time.sleep(0.1)
+        raise RuntimeError(f"server did not start: {self.log_path.read_text()[-2000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> None:
+        if self.process is not None and self.process.poll() is None:
+            self.process.send_signal(sig)
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self.process = None
+
+
+@pytest.fixture
+def live_server(tmp_path: Path) -> Iterator[LiveServer]:
+    """A real server process on 127.0.0.1 with its own SQLite file; `.url` is its base URL."""
+    server = LiveServer(f"sqlite:///{tmp_path / 'live.db'}", tmp_path / "server.log")
+    server.start()
+    yield server
+    server.stop()
