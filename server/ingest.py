@@ -45,8 +45,8 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
     row = new_batch_row(run_id, batch.rank, batch.seq, batch.steps, n_layers, events)
     insert = _INSERTS[session.get_bind().dialect.name]
     stored = session.execute(
-        insert(Batch).values(**row).on_conflict_do_nothing()
-    ).rowcount
+        insert(Batch).values(**row).on_conflict_do_nothing().returning(Batch.seq)
+    ).first() is not None
     ack = BatchAck(run_id=run_id, rank=batch.rank, seq=batch.seq, duplicate=not stored,
                    stored_steps=len(batch.steps) if stored else 0)
     if not stored:

@@ -105,12 +105,12 @@ class LiveServer:
         self.process: subprocess.Popen | None = None
 
     def start(self, timeout: float = 30.0) -> None:
-        log = self.log_path.open("ab")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", "serve", "--port", str(self.port),
-             "--database-url", self.database_url, "--log-level", "warning"],
-            stdout=log, stderr=subprocess.STDOUT, env=self.env,
-        )
+        with self.log_path.open("ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "client.cli", "serve", "--port", str(self.port),
+                 "--database-url", self.database_url, "--log-level", "warning"],
+                stdout=log, stderr=subprocess.STDOUT, env=self.env,
+            )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

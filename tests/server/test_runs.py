@@ -1,0 +1,89 @@
+"""Run registration, listing, filtering, pagination and deletion."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.utils import make_layers, make_steps, post_batch, register_run
+
+
+def test_put_is_idempotent_and_updates_named_fields(api):
+    first = register_run(api, "r1", n_layers=3, tags=["a"], config={"lr": 0.1})
+    again = register_run(api, "r1", n_layers=3, tags=["a"], config={"lr": 0.1})
+    assert first["created_at"] == again["created_at"] and again["n_layers"] == 3
+    updated = api.put("/api/v1/runs/r1", json={"tags": ["b"]}).json()
+    assert updated["tags"] == ["b"] and updated["config"] == {"lr": 0.1}
+    assert updated["n_layers"] == 3  # layers untouched when not sent
+    table = api.get("/api/v1/runs/r1/layers").json()["items"]
+    assert [layer["name"] for layer in table] == [f"blocks.{i}.fc" for i in range(3)]
+
+
+def test_environment_keeps_known_and_extra_keys(api):
+    env = {"device": "cuda:0", "compute_capability": "7.0", "autocast_dtype": "bfloat16",
+           "world_size": 8, "cluster": "east"}
+    run = register_run(api, "r1", environment=env)
+    assert run["environment"] == env
+
+
+def test_layer_table_replaced_on_change(api):
+    register_run(api, "r1", n_layers=3)
+    api.put("/api/v1/runs/r1", json={"layers": make_layers(5)})
+    assert api.get("/api/v1/runs/r1").json()["n_layers"] == 5
+    assert len(api.get("/api/v1/runs/r1/layers").json()["items"]) == 5
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"layers": [{"index": 1, "name": "a", "type": "Linear"}]}, "0..L-1"),
+    ({"name": ""}, "at least 1"),
+    ({"environment": {"world_size": 0}}, "greater than or equal to 1"),
+])
+def test_bad_run_bodies_get_422(api, body, message):
+    response = api.put("/api/v1/runs/r1", json=body)
+    assert response.status_code == 422 and message in response.text
+    assert api.get("/api/v1/runs/r1").status_code == 404
+
+
+def test_bad_run_id_is_rejected(api):
+    assert api.put("/api/v1/runs/-bad", json={}).status_code == 422
+    assert api.put("/api/v1/runs/" + "x" * 200, json={}).status_code == 422
+
+
+def test_list_filters_and_paginates_newest_first(api):
+    for i in range(5):
+        register_run(api, f"run-{i}", project="alpha" if i % 2 else "beta")
+    page = api.get("/api/v1/runs?limit=2").json()
+    assert page["total"] == 5 and [r["id"] for r in page["items"]] == ["run-4", "run-3"]
+    page2 = api.get("/api/v1/runs?limit=2&offset=2").json()
+    assert [r["id"] for r in page2["items"]] == ["run-2", "run-1"]
+    alpha = api.get("/api/v1/runs?project=alpha").json()
+    assert {r["id"] for r in alpha["items"]} == {"run-1", "run-3"}
+    assert api.get("/api/v1/runs?name=RUN-4").json()["total"] == 1
+    assert api.get("/api/v1/runs?name=%25").json()["total"] == 0  # % is literal
+    assert api.get("/api/v1/runs?status=healthy").json()["total"] == 5
+    assert api.get("/api/v1/runs?status=critical").json()["total"] == 0
+    assert api.get("/api/v1/runs?status=bogus").status_code == 422
+
+
+def test_run_totals_and_live_flag(api):
+    register_run(api, "r1")
+    assert api.get("/api/v1/runs/r1").json()["live"] is False
+    post_batch(api, "r1", 0, make_steps(0, 10, 4, skipped={3, 4}))
+    run = api.get("/api/v1/runs/r1").json()
+    assert (run["steps"], run["skipped"], run["last_step"], run["live"]) == (10, 2, 9, True)
+    assert run["skip_rate"] == pytest.approx(0.2)
+
+
+def test_delete_removes_everything(api):
+    register_run(api, "r1")
+    post_batch(api, "r1", 0, make_steps(0, 10, 4))
+    assert api.delete("/api/v1/runs/r1").status_code == 204
+    assert api.get("/api/v1/runs/r1").status_code == 404
+    assert api.delete("/api/v1/runs/r1").status_code == 404
+    register_run(api, "r1")  # the id can be used again, with no old data
+    assert api.get("/api/v1/runs/r1/steps").json()["items"] == []
+
+
+def test_health(api, database_url):
+    body = api.get("/api/v1/health").json()
+    assert body["status"] == "ok"
+    assert body["database"] == ("sqlite" if database_url.startswith("sqlite") else "postgresql")
