@@ -1,0 +1,22 @@
+"""Analysis: detectors that turn stored steps into findings (what is wrong, where, and how
+to fix it), run incrementally on ingest. See DESIGN.md "Analysis: what gets flagged".
+
+Detectors are pure functions `detect_*(series, run_context, settings) -> Detection`;
+`service` runs them on a recent window and `store` upserts `Finding` rows.
+"""
+
+from server.analysis.context import LayerInfo, RunContext
+from server.analysis.draft import Detection, FindingDraft
+from server.analysis.service import on_ingest, on_register, run_detectors
+from server.analysis.settings import AnalysisSettings
+
+__all__ = [
+    "AnalysisSettings",
+    "Detection",
+    "FindingDraft",
+    "LayerInfo",
+    "RunContext",
+    "on_ingest",
+    "on_register",
+    "run_detectors",
+]

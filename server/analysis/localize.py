@@ -1,0 +1,138 @@
+"""Where a non-finite step went wrong: input, forward pass, loss or gradients, and which
+layer first. Vectorised over the whole window; used by the nonfinite and scaler detectors.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+import numpy as np
+
+from server.analysis.context import RunContext, step_rows
+from server.series import FIELD_INDEX, StepSeries
+
+# Causes in the order they explain each other: a bad input makes the forward pass
+# non-finite, which makes the loss non-finite, which makes every gradient non-finite.
+CAUSES = ("nonfinite_input", "forward_overflow", "nonfinite_loss", "grad_overflow", "unknown")
+INPUT, FORWARD, LOSS, GRAD, UNKNOWN = range(len(CAUSES))
+NO_LAYER = -1
+
+
+@dataclass
+class Localization:
+    """Per step of the series (arrays of length n).
+
+    nonfinite: the step shows inf/NaN anywhere (input, outputs, loss, grads).
+    cause: index into CAUSES (meaningful where `nonfinite` or skipped).
+    forward_layer: first layer in forward execution order whose sampled output was
+        non-finite, else NO_LAYER (also when the step's activations were not sampled).
+    grad_layer: the layer whose grads went non-finite first, i.e. the last in forward
+        order among those with non-finite grads (backward runs in reverse), else NO_LAYER.
+    grad_bad: (n, L) which layers had non-finite grads, or None without per-layer grads.
+    """
+
+    nonfinite: np.ndarray
+    cause: np.ndarray
+    forward_layer: np.ndarray
+    grad_layer: np.ndarray
+    loss_nonfinite: np.ndarray
+    input_nonfinite: np.ndarray
+    grad_bad: np.ndarray | None
+
+
+def _nonfinite_scalar(series: StepSeries, name: str) -> np.ndarray:
+    i = FIELD_INDEX[name]
+    return series.present[:, i] & ~np.isfinite(series.scalars[:, i])
+
+
+def localize(series: StepSeries, run: RunContext) -> Localization:
+    """Classify every step of `series`; cost O(n * L) numpy work, no Python loop."""
+    n, n_layers = len(series), series.n_layers
+    position = run.forward_position(n_layers)
+    i_input = FIELD_INDEX["input_nonfinite"]
+    input_bad = series.present[:, i_input] & (series.scalars[:, i_input] != 0)
+    loss_bad = _nonfinite_scalar(series, "loss")
+    norm_bad = _nonfinite_scalar(series, "grad_norm")
+
+    forward_layer = np.full(n, NO_LAYER, dtype=np.int64)
+    if series.act_absmax is not None and len(series.act_step) and n_layers:
+        act_bad = ~np.isfinite(series.act_absmax)
+        sampled_bad = act_bad.any(axis=1)
+        if sampled_bad.any():
+            ranked = np.where(act_bad[sampled_bad], position, np.iinfo(np.int64).max)
+            first = ranked.argmin(axis=1)
+            rows = step_rows(series, series.act_step[sampled_bad])
+            ok = rows >= 0
+            forward_layer[rows[ok]] = first[ok]
+
+    grad_layer = np.full(n, NO_LAYER, dtype=np.int64)
+    grad_bad = None
+    if series.layer_grad is not None and n_layers:
+        grad_bad = ~np.isfinite(series.layer_grad)
+        any_bad = grad_bad.any(axis=1)
+        if any_bad.any():
+            ranked = np.where(grad_bad[any_bad], position, -1)
+            grad_layer[any_bad] = ranked.argmax(axis=1)
+
+    cause = np.full(n, UNKNOWN, dtype=np.int64)
+    cause[(grad_layer != NO_LAYER) | norm_bad] = GRAD
+    cause[loss_bad] = LOSS
+    cause[forward_layer != NO_LAYER] = FORWARD
+    cause[input_bad] = INPUT
+    nonfinite = input_bad | loss_bad | norm_bad | (forward_layer != NO_LAYER)
+    nonfinite |= grad_layer != NO_LAYER
+    return Localization(nonfinite=nonfinite, cause=cause, forward_layer=forward_layer,
+                        grad_layer=grad_layer, loss_nonfinite=loss_bad,
+                        input_nonfinite=input_bad, grad_bad=grad_bad)
+
+
+def offending_layer(loc: Localization, rows: np.ndarray, cause: int) -> int:
+    """The layer named most often as the offender of `cause` on `rows` (NO_LAYER if none)."""
+    if cause == FORWARD:
+        layers = loc.forward_layer[rows]
+    elif cause == GRAD:
+        layers = loc.grad_layer[rows]
+    else:
+        return NO_LAYER
+    layers = layers[layers != NO_LAYER]
+    return int(np.bincount(layers).argmax()) if layers.size else NO_LAYER
+
+
+def explain(loc: Localization, rows: np.ndarray, run: RunContext) -> dict:
+    """Why the steps at `rows` (typically skipped ones) went wrong, as evidence:
+    the dominant cause, its offending layer and the count of each cause."""
+    causes = loc.cause[rows]
+    counts = Counter(CAUSES[c] for c in causes.tolist())
+    known = causes[causes != UNKNOWN]
+    if not known.size:
+        return {"cause": None, "layer": None, "causes": dict(counts)}
+    dominant = int(np.bincount(known, minlength=len(CAUSES)).argmax())
+    layer = offending_layer(loc, rows[causes == dominant], dominant)
+    return {
+        "cause": CAUSES[dominant],
+        "layer": None if layer == NO_LAYER else run.layer_name(layer),
+        "causes": dict(counts),
+    }
+
+
+def fix_for_cause(cause: str | None, layer: str | None) -> str:
+    """The remedy sentence for a divergence or non-finite cause."""
+    where = f"layer {layer!r}" if layer else "a layer"
+    if cause == "forward_overflow":
+        return (f"{where} overflows fp16 in the forward pass, which no loss scale can fix: "
+                "run it in fp32 (torch.autocast(device_type, enabled=False) with a .float() "
+                "input), scale its output down, or train in bf16")
+    if cause == "grad_overflow":
+        return (f"gradients of {where} are non-finite even after unscaling: lower the "
+                "learning rate or add warmup, clip gradients after scaler.unscale_(), and "
+                "check that layer for exploding weights")
+    if cause == "nonfinite_loss":
+        return ("the loss itself is inf/NaN: compute it in fp32 outside autocast "
+                "(loss_fn(logits.float(), target)) and use stable forms such as "
+                "F.cross_entropy or log-sum-exp instead of exp/log")
+    if cause == "nonfinite_input":
+        return ("the input batch holds inf/NaN: validate the data (torch.isfinite) before "
+                "the forward pass and fix the loader")
+    return ("look for the layer that overflows fp16 (enable activation sampling) and keep "
+            "it in fp32, or lower the learning rate")

@@ -1,0 +1,96 @@
+"""Precision map: the dtype each layer actually computed in. Flags matmul layers that ran
+in fp32 under active autocast (no tensor-core speedup) and precision-sensitive layers
+(norms, softmax, losses) that ran in fp16."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+
+from server.analysis.context import (
+    FP16,
+    LOW_PRECISION,
+    MIXED,
+    LayerInfo,
+    RunContext,
+    autocast_codes,
+    step_rows,
+)
+from server.analysis.draft import Detection, FindingDraft, recent_steps
+from server.analysis.settings import AnalysisSettings
+from server.series import DTYPE_CODE, DTYPES, StepSeries
+
+KIND = "precision_map"
+FP32 = DTYPE_CODE["float32"]
+MATMUL_TYPE = re.compile(
+    r"^(Lazy)?(Linear|Bilinear|Conv\d?[dD]?|ConvTranspose\dd|MultiheadAttention|LSTM|GRU|RNN"
+    r"|NonDynamicallyQuantizableLinear)$"
+)
+# BatchNorm keeps fp32 statistics inside cuDNN whatever its output dtype: not flagged
+SENSITIVE_TYPE = re.compile(r"(Norm\w*|Softmax|Softmin|Loss)$")
+EXEMPT_TYPE = re.compile(r"^(Sync)?BatchNorm")
+
+
+def _problems(run: RunContext, n_layers: int) -> list[tuple[LayerInfo, str]]:
+    found = []
+    for x in run.layers:
+        if x.index >= n_layers:
+            continue
+        if MATMUL_TYPE.match(x.type):
+            found.append((x, "fp32_matmul"))
+        elif SENSITIVE_TYPE.search(x.type) and not EXEMPT_TYPE.match(x.type):
+            found.append((x, "fp16_sensitive"))
+    return found
+
+
+def _message(problem: str, layer_type: str, name: str, step: int, autocast: str) -> str:
+    if problem == "fp32_matmul":
+        return (f"{layer_type} {name!r} computed in float32 under {autocast} autocast "
+                f"(step {step}), so it gets no tensor-core speedup: remove the "
+                "autocast(enabled=False) region or .float() cast around it, unless it needs "
+                "fp32 on purpose.")
+    return (f"{layer_type} {name!r} computed in float16 (step {step}), where norms, softmax "
+            "and losses lose precision or overflow: run it in fp32 (autocast(enabled=False) "
+            "with a .float() input), as torch's built-in layers do under autocast.")
+
+
+def detect_precision_map(series: StepSeries, run: RunContext,
+                         settings: AnalysisSettings) -> Detection:
+    """Judge each layer's sampled compute dtypes in the window; a layer whose latest
+    sample is fine again resolves its finding."""
+    if series.act_dtype is None or not len(series.act_step):
+        return Detection()
+    dtypes = series.act_dtype
+    rows = step_rows(series, series.act_step)
+    codes = np.where(rows >= 0, autocast_codes(series)[rows.clip(0)], 0)
+    under_autocast = np.isin(codes, (*LOW_PRECISION, MIXED))
+    autocast_name = (DTYPES[int(np.bincount(codes[under_autocast]).argmax())]
+                     if under_autocast.any() else "")
+    drafts, covers = [], []
+    for layer, problem in _problems(run, dtypes.shape[1]):
+        column = dtypes[:, layer.index]
+        if problem == "fp32_matmul":
+            judged = under_autocast & (column != 0)
+            bad = judged & (column == FP32)
+        else:
+            judged = column != 0
+            bad = column == FP16
+        key = f"{KIND}:{layer.name}:{problem}"
+        if not bad.any():
+            if judged.any():
+                covers.append(key)
+            continue
+        steps = series.act_step[bad]
+        last_judged = np.flatnonzero(judged)[-1]
+        drafts.append(FindingDraft(
+            kind=KIND, key=key, code=problem,
+            severity="info" if problem == "fp32_matmul" else "warning",
+            message=_message(problem, layer.type, layer.name, int(steps[0]), autocast_name),
+            step=int(steps[0]), last_step=int(steps[-1]), layer=layer.name,
+            evidence={"type": layer.type, "computed_in": "float32" if problem == "fp32_matmul"
+                      else "float16", "autocast_dtype": autocast_name or None,
+                      "steps": recent_steps(steps, settings.evidence_steps)},
+            occurrences=steps, active=bool(bad[last_judged]),
+        ))
+    return Detection(drafts=drafts, covers=tuple(covers))

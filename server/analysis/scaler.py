@@ -1,0 +1,176 @@
+"""Diverging GradScaler: a collapsed scale, streaks of skipped steps, too many skips, a
+scale that keeps falling. A healthy scaler (a few skips while it calibrates, one halving
+per growth interval) raises nothing."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from server.analysis.context import RunContext, scale_column
+from server.analysis.draft import Detection, FindingDraft, recent_steps
+from server.analysis.localize import Localization, explain, fix_for_cause, localize
+from server.analysis.settings import AnalysisSettings
+from server.series import StepSeries
+
+KIND = "scaler_divergence"
+
+
+def true_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Start positions and lengths of the runs of True in a 1-D bool array."""
+    padded = np.concatenate(([False], mask, [False])).astype(np.int8)
+    edges = np.diff(padded)
+    starts = np.flatnonzero(edges == 1)
+    return starts, np.flatnonzero(edges == -1) - starts
+
+
+def rolling_sum(values: np.ndarray, window: int) -> np.ndarray:
+    """Sum of the last `window` entries (fewer at the start) at every position."""
+    total = np.concatenate(([0], np.cumsum(values)))
+    upper = np.arange(1, values.size + 1)
+    return total[upper] - total[np.maximum(upper - window, 0)]
+
+
+def calibration_mask(series: StepSeries, run: RunContext, settings: AnalysisSettings) -> np.ndarray:
+    """Per step, whether it belongs to the scaler's initial calibration: from the rank's
+    first step until the first run of `calibration_clean_steps` unskipped steps, and
+    never beyond `calibration_max_steps`."""
+    steps = series.steps
+    start = run.first_step if run.first_step is not None else (int(steps[0]) if len(steps) else 0)
+    limit = start + settings.calibration_max_steps
+    early = (steps >= start) & (steps < limit)
+    if not early.any():
+        return early
+    clean = early & ~series.skipped
+    starts, lengths = true_runs(clean)
+    settled = starts[lengths >= settings.calibration_clean_steps]
+    end = int(steps[settled[0]]) if settled.size else limit
+    return early & (steps < end)
+
+
+def _episode(series: StepSeries, rows: np.ndarray) -> tuple[int, int]:
+    steps = series.steps
+    return int(steps[rows[0]]), int(steps[rows[-1]])
+
+
+def _draft(check: str, severity: str, message: str, series: StepSeries, rows: np.ndarray,
+           occurrence_rows: np.ndarray, active: bool, why: dict, evidence: dict,
+           settings: AnalysisSettings) -> FindingDraft:
+    first, last = _episode(series, rows)
+    occurrences = series.steps[occurrence_rows]
+    return FindingDraft(
+        kind=KIND, key=f"{KIND}:{check}", severity=severity,  # type: ignore[arg-type]
+        message=message, step=first, last_step=last, layer=why["layer"],
+        evidence={"check": check, **why, **evidence,
+                  "steps": recent_steps(occurrences, settings.evidence_steps)},
+        occurrences=occurrences, active=active,
+    )
+
+
+def _fix(why: dict) -> str:
+    return fix_for_cause(why["cause"], why["layer"])
+
+
+def _collapse(series, loc, run, settings) -> FindingDraft | None:
+    scale = scale_column(series)
+    low = np.isfinite(scale) & (scale <= settings.scale_critical)
+    if not low.any():
+        return None
+    rows = np.flatnonzero(low)
+    why = explain(loc, np.flatnonzero(series.skipped[: rows[-1] + 1]), run)
+    lowest = float(np.nanmin(scale[rows]))
+    message = (f"The loss scale fell to {lowest:g} at step {int(series.steps[rows[0]])} "
+               f"(at or below {settings.scale_critical:g}): fp16 can no longer hold the "
+               f"gradients; {_fix(why)}.")
+    return _draft("scale_collapse", "critical", message, series, rows, rows, bool(low[-1]),
+                  why, {"loss_scale": lowest}, settings)
+
+
+def _streak(series, loc, run, settings, calibrating) -> FindingDraft | None:
+    skipped = series.skipped & ~calibrating
+    starts, lengths = true_runs(skipped)
+    long = lengths >= settings.skip_streak_warning
+    if not long.any():
+        return None
+    starts, lengths = starts[long], lengths[long]
+    rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+    longest = int(lengths.max())
+    ongoing = bool(starts[-1] + lengths[-1] == len(series))
+    severity = "critical" if longest >= settings.skip_streak_critical else "warning"
+    why = explain(loc, rows, run)
+    first, last = _episode(series, rows)
+    message = (f"GradScaler skipped {longest} consecutive steps (steps {first}-{last}), "
+               f"so the model is not training; {_fix(why)}.")
+    return _draft("skip_streak", severity, message, series, rows, rows, ongoing, why,
+                  {"longest_streak": longest,
+                   "current_streak": int(lengths[-1]) if ongoing else 0}, settings)
+
+
+def _skip_ratio(series, loc, run, settings, calibrating) -> FindingDraft | None:
+    counted = ~calibrating
+    skipped = series.skipped & counted
+    window = settings.skip_ratio_window
+    n_skipped = rolling_sum(skipped.astype(np.int64), window)
+    n_counted = rolling_sum(counted.astype(np.int64), window)
+    # a very short growth interval skips often by design: judge it against twice that rate
+    threshold = max(settings.skip_ratio_warning, 2.0 / (run.growth_interval + 1))
+    high = (n_counted >= settings.skip_ratio_min_steps) & (n_skipped > threshold * n_counted)
+    if not high.any():
+        return None
+    rows = np.flatnonzero(high)
+    span = np.arange(max(rows[0] - window + 1, 0), rows[-1] + 1)
+    occurrence_rows = span[skipped[span]]
+    worst_row = int(rows[np.argmax(n_skipped[rows] / n_counted[rows])])
+    share = float(n_skipped[worst_row] / n_counted[worst_row])
+    why = explain(loc, occurrence_rows, run)
+    message = (f"{share:.0%} of the last {int(n_counted[worst_row])} steps were skipped "
+               f"(more than {threshold:.0%}), so training is wasting steps; {_fix(why)}.")
+    return _draft("skip_ratio", "warning", message, series, rows, occurrence_rows,
+                  bool(high[-1]), why,
+                  {"skipped": int(n_skipped[worst_row]), "window": int(n_counted[worst_row]),
+                   "share": round(share, 4)}, settings)
+
+
+def _decline(series, loc, run, settings, calibrating) -> FindingDraft | None:
+    before = series.column("loss_scale")
+    after = series.column("scale_after")
+    # without scale_after, the next step's scale is what this step's update() set
+    after = np.where(np.isnan(after), np.append(before[1:], np.nan), after)
+    counted = ~calibrating & np.isfinite(before) & np.isfinite(after)
+    halved = counted & (after < before)
+    grown = counted & (after > before)
+    net = rolling_sum(halved.astype(np.int64) - grown.astype(np.int64), settings.decline_window)
+    falling = net >= settings.decline_halvings
+    if not falling.any():
+        return None
+    rows = np.flatnonzero(falling)
+    span = np.arange(max(rows[0] - settings.decline_window + 1, 0), rows[-1] + 1)
+    occurrence_rows = span[halved[span]]
+    worst_net = int(net[rows].max())
+    why = explain(loc, occurrence_rows, run)
+    fix = (_fix(why) if why["cause"] else
+           "growing gradients push it down: lower the learning rate or lengthen warmup, "
+           "and clip gradients after scaler.unscale_()")
+    message = (f"The loss scale is in steady decline: {worst_net} more halvings than "
+               f"doublings within {settings.decline_window} steps; {fix}.")
+    return _draft("scale_decline", "warning", message, series, rows, occurrence_rows,
+                  bool(falling[-1]), why,
+                  {"net_halvings": worst_net, "window": settings.decline_window,
+                   "loss_scale": float(before[np.isfinite(before)][-1])}, settings)
+
+
+def detect_scaler_divergence(series: StepSeries, run: RunContext, settings: AnalysisSettings,
+                             loc: Localization | None = None) -> Detection:
+    """The four scaler checks over the window. The slow ones (skip share, decline) stay
+    quiet while a collapse or a streak is active: they would repeat its story."""
+    covers = (f"{KIND}:",)
+    if not len(series) or not series.has("loss_scale").any():
+        return Detection(covers=covers)
+    loc = loc or localize(series, run)
+    calibrating = calibration_mask(series, run, settings)
+    fast = [d for d in (_collapse(series, loc, run, settings),
+                        _streak(series, loc, run, settings, calibrating)) if d]
+    drafts = list(fast)
+    if not any(d.active for d in fast):
+        drafts += [d for d in (_skip_ratio(series, loc, run, settings, calibrating),
+                               _decline(series, loc, run, settings, calibrating)) if d]
+    return Detection(drafts=drafts, covers=covers)

@@ -1,0 +1,98 @@
+"""Running the detectors: on every ingested batch (incrementally, over a recent window)
+and when a run registers or changes its layer table."""
+
+from __future__ import annotations
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from server.analysis.alignment import detect_misaligned_layers
+from server.analysis.context import RunContext
+from server.analysis.draft import Detection
+from server.analysis.localize import localize
+from server.analysis.nonfinite import detect_nonfinite
+from server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
+from server.analysis.precision import detect_precision_map
+from server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
+from server.analysis.scaler import detect_scaler_divergence
+from server.analysis.settings import AnalysisSettings
+from server.analysis.speed import detect_speed
+from server.analysis.store import apply_detections, refresh_run_health
+from server.models import Batch, Run, RunRank
+from server.series import StepSeries
+from server.storage import load_layers, load_series
+
+# Judged on a rank's steps.
+STEP_DETECTORS = (
+    detect_overflow_risk,
+    detect_underflow_risk,
+    detect_precision_map,
+    detect_loop_pitfalls,
+    detect_speed,
+)
+# Judged on the run's setup (layer table, environment); findings live on rank 0.
+SETUP_DETECTORS = (detect_misaligned_layers, detect_setup_pitfalls)
+SETUP_RANK = 0
+
+
+def run_detectors(series: StepSeries, run: RunContext, settings: AnalysisSettings, *,
+                  steps: bool = True, setup: bool = True) -> list[Detection]:
+    """Every detector's result for one window; pure (no database)."""
+    detections = []
+    if steps:
+        loc = localize(series, run)
+        detections.append(detect_scaler_divergence(series, run, settings, loc))
+        detections.append(detect_nonfinite(series, run, settings, loc))
+        detections += [detect(series, run, settings) for detect in STEP_DETECTORS]
+    if setup:
+        detections += [detect(series, run, settings) for detect in SETUP_DETECTORS]
+    return detections
+
+
+def _rank_first_step(session: Session, run_id: str, rank: int) -> int | None:
+    return session.scalar(
+        select(func.min(Batch.first_step))
+        .where(Batch.run_id == run_id, Batch.rank == rank, Batch.first_step >= 0)
+    )
+
+
+def on_ingest(session: Session, run: Run, rank: int, first_step: int, last_step: int,
+              settings: AnalysisSettings) -> None:
+    """Analyse a just-stored batch of steps [first_step, last_step] of `rank` inside the
+    ingest transaction (the caller commits).
+
+    Reads the rank's last `history_steps` before the batch plus the batch, runs the
+    detectors, upserts findings and updates `run.status` / `run.open_findings`.
+    A batch older than the rank's latest step adds history but changes no open finding.
+    """
+    if not settings.enabled:
+        return
+    rank_first = _rank_first_step(session, run.id, rank)
+    start = first_step - settings.history_steps
+    if rank_first is not None:
+        start = max(start, rank_first)
+    series = load_series(session, run.id, rank, start=start, end=last_step,
+                         n_layers=run.n_layers)
+    if not len(series) and not series.events:
+        return
+    context = RunContext.build(load_layers(session, run.id), run.environment, rank, rank_first)
+    rank_row = session.get(RunRank, (run.id, rank))
+    current = rank_row is None or rank_row.last_step is None or rank_row.last_step <= last_step
+    detections = run_detectors(series, context, settings, setup=rank == SETUP_RANK)
+    since = int(series.steps[0]) if len(series) else None
+    if apply_detections(session, run.id, rank, detections, settings, since=since,
+                        current=current):
+        refresh_run_health(session, run)
+
+
+def on_register(session: Session, run: Run, settings: AnalysisSettings) -> None:
+    """Judge the run's setup (misaligned layers, setup pitfalls) after it registered or
+    changed its layer table or environment; the caller commits."""
+    if not settings.enabled:
+        return
+    series = load_series(session, run.id, SETUP_RANK, last_n=settings.history_steps,
+                         n_layers=run.n_layers, with_layers=False, with_acts=False)
+    context = RunContext.build(load_layers(session, run.id), run.environment, SETUP_RANK)
+    detections = run_detectors(series, context, settings, steps=False)
+    apply_detections(session, run.id, SETUP_RANK, detections, settings)
+    refresh_run_health(session, run)

@@ -1,0 +1,67 @@
+"""Detector thresholds: one validated object, nested in the server settings as `analysis`
+(environment variables like AMPWATCH_ANALYSIS__SKIP_STREAK_WARNING=8)."""
+
+from __future__ import annotations
+
+from pydantic import BaseModel, Field, model_validator
+
+FP16_MAX = 65504.0
+FP16_MIN_NORMAL = 6.103515625e-05
+
+
+class AnalysisSettings(BaseModel):
+    """Defaults follow DESIGN.md "Analysis: what gets flagged"."""
+
+    enabled: bool = True
+
+    # diverging scaler
+    scale_critical: float = Field(1.0, ge=0, description="scale at or below: critical")
+    skip_streak_warning: int = Field(5, ge=2, description="consecutive skipped steps: warning")
+    skip_streak_critical: int = Field(20, ge=2, description="consecutive skipped steps: critical")
+    skip_ratio_warning: float = Field(0.05, gt=0, lt=1, description="skipped share of the window")
+    skip_ratio_window: int = Field(500, ge=10, description="steps the skipped share is taken over")
+    skip_ratio_min_steps: int = Field(100, ge=1, description="steps needed before judging it")
+    decline_halvings: int = Field(3, ge=1, description="halvings minus doublings: warning")
+    decline_window: int = Field(200, ge=10, description="steps the net decline is counted over")
+    calibration_clean_steps: int = Field(
+        10, ge=1, description="calibration ends at the first run of this many unskipped steps"
+    )
+    calibration_max_steps: int = Field(200, ge=0, description="calibration never lasts longer")
+
+    # non-finite values, overflow and underflow
+    nonfinite_resolve_steps: int = Field(
+        100, ge=1, description="clean steps after which a non-finite finding is resolved"
+    )
+    fp16_max: float = Field(FP16_MAX, gt=0)
+    overflow_factor: float = Field(2.0, ge=1, description="abs-max within fp16_max / this")
+    fp16_min_normal: float = Field(FP16_MIN_NORMAL, gt=0)
+    underflow_share: float = Field(
+        0.5, gt=0, le=1, description="share of recent steps below fp16_min_normal to flag"
+    )
+    risk_window: int = Field(200, ge=1, description="recent steps overflow/underflow are judged on")
+
+    # layers and model
+    misaligned_warning_share: float = Field(
+        0.2, ge=0, le=1, description="a misaligned layer holding this share of params: warning"
+    )
+    small_model_params: int = Field(10_000_000, ge=0)
+    bf16_min_capability: float = Field(8.0, ge=0)
+
+    # speed check verdicts
+    speedup_stay_fp32: float = Field(1.1, gt=0, description="below: stay in fp32")
+    speedup_use_amp: float = Field(1.5, gt=0, description="above: use AMP")
+
+    # incremental analysis on ingest
+    history_steps: int = Field(500, ge=10, description="stored steps re-read before each batch")
+    merge_gap_steps: int = Field(
+        500, ge=0, description="a condition back within this many steps reopens its finding"
+    )
+    evidence_steps: int = Field(20, ge=1, description="most recent steps listed in evidence")
+
+    @model_validator(mode="after")
+    def _ordered(self) -> AnalysisSettings:
+        if self.skip_streak_critical < self.skip_streak_warning:
+            raise ValueError("skip_streak_critical must be >= skip_streak_warning")
+        if self.speedup_use_amp < self.speedup_stay_fp32:
+            raise ValueError("speedup_use_amp must be >= speedup_stay_fp32")
+        return self

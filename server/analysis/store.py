@@ -1,0 +1,134 @@
+"""Turning detections into `Finding` rows, and a run's health into `Run.status`.
+
+Matching: a draft updates the latest finding with its key (within the run and rank) when
+that finding is open, or when the draft's episode starts within `merge_gap_steps` of the
+finding's last step (a condition that comes back soon reopens its finding instead of
+adding one). Otherwise it inserts a finding: open when active, resolved when the
+episode has already ended. Open findings under a detection's `covers` that got no draft
+are resolved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from datetime import datetime
+
+from sqlalchemy import func, or_, select
+from sqlalchemy.orm import Session
+
+from server.analysis.draft import SEVERITY_RANK, Detection, FindingDraft
+from server.analysis.settings import AnalysisSettings
+from server.models import Finding, Run, utcnow
+
+OPEN, RESOLVED = "open", "resolved"
+
+
+def _load(session: Session, run_id: str, rank: int, since: int | None) -> dict[str, Finding]:
+    """The latest finding per key that a draft could still match."""
+    recent = Finding.status == OPEN
+    if since is not None:
+        recent = or_(recent, Finding.last_step >= since)
+    query = (select(Finding)
+             .where(Finding.run_id == run_id, Finding.rank == rank, recent)
+             .order_by(Finding.id))
+    return {f.key: f for f in session.scalars(query)}
+
+
+def _same_episode(finding: Finding, draft: FindingDraft, gap: int) -> bool:
+    if finding.status == OPEN:
+        return True
+    if draft.step is None or finding.last_step is None:
+        return False
+    return draft.step <= finding.last_step + gap
+
+
+def _set(finding: Finding, name: str, value) -> bool:
+    if getattr(finding, name) == value:
+        return False
+    setattr(finding, name, value)
+    return True
+
+
+def _update(finding: Finding, draft: FindingDraft, current: bool, now: datetime) -> bool:
+    """Fold `draft` into `finding`; True when anything changed."""
+    changed = False
+    previous_last = finding.last_step
+    if draft.occurrences.size:
+        fresh = (draft.occurrences if previous_last is None
+                 else draft.occurrences[draft.occurrences > previous_last])
+        if fresh.size:
+            changed |= _set(finding, "count", finding.count + int(fresh.size))
+    if draft.last_step is not None and (previous_last is None or draft.last_step > previous_last):
+        changed |= _set(finding, "last_step", draft.last_step)
+    if finding.step is None and draft.step is not None:
+        changed |= _set(finding, "step", draft.step)
+    if current:
+        for name in ("severity", "message", "evidence", "layer", "code"):
+            changed |= _set(finding, name, getattr(draft, name))
+        changed |= _set(finding, "status", OPEN if draft.active else RESOLVED)
+    if changed:
+        finding.updated_at = now
+    return changed
+
+
+def _insert(session: Session, run_id: str, rank: int, draft: FindingDraft, current: bool,
+            now: datetime) -> Finding:
+    finding = Finding(
+        run_id=run_id, rank=rank, kind=draft.kind, code=draft.code, key=draft.key,
+        severity=draft.severity,
+        status=OPEN if draft.active and current else RESOLVED,
+        step=draft.step, last_step=draft.last_step, layer=draft.layer, message=draft.message,
+        evidence=draft.evidence, count=draft.count, created_at=now, updated_at=now,
+    )
+    session.add(finding)
+    return finding
+
+
+def apply_detections(session: Session, run_id: str, rank: int,
+                     detections: Iterable[Detection], settings: AnalysisSettings, *,
+                     since: int | None = None, current: bool = True) -> bool:
+    """Insert, update and resolve the findings of (run, rank); True when the set of open
+    findings or their severities changed (the run's health must be recomputed).
+
+    since: first step of the analysed window (resolved findings ending before it can no
+    longer match). current: False for a batch older than the rank's latest step, which
+    adds counts and history but changes no open finding's state.
+    """
+    detections = list(detections)
+    existing = _load(session, run_id, rank, None if since is None
+                     else since - settings.merge_gap_steps)
+    now = utcnow()
+    health_changed = False
+    drafted: set[str] = set()
+    for detection in detections:
+        for draft in detection.drafts:
+            drafted.add(draft.key)
+            finding = existing.get(draft.key)
+            if finding is not None and _same_episode(finding, draft, settings.merge_gap_steps):
+                before = (finding.status, finding.severity)
+                _update(finding, draft, current, now)
+                health_changed |= before != (finding.status, finding.severity)
+            elif draft.active or draft.occurrences.size:
+                existing[draft.key] = _insert(session, run_id, rank, draft, current, now)
+                health_changed |= existing[draft.key].status == OPEN
+    if current:
+        for key, finding in existing.items():
+            if finding.status == OPEN and key not in drafted and \
+                    any(d.covered(key) for d in detections):
+                finding.status = RESOLVED
+                finding.updated_at = now
+                health_changed = True
+    return health_changed
+
+
+def refresh_run_health(session: Session, run: Run) -> None:
+    """Set `run.status` from its worst open finding (info counts as healthy) and
+    `run.open_findings` to their number."""
+    counts = dict(session.execute(
+        select(Finding.severity, func.count())
+        .where(Finding.run_id == run.id, Finding.status == OPEN)
+        .group_by(Finding.severity)
+    ).all())
+    worst = max(counts, key=SEVERITY_RANK.__getitem__, default="info")
+    run.status = worst if SEVERITY_RANK[worst] > SEVERITY_RANK["info"] else "healthy"
+    run.open_findings = sum(counts.values())

@@ -1,0 +1,54 @@
+"""Findings of the analysis: per run, and across runs."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Path, Query
+
+from server.analysis.queries import list_findings
+from server.analysis.schemas import FindingKind, FindingsPublic, FindingStatus
+from server.deps import SessionDep
+from server.runs import get_run
+from server.schemas import RUN_ID_PATTERN, Severity
+
+router = APIRouter(tags=["findings"])
+RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
+Code = Annotated[str | None, Query(max_length=64, description="pitfall code, e.g. "
+                                   "clip_before_unscale")]
+Limit = Annotated[int, Query(ge=1, le=1000)]
+Offset = Annotated[int, Query(ge=0, le=10**9)]
+
+
+@router.get("/runs/{run_id}/findings", response_model=FindingsPublic)
+def get_run_findings(
+    run_id: RunIdPath,
+    session: SessionDep,
+    kind: FindingKind | None = None,
+    code: Code = None,
+    severity: Severity | None = None,
+    status: FindingStatus | None = None,
+    rank: Annotated[int | None, Query(ge=0)] = None,
+    limit: Limit = 500,
+    offset: Offset = 0,
+) -> FindingsPublic:
+    """A run's findings: open first, most severe first; 404 for an unknown run."""
+    get_run(session, run_id)
+    return list_findings(session, run_id=run_id, kind=kind, code=code, severity=severity,
+                         status=status, rank=rank, limit=limit, offset=offset)
+
+
+@router.get("/findings", response_model=FindingsPublic)
+def get_findings(
+    session: SessionDep,
+    run_id: Annotated[str | None, Query(pattern=RUN_ID_PATTERN)] = None,
+    kind: FindingKind | None = None,
+    code: Code = None,
+    severity: Severity | None = None,
+    status: FindingStatus | None = None,
+    limit: Limit = 100,
+    offset: Offset = 0,
+) -> FindingsPublic:
+    """Findings across runs, most recently updated first."""
+    return list_findings(session, run_id=run_id, kind=kind, code=code, severity=severity,
+                         status=status, limit=limit, offset=offset)
