@@ -1,1 +1,60 @@
-"""Python client for the ampwatch REST API, and the `ampwatch` command line."""
+"""Python client for the ampwatch REST API, and the `ampwatch` command line.
+
+    from client import Client
+
+    with Client("http://127.0.0.1:8000", token="...") as ampwatch:
+        for run in ampwatch.runs(status="critical"):
+            print(run.name, run.loss_scale, ampwatch.findings(run.id))
+
+docs/client.md describes every method and command.
+"""
+
+from client.api import DEFAULT_SERVER, Client
+from client.errors import (
+    AmpwatchError,
+    BadRequest,
+    ConnectionFailed,
+    NotFound,
+    ServerError,
+    Unauthorized,
+)
+from client.models import (
+    BatchAck,
+    Finding,
+    Health,
+    Layer,
+    LayerMatrix,
+    LayerPoint,
+    LayerSeries,
+    LayerSummary,
+    RankTotals,
+    Records,
+    Run,
+    Step,
+)
+
+__all__ = [
+    # the client
+    "Client",
+    "DEFAULT_SERVER",
+    # errors: AmpwatchError and its subclasses
+    "AmpwatchError",
+    "BadRequest",
+    "ConnectionFailed",
+    "NotFound",
+    "ServerError",
+    "Unauthorized",
+    # results
+    "BatchAck",
+    "Finding",
+    "Health",
+    "Layer",
+    "LayerMatrix",
+    "LayerPoint",
+    "LayerSeries",
+    "LayerSummary",
+    "RankTotals",
+    "Records",
+    "Run",
+    "Step",
+]

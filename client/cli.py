@@ -1,6 +1,11 @@
-"""The `ampwatch` command. Subcommands of other packages (server: serve, db; agent:
-demo) plug in through the `ampwatch.cli` entry point group, so this module imports
-neither the server nor torch."""
+"""The `ampwatch` command. The client's own commands (runs, show, findings, check, export,
+sync) live in client/commands/; those of other packages (server: serve, db; agent: demo)
+plug in through the `ampwatch.cli` entry point group, so this module imports neither the
+server nor torch.
+
+Exit status: 0 ok; 1 `check` found what it gates on; 2 an error (usage, server down,
+unknown run, bad token), reported in one line on stderr; 130 interrupted.
+"""
 
 from __future__ import annotations
 
@@ -8,12 +13,18 @@ import argparse
 import sys
 from importlib.metadata import entry_points
 
+from client import commands as client_commands
+from client.errors import AmpwatchError, ConnectionFailed, Unauthorized
+
+ERROR_EXIT = 2
+
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ampwatch", description="Numerical health of PyTorch mixed-precision training."
     )
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    client_commands.register(commands)
     for plugin in sorted(entry_points(group="ampwatch.cli"), key=lambda e: e.name):
         try:
             register = plugin.load()
@@ -29,6 +40,24 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
+    except AmpwatchError as exc:
+        return _fail(f"{exc.message}{_hint(exc, args)}")
+    except OSError as exc:
+        return _fail(str(exc) or type(exc).__name__)
+
+
+def _hint(exc: AmpwatchError, args: argparse.Namespace) -> str:
+    if isinstance(exc, ConnectionFailed):
+        return " (is the server running? set --server or AMPWATCH_SERVER)"
+    if isinstance(exc, Unauthorized):
+        given = "a wrong" if getattr(args, "token", "") else "no"
+        return f" ({given} token: set --token or AMPWATCH_TOKEN)"
+    return ""
+
+
+def _fail(message: str) -> int:
+    print(f"ampwatch: error: {message}", file=sys.stderr)
+    return ERROR_EXIT
 
 
 if __name__ == "__main__":

@@ -1,0 +1,240 @@
+"""`Client`: the REST API (/api/v1) as Python methods returning typed results."""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterator
+from typing import Any, Literal
+
+import httpx
+
+from client.errors import ConnectionFailed, NotFound, ServerError, error_for_response
+from client.models import (
+    BatchAck,
+    Finding,
+    Health,
+    Layer,
+    LayerMatrix,
+    LayerSeries,
+    Records,
+    Run,
+    Step,
+)
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms"]
+
+
+class Client:
+    """A client of one ampwatch server.
+
+    base_url: the server's address; default $AMPWATCH_SERVER, else http://127.0.0.1:8000.
+    token: sent as `Authorization: Bearer <token>`; default $AMPWATCH_TOKEN (pass "" to
+        send none).
+    timeout: seconds per request (connect, read, write); every method may block that long
+        per request it makes.
+    http_client: an `httpx.Client` to send the requests through (for example FastAPI's
+        TestClient); the caller keeps owning it and closes it.
+
+    Every method raises an `AmpwatchError` subclass on failure. Use it as a context
+    manager, or call `close()`, to release its connections.
+    """
+
+    RUNS_PAGE = 500
+    STEPS_PAGE = 10_000
+    FINDINGS_PAGE = 500
+
+    def __init__(self, base_url: str | None = None, *, token: str | None = None,
+                 timeout: float = 10.0, http_client: httpx.Client | None = None) -> None:
+        if base_url is None:
+            base_url = (os.environ.get("AMPWATCH_SERVER") if http_client is None
+                        else str(http_client.base_url)) or DEFAULT_SERVER
+        self.base_url = base_url.rstrip("/")
+        token = os.environ.get("AMPWATCH_TOKEN") if token is None else token
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._timeout = timeout
+        self._owns_http = http_client is None
+        self._http = http_client or httpx.Client(timeout=timeout)
+
+    def close(self) -> None:
+        """Release the connections (not those of an injected `http_client`)."""
+        if self._owns_http:
+            self._http.close()
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Client({self.base_url!r})"
+
+    # health and runs
+
+    def health(self) -> Health:
+        """The server's version and database kind; needs no token."""
+        return Health.from_json(self._request("GET", "/health"))
+
+    def runs(self, *, project: str | None = None, name: str | None = None,
+             status: str | None = None, limit: int | None = None) -> Records[Run]:
+        """Runs, newest first, fetching page after page; filtered by project, a name
+        substring, and health status (healthy, warning, critical); at most `limit`."""
+        return Records(self._pages("/runs", Run, self.RUNS_PAGE, limit,
+                                   project=project, name=name, status=status))
+
+    def run(self, run_id: str) -> Run:
+        """One run with its totals per rank; NotFound when there is none."""
+        return Run.from_json(self._request("GET", f"/runs/{run_id}"))
+
+    def delete_run(self, run_id: str) -> None:
+        """Delete the run and all its data on the server."""
+        self._request("DELETE", f"/runs/{run_id}")
+
+    def register_run(self, run_id: str, body: dict[str, Any]) -> Run:
+        """PUT the run registration `body` (wire form, docs/wire-format.md); idempotent."""
+        return Run.from_json(self._request("PUT", f"/runs/{run_id}", json=body))
+
+    def send_batch(self, run_id: str, body: dict[str, Any] | bytes, *,
+                   gzipped: bool = False) -> BatchAck:
+        """POST one batch (wire form, or its JSON bytes, gzip-compressed when `gzipped`).
+        A batch the server already has is acknowledged with `duplicate=True`."""
+        if isinstance(body, bytes):
+            headers = {"Content-Type": "application/json"}
+            if gzipped:
+                headers["Content-Encoding"] = "gzip"
+            data = self._request("POST", f"/runs/{run_id}/batches", content=body,
+                                 headers=headers)
+        else:
+            data = self._request("POST", f"/runs/{run_id}/batches", json=body)
+        return BatchAck.from_json(data)
+
+    def wait_for_step(self, run_id: str, step: int, timeout: float = 60.0, *,
+                      poll_interval: float = 1.0) -> Run:
+        """Poll until the run has reached `step` on some rank and return it; a run that
+        is not registered yet is waited for too. Blocks up to `timeout` seconds, then
+        raises TimeoutError."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                run = self.run(run_id)
+                if run.last_step is not None and run.last_step >= step:
+                    return run
+                seen = f"its last step is {run.last_step}"
+            except NotFound:
+                seen = "it is not registered"
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(
+                    f"run {run_id!r} did not reach step {step} within {timeout:g} s ({seen})")
+            time.sleep(min(poll_interval, left))
+
+    # a run's data
+
+    def steps(self, run_id: str, *, start: int | None = None, end: int | None = None,
+              rank: int | None = None, max_points: int | None = None) -> Records[Step]:
+        """Step records in [start, end] (inclusive), all ranks unless `rank`, ordered by
+        (step, rank). With `max_points`: one downsampled request that keeps extremes and
+        every skipped or non-finite step; without: every step, fetched page by page."""
+        return Records(self.iter_steps(run_id, start=start, end=end, rank=rank,
+                                       max_points=max_points))
+
+    def iter_steps(self, run_id: str, *, start: int | None = None, end: int | None = None,
+                   rank: int | None = None, max_points: int | None = None) -> Iterator[Step]:
+        """As `steps`, lazily: one page in memory at a time."""
+        params = {"start": start, "end": end, "rank": rank, "max_points": max_points}
+        while True:
+            page = self._request("GET", f"/runs/{run_id}/steps",
+                                 params={**params, "limit": self.STEPS_PAGE})
+            next_start = page.get("next_start")
+            for item in page["items"]:
+                # ranks cut at a later step re-send rows from next_start on
+                if next_start is None or item["step"] < next_start:
+                    yield Step.from_json(item)
+            if max_points is not None or next_start is None:
+                return
+            params["start"] = next_start
+
+    def layers(self, run_id: str, *, rank: int = 0) -> Records[Layer]:
+        """The run's layer table, with per-layer summaries on `rank`."""
+        page = self._request("GET", f"/runs/{run_id}/layers", params={"rank": rank})
+        return Records(Layer.from_json(item) for item in page["items"])
+
+    def layer_series(self, run_id: str, layer: int | str, *, rank: int = 0,
+                     start: int | None = None, end: int | None = None,
+                     max_points: int | None = None) -> LayerSeries:
+        """One layer's grad norm per step and its sampled activation stats; `layer` is
+        its index or its name (a name costs one more request)."""
+        index = layer if isinstance(layer, int) else self._layer_index(run_id, layer, rank)
+        return LayerSeries.from_json(self._request(
+            "GET", f"/runs/{run_id}/layers/{index}/series",
+            params={"rank": rank, "start": start, "end": end, "max_points": max_points}))
+
+    def layer_matrix(self, run_id: str, *, metric: MatrixMetric = "grad_norm", rank: int = 0,
+                     start: int | None = None, end: int | None = None,
+                     buckets: int = 1000) -> LayerMatrix:
+        """Layers x step buckets of `metric` (the heatmap data): the largest finite value
+        per bucket, or the non-finite one when the bucket had one."""
+        return LayerMatrix.from_json(self._request(
+            "GET", f"/runs/{run_id}/layers/matrix",
+            params={"metric": metric, "rank": rank, "start": start, "end": end,
+                    "buckets": buckets}))
+
+    def findings(self, run_id: str | None = None, *, kind: str | None = None,
+                 severity: str | None = None, status: str | None = None,
+                 limit: int | None = None) -> Records[Finding]:
+        """Findings of one run, or of all runs when `run_id` is None, fetching page after
+        page; filtered by kind, severity (info, warning, critical) and status (open,
+        resolved); at most `limit`."""
+        path = f"/runs/{run_id}/findings" if run_id is not None else "/findings"
+        return Records(self._pages(path, Finding, self.FINDINGS_PAGE, limit,
+                                   kind=kind, severity=severity, status=status))
+
+    # plumbing
+
+    def _layer_index(self, run_id: str, name: str, rank: int) -> int:
+        for layer in self.layers(run_id, rank=rank):
+            if layer.name == name:
+                return layer.index
+        raise NotFound(f"run {run_id!r} has no layer named {name!r}", 404)
+
+    def _pages(self, path: str, model: type, page_size: int, limit: int | None,
+               **filters: Any) -> Iterator[Any]:
+        """Items of a limit/offset list route, page by page, until `limit` or the end."""
+        offset = 0
+        while limit is None or offset < limit:
+            size = page_size if limit is None else min(page_size, limit - offset)
+            page = self._request("GET", path, params={**filters, "limit": size,
+                                                      "offset": offset})
+            items = page.get("items", [])
+            yield from (model.from_json(item) for item in items)
+            offset += len(items)
+            total = page.get("total")
+            if len(items) < size or (total is not None and offset >= total):
+                return
+
+    def _request(self, method: str, path: str, *, params: dict[str, Any] | None = None,
+                 headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
+        """Send one request and return its decoded JSON body (None when empty)."""
+        url = f"{self.base_url}/api/v1{path}"
+        if params is not None:
+            params = {k: v for k, v in params.items() if v is not None}
+        try:
+            response = self._http.request(method, url, params=params,
+                                          headers={**self._headers, **(headers or {})},
+                                          timeout=self._timeout, **kwargs)
+        except httpx.TimeoutException as exc:
+            raise ConnectionFailed(
+                f"no answer from {self.base_url} within {self._timeout:g} s ({exc})") from exc
+        except httpx.TransportError as exc:
+            raise ConnectionFailed(f"cannot reach {self.base_url}: {exc}") from exc
+        if response.is_error:
+            raise error_for_response(response)
+        if not response.content:
+            return None
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise ServerError(f"{method} {path}: the server did not answer JSON",
+                              response.status_code) from exc

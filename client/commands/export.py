@@ -1,0 +1,54 @@
+"""`ampwatch export RUN --format csv|jsonl|parquet --out FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from client import export
+from client.commands import connect, print_json
+
+
+def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    parser = commands.add_parser(
+        "export", parents=[common], help="write a run's steps and layers to a file",
+        description="One row per (rank, step): the step's fields, each layer's grad norm "
+                    "and, on sampled steps, its activation stats (client/export.py).")
+    parser.add_argument("run", metavar="RUN", help="run id")
+    parser.add_argument("--out", "-o", type=Path, required=True, metavar="FILE",
+                        help="the file to write (replaced if it exists)")
+    parser.add_argument("--format", "-f", choices=export.FORMATS,
+                        help="default: from the file's suffix (parquet needs pyarrow)")
+    parser.add_argument("--rank", type=int, help="only this rank (default: all)")
+    parser.add_argument("--start", type=int, help="first step (inclusive)")
+    parser.add_argument("--end", type=int, help="last step (inclusive)")
+    parser.add_argument("--steps-only", action="store_true", help="no per-layer columns")
+    parser.set_defaults(func=export_run)
+
+
+def export_run(args: argparse.Namespace) -> int:
+    try:
+        fmt = export.format_for(args.out, args.format)
+    except ValueError as exc:
+        print(f"ampwatch export: {exc}", file=sys.stderr)
+        return 2
+
+    def progress(message: str) -> None:
+        if not args.json:
+            print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
+
+    with connect(args) as client:
+        client.run(args.run)  # fail on an unknown run before fetching anything
+        table = export.run_table(client, args.run, rank=args.rank, start=args.start,
+                                 end=args.end, layers=not args.steps_only, progress=progress)
+    if not args.json and not args.steps_only:
+        print("\r\033[K", end="", file=sys.stderr)
+    export.write(table, args.out, fmt)
+    if args.json:
+        print_json({"run_id": args.run, "path": str(args.out), "format": fmt,
+                    "rows": len(table.rows), "columns": table.columns})
+    else:
+        print(f"wrote {len(table.rows)} rows x {len(table.columns)} columns of run "
+              f"{args.run} to {args.out} ({fmt})")
+    return 0

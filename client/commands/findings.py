@@ -1,0 +1,91 @@
+"""`ampwatch findings [RUN]` and `ampwatch check RUN --fail-on LEVEL` (for CI gates)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from client import render
+from client.api import Client
+from client.commands import connect, print_json
+from client.models import SEVERITIES, Finding, Records
+
+MESSAGE_WIDTH = 100
+
+
+def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    findings = commands.add_parser(
+        "findings", parents=[common], help="what the analysis flagged",
+        description="Findings of one run, or of every run, most severe first.")
+    findings.add_argument("run", metavar="RUN", nargs="?", help="run id (default: all runs)")
+    findings.add_argument("--severity", choices=SEVERITIES, default="info",
+                          help="only findings at or above this severity")
+    findings.add_argument("--kind", help="only findings of this kind (e.g. scaler_divergence)")
+    findings.add_argument("--status", choices=("open", "resolved", "all"), default="open",
+                          help="open (default), resolved or all")
+    findings.set_defaults(func=list_findings)
+
+    check = commands.add_parser(
+        "check", parents=[common], help="exit 1 when a run has open findings (for CI)",
+        description="Exit status 1 when RUN has open findings at or above --fail-on, 0 when "
+                    "it has none, 2 when the check itself failed (server, token, run).")
+    check.add_argument("run", metavar="RUN", help="run id")
+    check.add_argument("--fail-on", choices=("warning", "critical"), default="critical",
+                       help="the lowest severity that fails the check (default %(default)s)")
+    check.set_defaults(func=check_run)
+
+
+def at_or_above(client: Client, run_id: str | None, severity: str, *, status: str | None,
+                kind: str | None = None) -> Records[Finding]:
+    """Findings of severity `severity` or worse, most severe first, then by run and step
+    (one request per severity, so the server does the filtering)."""
+    found: Records[Finding] = Records()
+    for level in reversed(SEVERITIES[SEVERITIES.index(severity):]):
+        found += client.findings(run_id, severity=level, status=status, kind=kind)
+    found.sort(key=lambda f: (-f.severity_rank, f.run_id, f.step or 0, f.id))
+    return found
+
+
+def list_findings(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        if args.run is not None:
+            client.run(args.run)  # an unknown run is an error, not an empty list
+        found = at_or_above(client, args.run, args.severity, kind=args.kind,
+                            status=None if args.status == "all" else args.status)
+    if args.json:
+        print_json(found)
+    elif not found:
+        print("no findings")
+    else:
+        print(findings_table(found, with_run=args.run is None))
+    return 0
+
+
+def check_run(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        run = client.run(args.run)
+        failing = at_or_above(client, run.id, args.fail_on, status="open")
+    passed = not failing
+    if args.json:
+        print_json({"run_id": run.id, "status": run.status, "fail_on": args.fail_on,
+                    "passed": passed, "findings": failing})
+    elif passed:
+        print(f"ok: run {run.id} has no open findings at or above {args.fail_on} "
+              f"(status {run.status}, {run.steps} steps)")
+    else:
+        counts = ", ".join(f"{n} {level}" for level in reversed(SEVERITIES)
+                           if (n := sum(f.severity == level for f in failing)))
+        print(findings_table(failing, with_run=False))
+        print(f"failed: run {run.id} has {len(failing)} open finding"
+              f"{'s' if len(failing) != 1 else ''} at or above {args.fail_on} ({counts})",
+              file=sys.stderr)
+    return 0 if passed else 1
+
+
+def findings_table(findings: list[Finding], *, with_run: bool) -> str:
+    headers = ["severity", *(["run"] if with_run else []), "kind", "rank", "steps", "layer",
+               "message"]
+    rows = [[f.severity, *([f.run_id] if with_run else []), f.kind, str(f.rank),
+             render.step_range(f.step, f.last_step), f.layer or "-",
+             render.shorten(f.message, MESSAGE_WIDTH)] for f in findings]
+    return render.table(headers, rows)

@@ -1,0 +1,107 @@
+"""`ampwatch runs` (a table of runs) and `ampwatch show RUN` (one run in a terminal)."""
+
+from __future__ import annotations
+
+import argparse
+
+from client import render
+from client.commands import connect, print_json
+from client.commands.findings import findings_table
+from client.models import Run
+
+HEALTH = ("healthy", "warning", "critical")
+
+
+def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
+    runs = commands.add_parser("runs", parents=[common], help="list runs with their health",
+                               description="Runs, newest first, with their health.")
+    runs.add_argument("--project", help="only this project")
+    runs.add_argument("--name", help="only runs whose name contains this")
+    runs.add_argument("--status", choices=HEALTH, help="only runs with this health")
+    runs.add_argument("--limit", type=int, default=100, help="at most this many (%(default)s)")
+    runs.set_defaults(func=list_runs)
+
+    show = commands.add_parser("show", parents=[common], help="summary of one run",
+                               description="One run: totals, environment and findings.")
+    show.add_argument("run", metavar="RUN", help="run id")
+    show.set_defaults(func=show_run)
+
+
+def list_runs(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        runs = client.runs(project=args.project, name=args.name, status=args.status,
+                           limit=args.limit)
+    if args.json:
+        print_json(runs)
+    elif not runs:
+        print("no runs")
+    else:
+        print(render.table(
+            ["id", "name", "project", "status", "last step", "scale", "skip rate", "findings"],
+            [[r.id, r.name, r.project, r.status + (" (live)" if r.live else ""),
+              render.number(r.last_step), render.scale(r.loss_scale),
+              render.percent(r.skip_rate), str(r.open_findings)] for r in runs],
+            right=(4, 5, 6, 7),
+        ))
+    return 0
+
+
+def show_run(args: argparse.Namespace) -> int:
+    with connect(args) as client:
+        run = client.run(args.run)
+        findings = client.findings(run.id)
+    if args.json:
+        print_json({"run": run, "findings": findings})
+        return 0
+    print(summary(run))
+    open_findings = [f for f in findings if f.status == "open"]
+    resolved = len(findings) - len(open_findings)
+    print()
+    if open_findings:
+        print(f"Open findings ({len(open_findings)}):")
+        print(findings_table(open_findings, with_run=False))
+    else:
+        print("No open findings.")
+    if resolved:
+        print(f"({resolved} resolved; `ampwatch findings {run.id} --status resolved`)")
+    return 0
+
+
+def summary(run: Run) -> str:
+    """The run's fields as aligned `label: value` lines, then its ranks when several."""
+    env = run.environment
+    scaler = env.get("scaler") or {}
+    fields = [
+        ("run", f"{run.id} ({run.name})" if run.name != run.id else run.id),
+        ("project", run.project),
+        ("status", run.status + (", live" if run.live else "")),
+        ("tags", ", ".join(run.tags) or "-"),
+        ("created", render.moment(run.created_at)),
+        ("last seen", render.moment(run.last_seen_at)),
+        ("steps", f"{run.steps} (last step {render.number(run.last_step)}, "
+                  f"{run.skipped} skipped, {render.percent(run.skip_rate)})"),
+        ("loss scale", render.scale(run.loss_scale)),
+        ("layers", str(run.n_layers)),
+        ("device", " ".join(str(env[k]) for k in ("device", "device_name") if env.get(k))
+         or "-"),
+        ("precision", f"autocast {env.get('autocast_dtype') or 'off'}, "
+                      + (f"GradScaler (growth interval {scaler.get('growth_interval')})"
+                         if scaler and scaler.get("enabled", True) else "no GradScaler")),
+        ("versions", ", ".join(f"{k.removesuffix('_version')} {env[k]}" for k in
+                               ("torch_version", "python_version", "ampwatch_version")
+                               if env.get(k)) or "-"),
+    ]
+    losses = [("lost batches", run.lost_batches), ("dropped batches", run.dropped_batches),
+              ("dropped steps", run.dropped_steps)]
+    fields += [(label, str(count)) for label, count in losses if count]
+    width = max(len(label) for label, _ in fields)
+    lines = [f"{label + ':':<{width + 1}} {value}" for label, value in fields]
+    if len(run.ranks) > 1:
+        lines += ["", render.table(
+            ["rank", "steps", "skipped", "last step", "scale", "batches", "lost"],
+            [[str(r.rank), str(r.steps), str(r.skipped), render.number(r.last_step),
+              render.scale(r.loss_scale), str(r.batches), str(r.lost_batches)]
+             for r in run.ranks],
+            right=(0, 1, 2, 3, 4, 5, 6),
+        )]
+    return "\n".join(lines)

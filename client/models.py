@@ -1,0 +1,295 @@
+"""Typed results of the REST API: frozen dataclasses built from API v1 JSON.
+
+Non-finite floats arrive as "NaN"/"Infinity"/"-Infinity" and become real floats
+(client/wire.py); `None` always means missing. Fields the server adds later are ignored,
+so an older client keeps working against a newer server.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from datetime import datetime
+from functools import cache
+from typing import Any, Self, TypeVar
+
+from client.wire import decode_float, decode_tree, encode_tree
+
+T = TypeVar("T")
+SEVERITIES = ("info", "warning", "critical")
+
+
+class Model:
+    """Mixin of every result type: construction from JSON and back."""
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Self:
+        """Build from one API v1 JSON object (unknown keys are ignored)."""
+        hints = _hints(cls)
+        kwargs = {f.name: _convert(hints[f.name], data[f.name])
+                  for f in dataclasses.fields(cls) if f.name in data}  # type: ignore[arg-type]
+        return cls(**kwargs)
+
+    def to_json(self) -> dict[str, Any]:
+        """As API v1 JSON: non-finite floats as strings, times in ISO 8601."""
+        return to_json(self)
+
+
+class Records(list[T]):
+    """A list of results with a `to_pandas()` view (one row per item)."""
+
+    def to_pandas(self) -> Any:
+        """A pandas DataFrame with one column per field; nested lists and dicts stay
+        Python objects. Needs pandas (`pip install pandas`)."""
+        pandas = _import_pandas()
+        rows = [dataclasses.asdict(item) if dataclasses.is_dataclass(item) else item
+                for item in self]
+        return pandas.DataFrame.from_records(rows, columns=_columns(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Health(Model):
+    status: str
+    version: str
+    database: str
+
+
+@dataclasses.dataclass(frozen=True)
+class RankTotals(Model):
+    """One rank's stream of a run."""
+
+    rank: int
+    next_seq: int = 0
+    batches: int = 0
+    lost_batches: int = 0
+    steps: int = 0
+    skipped: int = 0
+    last_step: int | None = None
+    loss_scale: float | None = None
+    dropped_batches: int = 0
+    dropped_steps: int = 0
+    last_seen_at: datetime | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Run(Model):
+    """A training run with its totals over all ranks. `status` is its health
+    (healthy, warning, critical); `live` says a batch arrived recently."""
+
+    id: str
+    name: str
+    project: str
+    status: str
+    created_at: datetime
+    updated_at: datetime
+    tags: list[str] = dataclasses.field(default_factory=list)
+    config: dict[str, Any] = dataclasses.field(default_factory=dict)
+    environment: dict[str, Any] = dataclasses.field(default_factory=dict)
+    live: bool = False
+    open_findings: int = 0
+    n_layers: int = 0
+    steps: int = 0
+    skipped: int = 0
+    skip_rate: float | None = None
+    last_step: int | None = None
+    loss_scale: float | None = None
+    lost_batches: int = 0
+    dropped_batches: int = 0
+    dropped_steps: int = 0
+    last_seen_at: datetime | None = None
+    ranks: list[RankTotals] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class Step(Model):
+    """One optimizer step of one rank (docs/wire-format.md explains each field)."""
+
+    rank: int
+    step: int
+    loss_scale: float | None = None
+    scale_after: float | None = None
+    skipped: bool | None = None
+    grad_norm: float | None = None
+    grad_norm_clipped: float | None = None
+    loss: float | None = None
+    lr: float | None = None
+    t_forward_ms: float | None = None
+    t_backward_ms: float | None = None
+    t_optimizer_ms: float | None = None
+    t_step_ms: float | None = None
+    peak_mem_bytes: float | None = None
+    input_nonfinite: bool | None = None
+    autocast_dtype: str | None = None
+    scheduler_steps: int | None = None
+    scaler_updates: int | None = None
+    clip_before_unscale: bool | None = None
+    eval_forwards: int | None = None
+    eval_forwards_no_autocast: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSummary(Model):
+    grad_norm_last: float | None = None
+    grad_norm_max: float | None = None
+    grad_nonfinite_steps: int = 0
+    act_absmax_max: float | None = None
+    act_nonfinite_steps: int = 0
+    act_dtype: str | None = None
+    fwd_time_mean_ms: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Layer(Model):
+    """One row of a run's layer table, with its summary on one rank."""
+
+    index: int
+    name: str
+    type: str
+    param_count: int = 0
+    dtype: str | None = None
+    shapes: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    attrs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    forward_index: int | None = None
+    summary: LayerSummary = dataclasses.field(default_factory=LayerSummary)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerPoint(Model):
+    """One step of a layer: its grad norm, or (sampled steps) its activation stats."""
+
+    step: int
+    grad_norm: float | None = None
+    act_absmax: float | None = None
+    act_dtype: str | None = None
+    act_time_ms: float | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerSeries(Model):
+    """One layer's grad norm per step (`grad`) and its sampled activations."""
+
+    run_id: str
+    rank: int
+    layer: int
+    name: str
+    total: int = 0
+    downsampled: bool = False
+    grad: Records[LayerPoint] = dataclasses.field(default_factory=Records)
+    activations: Records[LayerPoint] = dataclasses.field(default_factory=Records)
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerMatrix(Model):
+    """Layers x step buckets of one metric, for heatmaps: `values[i][j]` is layer
+    `layers[i]` over steps `step_start[j]..step_end[j]` (None: no data there)."""
+
+    run_id: str
+    rank: int
+    metric: str
+    layers: list[str] = dataclasses.field(default_factory=list)
+    step_start: list[int] = dataclasses.field(default_factory=list)
+    step_end: list[int] = dataclasses.field(default_factory=list)
+    values: list[list[float | None]] = dataclasses.field(default_factory=list)
+
+    def to_pandas(self) -> Any:
+        """A DataFrame with one row per layer and one column per bucket's first step."""
+        pandas = _import_pandas()
+        return pandas.DataFrame(
+            [[float("nan") if v is None else v for v in row] for row in self.values],
+            index=pandas.Index(self.layers, name="layer"),
+            columns=pandas.Index(self.step_start, name="step"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding(Model):
+    """Something the analysis flagged in a run: `severity` info/warning/critical,
+    `status` open or resolved, steps `step..last_step`, `layer` when one is to blame."""
+
+    id: int
+    run_id: str
+    kind: str
+    severity: str
+    message: str
+    status: str = "open"
+    rank: int = 0
+    code: str | None = None
+    key: str | None = None
+    step: int | None = None
+    last_step: int | None = None
+    layer: str | None = None
+    count: int = 1
+    evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
+    created_at: datetime | None = None
+    updated_at: datetime | None = None
+
+    @property
+    def severity_rank(self) -> int:
+        """0 for info, 1 for warning, 2 for critical (-1 for an unknown severity)."""
+        return SEVERITIES.index(self.severity) if self.severity in SEVERITIES else -1
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchAck(Model):
+    """The server's receipt for one batch; `duplicate` when it already had it."""
+
+    run_id: str
+    rank: int
+    seq: int
+    duplicate: bool
+    stored_steps: int
+
+
+def to_json(value: Any) -> Any:
+    """A result (or list of results) as JSON-ready data in the API v1 encoding."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {k: to_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [to_json(v) for v in value]
+    if isinstance(value, datetime):
+        return value.isoformat()
+    return encode_tree(value)
+
+
+@cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _convert(hint: Any, value: Any) -> Any:
+    """`value` from JSON as the type `hint` names (dataclasses, lists, optionals,
+    datetimes, floats in the wire encoding); anything else is decoded as a tree."""
+    if value is None:
+        return None
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin in (types.UnionType, typing.Union):
+        inner = [a for a in args if a is not type(None)]
+        return _convert(inner[0], value) if len(inner) == 1 else decode_tree(value)
+    if origin in (list, Records):
+        items = [_convert(args[0], v) for v in value]
+        return Records(items) if origin is Records else items
+    if isinstance(hint, type) and issubclass(hint, Model):
+        return hint.from_json(value)
+    if hint is datetime:
+        return datetime.fromisoformat(value)
+    if hint is float:
+        return decode_float(value)
+    return decode_tree(value)
+
+
+def _columns(items: list[Any]) -> list[str] | None:
+    first = next(iter(items), None)
+    if dataclasses.is_dataclass(first):
+        return [f.name for f in dataclasses.fields(first)]
+    return None
+
+
+def _import_pandas() -> Any:
+    try:
+        import pandas
+    except ImportError:
+        raise ImportError("to_pandas() needs pandas: pip install pandas") from None
+    return pandas

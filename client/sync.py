@@ -1,0 +1,158 @@
+"""Upload an agent spool: the batches an offline run (AMPWATCH_MODE=offline) or an outage
+left on disk.
+
+Spool layout (written by agent/transport/spool.py, described in docs/agent.md):
+`<root>/<run_id>/rank-<rank>/<seq:012d>.json.gz`, each a gzip JSON object
+`{"format": "ampwatch-spool/1", "run_id", "rank", "seq", "run": <PUT body>,
+"batch": <POST body>}`; sorted names are replay order; a directory's `lock` file is
+flock-ed by the process writing it. Re-uploading is harmless: the server acknowledges a
+repeated (run, rank, seq) as a duplicate.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import json
+import os
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from client.api import Client
+from client.errors import AmpwatchError, BadRequest, NotFound
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks, sync trusts the user
+    fcntl = None  # type: ignore[assignment]
+
+FORMAT = "ampwatch-spool/1"
+SUFFIX = ".json.gz"
+REJECTED = "rejected"
+Progress = Callable[[int, int, Path], None]
+
+
+def default_spool_dir() -> Path:
+    """$AMPWATCH_SPOOL_DIR, else $XDG_CACHE_HOME/ampwatch/spool (~/.cache by default):
+    where the agent spools unless told otherwise."""
+    if os.environ.get("AMPWATCH_SPOOL_DIR"):
+        return Path(os.environ["AMPWATCH_SPOOL_DIR"])
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "ampwatch" / "spool"
+
+
+@dataclass
+class SyncReport:
+    """What one sync did. `rejected`: files the server refused (moved to `rejected/`
+    beside them); `failed`: files left in place; `busy`: directories a running agent
+    holds; `stopped`: why the sync gave up early (server down, bad token)."""
+
+    uploaded: int = 0
+    duplicates: int = 0
+    steps: int = 0
+    runs: set[str] = field(default_factory=set)
+    rejected: list[tuple[Path, str]] = field(default_factory=list)
+    failed: list[tuple[Path, str]] = field(default_factory=list)
+    busy: list[Path] = field(default_factory=list)
+    stopped: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return not (self.rejected or self.failed or self.busy or self.stopped)
+
+
+def pending_batches(root: Path) -> dict[Path, list[Path]]:
+    """The spool's batch files per directory, in replay order. `root` may be the spool
+    root, one run's directory, or one rank's directory."""
+    if not root.is_dir():
+        raise FileNotFoundError(f"no spool directory at {root}")
+    by_dir: dict[Path, list[Path]] = {}
+    for path in sorted(root.rglob(f"*{SUFFIX}")):
+        hidden = path.name.startswith(".")  # a write in progress
+        if not hidden and REJECTED not in path.relative_to(root).parts:
+            by_dir.setdefault(path.parent, []).append(path)
+    return by_dir
+
+
+def sync_spool(client: Client, root: Path, progress: Progress | None = None) -> SyncReport:
+    """Upload every pending batch under `root`, oldest first per (run, rank), registering
+    each run (PUT) before its first batch and whenever its registration changes. A file is
+    deleted only after the server acknowledged it; one it refuses (4xx) is moved to
+    `rejected/`. Stops at the first error that would fail every request (server down,
+    bad token, 5xx). Blocks on the network: up to the client's timeout per request."""
+    report = SyncReport()
+    batches = pending_batches(root)
+    total = sum(len(files) for files in batches.values())
+    done = 0
+    registered: dict[str, Any] = {}
+    for directory, files in batches.items():
+        with _locked(directory) as locked:
+            if not locked:
+                report.busy.append(directory)
+                done += len(files)
+                continue
+            for path in files:
+                try:
+                    _upload(client, path, registered, report)
+                except BadRequest as exc:
+                    report.rejected.append((path, exc.message))
+                    _set_aside(path)
+                except NotFound as exc:
+                    report.failed.append((path, exc.message))
+                except (ValueError, KeyError, TypeError, EOFError, OSError) as exc:
+                    report.failed.append((path, f"unreadable spool file: {exc}"))
+                except AmpwatchError as exc:
+                    report.stopped = exc.message
+                    return report
+                done += 1
+                if progress:
+                    progress(done, total, path)
+    return report
+
+
+def _upload(client: Client, path: Path, registered: dict[str, Any],
+            report: SyncReport) -> None:
+    entry = json.loads(gzip.decompress(path.read_bytes()))
+    if entry.get("format") != FORMAT:
+        raise ValueError(f"format {entry.get('format')!r}, expected {FORMAT!r}")
+    run_id, batch = entry["run_id"], entry["batch"]
+    if entry.get("run") is not None and registered.get(run_id) != entry["run"]:
+        client.register_run(run_id, entry["run"])
+        registered[run_id] = entry["run"]
+    body = gzip.compress(json.dumps(batch, allow_nan=False).encode(), compresslevel=5)
+    ack = client.send_batch(run_id, body, gzipped=True)
+    path.unlink()  # only now: the server has committed (or already had) it
+    report.runs.add(run_id)
+    if ack.duplicate:
+        report.duplicates += 1
+    else:
+        report.uploaded += 1
+        report.steps += ack.stored_steps
+
+
+def _set_aside(path: Path) -> None:
+    """Move a refused batch out of the replay order, as the agent does."""
+    rejected = path.parent / REJECTED
+    rejected.mkdir(exist_ok=True)
+    os.replace(path, rejected / path.name)
+
+
+@contextlib.contextmanager
+def _locked(directory: Path) -> Iterator[bool]:
+    """Hold the directory's `lock` (the agent's flock) while replaying it; yields False
+    when a running agent holds it."""
+    if fcntl is None:
+        yield True
+        return
+    descriptor = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        yield True
+    finally:
+        os.close(descriptor)
