@@ -1,0 +1,236 @@
+"""`attach()` and the `Attachment` handle it returns."""
+
+from __future__ import annotations
+
+import atexit
+import math
+import os
+import threading
+import time
+import weakref
+from typing import Any
+
+from torch import nn
+
+from agent import guard
+from agent.collectors import default_collectors
+from agent.collectors.forward import ForwardCollector
+from agent.environment import distributed_rank, environment, run_body
+from agent.layers import discover_layers
+from agent.session import CLOSE_FAILED, Session, StepItem
+from agent.settings import AgentSettings
+from agent.transport.worker import Worker
+from client.wire import encode_tree
+
+_live: weakref.WeakSet[Attachment] = weakref.WeakSet()
+
+
+class Attachment:
+    """Handle of one attached model: every hook, wrapper and the worker it started.
+
+    `detach()` removes them all (idempotent); usable as a context manager. A disabled
+    attachment (`enabled=False`) does nothing.
+    """
+
+    def __init__(self, run_id: str | None, session: Session | None = None,
+                 worker: Worker | None = None, describe: dict[str, Any] | None = None) -> None:
+        self._run_id = run_id
+        self._session = session
+        self._worker = worker
+        self._describe = describe or {}
+        self._detached = session is None
+        self._lock = threading.Lock()
+
+    @property
+    def run_id(self) -> str | None:
+        return self._run_id
+
+    @property
+    def enabled(self) -> bool:
+        return not self._detached
+
+    @property
+    def step(self) -> int:
+        """Index of the next optimizer step the agent will record."""
+        return self._session.step if self._session is not None else 0
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Hand over the last step, spool everything and try to deliver it.
+
+        Blocks the caller up to `timeout` seconds (it waits for the worker); True when
+        nothing is left undelivered (offline: when everything is in the spool).
+        """
+        if self._detached or self._session is None or self._worker is None:
+            return True
+        try:
+            self._session.close_pending()
+            return self._worker.flush(timeout)
+        except Exception as exc:  # noqa: BLE001
+            guard.report("attachment.flush", exc)
+            return False
+
+    def detach(self, timeout: float = 5.0) -> bool:
+        """Remove every hook and wrapper, flush within `timeout`, stop the worker.
+
+        Idempotent; returns whether everything was delivered.
+        """
+        with self._lock:
+            if self._detached:
+                return True
+            self._detached = True
+        session, worker = self._session, self._worker
+        assert session is not None and worker is not None
+        delivered = False
+        try:
+            session.close_pending()
+            session.uninstall()
+            delivered = worker.stop(timeout)
+        except Exception as exc:  # noqa: BLE001
+            guard.report("attachment.detach", exc)
+        guard.remove_listener(self._on_error)
+        _live.discard(self)
+        return delivered
+
+    def __enter__(self) -> Attachment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.detach()
+
+    def check_speedup(self, example_batch: Any, loss_fn: Any, steps: int = 5,
+                      dtype: Any = None) -> float | None:
+        """Time forward+backward of a copy of the model in fp32 and under autocast.
+
+        Returns fp32_ms / amp_ms and sends a `speed_check` event. Runs `2 * steps` timed
+        steps plus warm-up on the training thread and synchronises the device: call it
+        once, outside the training loop.
+        """
+        if self._detached or self._session is None:
+            return None
+        from agent.speed import measure_speedup
+
+        session = self._session
+        session.suspended = True
+        try:
+            detail = measure_speedup(session, example_batch, loss_fn, steps, dtype)
+        except Exception as exc:  # noqa: BLE001
+            guard.report("attachment.check_speedup", exc)
+            return None
+        finally:
+            session.suspended = False
+        self.event("speed_check", detail)
+        return detail["speedup"]
+
+    def event(self, kind: str, detail: dict[str, Any]) -> bool:
+        """Queue an event for the next batch; never blocks."""
+        if self._detached or self._worker is None or self._session is None:
+            return False
+        return self._worker.submit(("event", {"step": self._session.step, "kind": kind,
+                                              "detail": encode_tree(detail)}))
+
+    # ------------------------------------------------------------------ internals
+    def _on_error(self, site: str, exc: BaseException) -> None:
+        self.event("agent_error", {"site": site, "message": f"{type(exc).__name__}: {exc}"})
+
+    def _run_changed(self) -> None:
+        if self._worker is not None:
+            self._worker.submit(("run", self._body()))
+
+    def _body(self) -> dict[str, Any]:
+        session = self._session
+        assert session is not None
+        forward = next(c for c in session.collectors if isinstance(c, ForwardCollector))
+        env = environment(session.device, session.scaler, forward.training_autocast,
+                          session.settings.world_size)
+        return run_body(env=env, layers=session.layers, **self._describe)
+
+    def _decode(self, item: StepItem) -> dict | None:
+        """Worker thread: the host copy of a closed step as a wire-format record."""
+        session = self._session
+        assert session is not None
+        if item.ready is not None:
+            item.ready.synchronize()
+        host = item.host.numpy()
+        record: dict[str, Any] = {"step": item.step}
+        try:
+            for collector in session.collectors:
+                meta = item.meta.get(collector.name, CLOSE_FAILED)
+                if meta is CLOSE_FAILED:
+                    continue
+                collector.read(host[collector.offset: collector.offset + collector.slots],
+                               meta, record)
+        finally:
+            session.buffer.release(item.host)
+        if record.get("skipped") or any(
+                isinstance(record.get(k), float) and not math.isfinite(record[k])
+                for k in ("grad_norm", "loss")):
+            session.note_anomaly(item.step)
+        return encode_tree(record)
+
+
+def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
+           run: str | None = None, project: str | None = None, name: str | None = None,
+           tags: list[str] | None = None, config: dict[str, Any] | None = None,
+           server: str | None = None, enabled: bool = True, sample_every: int = 10,
+           sample_after_anomaly: int = 20, spool_dir: str | os.PathLike | None = None,
+           offline: bool | None = None, flush_interval: float | None = None,
+           max_batch_steps: int | None = None) -> Attachment:
+    """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
+
+    The optimizer is found at its first step when not given (the first whose parameters
+    include the model's). Costs a few host-side hooks per step and a handful of small
+    device kernels; does not synchronise the device. Never raises because of the agent's
+    own failures: it logs them and returns a disabled attachment.
+    """
+    if not enabled:
+        return Attachment(run)
+    try:
+        rank, world_size = distributed_rank()
+        settings = AgentSettings.build(
+            run, name, server, rank=rank, world_size=world_size, sample_every=sample_every,
+            sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
+            flush_interval_s=flush_interval, max_batch_steps=max_batch_steps)
+        layers = discover_layers(model)
+        session = Session(model, scaler, optimizer, layers, default_collectors(len(layers)),
+                          sink=lambda item: False, settings=settings)
+        describe = {"name": name, "project": project, "tags": tags, "config": config}
+        attachment = Attachment(settings.run_id, session, None, describe)
+        worker = Worker(settings, attachment._body(), attachment._decode,
+                        lambda: session.dropped_steps)
+        attachment._worker = worker
+        session.sink = worker.submit
+        session.on_run_change = guard.guarded("attachment.run_change")(attachment._run_changed)
+        session.install()
+        worker._start()
+    except Exception as exc:  # noqa: BLE001
+        guard.report("attach", exc)
+        return Attachment(run)
+    guard.add_listener(attachment._on_error)
+    _live.add(attachment)
+    return attachment
+
+
+def _detach_all_at_exit() -> None:
+    """atexit: flush every live attachment within its exit timeout (5 s by default)."""
+    deadline = None
+    for attachment in list(_live):
+        session = attachment._session
+        if session is None:
+            continue
+        if deadline is None:
+            deadline = time.monotonic() + session.settings.exit_timeout_s
+        attachment.detach(timeout=max(0.1, deadline - time.monotonic()))
+
+
+def _after_fork_in_child() -> None:
+    for attachment in list(_live):
+        attachment._detached = True
+        if attachment._session is not None:
+            attachment._session.active = False
+        if attachment._worker is not None:
+            attachment._worker.forked()
+    _live.clear()
+
+
+atexit.register(_detach_all_at_exit)
+os.register_at_fork(after_in_child=_after_fork_in_child)

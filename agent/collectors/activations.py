@@ -1,0 +1,150 @@
+"""Sampled per-layer forward statistics and the layers' forward execution order.
+
+On a sampled step (every `sample_every` steps, and every step through
+`session.anomaly_until`) each layer gets a forward pre/post hook for that step only:
+abs-max of its output (one `vector_norm(ord=inf)` kernel, NaN/inf propagate), the dtype
+it computed in, and its forward time. Values are stacked into the buffer at close.
+Does not synchronise the device. The first sampled training forward gives the forward
+order; a change triggers a re-registration of the run's layer table.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from agent import guard
+from agent.collectors.base import Collector
+from agent.layers import dtype_name
+from client.wire import encode_array
+
+_INF = float("inf")
+
+
+def first_float_tensor(output: Any) -> torch.Tensor | None:
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    if isinstance(output, list | tuple):
+        for item in output:
+            found = first_float_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(output, dict):
+        return first_float_tensor(list(output.values()))
+    return None
+
+
+class ActivationCollector(Collector):
+    """`activations.absmax`, `.dtype`, `.time_ms` on sampled steps."""
+
+    name = "activations"
+
+    def __init__(self, n_layers: int) -> None:
+        super().__init__()
+        self.n_layers = n_layers
+        self.slots = n_layers
+        self.order: list[int] = []
+        self._hooks: list[Any] = []
+        self._reset()
+
+    def _reset(self) -> None:
+        self._absmax: dict[int, torch.Tensor] = {}
+        self._dtypes: dict[int, str | None] = {}
+        self._times: dict[int, list[tuple[Any, Any]]] = {}
+        self._starts: dict[int, Any] = {}
+        self._seen: list[int] = []
+
+    def bind(self, session: Any) -> None:
+        super().bind(session)
+        self._zero = torch.zeros((), device=session.device)
+
+    def unbind(self) -> None:
+        self._set_sampling(False)
+
+    @property
+    def sampling(self) -> bool:
+        return bool(self._hooks)
+
+    def on_next_step(self, step: int) -> None:
+        settings = self.session.settings
+        every = settings.sample_every
+        sample = (every > 0 and step % every == 0) or step <= self.session.anomaly_until
+        self._set_sampling(sample)
+
+    def on_step_end(self, step: int, stepped: bool) -> None:
+        if not stepped:
+            self.session.note_anomaly(step)
+
+    def _set_sampling(self, on: bool) -> None:
+        if on == self.sampling:
+            return
+        if not on:
+            for handle in self._hooks:
+                handle.remove()
+            self._hooks = []
+            return
+        for layer in self.session.layers:
+            self._hooks.append(layer.module.register_forward_pre_hook(self._pre(layer.index)))
+            self._hooks.append(layer.module.register_forward_hook(self._post(layer.index)))
+
+    def _pre(self, index: int) -> Any:
+        @guard.guarded("activations.pre")
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            if self.session.in_training_forward:
+                self._starts[index] = self.session.clock.mark()
+        return hook
+
+    def _post(self, index: int) -> Any:
+        @guard.guarded("activations.post")
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            start = self._starts.pop(index, None)
+            if start is None:
+                return
+            self._times.setdefault(index, []).append((start, self.session.clock.mark()))
+            tensor = first_float_tensor(output)
+            if index not in self._dtypes:
+                self._seen.append(index)
+            dtype = dtype_name(tensor.dtype) if tensor is not None else None
+            previous = self._dtypes.get(index, dtype)
+            self._dtypes[index] = dtype if previous == dtype else "mixed"
+            if tensor is None:
+                return
+            value = torch.linalg.vector_norm(tensor.detach(), _INF)
+            held = self._absmax.get(index)
+            self._absmax[index] = value if held is None else torch.maximum(held, value)
+        return hook
+
+    def seal(self) -> Any:
+        sampled = self.sampling
+        sealed = (sampled, self._absmax, self._dtypes, self._times, self._seen)
+        self._reset()
+        return sealed
+
+    def close(self, sealed: Any) -> Any:
+        sampled, absmax, dtypes, times, seen = sealed
+        if not sampled:
+            return None
+        if seen and seen != self.order[: len(seen)] or len(seen) > len(self.order):
+            self.order = seen
+            for layer in self.session.layers:
+                layer.forward_index = seen.index(layer.index) if layer.index in seen else None
+            self.session.on_run_change()
+        if absmax:
+            values = [absmax.get(i, self._zero).float() for i in range(self.n_layers)]
+            self.view.copy_(torch.stack(values))
+        ran = np.array([i in absmax for i in range(self.n_layers)], dtype=bool)
+        return {"ran": ran, "dtypes": [dtypes.get(i) for i in range(self.n_layers)],
+                "times": [times.get(i) for i in range(self.n_layers)]}
+
+    def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
+        if meta is None:
+            return
+        clock = self.session.clock
+        record["activations"] = {
+            "absmax": encode_array(host, missing=~meta["ran"]),
+            "dtype": meta["dtypes"],
+            "time_ms": [None if t is None else sum(clock.elapsed_ms(a, b) for a, b in t)
+                        for t in meta["times"]],
+        }

@@ -1,0 +1,84 @@
+"""The one protocol every signal implements.
+
+A collector reserves slots in the step buffer, reacts to the training loop's events on
+the training thread (never synchronising the device: it only launches device work into
+its slots and keeps host facts), and turns its slots of the host copy into wire fields
+on the worker thread, a step later. Adding a signal means adding one collector.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+
+if TYPE_CHECKING:
+    from agent.buffer import StepBuffer
+    from agent.session import Session
+
+EVENTS = ("on_forward_begin", "on_forward_end", "on_backward_begin", "on_backward_end",
+          "on_scale", "on_grads", "on_clip_begin", "on_clip_end", "on_scheduler_step",
+          "on_step_begin", "on_step_end", "on_update_begin", "on_update_end", "on_next_step")
+
+
+class Collector:
+    """Base class: every event is a no-op; subclasses override the ones they need.
+
+    Training-thread methods do not synchronise the device. `read` runs on the worker.
+    """
+
+    name = "collector"
+    slots = 0
+
+    def __init__(self) -> None:
+        self.offset = 0
+        self.session: Session | None = None
+
+    # set-up (training thread, at attach and detach)
+    def reserve(self, buffer: StepBuffer) -> None:
+        self.offset = buffer.reserve(self.slots)
+
+    def bind(self, session: Session) -> None:
+        self.session = session
+
+    def unbind(self) -> None:
+        """Remove whatever hooks the collector registered itself."""
+
+    @property
+    def view(self) -> torch.Tensor:
+        assert self.session is not None
+        return self.session.buffer.view(self.offset, self.slots)
+
+    # per step (training thread): seal() hands over this step's host state at step end;
+    # close() writes the device values of a sealed step into the slots, returns host meta
+    def seal(self) -> Any:
+        return None
+
+    def close(self, sealed: Any) -> Any:
+        return sealed
+
+    # worker thread: fill wire fields of the step record from the host copy
+    def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
+        """Add this collector's fields to `record` (worker thread)."""
+
+    # events (training thread); see agent.session for when each fires
+    def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None: ...
+    def on_forward_end(self, training: bool, output: Any) -> None: ...
+    def on_backward_begin(self, tensor: torch.Tensor) -> None: ...
+    def on_backward_end(self) -> None: ...
+    def on_scale(self, outputs: Any) -> None: ...
+    def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
+                 divisor: torch.Tensor | None) -> None: ...
+    def on_clip_begin(self, unscaled: bool) -> None: ...
+    def on_clip_end(self, total_norm: Any, max_norm: float, unscaled: bool) -> None: ...
+    def on_scheduler_step(self, optimizer: Any) -> None: ...
+    def on_step_begin(self, step: int) -> None: ...
+    def on_step_end(self, step: int, stepped: bool) -> None: ...
+    def on_update_begin(self) -> None: ...
+    def on_update_end(self, closing: bool) -> None: ...
+    def on_next_step(self, step: int) -> None: ...
+
+
+def overrides(collector: Collector, event: str) -> bool:
+    return getattr(type(collector), event) is not getattr(Collector, event)

@@ -1,0 +1,100 @@
+"""Facts about the model's top-level forwards: time, autocast dtype, train versus eval,
+and whether the training input batch held inf/NaN."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from agent.collectors.base import Collector
+from agent.layers import dtype_name
+
+_INF = float("inf")
+
+
+def _float_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
+    found = []
+    for value in (*args, *kwargs.values()):
+        items = value if isinstance(value, list | tuple) else (
+            value.values() if isinstance(value, dict) else (value,))
+        found.extend(t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point())
+    return found
+
+
+class ForwardCollector(Collector):
+    """`t_forward_ms`, `autocast_dtype`, `eval_forwards`, `eval_forwards_no_autocast`,
+    `input_nonfinite`. The input check is one max-abs reduction per floating input tensor
+    (inf/NaN propagate into it), reduced on the device at close; no synchronisation."""
+
+    name = "forward"
+    slots = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.training_autocast: str | None = None  # autocast dtype training forwards use
+        self._reset()
+
+    def _reset(self) -> None:
+        self._intervals: list[tuple[Any, Any]] = []
+        self._start: Any = None
+        self._dtypes: set[str | None] = set()
+        self._input_maxes: list[torch.Tensor] = []
+        self._training_forwards = 0
+        self._eval = 0
+        self._eval_no_autocast = 0
+
+    def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
+        session = self.session
+        device_type = session.device_type
+        autocast = (dtype_name(torch.get_autocast_dtype(device_type))
+                    if torch.is_autocast_enabled(device_type) else None)
+        if not training:
+            self._eval += 1
+            if autocast is None and self.training_autocast is not None:
+                self._eval_no_autocast += 1
+            return
+        self._training_forwards += 1
+        self._dtypes.add(autocast)
+        if autocast is not None and autocast != self.training_autocast:
+            self.training_autocast = autocast
+            session.on_run_change()
+        for tensor in _float_tensors(args, kwargs):
+            self._input_maxes.append(torch.linalg.vector_norm(tensor.detach(), _INF))
+        self._start = session.clock.mark()
+
+    def on_forward_end(self, training: bool, output: Any) -> None:
+        if training and self._start is not None:
+            self._intervals.append((self._start, self.session.clock.mark()))
+            self._start = None
+
+    def seal(self) -> Any:
+        dtypes = self._dtypes
+        autocast = (None if dtypes <= {None} else
+                    next(iter(dtypes)) if len(dtypes) == 1 else "mixed")
+        sealed = {"intervals": self._intervals, "autocast": autocast,
+                  "training_forwards": self._training_forwards, "eval": self._eval,
+                  "eval_no_autocast": self._eval_no_autocast, "inputs": self._input_maxes}
+        self._reset()
+        return sealed
+
+    def close(self, sealed: Any) -> Any:
+        inputs = sealed.pop("inputs")
+        sealed["inputs_checked"] = bool(inputs)
+        if inputs:
+            maxes = torch.stack([t.float() for t in inputs])
+            self.view[0].copy_(maxes.isfinite().all().logical_not())
+        return sealed
+
+    def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
+        clock = self.session.clock
+        record["t_forward_ms"] = (sum(clock.elapsed_ms(a, b) for a, b in meta["intervals"])
+                                  if meta["intervals"] else None)
+        record["autocast_dtype"] = meta["autocast"]
+        record["eval_forwards"] = meta["eval"]
+        record["eval_forwards_no_autocast"] = meta["eval_no_autocast"]
+        if meta["inputs_checked"]:
+            record["input_nonfinite"] = bool(host[0])
+        else:
+            record["input_nonfinite"] = False if meta["training_forwards"] else None

@@ -1,0 +1,49 @@
+"""The loss of each step, as the agent sees it: the input of `scaler.scale()` (so the
+unscaled loss), or without a scaler the scalar that `backward()` was called on. With
+gradient accumulation the step's loss is the sum of its micro-batch losses."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from agent.collectors.base import Collector
+
+
+class LossCollector(Collector):
+    """Keeps references to the loss tensors; sums them on the device at close."""
+
+    name = "loss"
+    slots = 1
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._losses: list[torch.Tensor] = []
+
+    def _take(self, tensor: Any) -> None:
+        if isinstance(tensor, torch.Tensor) and tensor.numel() == 1 and tensor.is_floating_point():
+            self._losses.append(tensor.detach().reshape(()))
+
+    def on_scale(self, outputs: Any) -> None:
+        self._take(outputs)
+
+    def on_backward_begin(self, tensor: torch.Tensor) -> None:
+        if self.session is not None and not self.session.scaler_enabled:
+            self._take(tensor)
+
+    def seal(self) -> Any:
+        losses, self._losses = self._losses, []
+        return losses
+
+    def close(self, sealed: Any) -> Any:
+        if not sealed:
+            return False
+        total = sealed[0] if len(sealed) == 1 else torch.stack(
+            [t.float() for t in sealed]).sum()
+        self.view[0].copy_(total)
+        return True
+
+    def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
+        record["loss"] = float(host[0]) if meta else None

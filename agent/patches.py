@@ -1,0 +1,112 @@
+"""Shared wrappers around global torch functions the agent must observe.
+
+`clip_grad_norm_`, `Tensor.backward` and LR schedulers' `step` have no hook API, so one
+wrapper per function is installed while at least one listener is registered and removed
+with the last one. Listeners run under the guard; the wrapped call itself is untouched
+(its exceptions and return value pass through). A wrapper costs one Python call.
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.utils
+import torch.nn.utils.clip_grad
+import torch.optim.lr_scheduler as lr_scheduler
+
+from agent import guard
+
+Before = Callable[[tuple, dict], Any]
+After = Callable[[Any, tuple, dict, Any], None]
+
+
+class GlobalPatch:
+    """Replace `owner.attr` on every owner by one wrapper while listeners exist."""
+
+    def __init__(self, name: str, targets: list[tuple[Any, str]]) -> None:
+        self.name = name
+        self._targets = targets
+        self._originals: list[Any] = []
+        self._wrappers: list[Any] = []
+        self._listeners: list[tuple[Before | None, After | None]] = []
+        self._lock = threading.Lock()
+        self._depth = threading.local()
+
+    def add(self, before: Before | None = None, after: After | None = None) -> object:
+        """Register a listener; returns a token for `remove`."""
+        token = (before, after)
+        with self._lock:
+            if not self._listeners:
+                self._install()
+            self._listeners.append(token)
+        return token
+
+    def remove(self, token: object) -> None:
+        with self._lock:
+            if token in self._listeners:
+                self._listeners.remove(token)
+                if not self._listeners:
+                    self._uninstall()
+
+    def _install(self) -> None:
+        self._originals = [getattr(owner, attr) for owner, attr in self._targets]
+        self._wrappers = [self._wrap(orig) for orig in self._originals]
+        for (owner, attr), wrapper in zip(self._targets, self._wrappers, strict=True):
+            setattr(owner, attr, wrapper)
+
+    def _uninstall(self) -> None:
+        for (owner, attr), orig, wrapper in zip(self._targets, self._originals,
+                                                 self._wrappers, strict=True):
+            if owner.__dict__.get(attr) is wrapper:  # someone may have wrapped us since
+                setattr(owner, attr, orig)
+        self._originals, self._wrappers = [], []
+
+    def _wrap(self, original: Callable) -> Callable:
+        patch = self
+
+        @functools.wraps(original)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            depth = getattr(patch._depth, "n", 0)
+            if depth or not patch._listeners:  # nested calls (chained schedulers) count once
+                return original(*args, **kwargs)
+            listeners = list(patch._listeners)
+            tokens = []
+            for before, _ in listeners:
+                tokens.append(_safe(patch.name, before, args, kwargs) if before else None)
+            patch._depth.n = 1
+            try:
+                result = original(*args, **kwargs)
+            finally:
+                patch._depth.n = 0
+            for (_, after), token in zip(listeners, tokens, strict=True):
+                if after:
+                    _safe(patch.name, after, result, args, kwargs, token)
+            return result
+
+        wrapper.__ampwatch_original__ = original  # type: ignore[attr-defined]
+        return wrapper
+
+
+def _safe(site: str, fn: Callable, *args: Any) -> Any:
+    try:
+        return fn(*args)
+    except Exception as exc:  # noqa: BLE001
+        guard.report(site, exc)
+        return None
+
+
+def _scheduler_classes() -> list[tuple[Any, str]]:
+    classes = [c for c in vars(lr_scheduler).values()
+               if isinstance(c, type) and "step" in c.__dict__
+               and (issubclass(c, lr_scheduler.LRScheduler) or c.__name__ == "ReduceLROnPlateau")]
+    return [(c, "step") for c in classes]
+
+
+CLIP_GRAD_NORM = GlobalPatch("clip_grad_norm_", [(torch.nn.utils, "clip_grad_norm_"),
+                                                 (torch.nn.utils.clip_grad, "clip_grad_norm_")])
+BACKWARD = GlobalPatch("Tensor.backward", [(torch.Tensor, "backward")])
+SCHEDULER_STEP = GlobalPatch("LRScheduler.step", _scheduler_classes())

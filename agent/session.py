@@ -1,0 +1,317 @@
+"""The training-loop observer: hooks and wrappers that turn the loop into step events.
+
+Step N begins at `scaler.step(optimizer)` (or the optimizer's own step when there is no
+scaler) and ends when it returns. Its record is closed at the first `scaler.update()`
+after it (which sets `scale_after`), at once without a scaler, or at the latest before
+any device write of step N+1; closing writes the sealed step into the device buffer and
+issues its one non-blocking host copy. No method here synchronises the device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.optim.optimizer as optim_hooks
+from torch import nn
+
+from agent import guard, patches
+from agent.buffer import StepBuffer
+from agent.clock import CudaClock, HostClock
+from agent.collectors.base import EVENTS, Collector, overrides
+from agent.layers import Layer
+
+_SCALER_METHODS = ("scale", "unscale_", "step", "update")
+CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
+
+
+@dataclass
+class StepItem:
+    """A closed step on its way to the worker: the host copy and each collector's meta."""
+
+    step: int
+    host: torch.Tensor
+    ready: Any  # CUDA event to wait for before reading `host`, or None
+    meta: dict[str, Any]
+
+
+class Session:
+    """Owns the hooks of one attachment and the step lifecycle (training thread)."""
+
+    def __init__(self, model: nn.Module, scaler: Any, optimizer: Any, layers: list[Layer],
+                 collectors: list[Collector], sink: Callable[[StepItem], bool],
+                 settings: Any) -> None:
+        self.model = model
+        self.scaler = scaler
+        self.optimizer = optimizer
+        self.layers = layers
+        self.collectors = collectors
+        self.settings = settings
+        self.sink = sink
+        self.params = list(dict.fromkeys(model.parameters()))
+        self._param_ids = {id(p) for p in self.params}
+        first = next(iter(self.params), None)
+        self.device = first.device if first is not None else torch.device("cpu")
+        self.device_type = self.device.type
+        self.buffer = StepBuffer(self.device)
+        self.clock: HostClock | CudaClock = (
+            CudaClock() if self.device_type == "cuda" else HostClock())
+        self.step = 0
+        self.active = False
+        self.suspended = False  # set during check_speedup's private runs
+        self.in_training_forward = False
+        self.anomaly_until = -1  # sample activations through this step (worker sets it too)
+        self.dropped_steps = 0
+        self._grads_taken = False
+        self._in_scaler_step = False
+        self._opt_stepped = False
+        self._pending: tuple[int, bool, dict[str, Any]] | None = None
+        self._handles: list[Any] = []
+        self._patch_tokens: list[tuple[patches.GlobalPatch, object]] = []
+        self._scaler_wrapped: list[str] = []
+        self._listeners = {e: [c for c in collectors if overrides(c, e)] for e in EVENTS}
+        self.on_run_change: Callable[[], None] = lambda: None
+
+    # ------------------------------------------------------------------ set-up
+    def install(self) -> None:
+        for collector in self.collectors:
+            collector.reserve(self.buffer)
+        self.buffer.allocate()
+        for collector in self.collectors:
+            collector.bind(self)
+        self._handles.append(self.model.register_forward_pre_hook(
+            self._forward_pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(
+            self._forward_post, with_kwargs=True))
+        self._handles.append(optim_hooks.register_optimizer_step_pre_hook(self._opt_pre))
+        self._handles.append(optim_hooks.register_optimizer_step_post_hook(self._opt_post))
+        self._patch_tokens = [
+            (patches.BACKWARD, patches.BACKWARD.add(self._backward_before, self._backward_after)),
+            (patches.CLIP_GRAD_NORM, patches.CLIP_GRAD_NORM.add(self._clip_before,
+                                                                self._clip_after)),
+            (patches.SCHEDULER_STEP, patches.SCHEDULER_STEP.add(self._scheduler_before)),
+        ]
+        if self.scaler is not None:
+            for name in _SCALER_METHODS:
+                original = getattr(self.scaler, name)
+                setattr(self.scaler, name, getattr(self, f"_wrap_{name.rstrip('_')}")(original))
+                self._scaler_wrapped.append(name)
+        self.active = True
+        self.dispatch("on_next_step", 0)
+
+    def uninstall(self) -> None:
+        """Remove every hook, wrapper and patch; idempotent."""
+        self.active = False
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for patch, token in self._patch_tokens:
+            patch.remove(token)
+        self._patch_tokens.clear()
+        for name in self._scaler_wrapped:
+            self.scaler.__dict__.pop(name, None)
+        self._scaler_wrapped.clear()
+        for collector in self.collectors:
+            collector.unbind()
+
+    def dispatch(self, event: str, *args: Any) -> None:
+        for collector in self._listeners[event]:
+            try:
+                getattr(collector, event)(*args)
+            except Exception as exc:  # noqa: BLE001
+                guard.report(f"{collector.name}.{event}", exc)
+
+    @property
+    def live(self) -> bool:
+        return self.active and not self.suspended
+
+    @property
+    def scaler_enabled(self) -> bool:
+        return self.scaler is not None and bool(getattr(self.scaler, "_enabled", True))
+
+    def _adopt(self, optimizer: Any) -> bool:
+        """Is `optimizer` the one training this model? Adopts the first that matches."""
+        if self.optimizer is not None:
+            return optimizer is self.optimizer
+        if any(id(p) in self._param_ids for g in optimizer.param_groups for p in g["params"]):
+            self.optimizer = optimizer
+            return True
+        return False
+
+    # ------------------------------------------------------------------ step lifecycle
+    def _take_grads(self, divisor: torch.Tensor | None = None) -> None:
+        """Per-step gradient snapshot, once, at the first point the grads are unscaled."""
+        if self._grads_taken:
+            return
+        self._grads_taken = True
+        self.close_pending()
+        present = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
+        grads = [self.params[i].grad for i in present]
+        self.dispatch("on_grads", grads, present, divisor)
+
+    def _step_begin(self) -> None:
+        self.close_pending()
+        self.dispatch("on_step_begin", self.step)
+
+    def _step_end(self, stepped: bool) -> None:
+        step = self.step
+        self.dispatch("on_step_end", step, stepped)
+        sealed = {}
+        for collector in self.collectors:
+            try:
+                sealed[collector.name] = collector.seal()
+            except Exception as exc:  # noqa: BLE001
+                guard.report(f"{collector.name}.seal", exc)
+        self._pending = (step, stepped, sealed)
+        self.step = step + 1
+        self._grads_taken = False
+        if not self.scaler_enabled:
+            self.close_pending()
+        self.dispatch("on_next_step", self.step)
+
+    @guard.guarded("session.close")
+    def close_pending(self) -> None:
+        """Write the sealed step into the buffer, copy it to the host, hand it over."""
+        if self._pending is None:
+            return
+        step, _, sealed = self._pending
+        self._pending = None
+        meta: dict[str, Any] = {}
+        for collector in self.collectors:
+            try:
+                meta[collector.name] = collector.close(sealed.get(collector.name))
+            except Exception as exc:  # noqa: BLE001
+                guard.report(f"{collector.name}.close", exc)
+                meta[collector.name] = CLOSE_FAILED
+        snap = self.buffer.snapshot()
+        if snap is None or not self.sink(StepItem(step, snap[0], snap[1], meta)):
+            self.dropped_steps += 1
+            if snap is not None:
+                self.buffer.release(snap[0])
+
+    def note_anomaly(self, step: int) -> None:
+        """Sample activations every step for the next K steps (any thread)."""
+        self.anomaly_until = max(self.anomaly_until, step + self.settings.sample_after_anomaly)
+
+    # ------------------------------------------------------------------ hooks
+    def _forward_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.live:
+            self.in_training_forward = module.training
+            self.dispatch("on_forward_begin", module.training, args, kwargs)
+
+    def _forward_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if self.live:
+            self.dispatch("on_forward_end", module.training, output)
+            self.in_training_forward = False
+
+    def _backward_before(self, args: tuple, kwargs: dict) -> None:
+        if self.live:
+            self.dispatch("on_backward_begin", args[0])
+
+    def _backward_after(self, result: Any, args: tuple, kwargs: dict, token: Any) -> None:
+        if self.live:
+            self.dispatch("on_backward_end")
+
+    def _grads_unscaled(self) -> bool:
+        if not self.scaler_enabled:
+            return True
+        states = getattr(self.scaler, "_per_optimizer_states", {})
+        if self.optimizer is not None:
+            state = states.get(id(self.optimizer))
+            return state is not None and state["stage"].name == "UNSCALED"
+        return any(s["stage"].name == "UNSCALED" for s in states.values())
+
+    def _clip_before(self, args: tuple, kwargs: dict) -> bool:
+        unscaled = self._grads_unscaled()
+        if self.live:
+            if unscaled:
+                self._take_grads()
+            self.dispatch("on_clip_begin", unscaled)
+        return unscaled
+
+    def _clip_after(self, result: Any, args: tuple, kwargs: dict, unscaled: Any) -> None:
+        if self.live:
+            max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
+            self.dispatch("on_clip_end", result, max_norm, bool(unscaled))
+
+    def _scheduler_before(self, args: tuple, kwargs: dict) -> None:
+        scheduler = args[0]
+        if self.live and getattr(scheduler, "_step_count", 1) != 0:  # 0: its __init__ step
+            self.dispatch("on_scheduler_step", getattr(scheduler, "optimizer", None))
+
+    def _opt_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        try:
+            if not self.live or self._in_scaler_step or not self._adopt(optimizer):
+                return
+            self._step_begin()
+            self._take_grads()
+        except Exception as exc:  # noqa: BLE001
+            guard.report("session.optimizer_pre", exc)
+
+    def _opt_post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+        try:
+            if not self.live or optimizer is not self.optimizer:
+                return
+            if self._in_scaler_step:
+                self._opt_stepped = True
+            else:
+                self._step_end(stepped=True)
+        except Exception as exc:  # noqa: BLE001
+            guard.report("session.optimizer_post", exc)
+
+    # ------------------------------------------------------------------ scaler wrappers
+    def _wrap_scale(self, original: Callable) -> Callable:
+        def scale(outputs: Any) -> Any:
+            if self.live:
+                self.dispatch("on_scale", outputs)
+            return original(outputs)
+        return scale
+
+    def _wrap_unscale(self, original: Callable) -> Callable:
+        def unscale_(optimizer: Any) -> None:
+            original(optimizer)
+            if self.live:
+                try:
+                    if self._adopt(optimizer):
+                        self._take_grads()
+                except Exception as exc:  # noqa: BLE001
+                    guard.report("session.unscale_", exc)
+        return unscale_
+
+    def _wrap_step(self, original: Callable) -> Callable:
+        def step(optimizer: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                ours = self.live and self._adopt(optimizer)
+                if ours:
+                    self._step_begin()
+                    if not self.scaler_enabled:
+                        self._take_grads()
+                    elif not self._grads_taken and getattr(
+                            optimizer, "_step_supports_amp_scaling", False):
+                        self._take_grads(divisor=self.scaler._scale)  # fused: grads stay scaled
+            except Exception as exc:  # noqa: BLE001
+                guard.report("session.step", exc)
+                ours = False
+            if not ours:
+                return original(optimizer, *args, **kwargs)
+            self._in_scaler_step, self._opt_stepped = True, False
+            try:
+                return original(optimizer, *args, **kwargs)
+            finally:
+                self._in_scaler_step = False
+                guard.guarded("session.step_end")(self._step_end)(self._opt_stepped)
+        return step
+
+    def _wrap_update(self, original: Callable) -> Callable:
+        def update(new_scale: Any = None) -> None:
+            if self.live:
+                self.dispatch("on_update_begin")
+            original(new_scale)
+            if self.live:
+                closing = self._pending is not None
+                self.dispatch("on_update_end", closing)
+                if closing:
+                    self.close_pending()
+        return update

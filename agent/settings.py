@@ -1,0 +1,71 @@
+"""Agent settings: keyword arguments of `attach()` over environment variables over defaults."""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+import sys
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+DEFAULT_SERVER = "http://127.0.0.1:8000"
+DEFAULT_SPOOL_BYTES = 1 << 30
+_RUN_ID_BAD = re.compile(r"[^A-Za-z0-9._-]+")
+
+
+def default_spool_dir() -> Path:
+    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
+    return Path(cache) / "ampwatch" / "spool"
+
+
+def make_run_id(name: str | None) -> str:
+    """`<name>-<utc time>-<random>`, restricted to the characters API v1 allows."""
+    base = name or Path(sys.argv[0] or "run").stem or "run"
+    base = _RUN_ID_BAD.sub("-", base).strip("-._")[:64] or "run"
+    stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%SZ")
+    return f"{base}-{stamp}-{secrets.token_hex(3)}"
+
+
+@dataclass
+class AgentSettings:
+    """Everything the agent's transport and sampling need; built once by `attach()`."""
+
+    run_id: str
+    run_id_generated: bool
+    server: str = DEFAULT_SERVER
+    offline: bool = False
+    spool_dir: Path = field(default_factory=default_spool_dir)
+    spool_max_bytes: int = DEFAULT_SPOOL_BYTES
+    flush_interval_s: float = 2.0
+    max_batch_steps: int = 200
+    exit_timeout_s: float = 5.0
+    sample_every: int = 10
+    sample_after_anomaly: int = 20
+    rank: int = 0
+    world_size: int = 1
+
+    @classmethod
+    def build(cls, run: str | None, name: str | None, server: str | None,
+              **overrides: Any) -> AgentSettings:
+        env = os.environ
+        values: dict[str, Any] = {
+            "run_id": run or make_run_id(name),
+            "run_id_generated": run is None,
+            "server": (server or env.get("AMPWATCH_SERVER") or DEFAULT_SERVER).rstrip("/"),
+            "offline": env.get("AMPWATCH_MODE", "").lower() == "offline",
+        }
+        if env.get("AMPWATCH_SPOOL_DIR"):
+            values["spool_dir"] = Path(env["AMPWATCH_SPOOL_DIR"])
+        if env.get("AMPWATCH_SPOOL_MAX_BYTES"):
+            values["spool_max_bytes"] = int(env["AMPWATCH_SPOOL_MAX_BYTES"])
+        if env.get("AMPWATCH_FLUSH_INTERVAL"):
+            values["flush_interval_s"] = float(env["AMPWATCH_FLUSH_INTERVAL"])
+        if env.get("AMPWATCH_EXIT_TIMEOUT"):
+            values["exit_timeout_s"] = float(env["AMPWATCH_EXIT_TIMEOUT"])
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if isinstance(values.get("spool_dir"), str):
+            values["spool_dir"] = Path(values["spool_dir"])
+        return cls(**values)

@@ -1,0 +1,64 @@
+"""On-demand fp32 versus AMP speed check of a private copy of the model."""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from typing import Any
+
+import torch
+
+from agent.layers import dtype_name
+
+WARMUP_STEPS = 2
+
+
+def _private_copy(session: Any) -> torch.nn.Module:
+    """A deep copy of the model without the agent's hooks (deepcopy copies hook dicts)."""
+    twin = copy.deepcopy(session.model)
+    for module in twin.modules():
+        for hooks in (module._forward_hooks, module._forward_pre_hooks,
+                      module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
+            hooks.clear()
+        module._forward_pre_hooks_with_kwargs.clear()
+    return twin
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_steps(model: torch.nn.Module, batch: Any, loss_fn: Any, steps: int,
+                device: torch.device, dtype: torch.dtype | None) -> float:
+    args = batch if isinstance(batch, tuple | list) else (batch,)
+    times = []
+    for i in range(WARMUP_STEPS + steps):
+        _sync(device)
+        start = time.perf_counter()
+        with torch.autocast(device.type, dtype=dtype, enabled=dtype is not None):
+            loss = loss_fn(model(*args))
+        loss.backward()
+        _sync(device)
+        if i >= WARMUP_STEPS:
+            times.append((time.perf_counter() - start) * 1000.0)
+        model.zero_grad(set_to_none=True)
+    return statistics.median(times)
+
+
+def measure_speedup(session: Any, batch: Any, loss_fn: Any, steps: int,
+                    dtype: torch.dtype | None) -> dict[str, Any]:
+    """Median forward+backward milliseconds in fp32 and under autocast; synchronises."""
+    device = session.device
+    if dtype is None:
+        forward = next(c for c in session.collectors if c.name == "forward")
+        chosen = forward.training_autocast
+        dtype = (getattr(torch, chosen) if chosen and chosen != "mixed" else
+                 torch.float16 if device.type == "cuda" else torch.bfloat16)
+    twin = _private_copy(session)
+    twin.train()
+    fp32_ms = _time_steps(twin, batch, loss_fn, steps, device, None)
+    amp_ms = _time_steps(twin, batch, loss_fn, steps, device, dtype)
+    return {"fp32_ms": fp32_ms, "amp_ms": amp_ms, "speedup": fp32_ms / amp_ms,
+            "dtype": dtype_name(dtype)}

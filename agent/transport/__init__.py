@@ -1,0 +1,1 @@
+"""Delivery of step records: worker thread, HTTP sender and on-disk spool."""

@@ -1,0 +1,79 @@
+"""HTTP to the server: register a run, post a batch. Worker thread only; may block up to
+the given timeout. Responses are classified so the worker knows whether to retry."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+import httpx
+
+
+class Outcome(Enum):
+    OK = "ok"            # committed (or acknowledged duplicate)
+    RETRY = "retry"      # unreachable, 5xx, 408, 429: keep it, back off
+    MISSING = "missing"  # 404: the run is not registered there (yet)
+    REJECT = "reject"    # any other 4xx: sending it again cannot succeed
+
+
+@dataclass
+class Response:
+    outcome: Outcome
+    body: Any = None
+    status: int | None = None
+
+
+def classify(status: int) -> Outcome:
+    if 200 <= status < 300:
+        return Outcome.OK
+    if status >= 500 or status in (408, 425, 429):
+        return Outcome.RETRY
+    if status == 404:
+        return Outcome.MISSING
+    return Outcome.REJECT
+
+
+class Sender:
+    """Keep-alive HTTP client for one server."""
+
+    CONNECT_TIMEOUT_S = 2.0
+    REQUEST_TIMEOUT_S = 10.0
+
+    def __init__(self, base_url: str) -> None:
+        self._client = httpx.Client(base_url=base_url, headers={"User-Agent": "ampwatch-agent"})
+
+    def _timeout(self, limit: float | None) -> httpx.Timeout:
+        total = self.REQUEST_TIMEOUT_S if limit is None else max(0.05, min(
+            limit, self.REQUEST_TIMEOUT_S))
+        return httpx.Timeout(total, connect=min(total, self.CONNECT_TIMEOUT_S))
+
+    def _send(self, method: str, url: str, body: dict, limit: float | None,
+              compress: bool) -> Response:
+        content = json.dumps(body, allow_nan=False).encode()
+        headers = {"Content-Type": "application/json"}
+        if compress:
+            content = gzip.compress(content, compresslevel=5)
+            headers["Content-Encoding"] = "gzip"
+        try:
+            reply = self._client.request(method, url, content=content,
+                                         timeout=self._timeout(limit), headers=headers)
+        except httpx.HTTPError:
+            return Response(Outcome.RETRY)
+        outcome = classify(reply.status_code)
+        try:
+            parsed = reply.json()
+        except ValueError:
+            parsed = None
+        return Response(outcome, parsed, reply.status_code)
+
+    def put_run(self, run_id: str, body: dict, limit: float | None = None) -> Response:
+        return self._send("PUT", f"/api/v1/runs/{run_id}", body, limit, compress=False)
+
+    def post_batch(self, run_id: str, batch: dict, limit: float | None = None) -> Response:
+        return self._send("POST", f"/api/v1/runs/{run_id}/batches", batch, limit, compress=True)
+
+    def close(self) -> None:
+        self._client.close()

@@ -1,0 +1,138 @@
+"""The on-disk spool: every batch is written here before it is sent, deleted once the
+server has committed it, and replayed in order after a crash or an outage.
+
+Layout (documented in docs/agent.md, replayed by `ampwatch sync` without torch):
+``<root>/<run_id>/rank-<rank>/<seq:012d>.json.gz``, each a gzip JSON object
+``{"format": "ampwatch-spool/1", "run_id", "rank", "seq", "run": <PUT body>,
+"batch": <POST body>}`` in wire encoding; sorted file names are replay order. A directory's
+``lock`` file is held (``flock``) by the process writing or replaying it; ``state.json``
+keeps the next sequence number and the drop counters. Disk I/O happens on the worker only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import gzip
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+FORMAT = "ampwatch-spool/1"
+SUFFIX = ".json.gz"
+
+
+def encode_entry(run_id: str, rank: int, seq: int, run: dict, batch: dict) -> bytes:
+    entry = {"format": FORMAT, "run_id": run_id, "rank": rank, "seq": seq,
+             "run": run, "batch": batch}
+    return gzip.compress(json.dumps(entry, allow_nan=False).encode(), compresslevel=5)
+
+
+def read_entry(path: Path) -> dict[str, Any]:
+    return json.loads(gzip.decompress(path.read_bytes()))
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+class Spool:
+    """One (run, rank) directory of the spool, locked by this process while open."""
+
+    def __init__(self, directory: Path, max_bytes: int) -> None:
+        self.dir = directory
+        self.max_bytes = max_bytes
+        directory.mkdir(parents=True, exist_ok=True)
+        self._lock_fd: int | None = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            self.locked = True
+        except OSError:
+            self.locked = False
+        state = self._read_state()
+        self._sizes = {p: p.stat().st_size for p in self.pending()}
+        self._steps: dict[Path, int] = {}
+        last = max((int(p.name[: -len(SUFFIX)]) for p in self._sizes), default=-1)
+        self.next_seq = max(int(state.get("next_seq", 0)), last + 1)
+        self.dropped_batches = int(state.get("dropped_batches", 0))
+        self.dropped_steps = int(state.get("dropped_steps", 0))
+
+    @classmethod
+    def for_run(cls, root: Path, run_id: str, rank: int, max_bytes: int) -> Spool:
+        return cls(root / run_id / f"rank-{rank}", max_bytes)
+
+    def _read_state(self) -> dict[str, Any]:
+        try:
+            return json.loads((self.dir / "state.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _write_state(self) -> None:
+        _atomic_write(self.dir / "state.json", json.dumps({
+            "next_seq": self.next_seq, "dropped_batches": self.dropped_batches,
+            "dropped_steps": self.dropped_steps}).encode())
+
+    def pending(self) -> list[Path]:
+        """Batch files not yet delivered, in replay order."""
+        return sorted(p for p in self.dir.glob(f"*{SUFFIX}") if not p.name.startswith("."))
+
+    @property
+    def size_bytes(self) -> int:
+        return sum(self._sizes.values())
+
+    def append(self, run_id: str, rank: int, run: dict, batch: dict) -> Path:
+        """Write the next batch (its `seq` is assigned here) and enforce the size bound."""
+        seq = self.next_seq
+        batch["seq"] = seq
+        data = encode_entry(run_id, rank, seq, run, batch)
+        path = self.dir / f"{seq:012d}{SUFFIX}"
+        _atomic_write(path, data)
+        self._sizes[path] = len(data)
+        self._steps[path] = len(batch.get("steps", ()))
+        self.next_seq = seq + 1
+        self._enforce_limit()
+        self._write_state()
+        return path
+
+    def _enforce_limit(self) -> None:
+        while self.size_bytes > self.max_bytes and len(self._sizes) > 1:
+            oldest = min(self._sizes)
+            steps = self._steps.get(oldest)
+            if steps is None:
+                with contextlib.suppress(OSError, ValueError):
+                    steps = len(read_entry(oldest)["batch"].get("steps", ()))
+            self.remove(oldest)
+            self.dropped_batches += 1
+            self.dropped_steps += steps or 0
+
+    def remove(self, path: Path) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        self._sizes.pop(path, None)
+        self._steps.pop(path, None)
+
+    def reject(self, path: Path) -> None:
+        """Keep a batch the server refused (4xx) aside, out of the replay order."""
+        rejected = self.dir / "rejected"
+        rejected.mkdir(exist_ok=True)
+        with contextlib.suppress(FileNotFoundError):
+            os.replace(path, rejected / path.name)
+        self._sizes.pop(path, None)
+        self._steps.pop(path, None)
+
+    def close(self) -> None:
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)  # releases the flock
+            self._lock_fd = None
+
+
+def leftover_dirs(root: Path, exclude: Path) -> list[Path]:
+    """Other (run, rank) directories under `root` that still hold batches."""
+    found = []
+    for directory in sorted(root.glob("*/rank-*")):
+        if directory != exclude and any(directory.glob(f"*{SUFFIX}")):
+            found.append(directory)
+    return found

@@ -1,0 +1,247 @@
+"""The one daemon worker: decodes steps a step late, batches them, spools, sends.
+
+`submit()` never blocks: a bounded queue hands items over and a full queue drops (the
+caller counts it). Batches are cut by count (`max_batch_steps`) and age
+(`flush_interval_s`), written to the spool, then posted in order with backoff; a batch
+leaves the spool only once the server committed it, so a crash loses at most the steps
+not yet cut into a batch. Replays carry their original (run, rank, seq): never duplicated.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from agent import guard
+from agent.transport.sender import Outcome, Sender
+from agent.transport.spool import Spool, leftover_dirs, read_entry
+
+_STOP = object()
+
+
+class Worker:
+    """Worker thread for one attachment (one run and rank)."""
+
+    MAX_QUEUE = 4096
+    BACKOFF_MIN_S = 0.5
+    BACKOFF_MAX_S = 30.0
+    IDLE_WAIT_S = 0.25
+    LEFTOVER_EVERY_S = 30.0
+    REGISTER_TIMEOUT_S = 2.0
+
+    def __init__(self, settings: Any, run_body: dict, decode: Callable[[Any], dict | None],
+                 extra_dropped: Callable[[], int]) -> None:
+        self.settings = settings
+        self.run_body = run_body
+        self._decode = decode
+        self._extra_dropped = extra_dropped
+        self._queue: queue.Queue = queue.Queue(self.MAX_QUEUE)
+        self._thread: threading.Thread | None = None
+        self._start_lock = threading.Lock()
+        self._pid = os.getpid()
+        self.dead = False
+        self.spool: Spool | None = None
+        self._sender: Sender | None = None
+        self._steps: list[dict] = []
+        self._events: list[dict] = []
+        self._first_pending = 0.0
+        self._put_key: str | None = None
+        self._backoff_s = 0.0
+        self._retry_at = 0.0
+        self._leftovers_at = 0.0
+        self.delivered_batches = 0
+
+    # ------------------------------------------------------------------ any thread
+    def submit(self, item: Any) -> bool:
+        """Hand an item to the worker; never blocks. False when it was dropped."""
+        if self.dead or os.getpid() != self._pid:
+            return False
+        if self._thread is None:
+            self._start()
+        try:
+            self._queue.put_nowait(item)
+            return True
+        except queue.Full:
+            return False
+
+    def _start(self) -> None:
+        with self._start_lock:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="ampwatch-agent",
+                                                daemon=True)
+                self._thread.start()
+
+    def flush(self, timeout: float) -> bool:
+        """Cut a batch of everything submitted so far, spool it and try to deliver the
+        spool; may block up to `timeout`. True when the spool is empty (or, offline,
+        written)."""
+        done = threading.Event()
+        box: dict[str, bool] = {}
+        if not self.submit(("flush", done, time.monotonic() + timeout, box)):
+            return False
+        done.wait(timeout)
+        return box.get("delivered", False)
+
+    def stop(self, timeout: float) -> bool:
+        """Flush within `timeout`, then end the thread. Idempotent."""
+        if self._thread is None or self.dead:
+            self.dead = True
+            return True
+        delivered = self.flush(timeout)
+        self.submit(_STOP)
+        self._thread.join(timeout=max(0.1, timeout))
+        self.dead = True
+        return delivered
+
+    def forked(self) -> None:
+        """In a forked child: the thread did not survive; never touch the parent's spool."""
+        self.dead = True
+        self._thread = None
+        if self.spool is not None:
+            self.spool.close()
+
+    # ------------------------------------------------------------------ worker thread
+    def _run(self) -> None:
+        guard.guarded("worker.open")(self._open)()
+        while True:
+            try:
+                item = self._queue.get(timeout=self.IDLE_WAIT_S)
+            except queue.Empty:
+                item = None
+            if item is _STOP:
+                break
+            if item is not None:
+                guard.guarded("worker.handle")(self._handle)(item)
+            guard.guarded("worker.cut")(self._maybe_cut)()
+            guard.guarded("worker.deliver")(self._deliver)(None, False)
+        if self._sender is not None:
+            self._sender.close()
+        if self.spool is not None:
+            self.spool.close()
+
+    def _open(self) -> None:
+        s = self.settings
+        self.spool = Spool.for_run(Path(s.spool_dir), s.run_id, s.rank, s.spool_max_bytes)
+        if not s.offline:
+            self._sender = Sender(s.server)
+            self._register(self.run_body, self.REGISTER_TIMEOUT_S)
+
+    def _handle(self, item: Any) -> None:
+        if isinstance(item, tuple) and item and item[0] == "event":
+            self._note_pending()
+            self._events.append(item[1])
+        elif isinstance(item, tuple) and item and item[0] == "run":
+            self.run_body = item[1]
+        elif isinstance(item, tuple) and item and item[0] == "flush":
+            _, done, deadline, box = item
+            try:
+                self._cut()
+                box["delivered"] = self._deliver(deadline, True)
+            finally:
+                done.set()
+        else:
+            record = self._decode(item)
+            if record is not None:
+                self._note_pending()
+                self._steps.append(record)
+
+    def _note_pending(self) -> None:
+        if not self._steps and not self._events:
+            self._first_pending = time.monotonic()
+
+    def _maybe_cut(self) -> None:
+        if len(self._steps) >= self.settings.max_batch_steps or (
+                (self._steps or self._events)
+                and time.monotonic() - self._first_pending >= self.settings.flush_interval_s):
+            self._cut()
+
+    def _cut(self) -> None:
+        if self.spool is None or not (self._steps or self._events):
+            return
+        s = self.settings
+        batch = {"rank": s.rank, "seq": None,
+                 "dropped_batches": self.spool.dropped_batches,
+                 "dropped_steps": self.spool.dropped_steps + self._extra_dropped(),
+                 "steps": self._steps, "events": self._events}
+        self._steps, self._events = [], []
+        self.spool.append(s.run_id, s.rank, self.run_body, batch)
+
+    # ------------------------------------------------------------------ delivery
+    def _register(self, body: dict, limit: float | None) -> bool:
+        assert self._sender is not None and self.spool is not None
+        reply = self._sender.put_run(self.settings.run_id, body, limit)
+        if reply.outcome is not Outcome.OK:
+            return False
+        self._put_key = json.dumps(body, sort_keys=True)
+        for rank in (reply.body or {}).get("ranks") or []:
+            if rank.get("rank") == self.settings.rank and rank.get("next_seq") is not None:
+                self.spool.next_seq = max(self.spool.next_seq, int(rank["next_seq"]))
+        return True
+
+    def _backoff(self) -> None:
+        self._backoff_s = min(self.BACKOFF_MAX_S, max(self.BACKOFF_MIN_S, self._backoff_s * 2))
+        self._retry_at = time.monotonic() + self._backoff_s
+
+    def _deliver(self, deadline: float | None, force: bool) -> bool:
+        """Send the spool in order until it is empty, the deadline passes or the server
+        fails (then back off). Returns whether this run's spool is empty."""
+        if self.spool is None:
+            return False
+        if self._sender is None:
+            return True
+        if not force and time.monotonic() < self._retry_at:
+            return False
+        if not self._deliver_spool(self.spool, deadline):
+            return False
+        if not force and time.monotonic() >= self._leftovers_at:
+            self._leftovers_at = time.monotonic() + self.LEFTOVER_EVERY_S
+            self._replay_leftovers(deadline)
+        return True
+
+    def _deliver_spool(self, spool: Spool, deadline: float | None) -> bool:
+        assert self._sender is not None
+        for path in spool.pending():
+            limit = None if deadline is None else deadline - time.monotonic()
+            if limit is not None and limit <= 0:
+                return False
+            entry = read_entry(path)
+            key = json.dumps(entry["run"], sort_keys=True)
+            if key != self._put_key:
+                reply = self._sender.put_run(entry["run_id"], entry["run"], limit)
+                if reply.outcome is not Outcome.OK:
+                    self._backoff()
+                    return False
+                self._put_key = key
+            reply = self._sender.post_batch(entry["run_id"], entry["batch"], limit)
+            if reply.outcome is Outcome.OK:
+                spool.remove(path)
+                self._backoff_s = 0.0
+                self.delivered_batches += 1
+            elif reply.outcome is Outcome.REJECT:
+                spool.reject(path)
+                guard.report("worker.rejected", RuntimeError(
+                    f"server refused batch {path.name}: HTTP {reply.status} {reply.body}"))
+            else:
+                if reply.outcome is Outcome.MISSING:
+                    self._put_key = None
+                self._backoff()
+                return False
+        return True
+
+    def _replay_leftovers(self, deadline: float | None) -> None:
+        """Deliver batches other (finished or crashed) runs left in the spool root."""
+        assert self.spool is not None
+        root = Path(self.settings.spool_dir)
+        for directory in leftover_dirs(root, self.spool.dir):
+            other = Spool(directory, self.settings.spool_max_bytes)
+            try:
+                if other.locked and not self._deliver_spool(other, deadline):
+                    return
+            finally:
+                other.close()
