@@ -35,7 +35,7 @@ class Client:
     timeout: seconds per request (connect, read, write); every method may block that long
         per request it makes.
     http_client: an `httpx.Client` to send the requests through (for example FastAPI's
-        TestClient); the caller keeps owning it and closes it.
+        TestClient), with its own timeout; the caller keeps owning it and closes it.
 
     Every method raises an `AmpwatchError` subclass on failure. Use it as a context
     manager, or call `close()`, to release its connections.
@@ -223,7 +223,7 @@ class Client:
         try:
             response = self._http.request(method, url, params=params,
                                           headers={**self._headers, **(headers or {})},
-                                          timeout=self._timeout, **kwargs)
+                                          **kwargs)
         except httpx.TimeoutException as exc:
             raise ConnectionFailed(
                 f"no answer from {self.base_url} within {self._timeout:g} s ({exc})") from exc

@@ -10,10 +10,12 @@ unknown run, bad token), reported in one line on stderr; 130 interrupted.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from importlib.metadata import entry_points
 
 from client import commands as client_commands
+from client.commands import BadUsage
 from client.errors import AmpwatchError, ConnectionFailed, Unauthorized
 
 ERROR_EXIT = 2
@@ -40,9 +42,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.func(args) or 0
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        # the reader went away (`ampwatch runs | head`): stop quietly, as Python's docs advise
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except AmpwatchError as exc:
         return _fail(f"{exc.message}{_hint(exc, args)}")
-    except OSError as exc:
+    except (OSError, BadUsage) as exc:
         return _fail(str(exc) or type(exc).__name__)
 
 

@@ -40,12 +40,20 @@ class Records(list[T]):
     """A list of results with a `to_pandas()` view (one row per item)."""
 
     def to_pandas(self) -> Any:
-        """A pandas DataFrame with one column per field; nested lists and dicts stay
+        """A pandas DataFrame with one column per field, typed by the field's hint:
+        floats as float64 (missing becomes NaN, as pandas has no other), optional ints
+        and bools as pandas' nullable Int64 and boolean; nested lists and dicts stay
         Python objects. Needs pandas (`pip install pandas`)."""
         pandas = _import_pandas()
-        rows = [dataclasses.asdict(item) if dataclasses.is_dataclass(item) else item
-                for item in self]
-        return pandas.DataFrame.from_records(rows, columns=_columns(self))
+        first = next(iter(self), None)
+        if not dataclasses.is_dataclass(first):
+            return pandas.DataFrame.from_records(list(self))
+        frame = pandas.DataFrame.from_records([dataclasses.asdict(item) for item in self],
+                                              columns=[f.name for f in dataclasses.fields(first)])
+        for name, hint in _hints(type(first)).items():
+            if (dtype := _pandas_dtype(hint)) is not None:
+                frame[name] = frame[name].astype(dtype)
+        return frame
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +223,6 @@ class Finding(Model):
     status: str = "open"
     rank: int = 0
     code: str | None = None
-    key: str | None = None
     step: int | None = None
     last_step: int | None = None
     layer: str | None = None
@@ -280,10 +287,16 @@ def _convert(hint: Any, value: Any) -> Any:
     return decode_tree(value)
 
 
-def _columns(items: list[Any]) -> list[str] | None:
-    first = next(iter(items), None)
-    if dataclasses.is_dataclass(first):
-        return [f.name for f in dataclasses.fields(first)]
+def _pandas_dtype(hint: Any) -> str | None:
+    args = typing.get_args(hint)
+    optional = type(None) in args
+    base = next((a for a in args if a is not type(None)), hint) if args else hint
+    if base is float:
+        return "float64"
+    if base is bool:
+        return "boolean" if optional else "bool"
+    if base is int:
+        return "Int64" if optional else "int64"
     return None
 
 

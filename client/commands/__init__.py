@@ -16,6 +16,10 @@ from client.api import DEFAULT_SERVER, Client
 from client.models import to_json
 
 
+class BadUsage(Exception):
+    """Arguments that parse but make no sense together; reported like any error."""
+
+
 def register(commands: argparse._SubParsersAction) -> None:
     """Add runs, show, findings, check, export and sync to the `ampwatch` parser."""
     from client.commands import export, findings, runs, sync

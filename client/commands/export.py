@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 from client import export
-from client.commands import connect, print_json
+from client.commands import BadUsage, connect, print_json
 
 
 def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -31,18 +31,21 @@ def export_run(args: argparse.Namespace) -> int:
     try:
         fmt = export.format_for(args.out, args.format)
     except ValueError as exc:
-        print(f"ampwatch export: {exc}", file=sys.stderr)
-        return 2
+        raise BadUsage(str(exc)) from None
+    if not args.out.parent.is_dir():
+        raise FileNotFoundError(f"no directory {str(args.out.parent)!r} to write "
+                                f"{args.out.name!r} in")
+    tty = sys.stderr.isatty()
 
     def progress(message: str) -> None:
-        if not args.json:
+        if tty:
             print(f"\r\033[K{message}", end="", file=sys.stderr, flush=True)
 
     with connect(args) as client:
         client.run(args.run)  # fail on an unknown run before fetching anything
         table = export.run_table(client, args.run, rank=args.rank, start=args.start,
                                  end=args.end, layers=not args.steps_only, progress=progress)
-    if not args.json and not args.steps_only:
+    if tty and not args.steps_only:
         print("\r\033[K", end="", file=sys.stderr)
     export.write(table, args.out, fmt)
     if args.json:
