@@ -85,14 +85,21 @@ def _collapse(series, loc, run, settings) -> FindingDraft | None:
                   why, {"loss_scale": lowest}, settings)
 
 
-def _streak(series, loc, run, settings, calibrating) -> FindingDraft | None:
-    skipped = series.skipped & ~calibrating
-    starts, lengths = true_runs(skipped)
+def streak_rows(series: StepSeries, calibrating: np.ndarray,
+                settings: AnalysisSettings) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Rows of the skip streaks long enough to report, with their starts and lengths."""
+    starts, lengths = true_runs(series.skipped & ~calibrating)
     long = lengths >= settings.skip_streak_warning
-    if not long.any():
-        return None
     starts, lengths = starts[long], lengths[long]
-    rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
+    rows = np.concatenate([np.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)]
+                          or [np.zeros(0, dtype=np.int64)])
+    return rows, starts, lengths
+
+
+def _streak(series, loc, run, settings, calibrating) -> FindingDraft | None:
+    rows, starts, lengths = streak_rows(series, calibrating, settings)
+    if not rows.size:
+        return None
     longest = int(lengths.max())
     ongoing = bool(starts[-1] + lengths[-1] == len(series))
     severity = "critical" if longest >= settings.skip_streak_critical else "warning"
@@ -105,37 +112,36 @@ def _streak(series, loc, run, settings, calibrating) -> FindingDraft | None:
                    "current_streak": int(lengths[-1]) if ongoing else 0}, settings)
 
 
-def _skip_ratio(series, loc, run, settings, calibrating) -> FindingDraft | None:
-    counted = ~calibrating
-    skipped = series.skipped & counted
+def _skip_ratio(series, loc, run, settings, uncounted) -> FindingDraft | None:
+    skipped = series.skipped & ~uncounted
     window = settings.skip_ratio_window
     n_skipped = rolling_sum(skipped.astype(np.int64), window)
-    n_counted = rolling_sum(counted.astype(np.int64), window)
     # a very short growth interval skips often by design: judge it against twice that rate
     threshold = max(settings.skip_ratio_warning, 2.0 / (run.growth_interval + 1))
-    high = (n_counted >= settings.skip_ratio_min_steps) & (n_skipped > threshold * n_counted)
+    # a young run is judged as if its missing history were clean
+    high = n_skipped > threshold * window
     if not high.any():
         return None
     rows = np.flatnonzero(high)
     span = np.arange(max(rows[0] - window + 1, 0), rows[-1] + 1)
     occurrence_rows = span[skipped[span]]
-    worst_row = int(rows[np.argmax(n_skipped[rows] / n_counted[rows])])
-    share = float(n_skipped[worst_row] / n_counted[worst_row])
+    most = int(n_skipped[rows].max())
+    share = most / window
     why = explain(loc, occurrence_rows, run)
-    message = (f"{share:.0%} of the last {int(n_counted[worst_row])} steps were skipped "
-               f"(more than {threshold:.0%}), so training is wasting steps; {_fix(why)}.")
+    message = (f"{most} of the last {window} steps ({share:.0%}, more than {threshold:.0%}) "
+               f"were skipped outside any long streak, so training is wasting steps; "
+               f"{_fix(why)}.")
     return _draft("skip_ratio", "warning", message, series, rows, occurrence_rows,
                   bool(high[-1]), why,
-                  {"skipped": int(n_skipped[worst_row]), "window": int(n_counted[worst_row]),
-                   "share": round(share, 4)}, settings)
+                  {"skipped": most, "window": window, "share": round(share, 4)}, settings)
 
 
-def _decline(series, loc, run, settings, calibrating) -> FindingDraft | None:
+def _decline(series, loc, run, settings, uncounted) -> FindingDraft | None:
     before = series.column("loss_scale")
     after = series.column("scale_after")
     # without scale_after, the next step's scale is what this step's update() set
     after = np.where(np.isnan(after), np.append(before[1:], np.nan), after)
-    counted = ~calibrating & np.isfinite(before) & np.isfinite(after)
+    counted = ~uncounted & np.isfinite(before) & np.isfinite(after)
     halved = counted & (after < before)
     grown = counted & (after > before)
     net = rolling_sum(halved.astype(np.int64) - grown.astype(np.int64), settings.decline_window)
@@ -161,7 +167,8 @@ def _decline(series, loc, run, settings, calibrating) -> FindingDraft | None:
 def detect_scaler_divergence(series: StepSeries, run: RunContext, settings: AnalysisSettings,
                              loc: Localization | None = None) -> Detection:
     """The four scaler checks over the window. The slow ones (skip share, decline) stay
-    quiet while a collapse or a streak is active: they would repeat its story."""
+    quiet while a collapse or a streak is active and ignore the skips of reported streaks:
+    they would repeat its story."""
     covers = (f"{KIND}:",)
     if not len(series) or not series.has("loss_scale").any():
         return Detection(covers=covers)
@@ -171,6 +178,9 @@ def detect_scaler_divergence(series: StepSeries, run: RunContext, settings: Anal
                         _streak(series, loc, run, settings, calibrating)) if d]
     drafts = list(fast)
     if not any(d.active for d in fast):
-        drafts += [d for d in (_skip_ratio(series, loc, run, settings, calibrating),
-                               _decline(series, loc, run, settings, calibrating)) if d]
+        # skips inside reported streaks are that finding's story, not a slow trend
+        uncounted = calibrating.copy()
+        uncounted[streak_rows(series, calibrating, settings)[0]] = True
+        drafts += [d for d in (_skip_ratio(series, loc, run, settings, uncounted),
+                               _decline(series, loc, run, settings, uncounted)) if d]
     return Detection(drafts=drafts, covers=covers)

@@ -20,7 +20,6 @@ class AnalysisSettings(BaseModel):
     skip_streak_critical: int = Field(20, ge=2, description="consecutive skipped steps: critical")
     skip_ratio_warning: float = Field(0.05, gt=0, lt=1, description="skipped share of the window")
     skip_ratio_window: int = Field(500, ge=10, description="steps the skipped share is taken over")
-    skip_ratio_min_steps: int = Field(100, ge=1, description="steps needed before judging it")
     decline_halvings: int = Field(3, ge=1, description="halvings minus doublings: warning")
     decline_window: int = Field(200, ge=10, description="steps the net decline is counted over")
     calibration_clean_steps: int = Field(
