@@ -8,13 +8,14 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from sqlalchemy.orm import sessionmaker
 
-from server import __version__
+from server import __version__, pages
 from server.api import batches, findings, health, runs, series
 from server.db import make_engine, upgrade
 from server.deps import require_token
 from server.errors import AmpwatchServerError
 from server.middleware import RequestBodyMiddleware
 from server.responses import WireJSONResponse
+from server.schemas import BatchIn
 from server.settings import Settings
 
 
@@ -57,4 +58,23 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         protected.include_router(module.router)
     api.include_router(protected)
     app.include_router(api)
+    app.include_router(pages.router)
+    _document_batch_body(app)
     return app
+
+
+def _document_batch_body(app: FastAPI) -> None:
+    """Put BatchIn in the OpenAPI components: the batch route parses its body itself
+    (see server/api/batches.py), so FastAPI does not see the model."""
+    default_openapi = app.openapi
+
+    def openapi() -> dict:
+        schema = default_openapi()
+        components = schema.setdefault("components", {}).setdefault("schemas", {})
+        if "BatchIn" not in components:
+            body = BatchIn.model_json_schema(ref_template="#/components/schemas/{model}")
+            components.update(body.pop("$defs", {}))
+            components["BatchIn"] = body
+        return schema
+
+    app.openapi = openapi
