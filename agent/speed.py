@@ -14,15 +14,19 @@ from agent.layers import dtype_name
 WARMUP_STEPS = 2
 
 
+_FORWARD_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_with_kwargs",
+                       "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
+
+
 def _private_copy(session: Any) -> torch.nn.Module:
-    """A deep copy of the model without the agent's hooks (deepcopy copies hook dicts)."""
-    twin = copy.deepcopy(session.model)
-    for module in twin.modules():
-        for hooks in (module._forward_hooks, module._forward_pre_hooks,
-                      module._forward_hooks_with_kwargs, module._forward_hooks_always_called):
-            hooks.clear()
-        module._forward_pre_hooks_with_kwargs.clear()
-    return twin
+    """A deep copy of the model without forward hooks (the agent's would record it)."""
+    memo: dict[int, Any] = {}
+    for module in session.model.modules():
+        for attr in _FORWARD_HOOK_DICTS:
+            hooks = getattr(module, attr, None)
+            if hooks is not None:
+                memo[id(hooks)] = type(hooks)()
+    return copy.deepcopy(session.model, memo)
 
 
 def _sync(device: torch.device) -> None:

@@ -1,0 +1,60 @@
+"""Agent test fixtures: one torch thread, an offline spool per test, and a guard that
+turns every error the agent swallowed back into a test failure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import agent
+from agent import guard
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def agent_errors() -> Iterator[list[tuple[str, BaseException]]]:
+    """Collects what the guard swallowed; the test fails with the first one."""
+    swallowed: list[tuple[str, BaseException]] = []
+    guard.set_error_handler(lambda site, exc: swallowed.append((site, exc)))
+    yield swallowed
+    guard.set_error_handler(None)
+    if swallowed:
+        site, exc = swallowed[0]
+        raise AssertionError(f"agent swallowed an error in {site}") from exc
+
+
+@pytest.fixture
+def spool_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    path = tmp_path / "spool"
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(path))
+    return path
+
+
+@pytest.fixture
+def offline(spool_dir: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """AMPWATCH_MODE=offline with a per-test spool; returns the spool root."""
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    return spool_dir
+
+
+@pytest.fixture
+def attach(offline: Path) -> Iterator[Callable[..., agent.Attachment]]:
+    """`agent.attach` in offline mode; every attachment is detached at teardown."""
+    made: list[agent.Attachment] = []
+
+    def make(*args: Any, **kwargs: Any) -> agent.Attachment:
+        attachment = agent.attach(*args, **kwargs)
+        made.append(attachment)
+        return attachment
+
+    yield make
+    for attachment in made:
+        attachment.detach(timeout=5)

@@ -1,0 +1,105 @@
+"""Sampled activation statistics, sampling after anomalies, forward order."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from agent.layers import discover_layers
+from tests.agent.factories import TinyGPT, batches, fp16_loop, mlp, spooled, spooled_steps
+
+
+def test_absmax_dtype_and_time_match_a_reference_hook(attach, offline: Path) -> None:
+    model = mlp()
+    layers = discover_layers(model)
+    reference: dict[int, tuple[float, torch.dtype]] = {}
+    handles = [layer.module.register_forward_hook(
+        lambda m, a, out, i=layer.index: reference.__setitem__(
+            i, (float(out.detach().abs().max()), out.dtype))) for layer in layers]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    attachment = attach(model, scaler, sample_every=2)
+    fp16_loop(model, optimizer, scaler, batches(3))
+    for handle in handles:
+        handle.remove()
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert ["activations" in s for s in steps] == [True, False, True]
+    act = steps[2]["activations"]
+    assert act["absmax"] == [reference[i][0] for i in range(len(layers))]
+    assert act["dtype"] == [str(reference[i][1]).removeprefix("torch.")
+                            for i in range(len(layers))]
+    assert act["dtype"][0] == "float16"
+    assert all(t > 0 for t in act["time_ms"])
+
+
+def test_every_step_sampled_after_a_skipped_step(attach, offline: Path) -> None:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    attachment = attach(model, scaler, sample_every=100, sample_after_anomaly=3)
+    fp16_loop(model, optimizer, scaler, batches(8, bad=lambda i: "nan" if i == 2 else None))
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    sampled = [s["step"] for s in steps if "activations" in s]
+    assert sampled == [0, 3, 4, 5]
+    assert steps[2]["skipped"]
+
+
+def test_nonfinite_forward_output_is_recorded(attach, offline: Path) -> None:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    attachment = attach(model, scaler, sample_every=1)
+    fp16_loop(model, optimizer, scaler, batches(1, bad=lambda i: "nan"))
+    attachment.flush(5)
+    (step,) = spooled_steps(offline, attachment.run_id)
+    assert math.isnan(step["activations"]["absmax"][0])
+
+
+def test_forward_order_and_attrs_reach_the_layer_table(attach, offline: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    attachment = attach(model)
+    idx = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(idx).float().logsumexp(-1).mean()
+    loss.backward()
+    optimizer.step()
+    attachment.flush(5)
+    (entry,) = spooled(offline, attachment.run_id)
+    table = {layer["name"]: layer for layer in entry["run"]["layers"]}
+    order = sorted((lay["forward_index"], name) for name, lay in table.items()
+                   if lay["forward_index"] is not None)
+    assert [name for _, name in order] == ["tok", "pos", "ln1", "attn", "ln2", "mlp.0",
+                                           "mlp.1", "mlp.2", "head"]
+    assert table["attn"]["attrs"]["head_dim"] == 8
+    assert table["attn"]["attrs"]["num_heads"] == 4
+    assert table["tok"]["attrs"] == {"num_embeddings": 64, "embedding_dim": 32,
+                                     "norm_type": 2.0, "scale_grad_by_freq": False,
+                                     "sparse": False}
+    assert table["head"]["attrs"]["in_features"] == 32
+    assert entry["run"]["environment"]["autocast_dtype"] == "bfloat16"
+    # attn.out_proj never runs through its own forward (MHA uses its weights directly)
+    assert table["attn.out_proj"]["forward_index"] is None
+    assert entry["batch"]["steps"][0]["activations"]["absmax"][
+        table["attn.out_proj"]["index"]] is None
+
+
+def test_custom_attention_block_reports_head_size(attach, offline: Path) -> None:
+    class Attention(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.n_head, self.n_embd = 6, 96
+            self.qkv = nn.Linear(96, 288)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.qkv(x)[..., :96]
+
+    model = nn.Sequential(Attention())
+    table = {layer.name: layer.attrs for layer in discover_layers(model)}
+    assert table["0"]["head_dim"] == 16 and table["0"]["num_heads"] == 6
