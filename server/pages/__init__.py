@@ -1,0 +1,9 @@
+"""The dashboard: server-rendered pages with Plotly charts, each with a JSON twin.
+
+`router` holds every page route, the login form and the static files (plotly.js is
+served from the installed plotly package).
+"""
+
+from server.pages.routes import router
+
+__all__ = ["router"]

@@ -1,0 +1,90 @@
+"""Wire-form query answers (server/queries.py) back into numpy columns for the figures.
+
+The JSON twins carry non-finite floats as "NaN"/"Infinity" strings and missing values
+as null; a chart needs both told apart: a missing point is left out, a non-finite one
+is drawn as a marker of its own.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from client.wire import decode_float
+
+
+def decode_values(values: list) -> tuple[np.ndarray, np.ndarray]:
+    """(float64 values, mask of the entries that were sent): "NaN"/"Infinity" strings
+    become NaN/inf, null becomes NaN with the mask False."""
+    return _as_float(values), ~np.equal(np.array(values, dtype=object), None)
+
+
+def decode_matrix(rows: list[list]) -> tuple[np.ndarray, np.ndarray]:
+    """A layers x buckets matrix in wire form: (float64 values, mask of empty cells)."""
+    if not rows or not rows[0]:
+        return np.zeros((len(rows), 0)), np.zeros((len(rows), 0), dtype=bool)
+    return _as_float(rows), np.equal(np.array(rows, dtype=object), None)
+
+
+def _as_float(values: list) -> np.ndarray:
+    try:
+        # numpy parses "NaN", "Infinity" and "-Infinity" itself, and null as NaN
+        return np.array(values, dtype=np.float64)
+    except ValueError:
+        # any other string: let the wire decoder name it
+        return np.vectorize(lambda v: math.nan if v is None else decode_float(v),
+                            otypes=[np.float64])(np.array(values, dtype=object))
+
+
+@dataclass
+class StepColumns:
+    """One line on the step charts: a rank of a run, or a whole run on /compare.
+
+    values[name]: float64 (NaN where missing or NaN); present[name]: the value was sent.
+    """
+
+    label: str
+    steps: np.ndarray
+    values: dict[str, np.ndarray] = field(default_factory=dict)
+    present: dict[str, np.ndarray] = field(default_factory=dict)
+
+    FIELDS = ("loss_scale", "scale_after", "grad_norm", "loss", "lr", "t_forward_ms",
+              "t_backward_ms", "t_optimizer_ms", "t_step_ms", "peak_mem_bytes")
+
+    @classmethod
+    def from_items(cls, label: str, items: list[dict]) -> StepColumns:
+        """From `steps_query(...)["items"]` of one rank."""
+        steps = np.array([item["step"] for item in items], dtype=np.int64)
+        columns = cls(label=label, steps=steps)
+        for name in cls.FIELDS:
+            columns.values[name], columns.present[name] = decode_values(
+                [item.get(name) for item in items])
+        columns.values["skipped"] = np.array([bool(item.get("skipped")) for item in items],
+                                             dtype=bool)
+        columns.present["skipped"] = np.ones(len(items), dtype=bool)
+        return columns
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def finite(self, name: str) -> np.ndarray:
+        return np.isfinite(self.values[name])
+
+    def nonfinite(self, name: str) -> np.ndarray:
+        """Sent, but NaN or infinite."""
+        return self.present[name] & ~np.isfinite(self.values[name])
+
+    @property
+    def skipped(self) -> np.ndarray:
+        return self.values["skipped"]
+
+
+def by_rank(steps: dict) -> list[StepColumns]:
+    """Split a `steps_query` answer into one StepColumns per rank, lowest rank first."""
+    ranks: dict[int, list[dict]] = {}
+    for item in steps["items"]:
+        ranks.setdefault(item["rank"], []).append(item)
+    return [StepColumns.from_items(f"rank {rank}", items)
+            for rank, items in sorted(ranks.items())]

@@ -1,0 +1,175 @@
+"""Figure builders for /runs/{id}/layers: per-layer heatmaps and forward time by dtype.
+
+Pure `data -> Figure` functions over the JSON twins of `matrix_query` and
+`layers_query`. Heatmaps use a log10 colour scale; non-finite cells get a red overlay
+of their own and the first offender (earliest bucket, first layer in forward order)
+is marked, so a NaN never hides in the colour scale.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import plotly.graph_objects as go
+
+from server.pages.columns import decode_matrix
+from server.pages.figures import CRITICAL, MUTED, base_figure, label, note
+
+NAN_COLOUR = "#7f1d1d"  # NaN cells: a darker shade of the critical red used for inf
+DTYPE_COLOURS = {"float16": "#1a73e8", "bfloat16": "#12a4af", "float32": "#e8710a",
+                 "float64": "#9334e6", "float8_e4m3fn": "#0b8043", "float8_e5m2": "#0b8043",
+                 "int8": "#6b5bd2", "mixed": MUTED}
+UNKNOWN_DTYPE = "#bdc1c6"
+ROW_PX = 20
+
+
+def forward_order(layers: dict) -> list[int]:
+    """Layer indices in forward execution order; layers never seen in forward last."""
+    items = layers["items"]
+    return [item["index"] for item in sorted(
+        items, key=lambda x: (x["forward_index"] is None, x["forward_index"] or 0, x["index"]))]
+
+
+@dataclass(frozen=True)
+class FirstOffender:
+    """The earliest non-finite cell: its layer (first in forward order) and bucket."""
+
+    layer: str
+    step_start: int
+    step_end: int
+    value: str  # "NaN", "+inf" or "-inf"
+
+
+def _heatmap_height(n_layers: int) -> int:
+    return int(min(max(ROW_PX * n_layers + 100, 240), 720))
+
+
+def first_offender(matrix: dict, order: list[int]) -> FirstOffender | None:
+    """The first non-finite cell of a `matrix_query` answer, rows taken in `order`."""
+    values, _ = decode_matrix(matrix["values"])
+    if not values.size:
+        return None
+    rows = values[order]
+    bad = ~np.isfinite(rows)
+    if not bad.any():
+        return None
+    bucket = int(np.flatnonzero(bad.any(axis=0))[0])
+    row = int(np.flatnonzero(bad[:, bucket])[0])
+    cell = rows[row, bucket]
+    return FirstOffender(
+        layer=matrix["layers"][order[row]], step_start=int(matrix["step_start"][bucket]),
+        step_end=int(matrix["step_end"][bucket]),
+        value="NaN" if math.isnan(cell) else ("+inf" if cell > 0 else "-inf"),
+    )
+
+
+def layer_heatmap_figure(matrix: dict, order: list[int], *, quantity: str,
+                         offender: str | None = None) -> go.Figure:
+    """Layers (rows, forward order, top first) x step buckets of `quantity`.
+
+    Colour is log10 of the bucket's largest finite value; empty buckets stay blank;
+    inf and NaN cells are drawn by red overlays, each layer's first bad bucket gets a
+    marker and the `offender` layer (the run's first offender) a labelled star.
+    """
+    values, empty = decode_matrix(matrix["values"])
+    n_layers = len(matrix["layers"])
+    fig = base_figure(_heatmap_height(n_layers))
+    if not values.size or empty.all():
+        return note(fig, f"no {quantity} recorded yet")
+    values, empty = values[order], empty[order]
+    names = [label(matrix["layers"][i]) for i in order]
+    x = np.asarray(matrix["step_start"], dtype=np.int64)
+    finite = np.isfinite(values) & ~empty
+    if finite.any():
+        _add_log_heatmap(fig, x, names, values, finite, quantity)
+    bad = ~np.isfinite(values) & ~empty
+    if bad.any():
+        for cells, name, fill in ((np.isposinf(values) | np.isneginf(values), "inf", CRITICAL),
+                                  (np.isnan(values) & ~empty, "NaN", NAN_COLOUR)):
+            if not cells.any():
+                continue
+            fig.add_heatmap(
+                x=x, y=names, z=np.where(cells, 1.0, np.nan).astype(np.float32), zmin=0,
+                zmax=1, showscale=False, name=name, colorscale=[[0, fill], [1, fill]],
+                hovertemplate=f"%{{y}}<br>steps from %{{x}}: {name}<extra></extra>",
+            )
+        rows = np.flatnonzero(bad.any(axis=1))
+        first_bucket = bad[rows].argmax(axis=1)
+        fig.add_scatter(
+            x=x[first_bucket], y=[names[r] for r in rows], mode="markers",
+            marker={"symbol": "square-open", "size": 9, "color": CRITICAL,
+                    "line": {"width": 2}},
+            name="first non-finite of a layer", showlegend=True,
+            hovertemplate="%{y}: first non-finite at step %{x}<extra></extra>",
+        )
+        _mark_offender(fig, offender, matrix, order, names, x, bad)
+        fig.update_layout(showlegend=True)
+    fig.update_yaxes(autorange="reversed", showgrid=False, type="category")
+    fig.update_xaxes(showgrid=False)
+    fig.update_layout(plot_bgcolor="#f1f3f4", margin={"l": 8})
+    return fig
+
+
+def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np.ndarray,
+                     finite: np.ndarray, quantity: str) -> None:
+    positive = finite & (values > 0)
+    floor = float(values[positive].min()) if positive.any() else 1.0
+    z = np.full(values.shape, np.nan, dtype=np.float32)
+    z[finite] = np.log10(np.maximum(values[finite], floor))
+    low = math.floor(float(z[finite].min()))
+    high = max(math.ceil(float(z[finite].max())), low + 1)
+    stride = max(1, math.ceil((high - low) / 6))
+    ticks = list(range(low, high + 1, stride))
+    fig.add_heatmap(
+        x=x, y=names, z=z, zmin=low, zmax=high, colorscale="Viridis", name=quantity,
+        colorbar={"title": {"text": "log10", "side": "right"}, "tickvals": ticks,
+                  "ticktext": [f"1e{k}" for k in ticks], "thickness": 12, "len": 0.9},
+        hovertemplate="%{y}<br>steps from %{x}<br>" + quantity
+        + " 10<sup>%{z:.2f}</sup><extra></extra>",
+    )
+
+
+def _mark_offender(fig: go.Figure, offender: str | None, matrix: dict, order: list[int],
+                   names: list[str], x: np.ndarray, bad: np.ndarray) -> None:
+    """A star and a label at the offender layer's first non-finite bucket."""
+    rows = [r for r, i in enumerate(order) if matrix["layers"][i] == offender]
+    if not rows or not bad[rows[0]].any():
+        return
+    row = rows[0]
+    bucket = int(bad[row].argmax())
+    fig.add_scatter(
+        x=[x[bucket]], y=[names[row]], mode="markers",
+        marker={"symbol": "star", "size": 16, "color": CRITICAL,
+                "line": {"width": 1, "color": "white"}},
+        name="first offender", showlegend=True,
+        hovertemplate="first offender: %{y}<br>non-finite from step %{x}<extra></extra>",
+    )
+    fig.add_annotation(x=x[bucket], y=names[row], ax=60, ay=-18, xanchor="left",
+                       text=f"first offender: {names[row]}", font={"color": CRITICAL},
+                       arrowcolor=CRITICAL, bgcolor="rgba(255,255,255,0.9)")
+
+
+def forward_time_figure(layers: dict, order: list[int]) -> go.Figure:
+    """Mean forward time of each layer (forward order), one colour per computed dtype."""
+    items = {item["index"]: item for item in layers["items"]}
+    timed = [items[i] for i in order if items[i]["summary"]["fwd_time_mean_ms"] is not None]
+    fig = base_figure(300, x_title="layer (forward order)")
+    if not timed:
+        return note(fig, "no forward timings sampled yet")
+    by_dtype: dict[str, list[dict]] = {}
+    for item in timed:
+        by_dtype.setdefault(item["summary"]["act_dtype"] or "unknown", []).append(item)
+    for dtype, group in by_dtype.items():
+        fig.add_bar(
+            x=[label(item["name"]) for item in group],
+            y=[item["summary"]["fwd_time_mean_ms"] for item in group],
+            name=dtype, marker={"color": DTYPE_COLOURS.get(dtype, UNKNOWN_DTYPE)},
+            hovertemplate="%{x}<br>%{y:.3g} ms in " + dtype + "<extra></extra>",
+        )
+    fig.update_xaxes(type="category", categoryorder="array",
+                     categoryarray=[label(item["name"]) for item in timed], tickangle=-45)
+    fig.update_yaxes(title={"text": "mean forward time (ms)"}, rangemode="tozero")
+    fig.update_layout(showlegend=True, bargap=0.15)
+    return fig

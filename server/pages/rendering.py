@@ -1,0 +1,109 @@
+"""Jinja2 rendering for the pages: one autoescaping environment, the display filters,
+and JSON that is safe inside a <script type="application/json"> tag."""
+
+from __future__ import annotations
+
+import math
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import HTMLResponse
+from jinja2 import Environment, FileSystemLoader, select_autoescape
+from markupsafe import Markup
+from plotly.io.json import to_json_plotly
+
+TEMPLATES = Path(__file__).parent / "templates"
+# Pages run no inline script and load nothing from elsewhere; Plotly needs inline styles.
+CONTENT_SECURITY_POLICY = (
+    "default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
+    "img-src 'self' data: blob:; connect-src 'self'; font-src 'self' data:; "
+    "object-src 'none'; base-uri 'none'; form-action 'self'; frame-ancestors 'none'"
+)
+_SCRIPT_SAFE = str.maketrans({"<": "\\u003c", ">": "\\u003e", "&": "\\u0026",
+                              "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def script_json(value: Any) -> Markup:
+    """JSON (numpy arrays as Plotly's base64 typed arrays) that cannot close the
+    <script> tag it sits in: <, > and & are written as \\u escapes."""
+    return Markup(to_json_plotly(value).translate(_SCRIPT_SAFE))
+
+
+def number(value: float | int | None, digits: int = 4) -> str:
+    """A count with thousands separators, a float with `digits` significant digits."""
+    if value is None:
+        return "—"
+    if isinstance(value, int):
+        return f"{value:,}"
+    if not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("inf" if value > 0 else "-inf")
+    if value == int(value) and abs(value) < 1e15:
+        return f"{int(value):,}"
+    return f"{value:.{digits}g}"
+
+
+def power_of_two(value: float | None) -> str:
+    """'2^16' for 65536.0; '' when the value is not a power of two."""
+    if value is None or not math.isfinite(value) or value <= 0:
+        return ""
+    exponent = math.log2(value)
+    return f"2^{int(exponent)}" if exponent == int(exponent) else ""
+
+
+def percent(value: float | None) -> str:
+    if value is None:
+        return "—"
+    return f"{100 * value:.2f}%" if value < 0.1 else f"{100 * value:.1f}%"
+
+
+def ago(moment: datetime | str | None, now: datetime | None = None) -> str:
+    """'12 s ago', '5 min ago', '3 h ago', '2 d ago'."""
+    if moment is None:
+        return "never"
+    if isinstance(moment, str):
+        moment = datetime.fromisoformat(moment)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    seconds = max(0.0, ((now or datetime.now(UTC)) - moment).total_seconds())
+    for size, unit in ((86400, "d"), (3600, "h"), (60, "min")):
+        if seconds >= size:
+            return f"{int(seconds // size)} {unit} ago"
+    return f"{int(seconds)} s ago"
+
+
+def iso(moment: datetime | str | None) -> str:
+    if moment is None:
+        return ""
+    return moment if isinstance(moment, str) else moment.isoformat(timespec="seconds")
+
+
+def make_environment() -> Environment:
+    env = Environment(
+        loader=FileSystemLoader(TEMPLATES),
+        autoescape=select_autoescape(["html"], default_for_string=True, default=True),
+        trim_blocks=True,
+        lstrip_blocks=True,
+    )
+    env.filters.update(number=number, power_of_two=power_of_two, percent=percent, ago=ago,
+                       iso=iso)
+    return env
+
+
+_ENVIRONMENT = make_environment()
+
+
+def render_fragment(template: str, **context: Any) -> Markup:
+    """A template rendered to HTML (the panels a live page swaps in); already escaped."""
+    return Markup(_ENVIRONMENT.get_template(template).render(**context))
+
+
+def render_page(request: Request, template: str, status_code: int = 200,
+                **context: Any) -> HTMLResponse:
+    """A full page; every page gets the request, the token flag and the CSP header."""
+    html = render_fragment(template, request=request,
+                           auth_enabled=request.app.state.settings.token is not None,
+                           **context)
+    return HTMLResponse(html, status_code=status_code,
+                        headers={"Content-Security-Policy": CONTENT_SECURITY_POLICY})

@@ -1,0 +1,198 @@
+"""HTML routes of the dashboard. Each page answers in three forms from one twin:
+HTML (default), `?format=json` (the JSON twin) and `?format=update` (new figures and
+panels that a live page swaps in without reloading)."""
+
+from __future__ import annotations
+
+from pathlib import Path as FilePath
+from typing import Annotated, Literal
+from urllib.parse import urlencode
+
+import plotly
+from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi.responses import FileResponse, HTMLResponse, Response
+from plotly.io.json import to_json_plotly
+
+from server.api.runs import RunIdPath
+from server.deps import SessionDep, SettingsDep
+from server.errors import NotFound
+from server.pages import auth, views
+from server.pages.rendering import render_fragment, render_page, script_json
+from server.responses import WireJSONResponse
+from server.schemas import MAX_STEP, Health
+
+STATIC = FilePath(__file__).parent / "static"
+PLOTLY_JS = FilePath(plotly.__file__).parent / "package_data" / "plotly.min.js"
+LIVE_POLL_MS = 3000
+
+router = APIRouter(include_in_schema=False)
+router.include_router(auth.router)
+pages = APIRouter(include_in_schema=False, dependencies=[Depends(auth.require_login)])
+
+Format = Annotated[Literal["html", "json", "update"],
+                   Query(alias="format", description="json: the page's JSON twin")]
+Start = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
+End = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
+
+
+@router.get("/static/plotly.min.js")
+def plotly_js() -> FileResponse:
+    """plotly.js from the installed plotly package: pages load nothing from elsewhere."""
+    return FileResponse(PLOTLY_JS, media_type="text/javascript",
+                        headers={"Cache-Control": f"public, max-age=86400, "
+                                 f"stale-while-revalidate=86400; v={plotly.__version__}"})
+
+
+@router.get("/static/{name}")
+def static_file(name: Annotated[str, Path(pattern=r"^[a-z]+\.(css|js)$")]) -> FileResponse:
+    path = STATIC / name
+    if path.parent != STATIC or not path.is_file():
+        raise HTTPException(status_code=404, detail="no such file")
+    return FileResponse(path, headers={"Cache-Control": "no-cache"})
+
+
+def _not_found(request: Request, exc: NotFound) -> HTMLResponse:
+    return render_page(request, "error.html", status_code=404, message=exc.message)
+
+
+def _update(live: bool, figures: dict, panels: dict[str, str]) -> Response:
+    body = {"live": live, "figures": {k: f.to_plotly_json() for k, f in figures.items()},
+            "panels": panels}
+    return Response(to_json_plotly(body), media_type="application/json")
+
+
+def _live_url(request: Request) -> str:
+    query = [(k, v) for k, v in request.query_params.multi_items() if k != "format"]
+    return f"{request.url.path}?{urlencode([*query, ('format', 'update')])}"
+
+
+@pages.get("/", response_class=HTMLResponse)
+def runs_page(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    project: Annotated[str | None, Query(max_length=256)] = None,
+    name: Annotated[str | None, Query(max_length=256)] = None,
+    status: Annotated[Health | Literal[""] | None, Query()] = None,
+    offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
+    output: Format = "html",
+) -> Response:
+    """Runs, newest first, with health badges; filter by project, status and name."""
+    twin = views.runs_twin(session, settings, project=project or None, name=name or None,
+                           status=status or None, offset=offset)
+    if output == "json":
+        return WireJSONResponse(twin)
+    filters = {"project": project or "", "name": name or "", "status": status or ""}
+    context = {"twin": twin, "filters": filters,
+               "page_query": {k: v for k, v in filters.items() if v}}
+    any_live = any(run["live"] for run in twin["items"])
+    if output == "update":
+        return _update(any_live, {}, {"runs-table": render_fragment("_runs_table.html",
+                                                                    **context)})
+    return render_page(request, "runs.html", live_url=_live_url(request) if any_live else None,
+                       poll_ms=LIVE_POLL_MS, **context)
+
+
+def _rank(value: str | None) -> int | None:
+    return None if value in (None, "", "all") else int(value)
+
+
+RankChoice = Annotated[str | None, Query(pattern=r"^(all|\d{1,7})?$",
+                                         description="a rank, or all ranks overlaid")]
+
+
+@pages.get("/runs/{run_id}", response_class=HTMLResponse)
+def run_page(
+    request: Request,
+    run_id: RunIdPath,
+    session: SessionDep,
+    settings: SettingsDep,
+    rank: RankChoice = None,
+    start: Start = None,
+    end: End = None,
+    output: Format = "html",
+) -> Response:
+    """A run's overview: scaler, grad norm, loss, lr, timings, memory and findings."""
+    try:
+        twin = views.overview_twin(session, settings, run_id, rank=_rank(rank),
+                                   steps=views.StepRange(start, end))
+    except NotFound as exc:
+        return _not_found(request, exc)
+    if output == "json":
+        return WireJSONResponse(twin)
+    figures = views.overview_figures(twin)
+    findings = {status: views.fold_misaligned(items, run_id)
+                for status, items in twin["findings"].items()}
+    context = {"twin": twin, "run": twin["run"], "findings": findings,
+               "start": start, "end": end}
+    panels = {"run-stats": render_fragment("_run_stats.html", **context),
+              "findings": render_fragment("_findings.html", **context)}
+    if output == "update":
+        return _update(twin["run"]["live"], figures, panels)
+    return render_page(request, "run.html", tab="overview", panels=panels,
+                       figures=script_json({k: f.to_plotly_json() for k, f in figures.items()}),
+                       live_url=_live_url(request) if twin["run"]["live"] else None,
+                       poll_ms=LIVE_POLL_MS, **context)
+
+
+@pages.get("/runs/{run_id}/layers", response_class=HTMLResponse)
+def layers_page(
+    request: Request,
+    run_id: RunIdPath,
+    session: SessionDep,
+    settings: SettingsDep,
+    rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    start: Start = None,
+    end: End = None,
+    output: Format = "html",
+) -> Response:
+    """Per-layer heatmaps, the misaligned-layer table and the precision map."""
+    try:
+        twin = views.layers_twin(session, settings, run_id, rank=rank,
+                                 steps=views.StepRange(start, end))
+    except NotFound as exc:
+        return _not_found(request, exc)
+    if output == "json":
+        return WireJSONResponse(twin)
+    figures = views.layers_figures(twin)
+    context = {"twin": twin, "run": twin["run"], "start": start, "end": end,
+               "misaligned": views.misaligned_rows(twin),
+               "precision": views.precision_rows(twin)}
+    panels = {"run-stats": render_fragment("_run_stats.html", **context),
+              "layer-tables": render_fragment("_layer_tables.html", **context)}
+    if output == "update":
+        return _update(twin["run"]["live"], figures, panels)
+    return render_page(request, "layers.html", tab="layers", panels=panels,
+                       figures=script_json({k: f.to_plotly_json() for k, f in figures.items()}),
+                       live_url=_live_url(request) if twin["run"]["live"] else None,
+                       poll_ms=LIVE_POLL_MS, **context)
+
+
+@pages.get("/compare", response_class=HTMLResponse)
+def compare_page(
+    request: Request,
+    session: SessionDep,
+    settings: SettingsDep,
+    runs: Annotated[str, Query(max_length=4096, description="run ids, comma-separated")] = "",
+    run: Annotated[list[str], Query(max_length=views.MAX_COMPARED,
+                                    description="run ids, one per parameter (the form)")] = [],  # noqa: B006
+    output: Format = "html",
+) -> Response:
+    """Loss scale, grad norm, skip rate and step time of several runs overlaid."""
+    chosen = [*runs.split(","), *run]
+    run_ids = list(dict.fromkeys(r.strip() for r in chosen if r.strip()))
+    twin = views.compare_twin(session, settings, run_ids)
+    if output == "json":
+        return WireJSONResponse(twin)
+    figures = views.compare_figures(twin) if twin["runs"] else {}
+    live = any(run["live"] for run in twin["runs"])
+    if output == "update":
+        return _update(live, figures, {})
+    recent = views.runs_twin(session, settings, project=None, name=None, status=None,
+                             offset=0)["items"]
+    return render_page(request, "compare.html", twin=twin, run_ids=run_ids, recent=recent,
+                       figures=script_json({k: f.to_plotly_json() for k, f in figures.items()}),
+                       live_url=_live_url(request) if live else None, poll_ms=LIVE_POLL_MS)
+
+
+router.include_router(pages)

@@ -1,0 +1,244 @@
+"""What each page shows: its JSON twin, built from the API's query functions, and the
+figures drawn from that twin. Routes (server/pages/routes.py) only pick the format."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from urllib.parse import quote
+
+from plotly.graph_objects import Figure
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from server.analysis.draft import SEVERITY_RANK
+from server.analysis.queries import list_findings
+from server.models import Run
+from server.pages import figures, heatmaps
+from server.pages.columns import StepColumns, by_rank
+from server.queries import layers_query, matrix_query, steps_query
+from server.runs import get_run, list_runs, run_public, run_ranks
+from server.settings import Settings
+
+MAX_POINTS = 2000  # per chart line set: what a laptop-wide chart can show
+BUCKETS = 1000  # heatmap columns
+RUNS_PER_PAGE = 25
+MAX_COMPARED = 8
+MAX_FINDINGS = 200
+LAYER_FINDING_KINDS = ("misaligned_layer", "precision_map")
+
+
+@dataclass(frozen=True)
+class StepRange:
+    start: int | None = None
+    end: int | None = None
+
+    def query(self) -> dict:
+        return {"start": self.start, "end": self.end}
+
+
+def runs_twin(session: Session, settings: Settings, *, project: str | None, name: str | None,
+              status: str | None, offset: int) -> dict:
+    """/ : the runs list, newest first, and the projects to filter by."""
+    runs = list_runs(session, settings, project=project, name=name, status=status,
+                     limit=RUNS_PER_PAGE, offset=offset)
+    return {**runs.model_dump(mode="json"), "projects": projects(session)}
+
+
+def projects(session: Session) -> list[str]:
+    return list(session.scalars(select(Run.project).distinct().order_by(Run.project)))
+
+
+def _run(session: Session, run_id: str, settings: Settings) -> dict:
+    return run_public(get_run(session, run_id), run_ranks(session, run_id),
+                      settings).model_dump(mode="json")
+
+
+def findings_of(session: Session, run_id: str, kind: str | None = None) -> dict:
+    """A run's findings: open ones first (most severe first), then resolved ones."""
+    found = {status: list_findings(session, run_id=run_id, kind=kind, status=status,
+                                   limit=MAX_FINDINGS).model_dump(mode="json")["items"]
+             for status in ("open", "resolved")}
+    return {"open": found["open"], "resolved": found["resolved"]}
+
+
+def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: int | None,
+                  steps: StepRange) -> dict:
+    """/runs/{id}: the run, its downsampled steps (all ranks unless one is picked) and
+    its findings."""
+    run = get_run(session, run_id)
+    return {
+        "run": _run(session, run_id, settings),
+        "rank": rank,
+        "steps": steps_query(session, run, rank=rank, max_points=MAX_POINTS, **steps.query()),
+        "findings": findings_of(session, run_id),
+    }
+
+
+def fold_misaligned(findings: list[dict], run_id: str) -> list[dict]:
+    """The overview's panel: misaligned-layer findings (one per layer and dimension)
+    folded into one line that points at the Layers page's table."""
+    misaligned = [f for f in findings if f["kind"] == "misaligned_layer"]
+    if len(misaligned) < 2:
+        return findings
+    worst = max(misaligned, key=lambda f: (SEVERITY_RANK[f["severity"]],
+                                           f["evidence"].get("param_share") or 0))
+    layers = {f["layer"] for f in misaligned}
+    summary = {
+        **worst, "code": None, "layer": None, "step": None, "last_step": None, "count": 1,
+        "message": f"{len(misaligned)} dimensions of {len(layers)} layers are misaligned for "
+                   f"tensor cores; the largest: {worst['message']}",
+        "href": f"/runs/{quote(run_id)}/layers#misaligned",
+    }
+    position = findings.index(misaligned[0])
+    rest = [f for f in findings if f["kind"] != "misaligned_layer"]
+    return [*rest[:position], summary, *rest[position:]]
+
+
+def overview_figures(twin: dict) -> dict[str, Figure]:
+    lines = by_rank(twin["steps"])
+    return {
+        "loss_scale": figures.loss_scale_figure(lines),
+        "grad_norm": figures.grad_norm_figure(lines),
+        "loss": figures.loss_figure(lines),
+        "lr": figures.lr_figure(lines),
+        "phases": figures.phase_times_figure(lines),
+        "memory": figures.peak_memory_figure(lines),
+    }
+
+
+def layers_twin(session: Session, settings: Settings, run_id: str, *, rank: int,
+                steps: StepRange) -> dict:
+    """/runs/{id}/layers: the layer table with summaries, grad-norm and activation
+    matrices, and the layer findings (misaligned layers, precision map)."""
+    run = get_run(session, run_id)
+    findings = findings_of(session, run_id)
+    return {
+        "run": _run(session, run_id, settings),
+        "rank": rank,
+        "layers": layers_query(session, run, rank=rank),
+        "grad_norm": matrix_query(session, run, metric="grad_norm", rank=rank,
+                                  buckets=BUCKETS, **steps.query()),
+        "act_absmax": matrix_query(session, run, metric="act_absmax", rank=rank,
+                                   buckets=BUCKETS, **steps.query()),
+        "findings": {status: [f for f in items if f["kind"] in LAYER_FINDING_KINDS
+                              or f["layer"] is not None]
+                     for status, items in findings.items()},
+    }
+
+
+def offender_layer(twin: dict) -> str | None:
+    """The run's first offender: the first layer in forward order whose output went
+    non-finite; else the layer the non-finite analysis names; else the first layer in
+    forward order with non-finite grads."""
+    order = heatmaps.forward_order(twin["layers"])
+    found = heatmaps.first_offender(twin["act_absmax"], order)
+    if found is not None:
+        return found.layer
+    for finding in twin["findings"]["open"]:
+        if finding["kind"] == "nonfinite" and finding["layer"]:
+            return finding["layer"]
+    found = heatmaps.first_offender(twin["grad_norm"], order)
+    return found.layer if found is not None else None
+
+
+def layers_figures(twin: dict) -> dict[str, Figure]:
+    order = heatmaps.forward_order(twin["layers"])
+    offender = offender_layer(twin)
+    return {
+        "grad_heatmap": heatmaps.layer_heatmap_figure(twin["grad_norm"], order,
+                                                      quantity="grad norm", offender=offender),
+        "act_heatmap": heatmaps.layer_heatmap_figure(twin["act_absmax"], order,
+                                                     quantity="abs-max", offender=offender),
+        "fwd_time": heatmaps.forward_time_figure(twin["layers"], order),
+    }
+
+
+@dataclass(frozen=True)
+class MisalignedRow:
+    layer: str
+    type: str
+    dimension: str
+    value: int
+    padded: int
+    optimal: int | None
+    param_share: float | None
+    severity: str
+    message: str
+
+
+def misaligned_rows(twin: dict) -> list[MisalignedRow]:
+    """The misaligned-layer table, from the open `misaligned_layer` findings' evidence."""
+    rows = []
+    for finding in twin["findings"]["open"]:
+        if finding["kind"] != "misaligned_layer":
+            continue
+        evidence = finding["evidence"]
+        rows.append(MisalignedRow(
+            layer=finding["layer"] or "", type=evidence.get("type", ""),
+            dimension=evidence.get("dimension", ""), value=evidence.get("value"),
+            padded=evidence.get("padded"), optimal=evidence.get("optimal"),
+            param_share=evidence.get("param_share"), severity=finding["severity"],
+            message=finding["message"],
+        ))
+    return sorted(rows, key=lambda r: (-(r.param_share or 0), r.layer, r.dimension))
+
+
+@dataclass(frozen=True)
+class PrecisionRow:
+    index: int
+    name: str
+    type: str
+    param_count: int
+    computed_in: str | None
+    grad_nonfinite_steps: int
+    act_nonfinite_steps: int
+    flags: list[dict]
+
+
+def precision_rows(twin: dict) -> list[PrecisionRow]:
+    """One row per layer in forward order: what it computed in, its non-finite counts
+    and the open findings that name it (precision map flags first)."""
+    by_layer: dict[str, list[dict]] = {}
+    for finding in twin["findings"]["open"]:
+        if finding["layer"] is not None:
+            by_layer.setdefault(finding["layer"], []).append(finding)
+    items = {item["index"]: item for item in twin["layers"]["items"]}
+    rows = []
+    for index in heatmaps.forward_order(twin["layers"]):
+        item = items[index]
+        flags = sorted(by_layer.get(item["name"], []),
+                       key=lambda f: f["kind"] != "precision_map")
+        rows.append(PrecisionRow(
+            index=index, name=item["name"], type=item["type"],
+            param_count=item["param_count"], computed_in=item["summary"]["act_dtype"],
+            grad_nonfinite_steps=item["summary"]["grad_nonfinite_steps"],
+            act_nonfinite_steps=item["summary"]["act_nonfinite_steps"], flags=flags,
+        ))
+    return rows
+
+
+def compare_twin(session: Session, settings: Settings, run_ids: list[str]) -> dict:
+    """/compare: each run's lowest rank, downsampled; unknown ids listed apart."""
+    runs, steps, missing = [], {}, []
+    for run_id in run_ids[:MAX_COMPARED]:
+        run = session.get(Run, run_id)
+        if run is None:
+            missing.append(run_id)
+            continue
+        public = run_public(run, run_ranks(session, run_id), settings).model_dump(mode="json")
+        lead = min((r["rank"] for r in public["ranks"]), default=0)
+        runs.append(public)
+        steps[run_id] = steps_query(session, run, rank=lead, max_points=MAX_POINTS)
+    return {"runs": runs, "steps": steps, "missing": missing}
+
+
+def compare_figures(twin: dict) -> dict[str, Figure]:
+    lines = [StepColumns.from_items(run["name"], twin["steps"][run["id"]]["items"])
+             for run in twin["runs"]]
+    totals = [twin["steps"][run["id"]]["total"] for run in twin["runs"]]
+    return {
+        "loss_scale": figures.loss_scale_figure(lines),
+        "grad_norm": figures.grad_norm_figure(lines),
+        "skip_rate": figures.skip_rate_figure(lines, totals),
+        "step_time": figures.step_time_figure(lines),
+    }
