@@ -1,0 +1,183 @@
+"""The `ampwatch` command line against a live server: every command, --json parsed back,
+and every error path in one line on stderr with a non-zero exit status."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from client import Client
+from client.cli import ERROR_EXIT
+from tests.client.conftest import seed_healthy
+from tests.conftest import LiveServer, free_port
+
+
+def test_runs_table_is_aligned(ampwatch) -> None:
+    result = ampwatch("runs")
+    assert result.code == 0, result.err
+    header, *rows = result.out.splitlines()
+    assert header.split()[:4] == ["ID", "NAME", "PROJECT", "STATUS"]
+    assert "SKIP RATE" in header and "FINDINGS" in header
+    by_id = {row.split()[0]: row for row in rows}
+    assert set(by_id) >= {"healthy", "diverging"}
+    assert "critical" in by_id["diverging"] and "23.1%" in by_id["diverging"]
+    assert "65536 (2^16)" in by_id["healthy"] and "0.0%" in by_id["healthy"]
+    # right-aligned numbers end in the same column
+    ends = {row.index("%") for row in rows}
+    assert len(ends) == 1
+
+
+def test_runs_json_and_filters(ampwatch, server, server_api) -> None:
+    seed_healthy(server_api, "other-project", project="elsewhere")
+    runs = json.loads(ampwatch("runs", "--json").out)
+    assert {"healthy", "diverging", "other-project"} <= {r["id"] for r in runs}
+    critical = json.loads(ampwatch("runs", "--status", "critical", "--json").out)
+    assert [r["id"] for r in critical] == ["diverging"]
+    assert critical[0]["loss_scale"] == 32768.0 and critical[0]["status"] == "critical"
+    elsewhere = json.loads(ampwatch("runs", "--project", "elsewhere", "--json").out)
+    assert [r["id"] for r in elsewhere] == ["other-project"]
+    assert ampwatch("runs", "--project", "nowhere").out.strip() == "no runs"
+
+
+def test_show_summarises_a_run_with_its_findings(ampwatch) -> None:
+    result = ampwatch("show", "diverging")
+    assert result.code == 0, result.err
+    assert "status:     critical" in result.out
+    assert "260 (last step 259, 60 skipped, 23.1%)" in result.out
+    assert "32768 (2^15)" in result.out
+    assert "autocast float16, GradScaler (growth interval 2000)" in result.out
+    assert "Open findings" in result.out and "scaler_divergence" in result.out
+    assert "200-259" in result.out and "blocks.0.fc" in result.out
+
+
+def test_show_json(ampwatch, server) -> None:
+    shown = json.loads(ampwatch("show", "diverging", "--json").out)
+    with Client(server.url) as client:
+        expected = client.run("diverging")
+    assert shown["run"] == expected.to_json()
+    assert {f["kind"] for f in shown["findings"]} >= {"scaler_divergence", "nonfinite"}
+
+
+def test_findings_across_runs_and_by_severity(ampwatch, server) -> None:
+    every = ampwatch("findings")
+    assert every.code == 0
+    assert every.out.splitlines()[0].split()[:3] == ["SEVERITY", "RUN", "KIND"]
+    assert "healthy" in every.out and "diverging" in every.out
+    critical = json.loads(ampwatch("findings", "--severity", "critical", "--json").out)
+    assert [(f["run_id"], f["kind"]) for f in critical] == [("diverging", "scaler_divergence")]
+    mine = json.loads(ampwatch("findings", "diverging", "--json").out)
+    with Client(server.url) as client:
+        api = client.findings("diverging", status="open")
+    assert sorted(f["id"] for f in mine) == sorted(f.id for f in api)
+    assert mine[0]["severity"] == "critical"  # most severe first
+    assert ampwatch("findings", "healthy", "--severity", "warning").out.strip() == "no findings"
+
+
+@pytest.mark.parametrize("run_id, fail_on, code", [
+    ("healthy", "warning", 0),
+    ("healthy", "critical", 0),
+    ("diverging", "warning", 1),
+    ("diverging", "critical", 1),
+])
+def test_check_exit_status(ampwatch, run_id: str, fail_on: str, code: int) -> None:
+    result = ampwatch("check", run_id, "--fail-on", fail_on)
+    assert result.code == code, result.out + result.err
+    if code:
+        assert "scaler_divergence" in result.out
+        assert f"failed: run {run_id} has 1 open finding at or above {fail_on}" in result.err
+    else:
+        assert result.out.startswith(f"ok: run {run_id} has no open findings")
+
+
+def test_check_json(ampwatch) -> None:
+    result = ampwatch("check", "diverging", "--json")
+    verdict = json.loads(result.out)
+    assert result.code == 1
+    assert (verdict["passed"], verdict["fail_on"], verdict["status"]) == (
+        False, "critical", "critical")
+    assert [f["kind"] for f in verdict["findings"]] == ["scaler_divergence"]
+    assert json.loads(ampwatch("check", "healthy", "--json").out)["passed"] is True
+
+
+@pytest.mark.parametrize("args", [
+    ["runs"], ["show", "healthy"], ["findings"], ["check", "healthy"], ["sync", "."],
+])
+def test_server_down_is_one_line(ampwatch, args: list[str]) -> None:
+    result = ampwatch(*args, server_url=f"http://127.0.0.1:{free_port()}")
+    assert result.code == ERROR_EXIT
+    assert result.out == ""
+    assert result.err.count("\n") == 1
+    assert result.err.startswith("ampwatch: error: cannot reach")
+    assert "is the server running?" in result.err
+
+
+@pytest.mark.parametrize("args", [
+    ["show", "ghost"], ["findings", "ghost"], ["check", "ghost"],
+    ["export", "ghost", "--out", "ghost.csv"],
+])
+def test_unknown_run_is_one_line(ampwatch, args: list[str], tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    result = ampwatch(*args)
+    assert result.code == ERROR_EXIT
+    assert result.err == "ampwatch: error: 404 Not Found: no run with id 'ghost'\n"
+    assert not (tmp_path / "ghost.csv").exists()
+
+
+def test_usage_errors_are_one_line(ampwatch, tmp_path: Path) -> None:
+    result = ampwatch("export", "healthy", "--out", tmp_path / "steps.txt")
+    assert result.code == ERROR_EXIT
+    assert result.err == ("ampwatch: error: cannot tell the format of "
+                          f"'{tmp_path / 'steps.txt'}': pass --format csv|jsonl|parquet\n")
+    result = ampwatch("export", "healthy", "--out", tmp_path / "missing" / "steps.csv")
+    assert result.code == ERROR_EXIT and result.err.startswith("ampwatch: error: no directory")
+    result = ampwatch("sync", tmp_path / "no-spool")
+    assert result.err == f"ampwatch: error: no spool directory at {tmp_path / 'no-spool'}\n"
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory: pytest.TempPathFactory):
+    directory = tmp_path_factory.mktemp("token-server")
+    live = LiveServer(f"sqlite:///{directory / 'live.db'}", directory / "server.log",
+                      env={"AMPWATCH_TOKEN": "s3cret"})
+    live.start()
+    yield live
+    live.stop()
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
+    """The real entry point in a child process, as a shell would run it."""
+    return subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True,
+                          text=True, timeout=60,
+                          env={**os.environ, "AMPWATCH_TOKEN": "", **env})
+
+
+def test_token_from_the_environment_or_the_flag(token_server) -> None:
+    env = {"AMPWATCH_SERVER": token_server.url, "AMPWATCH_TOKEN": "s3cret"}
+    ok = run_cli("runs", "--json", env=env)
+    assert (ok.returncode, json.loads(ok.stdout), ok.stderr) == (0, [], "")
+    flag = run_cli("runs", "--token", "s3cret", env={"AMPWATCH_SERVER": token_server.url})
+    assert (flag.returncode, flag.stdout.strip()) == (0, "no runs")
+
+
+@pytest.mark.parametrize("token, expected", [("wrong", "a wrong token"), ("", "no token")])
+def test_bad_token_is_one_line_without_traceback(token_server, token: str,
+                                                 expected: str) -> None:
+    result = run_cli("runs", env={"AMPWATCH_SERVER": token_server.url,
+                                  "AMPWATCH_TOKEN": token})
+    assert result.returncode == ERROR_EXIT
+    assert result.stdout == ""
+    assert result.stderr == ("ampwatch: error: 401 Unauthorized: missing or wrong token: "
+                             "send 'Authorization: Bearer <AMPWATCH_TOKEN>' "
+                             f"({expected}: set --token or AMPWATCH_TOKEN)\n")
+
+
+def test_entry_point_lists_every_command() -> None:
+    result = run_cli("--help", env={})
+    assert result.returncode == 0
+    for command in ("runs", "show", "findings", "check", "export", "sync", "serve"):
+        assert f"    {command} " in result.stdout
