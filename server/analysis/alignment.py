@@ -98,29 +98,31 @@ def detect_misaligned_layers(series: StepSeries, run: RunContext,
     total = run.total_params
     shares = time_shares(series)
     drafts = []
-    for layer in run.layers:
-        for dim, value in layer_dimensions(layer).items():
-            if value % multiple == 0:
-                continue
-            padded = round_up(value, multiple)
-            optimal = round_up(value, OPTIMAL)
-            share = layer.param_count / total if total else 0.0
-            fix = FIXES.get(dim, "pad it to {padded}").format(padded=padded)
-            if optimal != padded:
-                fix += f" ({optimal}, a multiple of {OPTIMAL}, is best)"
-            evidence = {"type": layer.type, "dimension": dim, "value": value,
-                        "multiple": multiple, "padded": padded, "optimal": optimal,
-                        "dtype": dtype, "param_count": layer.param_count,
-                        "param_share": round(share, 4)}
-            if shares is not None and layer.index < shares.size:
-                # rounded so that evidence does not churn on every batch
-                evidence["time_share"] = round(float(shares[layer.index]), 2)
-            severity = "warning" if share >= settings.misaligned_warning_share else "info"
-            drafts.append(FindingDraft(
-                kind=KIND, key=f"{KIND}:{layer.name}:{dim}", severity=severity,
-                message=(f"{layer.type} {layer.name!r} ({share:.1%} of the parameters): "
-                         f"{dim} = {value} is not a multiple of {multiple}, which {dtype} "
-                         f"tensor cores need; {fix}."),
-                layer=layer.name, evidence=evidence,
-            ))
+    dimensions = run.table.derived("gemm_dimensions", lambda table: [
+        (layer, dim, value) for layer in table.layers
+        for dim, value in layer_dimensions(layer).items()])
+    for layer, dim, value in dimensions:
+        if value % multiple == 0:
+            continue
+        padded = round_up(value, multiple)
+        optimal = round_up(value, OPTIMAL)
+        share = layer.param_count / total if total else 0.0
+        fix = FIXES.get(dim, "pad it to {padded}").format(padded=padded)
+        if optimal != padded:
+            fix += f" ({optimal}, a multiple of {OPTIMAL}, is best)"
+        evidence = {"type": layer.type, "dimension": dim, "value": value,
+                    "multiple": multiple, "padded": padded, "optimal": optimal,
+                    "dtype": dtype, "param_count": layer.param_count,
+                    "param_share": round(share, 4)}
+        if shares is not None and layer.index < shares.size:
+            # rounded so that evidence does not churn on every batch
+            evidence["time_share"] = round(float(shares[layer.index]), 2)
+        severity = "warning" if share >= settings.misaligned_warning_share else "info"
+        drafts.append(FindingDraft(
+            kind=KIND, key=f"{KIND}:{layer.name}:{dim}", severity=severity,
+            message=(f"{layer.type} {layer.name!r} ({share:.1%} of the parameters): "
+                     f"{dim} = {value} is not a multiple of {multiple}, which {dtype} "
+                     f"tensor cores need; {fix}."),
+            layer=layer.name, evidence=evidence,
+        ))
     return Detection(drafts=drafts, covers=(f"{KIND}:",))

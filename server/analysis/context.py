@@ -3,8 +3,9 @@ the rank and where its stream began. Built once per analysis pass."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import numpy as np
@@ -36,6 +37,67 @@ class LayerInfo:
                    forward_index=row.forward_index)
 
 
+@dataclass(frozen=True, eq=False)
+class LayerTable:
+    """A run's layers in index order, with per-layer arrays derived once (the service
+    caches tables between batches, so detectors stay cheap on ingest)."""
+
+    layers: tuple[LayerInfo, ...] = ()
+    _memo: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def of(cls, layers: Iterable[Any]) -> LayerTable:
+        return cls(tuple(sorted((x if isinstance(x, LayerInfo) else LayerInfo.from_row(x)
+                                 for x in layers), key=lambda x: x.index)))
+
+    @cached_property
+    def by_index(self) -> dict[int, LayerInfo]:
+        return {x.index: x for x in self.layers}
+
+    @cached_property
+    def names(self) -> list[str]:
+        """Layer names by index ("layer[i]" where the table has a gap)."""
+        names = [f"layer[{i}]" for i in range(self.size)]
+        for x in self.layers:
+            names[x.index] = x.name
+        return names
+
+    @cached_property
+    def size(self) -> int:
+        return max((x.index for x in self.layers), default=-1) + 1
+
+    @cached_property
+    def param_counts(self) -> np.ndarray:
+        counts = np.zeros(self.size)
+        for x in self.layers:
+            counts[x.index] = x.param_count
+        return counts
+
+    @cached_property
+    def forward_position(self) -> np.ndarray:
+        """Per layer index, its position in forward execution order (layers never seen
+        in forward come after all seen ones, in table order)."""
+        unseen = 1 << 40
+        keys = np.array([(x.forward_index if x.forward_index is not None else unseen)
+                         * (1 << 20) + x.index for x in self.layers], dtype=np.int64)
+        position = np.full(self.size, 1 << 50, dtype=np.int64)
+        position[[x.index for x in self.layers]] = np.argsort(np.argsort(keys, kind="stable"))
+        return position
+
+    def derived(self, name: str, compute: Callable[[LayerTable], Any]) -> Any:
+        """`compute(self)`, computed once per table under `name` (for detector-specific
+        per-layer data such as GEMM dimensions or layer roles)."""
+        if name not in self._memo:
+            self._memo[name] = compute(self)
+        return self._memo[name]
+
+    def mask(self, predicate: Callable[[LayerInfo], bool], n_layers: int) -> np.ndarray:
+        """Per layer index below n_layers, whether `predicate` holds."""
+        out = np.zeros(n_layers, dtype=bool)
+        out[[x.index for x in self.layers if x.index < n_layers and predicate(x)]] = True
+        return out
+
+
 @dataclass(frozen=True)
 class RunContext:
     """The run-level inputs of the detectors.
@@ -44,40 +106,46 @@ class RunContext:
     None when unknown, e.g. at registration.
     """
 
-    layers: tuple[LayerInfo, ...] = ()
+    table: LayerTable = field(default_factory=LayerTable)
     environment: dict[str, Any] = field(default_factory=dict)
     rank: int = 0
     first_step: int | None = None
 
     @classmethod
-    def build(cls, layers: Iterable[Any], environment: dict[str, Any] | None = None,
+    def build(cls, layers: Iterable[Any] | LayerTable, environment: dict[str, Any] | None = None,
               rank: int = 0, first_step: int | None = None) -> RunContext:
-        infos = tuple(sorted((x if isinstance(x, LayerInfo) else LayerInfo.from_row(x)
-                              for x in layers), key=lambda x: x.index))
-        return cls(layers=infos, environment=dict(environment or {}), rank=rank,
+        table = layers if isinstance(layers, LayerTable) else LayerTable.of(layers)
+        return cls(table=table, environment=dict(environment or {}), rank=rank,
                    first_step=first_step)
+
+    @property
+    def layers(self) -> tuple[LayerInfo, ...]:
+        return self.table.layers
 
     def layer(self, index: int) -> LayerInfo | None:
         """The layer at table position `index` (None when the table lacks it)."""
-        if 0 <= index < len(self.layers) and self.layers[index].index == index:
-            return self.layers[index]
-        return next((x for x in self.layers if x.index == index), None)
+        return self.table.by_index.get(index)
 
     def layer_name(self, index: int) -> str:
-        layer = self.layer(index)
-        return layer.name if layer else f"layer[{index}]"
+        names = self.table.names
+        return names[index] if 0 <= index < len(names) else f"layer[{index}]"
 
     def forward_position(self, n_layers: int) -> np.ndarray:
-        """Per layer index, its position in forward execution order (layers never seen
-        in forward come after all seen ones, in table order)."""
-        keys = np.full(n_layers, np.iinfo(np.int64).max // 2, dtype=np.int64)
-        for x in self.layers:
-            if x.index < n_layers:
-                seen = x.forward_index is not None
-                keys[x.index] = (x.forward_index if seen else 1 << 40) * (1 << 20) + x.index
-        position = np.empty(n_layers, dtype=np.int64)
-        position[np.argsort(keys, kind="stable")] = np.arange(n_layers)
-        return position
+        """Per layer index below n_layers, its position in forward execution order
+        (indices the table lacks come last)."""
+        position = self.table.forward_position
+        if position.size == n_layers:
+            return position
+        out = np.arange(n_layers, dtype=np.int64) + (1 << 50)
+        width = min(n_layers, position.size)
+        out[:width] = position[:width]
+        return out
+
+    def param_counts(self, n_layers: int) -> np.ndarray:
+        counts = self.table.param_counts
+        if counts.size == n_layers:
+            return counts
+        return np.pad(counts, (0, max(n_layers - counts.size, 0)))[:n_layers]
 
     @property
     def total_params(self) -> int:

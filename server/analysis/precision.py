@@ -32,16 +32,14 @@ SENSITIVE_TYPE = re.compile(r"(Norm\w*|Softmax|Softmin|Loss)$")
 EXEMPT_TYPE = re.compile(r"^(Sync)?BatchNorm")
 
 
-def _problems(run: RunContext, n_layers: int) -> list[tuple[LayerInfo, str]]:
-    found = []
-    for x in run.layers:
-        if x.index >= n_layers:
-            continue
-        if MATMUL_TYPE.match(x.type):
-            found.append((x, "fp32_matmul"))
-        elif SENSITIVE_TYPE.search(x.type) and not EXEMPT_TYPE.match(x.type):
-            found.append((x, "fp16_sensitive"))
-    return found
+def layer_role(layer: LayerInfo) -> str | None:
+    """"fp32_matmul" for matmul-class layers, "fp16_sensitive" for norm/softmax/loss-like
+    ones, None for the rest: the problem each kind of layer can have."""
+    if MATMUL_TYPE.match(layer.type):
+        return "fp32_matmul"
+    if SENSITIVE_TYPE.search(layer.type) and not EXEMPT_TYPE.match(layer.type):
+        return "fp16_sensitive"
+    return None
 
 
 def _message(problem: str, layer_type: str, name: str, step: int, autocast: str) -> str:
@@ -58,39 +56,42 @@ def _message(problem: str, layer_type: str, name: str, step: int, autocast: str)
 def detect_precision_map(series: StepSeries, run: RunContext,
                          settings: AnalysisSettings) -> Detection:
     """Judge each layer's sampled compute dtypes in the window; a layer whose latest
-    sample is fine again resolves its finding."""
+    sample is fine again resolves its finding. Vectorised over samples and layers."""
     if series.act_dtype is None or not len(series.act_step):
         return Detection()
     dtypes = series.act_dtype
+    n_layers = dtypes.shape[1]
     rows = step_rows(series, series.act_step)
     codes = np.where(rows >= 0, autocast_codes(series)[rows.clip(0)], 0)
     under_autocast = np.isin(codes, (*LOW_PRECISION, MIXED))
     autocast_name = (DTYPES[int(np.bincount(codes[under_autocast]).argmax())]
                      if under_autocast.any() else "")
+    roles = run.table.derived("precision_roles",
+                              lambda table: {x.index: layer_role(x) for x in table.layers})
+    matmul = run.table.mask(lambda x: roles[x.index] == "fp32_matmul", n_layers)
+    sensitive = run.table.mask(lambda x: roles[x.index] == "fp16_sensitive", n_layers)
+    judged = (dtypes != 0) & ((under_autocast[:, None] & matmul) | sensitive)
+    bad = judged & np.where(matmul, dtypes == FP32, dtypes == FP16)
+    ever_bad = bad.any(axis=0)
     drafts, covers = [], []
-    for layer, problem in _problems(run, dtypes.shape[1]):
-        column = dtypes[:, layer.index]
-        if problem == "fp32_matmul":
-            judged = under_autocast & (column != 0)
-            bad = judged & (column == FP32)
-        else:
-            judged = column != 0
-            bad = column == FP16
-        key = f"{KIND}:{layer.name}:{problem}"
-        if not bad.any():
-            if judged.any():
-                covers.append(key)
-            continue
-        steps = series.act_step[bad]
-        last_judged = np.flatnonzero(judged)[-1]
+    for index in np.flatnonzero(judged.any(axis=0) & ~ever_bad):
+        layer = run.layer(int(index))
+        covers.append(f"{KIND}:{layer.name}:{roles[layer.index]}")
+    for index in np.flatnonzero(ever_bad):
+        layer = run.layer(int(index))
+        problem = roles[layer.index]
+        hits = bad[:, index]
+        steps = series.act_step[hits]
+        last_judged = np.flatnonzero(judged[:, index])[-1]
         drafts.append(FindingDraft(
-            kind=KIND, key=key, code=problem,
+            kind=KIND, key=f"{KIND}:{layer.name}:{problem}", code=problem,
             severity="info" if problem == "fp32_matmul" else "warning",
             message=_message(problem, layer.type, layer.name, int(steps[0]), autocast_name),
             step=int(steps[0]), last_step=int(steps[-1]), layer=layer.name,
-            evidence={"type": layer.type, "computed_in": "float32" if problem == "fp32_matmul"
-                      else "float16", "autocast_dtype": autocast_name or None,
+            evidence={"type": layer.type,
+                      "computed_in": "float32" if problem == "fp32_matmul" else "float16",
+                      "autocast_dtype": autocast_name or None,
                       "steps": recent_steps(steps, settings.evidence_steps)},
-            occurrences=steps, active=bool(bad[last_judged]),
+            occurrences=steps, active=bool(hits[last_judged]),
         ))
     return Detection(drafts=drafts, covers=tuple(covers))

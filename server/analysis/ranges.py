@@ -53,7 +53,8 @@ def detect_overflow_risk(series: StepSeries, run: RunContext,
             occurrences=steps, active=bool((hits & recent).any()),
         ))
     flagged = {d.key for d in drafts if d.active}
-    covers = tuple(k for k in (f"overflow_risk:{run.layer_name(int(i))}" for i in evaluated)
+    names = run.table.names
+    covers = tuple(k for k in (f"overflow_risk:{names[i]}" for i in evaluated if i < len(names))
                    if k not in flagged)
     return Detection(drafts=drafts, covers=covers)
 
@@ -71,10 +72,7 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
     if grads is None or not len(series) or not is_fp16_run(series, run):
         return Detection()
     n_layers = series.n_layers
-    params = np.zeros(n_layers)
-    for x in run.layers:
-        if x.index < n_layers:
-            params[x.index] = x.param_count
+    params = run.param_counts(n_layers)
     scale = series.column("loss_scale")
     scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
     recent = _recent(series.steps, int(series.steps[-1]), settings) & ~series.skipped
@@ -109,7 +107,8 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
                       "steps": recent_steps(low_steps, settings.evidence_steps)},
             occurrences=low_steps,
         ))
-    covers = tuple(f"underflow_risk:{run.layer_name(int(i))}"
-                   for i in np.flatnonzero(evaluated & ~flagged))
+    names = run.table.names
+    covers = tuple(f"underflow_risk:{names[i]}"
+                   for i in np.flatnonzero(evaluated & ~flagged) if i < len(names))
     return Detection(drafts=drafts, covers=covers)
 

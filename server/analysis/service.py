@@ -3,11 +3,14 @@ and when a run registers or changes its layer table."""
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
+
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from server.analysis.alignment import detect_misaligned_layers
-from server.analysis.context import RunContext
+from server.analysis.context import LayerTable, RunContext
 from server.analysis.draft import Detection
 from server.analysis.localize import localize
 from server.analysis.nonfinite import detect_nonfinite
@@ -49,6 +52,35 @@ def run_detectors(series: StepSeries, run: RunContext, settings: AnalysisSetting
     return detections
 
 
+class LayerTableCache:
+    """Layer tables by (database, run, run.updated_at, n_layers): every PUT that can change
+    the table bumps `updated_at`, so a stale entry is never hit, whichever replica wrote.
+    Saves reading and parsing the layer rows on every ingested batch."""
+
+    max_entries = 256
+
+    def __init__(self) -> None:
+        self._tables: OrderedDict[tuple, LayerTable] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, session: Session, run: Run) -> LayerTable:
+        key = (str(session.get_bind().url), run.id, run.updated_at, run.n_layers)
+        with self._lock:
+            table = self._tables.get(key)
+            if table is not None:
+                self._tables.move_to_end(key)
+                return table
+        table = LayerTable.of(load_layers(session, run.id))
+        with self._lock:
+            self._tables[key] = table
+            while len(self._tables) > self.max_entries:
+                self._tables.popitem(last=False)
+        return table
+
+
+layer_tables = LayerTableCache()
+
+
 def _rank_first_step(session: Session, run_id: str, rank: int) -> int | None:
     return session.scalar(
         select(func.min(Batch.first_step))
@@ -75,7 +107,8 @@ def on_ingest(session: Session, run: Run, rank: int, first_step: int, last_step:
                          n_layers=run.n_layers)
     if not len(series) and not series.events:
         return
-    context = RunContext.build(load_layers(session, run.id), run.environment, rank, rank_first)
+    context = RunContext.build(layer_tables.get(session, run), run.environment, rank,
+                               rank_first)
     rank_row = session.get(RunRank, (run.id, rank))
     current = rank_row is None or rank_row.last_step is None or rank_row.last_step <= last_step
     detections = run_detectors(series, context, settings, setup=rank == SETUP_RANK)
@@ -92,7 +125,7 @@ def on_register(session: Session, run: Run, settings: AnalysisSettings) -> None:
         return
     series = load_series(session, run.id, SETUP_RANK, last_n=settings.history_steps,
                          n_layers=run.n_layers, with_layers=False, with_acts=False)
-    context = RunContext.build(load_layers(session, run.id), run.environment, SETUP_RANK)
+    context = RunContext.build(layer_tables.get(session, run), run.environment, SETUP_RANK)
     detections = run_detectors(series, context, settings, steps=False)
     apply_detections(session, run.id, SETUP_RANK, detections, settings)
     refresh_run_health(session, run)
