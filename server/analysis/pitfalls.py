@@ -47,6 +47,14 @@ def _mixed_dtypes(series: StepSeries) -> np.ndarray:
     return (codes == MIXED) | (low & (codes != usual))
 
 
+def _scheduler_after_skip(series: StepSeries) -> np.ndarray:
+    # a step's scheduler_steps counts the calls since the previous optimizer step, so a
+    # scheduler step after skipped step i shows up in step i+1's record
+    stepped_next = np.append(_count_above(series, "scheduler_steps", 0)[1:], False)
+    following = np.append(np.diff(series.steps) == 1, False)
+    return series.skipped & stepped_next & following
+
+
 LOOP_PITFALLS = (
     LoopPitfall(
         "clip_before_unscale", "warning",
@@ -59,7 +67,7 @@ LOOP_PITFALLS = (
         "the LR scheduler stepped on a step GradScaler skipped",
         "step the scheduler only when the optimizer stepped (skip it when "
         "scaler.get_scale() decreased in update())",
-        lambda s: s.skipped & _count_above(s, "scheduler_steps", 0),
+        _scheduler_after_skip,
     ),
     LoopPitfall(
         "fp16_without_scaler", "warning",

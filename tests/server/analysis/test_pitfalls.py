@@ -25,9 +25,9 @@ CORRECT = {"clip_before_unscale": False, "scheduler_steps": 1, "scaler_updates":
 
 def correct_loop(n=200):
     steps = scaler_steps(n, overflow={50, 120}, **CORRECT)
-    for s in steps:
-        if s["skipped"]:
-            s["scheduler_steps"] = 0
+    for before, after in zip(steps, steps[1:], strict=False):
+        if before["skipped"]:  # no scheduler step after a skipped step
+            after["scheduler_steps"] = 0
     return steps
 
 
