@@ -1,0 +1,128 @@
+"""Delivery against a real server process: outages, restarts, SIGKILL, `ampwatch sync`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+import agent
+from tests.agent.factories import batches, bf16_loop, mlp
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _server_steps(url: str, run_id: str) -> list[int]:
+    reply = httpx.get(f"{url}/api/v1/runs/{run_id}/steps", params={"limit": 100_000},
+                      timeout=10)
+    reply.raise_for_status()
+    return [item["step"] for item in reply.json()["items"]]
+
+
+def _rank(url: str, run_id: str) -> dict:
+    reply = httpx.get(f"{url}/api/v1/runs/{run_id}", timeout=10)
+    reply.raise_for_status()
+    return reply.json()["ranks"][0]
+
+
+def _train_slowly(model, optimizer, n: int) -> None:
+    for x_y in batches(n):
+        bf16_loop(model, optimizer, [x_y])
+        time.sleep(0.01)
+
+
+def test_outage_for_the_first_half_delivers_every_step_once(live_server, spool_dir) -> None:
+    live_server.stop()
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    attachment = agent.attach(model, server=live_server.url, flush_interval=0.1,
+                              max_batch_steps=7)
+    try:
+        _train_slowly(model, optimizer, 30)
+        attachment.flush(0.5)  # the server is down: everything stays in the spool
+        assert list((spool_dir / attachment.run_id / "rank-0").glob("*.json.gz"))
+        live_server.start()
+        _train_slowly(model, optimizer, 30)
+        assert attachment.flush(15)
+    finally:
+        attachment.detach()
+    assert _server_steps(live_server.url, attachment.run_id) == list(range(60))
+    rank = _rank(live_server.url, attachment.run_id)
+    assert rank["lost_batches"] == 0 and rank["dropped_steps"] == 0
+    assert not list((spool_dir / attachment.run_id / "rank-0").glob("*.json.gz"))
+
+
+def test_resumed_run_continues_the_servers_sequence(live_server, tmp_path) -> None:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for machine in ("a", "b"):  # separate spools: only the server knows the next seq
+        with agent.attach(model, run="resumed-run", server=live_server.url,
+                          spool_dir=tmp_path / machine) as attachment:
+            bf16_loop(model, optimizer, batches(3))
+            assert attachment.flush(10)
+    rank = _rank(live_server.url, "resumed-run")
+    assert rank["next_seq"] == 2 and rank["batches"] == 2 and rank["lost_batches"] == 0
+
+
+def _child(run_id: str, url: str, spool: Path) -> subprocess.Popen:
+    script = textwrap.dedent(f"""
+        import sys, time, torch
+        torch.set_num_threads(1)
+        sys.path.insert(0, {str(REPO)!r})
+        import agent
+        from tests.agent.factories import batches, bf16_loop, mlp
+        model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        agent.attach(model, run={run_id!r}, server={url!r}, flush_interval=0.3)
+        step = 0
+        while True:
+            bf16_loop(model, opt, batches(1))
+            print(step, time.time(), flush=True)
+            step += 1
+            time.sleep(0.02)
+    """)
+    env = {**os.environ, "AMPWATCH_SPOOL_DIR": str(spool)}
+    return subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
+                            env=env, cwd=REPO)
+
+
+@pytest.mark.parametrize("server_up", [False, True], ids=["server-down", "server-up"])
+def test_sigkill_loses_at_most_the_last_flush_interval(live_server, spool_dir,
+                                                       server_up) -> None:
+    if not server_up:
+        live_server.stop()
+    run_id = f"killed-{int(server_up)}"
+    child = _child(run_id, live_server.url, spool_dir)
+    done: list[tuple[int, float]] = []
+    try:
+        assert child.stdout is not None
+        for line in child.stdout:
+            step, at = line.split()
+            done.append((int(step), float(at)))
+            if len(done) >= 60:
+                break
+        killed_at = time.time()
+        os.kill(child.pid, signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+        if child.stdout is not None:
+            child.stdout.close()
+    if not server_up:
+        live_server.start()
+    sync = subprocess.run([sys.executable, "-m", "client.cli", "sync", str(spool_dir),
+                           "--server", live_server.url, "--no-progress"],
+                          capture_output=True, text=True, cwd=REPO, timeout=120)
+    assert sync.returncode == 0, sync.stdout + sync.stderr
+    stored = _server_steps(live_server.url, run_id)
+    assert stored == list(range(len(stored)))  # each once, in order, no hole
+    flush_interval, slack = 0.3, 0.7
+    must_have = [s for s, at in done if at < killed_at - flush_interval - slack]
+    assert must_have and set(must_have) <= set(stored)

@@ -1,0 +1,63 @@
+"""The spool: replay order, persisted sequence numbers, bounded size, locking."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from agent.transport.spool import Spool, read_entry
+from tests.agent.factories import batches, bf16_loop, mlp, spooled
+
+
+def _batch(n_steps: int) -> dict:
+    return {"rank": 0, "seq": None, "dropped_batches": 0, "dropped_steps": 0,
+            "steps": [{"step": i, "loss": 1.0} for i in range(n_steps)], "events": []}
+
+
+def test_files_sort_in_seq_order_and_seq_survives_a_restart(tmp_path: Path) -> None:
+    spool = Spool.for_run(tmp_path, "r1", 0, 1 << 20)
+    for _ in range(12):
+        spool.append("r1", 0, {"name": "x"}, _batch(2))
+    names = [p.name for p in spool.pending()]
+    assert [read_entry(p)["seq"] for p in spool.pending()] == list(range(12))
+    assert names == sorted(names)
+    for path in spool.pending():
+        spool.remove(path)
+    spool.close()
+    again = Spool.for_run(tmp_path, "r1", 0, 1 << 20)
+    assert again.next_seq == 12 and again.locked
+
+
+def test_full_spool_drops_the_oldest_and_counts_them(tmp_path: Path) -> None:
+    probe = Spool.for_run(tmp_path / "probe", "r", 0, 1 << 30)
+    size = probe.append("r", 0, {}, _batch(50)).stat().st_size
+    spool = Spool.for_run(tmp_path, "r2", 0, int(size * 3.5))
+    for _ in range(6):
+        spool.append("r2", 0, {}, _batch(50))
+    seqs = [read_entry(p)["seq"] for p in spool.pending()]
+    assert seqs == [3, 4, 5]
+    assert (spool.dropped_batches, spool.dropped_steps) == (3, 150)
+
+
+def test_a_live_writer_holds_the_lock(tmp_path: Path) -> None:
+    first = Spool.for_run(tmp_path, "r3", 0, 1 << 20)
+    second = Spool.for_run(tmp_path, "r3", 0, 1 << 20)
+    assert first.locked and not second.locked
+    first.close()
+    second.close()
+
+
+def test_dropped_counts_reach_the_batches(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    monkeypatch.setenv("AMPWATCH_SPOOL_MAX_BYTES", "1")  # keeps only the newest batch
+    import agent
+
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    attachment = agent.attach(model, spool_dir=tmp_path, max_batch_steps=1)
+    bf16_loop(model, optimizer, batches(4))
+    attachment.detach()
+    (entry,) = spooled(tmp_path, attachment.run_id)
+    assert entry["batch"]["steps"][0]["step"] == 3
+    assert entry["batch"]["dropped_batches"] == 2 and entry["batch"]["dropped_steps"] == 2
