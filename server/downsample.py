@@ -61,28 +61,22 @@ def bucket_matrix(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
     """Reduce an (n_steps, n_layers) matrix to at most n_buckets columns.
 
-    Returns (step_start, step_end, reduced (n_layers, buckets) float64, empty mask).
+    Returns (step_start, step_end, reduced (n_layers, buckets), empty mask).
     A cell is the bucket's largest finite value; NaN when the bucket had a NaN, else
     +inf when it had an infinity; empty when every value was MISSING.
     """
     n, n_layers = values.shape
     if n == 0:
         return (np.zeros(0, np.int64), np.zeros(0, np.int64),
-                np.zeros((n_layers, 0)), np.zeros((n_layers, 0), bool))
+                np.zeros((n_layers, 0), values.dtype), np.zeros((n_layers, 0), bool))
     width, count = _buckets(n, n_buckets)
     pad = width * count - n
     if pad:
         values = np.concatenate([values, np.full((pad, n_layers), MISSING, values.dtype)])
-    cube = values.reshape(count, width, n_layers)
-    finite = np.isfinite(cube)
-    # all real values are >= 0 and MISSING is -1, so -1 means "no finite value"
-    best = np.where(finite, cube, MISSING).max(axis=1).astype(np.float64)
-    bad = ~finite.all(axis=1)
-    if bad.any():
-        b, layer = np.nonzero(bad)
-        cells = cube[b, :, layer]
-        best[b, layer] = np.where(np.isnan(cells).any(axis=1), np.nan, np.inf)
+    # max propagates NaN, and +inf beats every finite value: one pass gives exactly
+    # "NaN, else inf, else the largest value"; MISSING (-1) loses to any real value
+    best = values.reshape(count, width, n_layers).max(axis=1)
     empty = best == float(MISSING)
     starts = np.arange(count) * width
     ends = np.minimum(starts + width, n) - 1
-    return steps[starts], steps[ends], best.T, empty.T
+    return steps[starts], steps[ends], np.ascontiguousarray(best.T), empty.T

@@ -14,6 +14,7 @@ from client.wire import encode_array, encode_float
 from server.downsample import bucket_matrix, keep_extremes
 from server.errors import InvalidInput, NotFound
 from server.models import Run
+from server.responses import float_rows
 from server.runs import run_ranks
 from server.series import BOOL_FIELDS, DTYPES, INT_FIELDS, MISSING, SCALAR_FIELDS, StepSeries
 from server.storage import (
@@ -183,8 +184,8 @@ def layer_series_query(
     if not 0 <= index < run.n_layers:
         raise NotFound(f"run {run.id!r} has no layer {index} (it has {run.n_layers})")
     layer = load_layers(session, run.id)[index]
-    series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers)
-    grad_values = (series.layer_grad[:, index] if series.layer_grad is not None
+    series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers, layer=index)
+    grad_values = (series.layer_grad[:, 0] if series.layer_grad is not None
                    else np.full(len(series), MISSING, np.float32))
     grad, grad_cut = _points(series.steps, grad_values, max_points)
     for p in grad:
@@ -192,10 +193,9 @@ def layer_series_query(
     acts: list[dict] = []
     act_cut = False
     if series.act_absmax is not None:
-        dtype_names = [DTYPES[c] or None for c in series.act_dtype[:, index].tolist()]
-        times = encode_array(series.act_time[:, index],
-                             missing=series.act_time[:, index] == MISSING)
-        acts, act_cut = _points(series.act_step, series.act_absmax[:, index], max_points,
+        dtype_names = [DTYPES[c] or None for c in series.act_dtype[:, 0].tolist()]
+        times = encode_array(series.act_time[:, 0], missing=series.act_time[:, 0] == MISSING)
+        acts, act_cut = _points(series.act_step, series.act_absmax[:, 0], max_points,
                                 {"act_dtype": dtype_names, "act_time_ms": times})
         for p in acts:
             p["act_absmax"] = p.pop("value")
@@ -238,5 +238,5 @@ def matrix_query(
         "layers": [layer.name for layer in load_layers(session, run.id)],
         "step_start": step_start.tolist(),
         "step_end": step_end.tolist(),
-        "values": encode_array(matrix, missing=empty),
+        "values": float_rows(matrix, empty),
     }

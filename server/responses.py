@@ -1,23 +1,43 @@
-"""JSON responses in wire form: non-finite floats as "NaN", "Infinity", "-Infinity"."""
+"""JSON responses in wire form: non-finite floats as "NaN", "Infinity", "-Infinity".
+
+Rendered with orjson, which writes float32 arrays in their shortest form and embeds
+pre-rendered fragments; it would turn a NaN float into null, so content is encoded
+with `encode_tree` first unless the caller says it already is (the bulk queries).
+"""
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+import numpy as np
+import orjson
 from fastapi.responses import JSONResponse
 
-from client.wire import encode_tree
+from client.wire import encode_array, encode_tree
 
 
 class WireJSONResponse(JSONResponse):
-    """Compact JSON; content that still holds a non-finite float is encoded first."""
+    """Compact JSON of `content`; pass `encoded=True` when every float in it is finite
+    or already a string (server/queries.py builds its answers that way)."""
+
+    def __init__(self, content: Any, status_code: int = 200, *, encoded: bool = False,
+                 **kwargs: Any) -> None:
+        self.encoded = encoded
+        super().__init__(content, status_code, **kwargs)
 
     def render(self, content: Any) -> bytes:
-        try:
-            text = json.dumps(content, ensure_ascii=False, allow_nan=False,
-                              separators=(",", ":"))
-        except ValueError:
-            text = json.dumps(encode_tree(content), ensure_ascii=False, allow_nan=False,
-                              separators=(",", ":"))
-        return text.encode("utf-8")
+        if not getattr(self, "encoded", False):
+            content = encode_tree(content)
+        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+def float_rows(matrix: np.ndarray, missing: np.ndarray) -> list[orjson.Fragment]:
+    """Each row of a float matrix as a JSON fragment in wire form; rows that are all
+    finite and present (the usual case) go straight from numpy to bytes."""
+    rows = []
+    for values, absent in zip(matrix, missing, strict=True):
+        if not absent.any() and np.isfinite(values).all():
+            rows.append(orjson.Fragment(orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)))
+        else:
+            rows.append(orjson.Fragment(orjson.dumps(encode_array(values, missing=absent))))
+    return rows

@@ -117,7 +117,10 @@ def vector_length_errors(steps: list[StepIn], n_layers: int) -> list[str]:
     return errors
 
 
-def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool) -> StepSeries:
+def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool,
+               layer: int | None = None) -> StepSeries:
+    """One stored batch as a StepSeries; with `layer`, per-layer blocks keep only that
+    layer's column (so reading one layer of a long run copies n values, not n x L)."""
     n = row.n_steps
     k = len(SCALAR_FIELDS)
     scalars = np.frombuffer(row.scalars, dtype=np.float64)
@@ -129,20 +132,26 @@ def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool) -> StepSe
         scalars = np.pad(scalars, ((0, 0), (0, k - k_row)))
         present = np.pad(present, ((0, 0), (0, k - k_row)))
     width = row.n_layers
+
+    def block(data: bytes, dtype, rows: int, fill) -> np.ndarray:
+        full = np.frombuffer(data, dtype=dtype).reshape(rows, width)
+        if layer is None:
+            return _fit(full, n_layers, fill)
+        if layer < width:
+            return full[:, layer : layer + 1]
+        return np.full((rows, 1), fill, dtype=dtype)
+
     layer_grad = None
     if with_layers and row.layer_grad is not None:
-        layer_grad = _fit(np.frombuffer(row.layer_grad, dtype=np.float32).reshape(n, width),
-                          n_layers, MISSING)
+        layer_grad = block(row.layer_grad, np.float32, n, MISSING)
     act_step = np.zeros(0, dtype=np.int64)
     act_absmax = act_dtype = act_time = None
     if with_acts and row.act_step is not None:
         act_step = np.frombuffer(row.act_step, dtype=np.int64)
         m = act_step.size
-        act_absmax = _fit(np.frombuffer(row.act_absmax, np.float32).reshape(m, width),
-                          n_layers, MISSING)
-        act_dtype = _fit(np.frombuffer(row.act_dtype, np.uint8).reshape(m, width), n_layers, 0)
-        act_time = _fit(np.frombuffer(row.act_time, np.float32).reshape(m, width),
-                        n_layers, MISSING)
+        act_absmax = block(row.act_absmax, np.float32, m, MISSING)
+        act_dtype = block(row.act_dtype, np.uint8, m, 0)
+        act_time = block(row.act_time, np.float32, m, MISSING)
     return StepSeries(
         scalars=scalars,
         present=present,
@@ -151,7 +160,7 @@ def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool) -> StepSe
         act_absmax=act_absmax,
         act_dtype=act_dtype,
         act_time=act_time,
-        n_layers=n_layers,
+        n_layers=n_layers if layer is None else 1,
         events=list(row.events or []),
     )
 
@@ -177,10 +186,12 @@ def load_series(
     n_layers: int | None = None,
     with_layers: bool = True,
     with_acts: bool = True,
+    layer: int | None = None,
 ) -> StepSeries:
     """Steps of one rank in [start, end] (inclusive), or its last `last_n` steps.
 
     Reads only the batch columns asked for; cost is one row per stored batch in range.
+    With `layer`, the per-layer blocks hold only that layer (one column).
     """
     if n_layers is None:
         n_layers = len(load_layers(session, run_id))
@@ -204,7 +215,9 @@ def load_series(
         rows.reverse()
     else:
         rows = session.execute(query.order_by(Batch.first_step)).all()
-    series = concat([unpack_row(r, n_layers, with_layers, with_acts) for r in rows], n_layers)
+    width = n_layers if layer is None else 1
+    series = concat([unpack_row(r, n_layers, with_layers, with_acts, layer) for r in rows],
+                    width)
     steps = series.steps
     keep = np.ones(len(series), dtype=bool)
     if start is not None:

@@ -37,13 +37,14 @@ def get_steps(
     """Per-step records (loss scale, skipped, grad norm, loss, lr, timings, ...)."""
     run = get_run(session, run_id)
     return WireJSONResponse(steps_query(session, run, rank=rank, start=start, end=end,
-                                        max_points=max_points, limit=limit))
+                                        max_points=max_points, limit=limit), encoded=True)
 
 
 @router.get("/{run_id}/layers", response_model=LayersPublic)
 def get_layers(run_id: RunIdPath, session: SessionDep, rank: Rank = 0) -> WireJSONResponse:
     """The layer table with per-layer summaries for one rank."""
-    return WireJSONResponse(layers_query(session, get_run(session, run_id), rank=rank))
+    return WireJSONResponse(layers_query(session, get_run(session, run_id), rank=rank),
+                            encoded=True)
 
 
 @router.get("/{run_id}/layers/matrix", response_model=MatrixPublic)
@@ -60,7 +61,7 @@ def get_matrix(
     non-finite one when the bucket had one."""
     run = get_run(session, run_id)
     return WireJSONResponse(matrix_query(session, run, metric=metric, rank=rank, start=start,
-                                         end=end, buckets=buckets))
+                                         end=end, buckets=buckets), encoded=True)
 
 
 @router.get("/{run_id}/layers/{index}/series", response_model=LayerSeriesPublic)
@@ -76,4 +77,4 @@ def get_layer_series(
     """One layer's grad norm per step and its sampled activation stats."""
     run = get_run(session, run_id)
     return WireJSONResponse(layer_series_query(session, run, index, rank=rank, start=start,
-                                               end=end, max_points=max_points))
+                                               end=end, max_points=max_points), encoded=True)
