@@ -22,6 +22,8 @@ from agent import guard
 
 Before = Callable[[tuple, dict], Any]
 After = Callable[[Any, tuple, dict, Any], None]
+Replace = Callable[[Callable, tuple, dict], Any]
+NOT_HANDLED = object()  # what a `replace` listener returns to let the original run
 
 
 class GlobalPatch:
@@ -33,22 +35,32 @@ class GlobalPatch:
         self._originals: list[Any] = []
         self._wrappers: list[Any] = []
         self._listeners: list[tuple[Before | None, After | None]] = []
+        self._replace: Replace | None = None
         self._lock = threading.Lock()
         self._depth = threading.local()
 
-    def add(self, before: Before | None = None, after: After | None = None) -> object:
-        """Register a listener; returns a token for `remove`."""
+    def add(self, before: Before | None = None, after: After | None = None,
+            replace: Replace | None = None) -> object:
+        """Register a listener; returns a token for `remove`. `replace(original, args,
+        kwargs)` may perform the call itself (returning its result) or return
+        NOT_HANDLED; one listener at a time may replace."""
         token = (before, after)
         with self._lock:
             if not self._listeners:
                 self._install()
             self._listeners.append(token)
+            if replace is not None and self._replace is None:
+                self._replace = replace
+                token = (before, after, replace)
         return token
 
     def remove(self, token: object) -> None:
         with self._lock:
-            if token in self._listeners:
-                self._listeners.remove(token)
+            if len(token) == 3 and self._replace is token[2]:  # type: ignore[arg-type]
+                self._replace = None
+            pair = token[:2]  # type: ignore[index]
+            if pair in self._listeners:
+                self._listeners.remove(pair)
                 if not self._listeners:
                     self._uninstall()
 
@@ -79,7 +91,11 @@ class GlobalPatch:
                 tokens.append(_safe(patch.name, before, args, kwargs) if before else None)
             patch._depth.n = 1
             try:
-                result = original(*args, **kwargs)
+                result = NOT_HANDLED
+                if patch._replace is not None:
+                    result = patch._replace(original, args, kwargs)
+                if result is NOT_HANDLED:
+                    result = original(*args, **kwargs)
             finally:
                 patch._depth.n = 0
             for (_, after), token in zip(listeners, tokens, strict=True):

@@ -17,7 +17,7 @@ import torch
 import torch.optim.optimizer as optim_hooks
 from torch import nn
 
-from agent import guard, patches
+from agent import grad_clip, guard, patches
 from agent.buffer import StepBuffer
 from agent.clock import CudaClock, HostClock
 from agent.collectors.base import EVENTS, Collector, overrides
@@ -89,8 +89,8 @@ class Session:
         self._handles.append(optim_hooks.register_optimizer_step_post_hook(self._opt_post))
         self._patch_tokens = [
             (patches.BACKWARD, patches.BACKWARD.add(self._backward_before, self._backward_after)),
-            (patches.CLIP_GRAD_NORM, patches.CLIP_GRAD_NORM.add(self._clip_before,
-                                                                self._clip_after)),
+            (patches.CLIP_GRAD_NORM, patches.CLIP_GRAD_NORM.add(
+                self._clip_before, self._clip_after, replace=self._clip_replace)),
             (patches.SCHEDULER_STEP, patches.SCHEDULER_STEP.add(self._scheduler_before)),
         ]
         if self.scaler is not None:
@@ -141,15 +141,18 @@ class Session:
         return False
 
     # ------------------------------------------------------------------ step lifecycle
-    def _take_grads(self, divisor: torch.Tensor | None = None) -> None:
-        """Per-step gradient snapshot, once, at the first point the grads are unscaled."""
+    def _take_grads(self, divisor: torch.Tensor | None = None,
+                    norms: dict[int, torch.Tensor] | None = None) -> None:
+        """Per-step gradient snapshot, once, at the first point the grads are unscaled
+        (`norms`: per-parameter grad norms already computed, by parameter id)."""
         if self._grads_taken:
             return
         self._grads_taken = True
         self.close_pending()
         present = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
         grads = [self.params[i].grad for i in present]
-        self.dispatch("on_grads", grads, present, divisor)
+        aligned = None if norms is None else [norms[id(self.params[i])] for i in present]
+        self.dispatch("on_grads", grads, present, divisor, aligned)
 
     def _step_begin(self) -> None:
         self.close_pending()
@@ -226,10 +229,28 @@ class Session:
     def _clip_before(self, args: tuple, kwargs: dict) -> bool:
         unscaled = self._grads_unscaled()
         if self.live:
-            if unscaled:
+            if unscaled and patches.CLIP_GRAD_NORM._replace != self._clip_replace:
                 self._take_grads()
             self.dispatch("on_clip_begin", unscaled)
         return unscaled
+
+    def _clip_replace(self, original: Callable, args: tuple, kwargs: dict) -> Any:
+        """Run `clip_grad_norm_` ourselves so its one norm pass also gives the per-layer
+        norms (bitwise the same total and clipping); otherwise snapshot first, then run
+        the original on the same arguments."""
+        if not self.live or self._grads_taken or not self._grads_unscaled():
+            return patches.NOT_HANDLED
+        arguments = grad_clip.bind(original, args, kwargs)  # user errors raise as usual
+        try:
+            prepared = grad_clip.prepare(arguments, self.params)
+        except Exception as exc:  # noqa: BLE001
+            guard.report("session.clip", exc)
+            prepared = None
+        if prepared is None:
+            guard.guarded("session.clip_snapshot")(self._take_grads)()
+            return original(**arguments)
+        guard.guarded("session.clip_snapshot")(self._take_grads)(None, prepared.norms)
+        return prepared.apply()
 
     def _clip_after(self, result: Any, args: tuple, kwargs: dict, unscaled: Any) -> None:
         if self.live:

@@ -56,12 +56,14 @@ class GradNormCollector(Collector):
         return cached
 
     def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
-                 divisor: torch.Tensor | None) -> None:
+                 divisor: torch.Tensor | None, norms: list[torch.Tensor] | None) -> None:
         self._taken = bool(grads)
         if not grads:
             return
         grad_idx, layer_idx, self._mask = self._indices(present)
-        norms = torch.stack(torch._foreach_norm(grads)).to(self._layer_sq.dtype)
+        if norms is None:
+            norms = list(torch._foreach_norm(grads))
+        norms = torch.stack(norms).to(self._layer_sq.dtype)
         if divisor is not None:
             norms = norms / divisor
         squares = norms.square()

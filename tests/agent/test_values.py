@@ -178,3 +178,22 @@ def test_deprecated_cuda_grad_scaler_on_cpu_only_machine(attach, offline: Path) 
     steps = spooled_steps(offline, attachment.run_id)
     assert [s["skipped"] for s in steps] == [False] * 3
     assert all(s["loss_scale"] is None and s["grad_norm"] > 0 for s in steps)
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["fp16-scaler", "bf16"])
+def test_training_is_bitwise_unchanged_by_the_agent(attach, scaled: bool) -> None:
+    weights = []
+    for use_agent in (False, True):
+        model = mlp(7)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 2)
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10) if scaled else None
+        if use_agent:
+            attach(model, scaler, sample_every=1)
+        data = batches(6, bad=lambda i: "inf" if i == 3 else None)
+        if scaler is not None:
+            fp16_loop(model, optimizer, scaler, data, clip=0.5, scheduler=scheduler)
+        else:
+            bf16_loop(model, optimizer, data[:3], clip=0.5)
+        weights.append([p.detach().clone() for p in model.parameters()])
+    assert all(torch.equal(a, b) for a, b in zip(*weights, strict=True))
