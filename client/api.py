@@ -82,7 +82,7 @@ class Client:
         """Runs, newest first, fetching page after page; filtered by project, a name
         substring, and health status (healthy, warning, critical); at most `limit`."""
         return Records(self._pages("/runs", Run, self.RUNS_PAGE, limit,
-                                   project=project, name=name, status=status))
+                                   project=project, name=name, status=status), of=Run)
 
     def run(self, run_id: str) -> Run:
         """One run with its totals per rank; NotFound when there is none."""
@@ -138,7 +138,7 @@ class Client:
         (step, rank). With `max_points`: one downsampled request that keeps extremes and
         every skipped or non-finite step; without: every step, fetched page by page."""
         return Records(self.iter_steps(run_id, start=start, end=end, rank=rank,
-                                       max_points=max_points))
+                                       max_points=max_points), of=Step)
 
     def iter_steps(self, run_id: str, *, start: int | None = None, end: int | None = None,
                    rank: int | None = None, max_points: int | None = None) -> Iterator[Step]:
@@ -159,7 +159,7 @@ class Client:
     def layers(self, run_id: str, *, rank: int = 0) -> Records[Layer]:
         """The run's layer table, with per-layer summaries on `rank`."""
         page = self._request("GET", f"/runs/{run_id}/layers", params={"rank": rank})
-        return Records(Layer.from_json(item) for item in page["items"])
+        return Records((Layer.from_json(item) for item in page["items"]), of=Layer)
 
     def layer_series(self, run_id: str, layer: int | str, *, rank: int = 0,
                      start: int | None = None, end: int | None = None,
@@ -189,7 +189,7 @@ class Client:
         resolved); at most `limit`."""
         path = f"/runs/{run_id}/findings" if run_id is not None else "/findings"
         return Records(self._pages(path, Finding, self.FINDINGS_PAGE, limit,
-                                   kind=kind, severity=severity, status=status))
+                                   kind=kind, severity=severity, status=status), of=Finding)
 
     # plumbing
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+from collections.abc import Iterable
 from datetime import datetime
 from functools import cache
 from typing import Any, Self, TypeVar
@@ -37,7 +38,12 @@ class Model:
 
 
 class Records(list[T]):
-    """A list of results with a `to_pandas()` view (one row per item)."""
+    """A list of results with a `to_pandas()` view (one row per item); `of` is the item
+    type, which gives an empty list its columns."""
+
+    def __init__(self, items: Iterable[T] = (), of: type | None = None) -> None:
+        super().__init__(items)
+        self.of = of
 
     def to_pandas(self) -> Any:
         """A pandas DataFrame with one column per field, typed by the field's hint:
@@ -45,12 +51,12 @@ class Records(list[T]):
         and bools as pandas' nullable Int64 and boolean; nested lists and dicts stay
         Python objects. Needs pandas (`pip install pandas`)."""
         pandas = _import_pandas()
-        first = next(iter(self), None)
-        if not dataclasses.is_dataclass(first):
+        kind = self.of or (type(self[0]) if self else None)
+        if kind is None or not dataclasses.is_dataclass(kind):
             return pandas.DataFrame.from_records(list(self))
         frame = pandas.DataFrame.from_records([dataclasses.asdict(item) for item in self],
-                                              columns=[f.name for f in dataclasses.fields(first)])
-        for name, hint in _hints(type(first)).items():
+                                              columns=[f.name for f in dataclasses.fields(kind)])
+        for name, hint in _hints(kind).items():
             if (dtype := _pandas_dtype(hint)) is not None:
                 frame[name] = frame[name].astype(dtype)
         return frame
@@ -277,7 +283,7 @@ def _convert(hint: Any, value: Any) -> Any:
         return _convert(inner[0], value) if len(inner) == 1 else decode_tree(value)
     if origin in (list, Records):
         items = [_convert(args[0], v) for v in value]
-        return Records(items) if origin is Records else items
+        return Records(items, of=args[0]) if origin is Records else items
     if isinstance(hint, type) and issubclass(hint, Model):
         return hint.from_json(value)
     if hint is datetime:

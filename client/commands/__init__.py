@@ -22,6 +22,7 @@ class BadUsage(Exception):
 
 def register(commands: argparse._SubParsersAction) -> None:
     """Add runs, show, findings, check, export and sync to the `ampwatch` parser."""
+    # imported here: those modules import this package's helpers below
     from client.commands import export, findings, runs, sync
 
     common = common_options()

@@ -39,7 +39,7 @@ def at_or_above(client: Client, run_id: str | None, severity: str, *, status: st
                 kind: str | None = None) -> Records[Finding]:
     """Findings of severity `severity` or worse, most severe first, then by run and step
     (one request per severity, so the server does the filtering)."""
-    found: Records[Finding] = Records()
+    found: Records[Finding] = Records(of=Finding)
     for level in reversed(SEVERITIES[SEVERITIES.index(severity):]):
         found += client.findings(run_id, severity=level, status=status, kind=kind)
     found.sort(key=lambda f: (-f.severity_rank, f.run_id, f.step or 0, f.id))

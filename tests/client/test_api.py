@@ -142,6 +142,8 @@ def test_to_pandas_types_columns_by_field(api, client: Client) -> None:
     assert str(frame["scheduler_steps"].dtype) == "Int64"
     assert frame["grad_norm"].iloc[200] == math.inf
     assert client.runs().to_pandas()["id"].tolist() == ["d"]
+    empty = client.findings("d", kind="speed").to_pandas()
+    assert empty.empty and {"severity", "message", "step"} <= set(empty.columns)
     heat = client.layer_matrix("d", buckets=13).to_pandas()
     assert heat.shape == (N_LAYERS, 13) and heat.index.name == "layer"
 
