@@ -11,6 +11,7 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import orjson
 
 from client.wire import decode_float
 
@@ -21,8 +22,13 @@ def decode_values(values: list) -> tuple[np.ndarray, np.ndarray]:
     return _as_float(values), ~np.equal(np.array(values, dtype=object), None)
 
 
-def decode_matrix(rows: list[list]) -> tuple[np.ndarray, np.ndarray]:
-    """A layers x buckets matrix in wire form: (float64 values, mask of empty cells)."""
+def decode_matrix(rows: list) -> tuple[np.ndarray, np.ndarray]:
+    """A layers x buckets matrix in wire form: (float64 values, mask of empty cells).
+
+    Rows may be lists or pre-rendered JSON fragments (`server.responses.float_rows`).
+    """
+    if rows and not isinstance(rows[0], list):
+        rows = orjson.loads(orjson.dumps(rows))
     if not rows or not rows[0]:
         return np.zeros((len(rows), 0)), np.zeros((len(rows), 0), dtype=bool)
     return _as_float(rows), np.equal(np.array(rows, dtype=object), None)
@@ -88,3 +94,22 @@ def by_rank(steps: dict) -> list[StepColumns]:
         ranks.setdefault(item["rank"], []).append(item)
     return [StepColumns.from_items(f"rank {rank}", items)
             for rank, items in sorted(ranks.items())]
+
+
+@dataclass(frozen=True)
+class LayerMatrix:
+    """A `matrix_query` answer decoded once: layers x step buckets."""
+
+    layers: list[str]
+    step_start: np.ndarray
+    step_end: np.ndarray
+    values: np.ndarray  # float64; NaN/inf kept
+    empty: np.ndarray  # bool: the bucket had no value for the layer
+
+    @classmethod
+    def from_twin(cls, matrix: dict) -> LayerMatrix:
+        values, empty = decode_matrix(matrix["values"])
+        return cls(layers=list(matrix["layers"]),
+                   step_start=np.asarray(matrix["step_start"], dtype=np.int64),
+                   step_end=np.asarray(matrix["step_end"], dtype=np.int64),
+                   values=values, empty=empty)

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 import plotly.graph_objects as go
 
-from server.pages.columns import decode_matrix
+from server.pages.columns import LayerMatrix
 from server.pages.figures import CRITICAL, MUTED, base_figure, label, note
 
 NAN_COLOUR = "#7f1d1d"  # NaN cells: a darker shade of the critical red used for inf
@@ -46,9 +46,9 @@ def _heatmap_height(n_layers: int) -> int:
     return int(min(max(ROW_PX * n_layers + 100, 240), 720))
 
 
-def first_offender(matrix: dict, order: list[int]) -> FirstOffender | None:
-    """The first non-finite cell of a `matrix_query` answer, rows taken in `order`."""
-    values, _ = decode_matrix(matrix["values"])
+def first_offender(matrix: LayerMatrix, order: list[int]) -> FirstOffender | None:
+    """The first non-finite cell of a layer matrix, rows taken in `order`."""
+    values = matrix.values
     if not values.size:
         return None
     rows = values[order]
@@ -59,13 +59,13 @@ def first_offender(matrix: dict, order: list[int]) -> FirstOffender | None:
     row = int(np.flatnonzero(bad[:, bucket])[0])
     cell = rows[row, bucket]
     return FirstOffender(
-        layer=matrix["layers"][order[row]], step_start=int(matrix["step_start"][bucket]),
-        step_end=int(matrix["step_end"][bucket]),
+        layer=matrix.layers[order[row]], step_start=int(matrix.step_start[bucket]),
+        step_end=int(matrix.step_end[bucket]),
         value="NaN" if math.isnan(cell) else ("+inf" if cell > 0 else "-inf"),
     )
 
 
-def layer_heatmap_figure(matrix: dict, order: list[int], *, quantity: str,
+def layer_heatmap_figure(matrix: LayerMatrix, order: list[int], *, quantity: str,
                          offender: str | None = None) -> go.Figure:
     """Layers (rows, forward order, top first) x step buckets of `quantity`.
 
@@ -73,14 +73,14 @@ def layer_heatmap_figure(matrix: dict, order: list[int], *, quantity: str,
     inf and NaN cells are drawn by red overlays, each layer's first bad bucket gets a
     marker and the `offender` layer (the run's first offender) a labelled star.
     """
-    values, empty = decode_matrix(matrix["values"])
-    n_layers = len(matrix["layers"])
+    values, empty = matrix.values, matrix.empty
+    n_layers = len(matrix.layers)
     fig = base_figure(_heatmap_height(n_layers))
     if not values.size or empty.all():
         return note(fig, f"no {quantity} recorded yet")
     values, empty = values[order], empty[order]
-    names = [label(matrix["layers"][i]) for i in order]
-    x = np.asarray(matrix["step_start"], dtype=np.int64)
+    names = [label(matrix.layers[i]) for i in order]
+    x = matrix.step_start
     finite = np.isfinite(values) & ~empty
     if finite.any():
         _add_log_heatmap(fig, x, names, values, finite, quantity)
@@ -131,10 +131,10 @@ def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np
     )
 
 
-def _mark_offender(fig: go.Figure, offender: str | None, matrix: dict, order: list[int],
+def _mark_offender(fig: go.Figure, offender: str | None, matrix: LayerMatrix, order: list[int],
                    names: list[str], x: np.ndarray, bad: np.ndarray) -> None:
     """A star and a label at the offender layer's first non-finite bucket."""
-    rows = [r for r, i in enumerate(order) if matrix["layers"][i] == offender]
+    rows = [r for r, i in enumerate(order) if matrix.layers[i] == offender]
     if not rows or not bad[rows[0]].any():
         return
     row = rows[0]

@@ -14,7 +14,7 @@ from server.analysis.draft import SEVERITY_RANK
 from server.analysis.queries import list_findings
 from server.models import Run
 from server.pages import figures, heatmaps
-from server.pages.columns import StepColumns, by_rank
+from server.pages.columns import LayerMatrix, StepColumns, by_rank
 from server.queries import layers_query, matrix_query, steps_query
 from server.runs import get_run, list_runs, run_public, run_ranks
 from server.settings import Settings
@@ -126,29 +126,31 @@ def layers_twin(session: Session, settings: Settings, run_id: str, *, rank: int,
     }
 
 
-def offender_layer(twin: dict) -> str | None:
+def offender_layer(twin: dict, grads: LayerMatrix, acts: LayerMatrix) -> str | None:
     """The run's first offender: the first layer in forward order whose output went
     non-finite; else the layer the non-finite analysis names; else the first layer in
     forward order with non-finite grads."""
     order = heatmaps.forward_order(twin["layers"])
-    found = heatmaps.first_offender(twin["act_absmax"], order)
+    found = heatmaps.first_offender(acts, order)
     if found is not None:
         return found.layer
     for finding in twin["findings"]["open"]:
         if finding["kind"] == "nonfinite" and finding["layer"]:
             return finding["layer"]
-    found = heatmaps.first_offender(twin["grad_norm"], order)
+    found = heatmaps.first_offender(grads, order)
     return found.layer if found is not None else None
 
 
 def layers_figures(twin: dict) -> dict[str, Figure]:
     order = heatmaps.forward_order(twin["layers"])
-    offender = offender_layer(twin)
+    grads = LayerMatrix.from_twin(twin["grad_norm"])
+    acts = LayerMatrix.from_twin(twin["act_absmax"])
+    offender = offender_layer(twin, grads, acts)
     return {
-        "grad_heatmap": heatmaps.layer_heatmap_figure(twin["grad_norm"], order,
-                                                      quantity="grad norm", offender=offender),
-        "act_heatmap": heatmaps.layer_heatmap_figure(twin["act_absmax"], order,
-                                                     quantity="abs-max", offender=offender),
+        "grad_heatmap": heatmaps.layer_heatmap_figure(grads, order, quantity="grad norm",
+                                                      offender=offender),
+        "act_heatmap": heatmaps.layer_heatmap_figure(acts, order, quantity="abs-max",
+                                                     offender=offender),
         "fwd_time": heatmaps.forward_time_figure(twin["layers"], order),
     }
 

@@ -1,0 +1,99 @@
+"""Pages over HTTP on the real app: each JSON twin is the API's query answer, long runs
+are downsampled, names are escaped, and a token-protected server sends browsers to
+the login form."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+
+from server.app import create_app
+from server.settings import Settings
+from tests.utils import make_steps, post_batch, register_run
+
+XSS = "<script>alert(1)</script>"
+
+
+@pytest.fixture
+def long_run(api):
+    register_run(api, "long", n_layers=4, name=XSS, project=XSS)
+    skipped = {5, 1234, 4321}
+    for seq, first in enumerate(range(0, 6000, 1000)):
+        response = post_batch(api, "long", seq, make_steps(first, 1000, 4, skipped=skipped,
+                                                           sample_every=10))
+        assert response.status_code == 200, response.text
+    return skipped
+
+
+def test_overview_twin_is_the_downsampled_steps_query(api, long_run):
+    twin = api.get("/runs/long?format=json").json()
+    assert twin["steps"] == api.get("/api/v1/runs/long/steps?max_points=2000").json()
+    assert twin["steps"]["total"] == 6000 and twin["steps"]["downsampled"]
+    assert twin["steps"]["count"] <= 2000 + len(long_run)
+    kept = {item["step"] for item in twin["steps"]["items"] if item["skipped"]}
+    assert kept == long_run
+    assert twin["run"]["name"] == XSS
+    assert {"open", "resolved"} == set(twin["findings"])
+
+
+def test_layers_twin_is_the_matrix_and_layers_queries(api, long_run):
+    twin = api.get("/runs/long/layers?format=json").json()
+    assert twin["grad_norm"] == api.get("/api/v1/runs/long/layers/matrix?buckets=1000").json()
+    assert twin["act_absmax"] == api.get(
+        "/api/v1/runs/long/layers/matrix?metric=act_absmax&buckets=1000").json()
+    assert twin["layers"] == api.get("/api/v1/runs/long/layers").json()
+
+
+def test_compare_and_runs_twins(api, long_run):
+    twin = api.get("/compare?runs=long,missing-run&format=json").json()
+    assert [run["id"] for run in twin["runs"]] == ["long"]
+    assert twin["missing"] == ["missing-run"]
+    runs = api.get("/?format=json&project=" + XSS).json()
+    assert [run["id"] for run in runs["items"]] == ["long"]
+
+
+def test_live_update_answers_figures_and_panels(api, long_run):
+    update = api.get("/runs/long?format=update").json()
+    assert set(update["figures"]) == {"loss_scale", "grad_norm", "loss", "lr", "phases",
+                                      "memory"}
+    assert set(update["panels"]) == {"run-stats", "findings"}
+    assert update["live"] is True
+
+
+@pytest.mark.parametrize("path", ["/", "/runs/long", "/runs/long/layers",
+                                  "/compare?runs=long"])
+def test_pages_escape_names_and_embed_no_raw_markup(api, long_run, path):
+    response = api.get(path)
+    assert response.status_code == 200
+    assert "<script>alert" not in response.text
+    assert "script-src 'self'" in response.headers["content-security-policy"]
+
+
+def test_unknown_run_is_an_html_404(api):
+    response = api.get("/runs/no-such-run")
+    assert response.status_code == 404
+    assert "no run with id" in response.text
+
+
+def test_pages_need_the_token_and_the_login_form_sets_a_strict_cookie(database_url):
+    app = create_app(Settings(database_url=database_url, token="s3cret"))
+    try:
+        with TestClient(app, follow_redirects=False) as client:
+            redirect = client.get("/runs/x?rank=1")
+            assert redirect.status_code == 303
+            assert redirect.headers["location"] == "/login?next=%2Fruns%2Fx%3Frank%3D1"
+            wrong = client.post("/login", data={"token": "nope", "next": "/"})
+            assert wrong.status_code == 401
+            assert "set-cookie" not in wrong.headers
+            offsite = client.post("/login", data={"token": "s3cret", "next": "//evil.test/"})
+            assert offsite.headers["location"] == "/"
+            login = client.post("/login", data={"token": "s3cret", "next": "/compare"})
+            assert login.status_code == 303 and login.headers["location"] == "/compare"
+            cookie = login.headers["set-cookie"]
+            assert "ampwatch_token=s3cret" in cookie
+            assert "HttpOnly" in cookie and "SameSite=strict" in cookie
+            client.cookies.set("ampwatch_token", "s3cret")
+            assert client.get("/").status_code == 200
+            assert client.get("/api/v1/runs").status_code == 200
+    finally:
+        app.state.engine.dispose()

@@ -1,0 +1,88 @@
+"""Real CPU training runs for the page tests: torch models, fp16 autocast with a real
+GradScaler("cpu") (or bf16 without one), watched by the real agent that sends to a
+live server."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+import agent
+
+
+class Block(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.fc = nn.Linear(width, width)
+        self.act = nn.GELU()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.act(self.fc(x))
+
+
+class Net(nn.Module):
+    """An MLP of `depth` blocks. `norm`: a LayerNorm before the head, which CPU autocast
+    runs in fp16 (the precision map flags it). `boom`: the last block's weights are
+    scaled so that its fp16 output overflows, which no loss scale can fix."""
+
+    def __init__(self, width: int = 64, depth: int = 4, out: int = 8, *, seed: int = 0,
+                 norm: bool = True, boom: float | None = None) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Linear(16, width)
+        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
+        self.norm = nn.LayerNorm(width) if norm else nn.Identity()
+        self.head = nn.Linear(width, out)
+        if boom is not None:
+            with torch.no_grad():
+                self.blocks[-1].fc.weight.mul_(boom)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.norm(x))
+
+
+class Trainer:
+    """`model` trained on random regression data with the agent attached: fp16 autocast
+    with a GradScaler("cpu"), or bf16 without one."""
+
+    def __init__(self, server: str, run: str, name: str, model: Net, *,
+                 dtype: torch.dtype = torch.float16, lr: float = 1e-3,
+                 project: str = "pages", tags: list[str] | None = None) -> None:
+        torch.set_num_threads(1)
+        self.model, self.dtype = model, dtype
+        self.scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
+        self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+        self.generator = torch.Generator().manual_seed(1)
+        self.attachment = agent.attach(model, self.scaler, run=run, name=name, project=project,
+                                       tags=tags or [], server=server, sample_every=5,
+                                       flush_interval=0.5)
+
+    def train(self, steps: int) -> Trainer:
+        """The reference AMP loop: autocast forward, scaled backward, unscale_, clip, step,
+        update."""
+        model, scaler, optimizer = self.model, self.scaler, self.optimizer
+        for _ in range(steps):
+            x = torch.randn(32, model.embed.in_features, generator=self.generator)
+            y = torch.randn(32, model.head.out_features, generator=self.generator)
+            with torch.autocast("cpu", dtype=self.dtype):
+                loss = nn.functional.mse_loss(model(x), y)
+            optimizer.zero_grad(set_to_none=True)
+            if scaler is None:
+                loss.backward()
+                optimizer.step()
+                continue
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            nn.utils.clip_grad_norm_(model.parameters(), 10.0)
+            scaler.step(optimizer)
+            scaler.update()
+        return self
+
+    def flush(self) -> None:
+        assert self.attachment.flush(timeout=30), "the agent did not deliver its steps"
+
+    def close(self) -> None:
+        assert self.attachment.detach(timeout=30), "the agent did not deliver its steps"
