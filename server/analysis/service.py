@@ -20,7 +20,7 @@ from server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
 from server.analysis.scaler import detect_scaler_divergence
 from server.analysis.settings import AnalysisSettings
 from server.analysis.speed import detect_speed
-from server.analysis.store import apply_detections, refresh_run_health
+from server.analysis.store import apply_detections, refresh_run_health, update_run_health
 from server.models import Batch, Run, RunRank
 from server.series import StepSeries
 from server.storage import load_layers, load_series
@@ -81,7 +81,14 @@ class LayerTableCache:
 layer_tables = LayerTableCache()
 
 
-def _rank_first_step(session: Session, run_id: str, rank: int) -> int | None:
+def _rank_first_step(session: Session, run_id: str, rank: int, rank_row: RunRank | None,
+                     window_start: int, settings: AnalysisSettings) -> int | None:
+    """The first step the rank sent. Only calibration needs it exactly: when the rank's
+    totals show it began long before the window, their estimate saves the query."""
+    if rank_row is not None and rank_row.last_step is not None and rank_row.steps:
+        estimate = rank_row.last_step - rank_row.steps + 1
+        if estimate + settings.calibration_max_steps < window_start:
+            return estimate
     return session.scalar(
         select(func.min(Batch.first_step))
         .where(Batch.run_id == run_id, Batch.rank == rank, Batch.first_step >= 0)
@@ -99,8 +106,10 @@ def on_ingest(session: Session, run: Run, rank: int, first_step: int, last_step:
     """
     if not settings.enabled:
         return
-    rank_first = _rank_first_step(session, run.id, rank)
+    rank_row = session.get(RunRank, (run.id, rank))
+    current = rank_row is None or rank_row.last_step is None or rank_row.last_step <= last_step
     start = first_step - settings.history_steps
+    rank_first = _rank_first_step(session, run.id, rank, rank_row, start, settings)
     if rank_first is not None:
         start = max(start, rank_first)
     series = load_series(session, run.id, rank, start=start, end=last_step,
@@ -109,13 +118,11 @@ def on_ingest(session: Session, run: Run, rank: int, first_step: int, last_step:
         return
     context = RunContext.build(layer_tables.get(session, run), run.environment, rank,
                                rank_first)
-    rank_row = session.get(RunRank, (run.id, rank))
-    current = rank_row is None or rank_row.last_step is None or rank_row.last_step <= last_step
     detections = run_detectors(series, context, settings, setup=rank == SETUP_RANK)
     since = int(series.steps[0]) if len(series) else None
-    if apply_detections(session, run.id, rank, detections, settings, since=since,
-                        current=current):
-        refresh_run_health(session, run)
+    change = apply_detections(session, run.id, rank, detections, settings, since=since,
+                              current=current)
+    update_run_health(session, run, change)
 
 
 def on_register(session: Session, run: Run, settings: AnalysisSettings) -> None:

@@ -11,6 +11,7 @@ are resolved.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from datetime import datetime
 
 from sqlalchemy import func, or_, select
@@ -84,11 +85,27 @@ def _insert(session: Session, run_id: str, rank: int, draft: FindingDraft, curre
     return finding
 
 
+@dataclass
+class HealthChange:
+    """How one analysis pass changed the run's open findings."""
+
+    open_delta: int = 0
+    severe: bool = False  # a warning/critical finding opened, closed or changed severity
+
+    def note(self, before: tuple[str, str] | None, after: tuple[str, str]) -> None:
+        if before == after:
+            return
+        was_open = before is not None and before[0] == OPEN
+        is_open = after[0] == OPEN
+        self.open_delta += int(is_open) - int(was_open)
+        self.severe |= (was_open and before[1] != "info") or (is_open and after[1] != "info")
+
+
 def apply_detections(session: Session, run_id: str, rank: int,
                      detections: Iterable[Detection], settings: AnalysisSettings, *,
-                     since: int | None = None, current: bool = True) -> bool:
-    """Insert, update and resolve the findings of (run, rank); True when the set of open
-    findings or their severities changed (the run's health must be recomputed).
+                     since: int | None = None, current: bool = True) -> HealthChange:
+    """Insert, update and resolve the findings of (run, rank); returns how the set of
+    open findings changed (for `update_run_health`).
 
     since: first step of the analysed window (resolved findings ending before it can no
     longer match). current: False for a batch older than the rank's latest step, which
@@ -98,7 +115,7 @@ def apply_detections(session: Session, run_id: str, rank: int,
     existing = _load(session, run_id, rank, None if since is None
                      else since - settings.merge_gap_steps)
     now = utcnow()
-    health_changed = False
+    change = HealthChange()
     drafted: set[str] = set()
     for detection in detections:
         for draft in detection.drafts:
@@ -107,18 +124,28 @@ def apply_detections(session: Session, run_id: str, rank: int,
             if finding is not None and _same_episode(finding, draft, settings.merge_gap_steps):
                 before = (finding.status, finding.severity)
                 _update(finding, draft, current, now)
-                health_changed |= before != (finding.status, finding.severity)
+                change.note(before, (finding.status, finding.severity))
             elif draft.active or draft.occurrences.size:
-                existing[draft.key] = _insert(session, run_id, rank, draft, current, now)
-                health_changed |= existing[draft.key].status == OPEN
+                finding = existing[draft.key] = _insert(session, run_id, rank, draft, current,
+                                                        now)
+                change.note(None, (finding.status, finding.severity))
     if current:
         for key, finding in existing.items():
             if finding.status == OPEN and key not in drafted and \
                     any(d.covered(key) for d in detections):
+                change.note((OPEN, finding.severity), (RESOLVED, finding.severity))
                 finding.status = RESOLVED
                 finding.updated_at = now
-                health_changed = True
-    return health_changed
+    return change
+
+
+def update_run_health(session: Session, run: Run, change: HealthChange) -> None:
+    """Apply `change` to the run: a full recount when a warning or critical finding moved,
+    else just the open count (info findings do not change the status)."""
+    if change.severe:
+        refresh_run_health(session, run)
+    elif change.open_delta:
+        run.open_findings = max((run.open_findings or 0) + change.open_delta, 0)
 
 
 def refresh_run_health(session: Session, run: Run) -> None:
