@@ -108,6 +108,8 @@ def steps_query(
             next_start = int(cut) if next_start is None else min(next_start, int(cut))
             series = series.take(np.arange(limit))
         items.extend(_step_rows(series, r))
+    if next_start is not None:  # ranks cut at different steps: the page ends at the first cut
+        items = [row for row in items if row["step"] < next_start]
     items.sort(key=lambda row: (row["step"], row["rank"]))
     return {
         "run_id": run.id,

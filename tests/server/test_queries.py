@@ -72,3 +72,15 @@ def test_layer_summaries(api):
     assert items[1]["summary"]["grad_norm_max"] == pytest.approx(0.02)
     assert items[3]["summary"]["act_absmax_max"] == 4.0
     assert items[3]["summary"]["act_dtype"] == "float16"
+
+
+def test_pages_over_several_ranks_never_repeat_a_row(api):
+    register_run(api, "r1")
+    post_batch(api, "r1", 0, make_steps(0, 30, 4), rank=0)
+    post_batch(api, "r1", 0, make_steps(10, 30, 4), rank=1)
+    seen, start = [], 0
+    while start is not None:
+        page = api.get(f"/api/v1/runs/r1/steps?start={start}&limit=7").json()
+        seen += [(row["rank"], row["step"]) for row in page["items"]]
+        start = page["next_start"]
+    assert sorted(seen) == sorted({*seen}) and len(seen) == 60
