@@ -21,7 +21,8 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
     parser.add_argument("spool", metavar="SPOOL_DIR", nargs="?", type=Path,
                         help=f"spool root, or one run's directory (default: "
                              f"$AMPWATCH_SPOOL_DIR or {sync.default_spool_dir()})")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+    parser.add_argument("--no-progress", action="store_true",
+                        help="no progress bar (it is drawn only when stderr is a terminal)")
     parser.set_defaults(func=sync_command)
 
 
@@ -29,7 +30,7 @@ def sync_command(args: argparse.Namespace) -> int:
     root = args.spool or sync.default_spool_dir()
     if not root.is_dir():
         raise FileNotFoundError(f"no spool directory at {root}")
-    show = None if args.no_progress else progress_bar
+    show = None if args.no_progress or not sys.stderr.isatty() else progress_bar
     with connect(args) as client:
         client.health()  # fail in one line, before touching files, when the server is down
         report = sync.sync_spool(client, root, progress=show)
