@@ -295,7 +295,9 @@ class Session:
             original(optimizer)
             if self.live:
                 try:
-                    if self._adopt(optimizer):
+                    # outside scaler.step the snapshot waits for clip_grad_norm_ (whose
+                    # norm pass it shares) or the step; inside, the grads are final
+                    if self._adopt(optimizer) and self._in_scaler_step:
                         self._take_grads()
                 except Exception as exc:  # noqa: BLE001
                     guard.report("session.unscale_", exc)
@@ -307,10 +309,9 @@ class Session:
                 ours = self.live and self._adopt(optimizer)
                 if ours:
                     self._step_begin()
-                    if not self.scaler_enabled:
+                    if self._grads_unscaled():
                         self._take_grads()
-                    elif not self._grads_taken and getattr(
-                            optimizer, "_step_supports_amp_scaling", False):
+                    elif getattr(optimizer, "_step_supports_amp_scaling", False):
                         self._take_grads(divisor=self.scaler._scale)  # fused: grads stay scaled
             except Exception as exc:  # noqa: BLE001
                 guard.report("session.step", exc)

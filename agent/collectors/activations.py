@@ -2,7 +2,7 @@
 
 On a sampled step (every `sample_every` steps, and every step through
 `session.anomaly_until`) each layer gets a forward pre/post hook for that step only:
-abs-max of its output (one `vector_norm(ord=inf)` kernel, NaN/inf propagate), the dtype
+abs-max of its output (one `aminmax` kernel, NaN/inf propagate), the dtype
 it computed in, and its forward time. Values are stacked into the buffer at close.
 Does not synchronise the device. The first sampled training forward gives the forward
 order; a change triggers a re-registration of the run's layer table.
@@ -20,8 +20,6 @@ from agent.collectors.base import Collector
 from agent.layers import dtype_name
 from client.wire import encode_array
 
-_INF = float("inf")
-
 
 def first_float_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
@@ -34,6 +32,24 @@ def first_float_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, dict):
         return first_float_tensor(list(output.values()))
     return None
+
+
+def absmax_per_layer(minmax: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
+                     n_layers: int, zero: torch.Tensor) -> torch.Tensor:
+    """max(|min|, |max|) per layer over its calls; NaN propagates (a few kernels)."""
+    lows, highs = [], []
+    for i in range(n_layers):
+        pairs = minmax.get(i)
+        if not pairs:
+            lows.append(zero)
+            highs.append(zero)
+        elif len(pairs) == 1:
+            lows.append(pairs[0][0].float())
+            highs.append(pairs[0][1].float())
+        else:
+            lows.append(torch.stack([p[0].float() for p in pairs]).amin())
+            highs.append(torch.stack([p[1].float() for p in pairs]).amax())
+    return torch.maximum(torch.stack(highs), torch.stack(lows).neg())
 
 
 class ActivationCollector(Collector):
@@ -50,7 +66,7 @@ class ActivationCollector(Collector):
         self._reset()
 
     def _reset(self) -> None:
-        self._absmax: dict[int, torch.Tensor] = {}
+        self._minmax: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
         self._dtypes: dict[int, str | None] = {}
         self._times: dict[int, list[tuple[Any, Any]]] = {}
         self._starts: dict[int, Any] = {}
@@ -109,21 +125,19 @@ class ActivationCollector(Collector):
             dtype = dtype_name(tensor.dtype) if tensor is not None else None
             previous = self._dtypes.get(index, dtype)
             self._dtypes[index] = dtype if previous == dtype else "mixed"
-            if tensor is None:
+            if tensor is None or tensor.numel() == 0:
                 return
-            value = torch.linalg.vector_norm(tensor.detach(), _INF)
-            held = self._absmax.get(index)
-            self._absmax[index] = value if held is None else torch.maximum(held, value)
+            self._minmax.setdefault(index, []).append(torch.aminmax(tensor.detach()))
         return hook
 
     def seal(self) -> Any:
         sampled = self.sampling
-        sealed = (sampled, self._absmax, self._dtypes, self._times, self._seen)
+        sealed = (sampled, self._minmax, self._dtypes, self._times, self._seen)
         self._reset()
         return sealed
 
     def close(self, sealed: Any) -> Any:
-        sampled, absmax, dtypes, times, seen = sealed
+        sampled, minmax, dtypes, times, seen = sealed
         if not sampled:
             return None
         if seen and seen != self.order[: len(seen)] or len(seen) > len(self.order):
@@ -131,10 +145,9 @@ class ActivationCollector(Collector):
             for layer in self.session.layers:
                 layer.forward_index = seen.index(layer.index) if layer.index in seen else None
             self.session.on_run_change()
-        if absmax:
-            values = [absmax.get(i, self._zero).float() for i in range(self.n_layers)]
-            self.view.copy_(torch.stack(values))
-        ran = np.array([i in absmax for i in range(self.n_layers)], dtype=bool)
+        if minmax:
+            self.view.copy_(absmax_per_layer(minmax, self.n_layers, self._zero))
+        ran = np.array([i in minmax for i in range(self.n_layers)], dtype=bool)
         return {"ran": ran, "dtypes": [dtypes.get(i) for i in range(self.n_layers)],
                 "times": [times.get(i) for i in range(self.n_layers)]}
 

@@ -11,8 +11,6 @@ import torch
 from agent.collectors.base import Collector
 from agent.layers import dtype_name
 
-_INF = float("inf")
-
 
 def _float_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
     found = []
@@ -25,7 +23,7 @@ def _float_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:
 
 class ForwardCollector(Collector):
     """`t_forward_ms`, `autocast_dtype`, `eval_forwards`, `eval_forwards_no_autocast`,
-    `input_nonfinite`. The input check is one max-abs reduction per floating input tensor
+    `input_nonfinite`. The input check is one `aminmax` per floating input tensor
     (inf/NaN propagate into it), reduced on the device at close; no synchronisation."""
 
     name = "forward"
@@ -61,7 +59,8 @@ class ForwardCollector(Collector):
             self.training_autocast = autocast
             session.on_run_change()
         for tensor in _float_tensors(args, kwargs):
-            self._input_maxes.append(torch.linalg.vector_norm(tensor.detach(), _INF))
+            if tensor.numel():
+                self._input_maxes.extend(torch.aminmax(tensor.detach()))
         self._start = session.clock.mark()
 
     def on_forward_end(self, training: bool, output: Any) -> None:

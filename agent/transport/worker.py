@@ -1,7 +1,8 @@
 """The one daemon worker: decodes steps a step late, batches them, spools, sends.
 
-`submit()` never blocks: a bounded queue hands items over and a full queue drops (the
-caller counts it). Batches are cut by count (`max_batch_steps`) and age
+`submit()` never blocks and takes no lock: a bounded deque hands items over (a full one
+drops; the caller counts it) and the worker polls it every `POLL_S`, so the training
+thread never pays for waking it. Batches are cut by count (`max_batch_steps`) and age
 (`flush_interval_s`), written to the spool, then posted in order with backoff; a batch
 leaves the spool only once the server committed it, so a crash loses at most the steps
 not yet cut into a batch. Replays carry their original (run, rank, seq): never duplicated.
@@ -11,9 +12,9 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,7 +32,7 @@ class Worker:
     MAX_QUEUE = 4096
     BACKOFF_MIN_S = 0.5
     BACKOFF_MAX_S = 30.0
-    IDLE_WAIT_S = 0.25
+    POLL_S = 0.05
     LEFTOVER_EVERY_S = 30.0
     REGISTER_TIMEOUT_S = 2.0
 
@@ -41,7 +42,9 @@ class Worker:
         self.run_body = run_body
         self._decode = decode
         self._extra_dropped = extra_dropped
-        self._queue: queue.Queue = queue.Queue(self.MAX_QUEUE)
+        self._items: deque = deque()
+        self._wake = threading.Event()
+        self._spool_pending = True  # until a delivery pass finds the spool empty
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._pid = os.getpid()
@@ -64,11 +67,10 @@ class Worker:
             return False
         if self._thread is None:
             self._start()
-        try:
-            self._queue.put_nowait(item)
-            return True
-        except queue.Full:
+        if len(self._items) >= self.MAX_QUEUE:
             return False
+        self._items.append(item)  # atomic under the GIL
+        return True
 
     def _start(self) -> None:
         with self._start_lock:
@@ -85,6 +87,7 @@ class Worker:
         box: dict[str, bool] = {}
         if not self.submit(("flush", done, time.monotonic() + timeout, box)):
             return False
+        self._wake.set()
         done.wait(timeout)
         return box.get("delivered", False)
 
@@ -95,6 +98,7 @@ class Worker:
             return True
         delivered = self.flush(timeout)
         self.submit(_STOP)
+        self._wake.set()
         self._thread.join(timeout=max(0.1, timeout))
         self.dead = True
         return delivered
@@ -109,17 +113,20 @@ class Worker:
     # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
         guard.guarded("worker.open")(self._open)()
-        while True:
-            try:
-                item = self._queue.get(timeout=self.IDLE_WAIT_S)
-            except queue.Empty:
-                item = None
-            if item is _STOP:
-                break
-            if item is not None:
-                guard.guarded("worker.handle")(self._handle)(item)
+        stop = False
+        while not stop:
+            self._wake.wait(self.POLL_S)
+            self._wake.clear()
+            while self._items and not stop:
+                item = self._items.popleft()
+                if item is _STOP:
+                    stop = True
+                else:
+                    guard.guarded("worker.handle")(self._handle)(item)
+                    guard.guarded("worker.cut")(self._maybe_cut)()
             guard.guarded("worker.cut")(self._maybe_cut)()
-            guard.guarded("worker.deliver")(self._deliver)(None, False)
+            if self._spool_pending:
+                guard.guarded("worker.deliver")(self._deliver)(None, False)
         if self._sender is not None:
             self._sender.close()
         if self.spool is not None:
@@ -171,6 +178,7 @@ class Worker:
                  "steps": self._steps, "events": self._events}
         self._steps, self._events = [], []
         self.spool.append(s.run_id, s.rank, self.run_body, batch)
+        self._spool_pending = True
 
     # ------------------------------------------------------------------ delivery
     def _register(self, body: dict, limit: float | None) -> bool:
@@ -199,6 +207,7 @@ class Worker:
             return False
         if not self._deliver_spool(self.spool, deadline):
             return False
+        self._spool_pending = False
         if not force and time.monotonic() >= self._leftovers_at:
             self._leftovers_at = time.monotonic() + self.LEFTOVER_EVERY_S
             self._replay_leftovers(deadline)
