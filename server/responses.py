@@ -7,6 +7,7 @@ with `encode_tree` first unless the caller says it already is (the bulk queries)
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 import numpy as np
@@ -28,7 +29,12 @@ class WireJSONResponse(JSONResponse):
     def render(self, content: Any) -> bytes:
         if not getattr(self, "encoded", False):
             content = encode_tree(content)
-        return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+        try:
+            return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+        except orjson.JSONEncodeError:
+            # integers beyond 64 bits (a user's run config may hold one): stdlib json
+            return json.dumps(content, ensure_ascii=False, allow_nan=False,
+                              separators=(",", ":")).encode()
 
 
 def float_rows(matrix: np.ndarray, missing: np.ndarray) -> list[orjson.Fragment]:

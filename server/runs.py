@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
+from client.wire import encode_tree
 from server import analysis
 from server.errors import NotFound
 from server.models import Layer, Run, RunRank, utcnow
@@ -42,15 +43,16 @@ def upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Setting
         run.project = body.project
     if body.tags is not None:
         run.tags = list(body.tags)
+    # encode_tree: a NaN inside user JSON must be stored as "NaN" (Postgres JSON has none)
     if body.config is not None:
-        run.config = body.config
+        run.config = encode_tree(body.config)
     if body.environment is not None:
-        run.environment = body.environment.model_dump(mode="json", exclude_none=True)
+        run.environment = encode_tree(body.environment.model_dump(exclude_none=True))
     if body.layers is not None:
         session.execute(delete(Layer).where(Layer.run_id == run_id))
         session.flush()
         session.add_all(
-            Layer(run_id=run_id, **layer.model_dump()) for layer in body.layers
+            Layer(run_id=run_id, **encode_tree(layer.model_dump())) for layer in body.layers
         )
         run.n_layers = len(body.layers)
     run.updated_at = now

@@ -23,8 +23,10 @@ async def batch_body(request: Request) -> BatchIn:
     try:
         return BatchIn.model_validate_json(body)
     except ValidationError as exc:
+        # no `input` echo: it can be a whole (binary) body
+        errors = exc.errors(include_url=False, include_input=False)
         raise RequestValidationError(
-            [{**e, "loc": ("body", *e["loc"])} for e in exc.errors(include_url=False)]
+            [{**e, "loc": ("body", *e["loc"])} for e in errors]
         ) from None
 
 

@@ -87,3 +87,22 @@ def test_health(api, database_url):
     body = api.get("/api/v1/health").json()
     assert body["status"] == "ok"
     assert body["database"] == ("sqlite" if database_url.startswith("sqlite") else "postgresql")
+
+
+def test_config_values_json_cannot_hold_natively_round_trip(api):
+    config = {"seed": 2**70, "eps": "NaN", "nested": {"ratio": 0.5}}
+    run = register_run(api, "r1", config=config)
+    assert run["config"] == config
+    assert api.get("/api/v1/runs").json()["items"][0]["config"]["seed"] == 2**70
+
+
+def test_nan_tokens_in_user_json_are_stored_as_wire_strings(api):
+    body = ('{"config": {"eps": NaN, "max": Infinity}, "environment": {"extra": -Infinity},'
+            ' "layers": [{"index": 0, "name": "a", "type": "Linear", "attrs": {"x": NaN}}]}')
+    response = api.put("/api/v1/runs/r1", content=body,
+                       headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+    run = api.get("/api/v1/runs/r1").json()
+    assert run["config"] == {"eps": "NaN", "max": "Infinity"}
+    assert run["environment"]["extra"] == "-Infinity"
+    assert api.get("/api/v1/runs/r1/layers").json()["items"][0]["attrs"] == {"x": "NaN"}
