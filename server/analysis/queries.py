@@ -10,6 +10,7 @@ from server.models import Finding
 from server.runs import as_utc
 
 SEVERITY_ORDER = case({"critical": 0, "warning": 1, "info": 2}, value=Finding.severity, else_=3)
+OPEN_FIRST = case((Finding.status == "open", 0), else_=1)
 
 
 def finding_public(finding: Finding) -> FindingPublic:
@@ -44,7 +45,7 @@ def list_findings(
             query = query.where(column == value)
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
     if run_id is not None:
-        order = (Finding.status.desc(), SEVERITY_ORDER, Finding.step, Finding.id)
+        order = (OPEN_FIRST, SEVERITY_ORDER, Finding.step, Finding.id)
     else:
         order = (Finding.updated_at.desc(), Finding.id.desc())
     rows = session.scalars(query.order_by(*order).limit(limit).offset(offset))

@@ -152,3 +152,14 @@ def test_findings_api_filters_and_pages(api):
     assert set(sample) == {"id", "run_id", "kind", "code", "severity", "status", "rank", "step",
                            "last_step", "layer", "message", "evidence", "count", "created_at",
                            "updated_at"}
+
+
+def test_a_runs_findings_list_open_ones_first(api):
+    misaligned = [*LAYERS[:3], {**LAYERS[3], "attrs": {"in_features": 64, "out_features": 127}}]
+    register(api, layers=misaligned)  # an open finding that stays open
+    steps = forward_overflow(scaler_steps(300, overflow=range(200, 300), init_scale=2.0**40))
+    post(api, "r1", steps)
+    post(api, "r1", scaler_steps(200, first=300, init_scale=1024.0), first_seq=6)
+    statuses = [f["status"] for f in findings(api)]
+    assert "resolved" in statuses and "open" in statuses
+    assert statuses == sorted(statuses, key=lambda status: status != "open")
