@@ -22,6 +22,17 @@ POSTGRES_URL = os.environ.get("AMPWATCH_TEST_POSTGRES_URL")
 NO_POSTGRES = "AMPWATCH_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)"
 
 
+@pytest.fixture(autouse=True)
+def private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every test gets its own agent spool and data/cache dirs: an agent replays the
+    leftovers it finds in its spool root, so a shared one would carry one test's
+    batches into the next test's server."""
+    home = tmp_path_factory.mktemp("home")
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(home / "spool"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
+    monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+
+
 @pytest.fixture(scope="session")
 def postgres_database() -> Iterator[str]:
     """A fresh database on the test Postgres server for this test session, dropped after."""
