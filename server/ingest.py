@@ -59,14 +59,15 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
         rank_row = RunRank(run_id=run_id, rank=batch.rank, batches=0, max_seq=-1, steps=0,
                            skipped=0, dropped_batches=0, dropped_steps=0)
         session.add(rank_row)
+    rank_last_step = rank_row.last_step
     _fold_totals(rank_row, batch, series)
     rank_row.last_seen_at = now
     update_layer_stats(rank_row, series)
     session.flush()
     if len(series) or series.events:
         run = session.get(Run, run_id)
-        analysis.on_ingest(session, run, batch.rank, row["first_step"], row["last_step"],
-                           settings.analysis)
+        analysis.on_ingest(session, run, batch.rank, series, settings.analysis,
+                           rank_last_step=rank_last_step)
     session.commit()
     return ack
 

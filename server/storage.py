@@ -6,8 +6,10 @@ run is a handful of large reads and one `np.frombuffer` per row.
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import Select, bindparam, select
 from sqlalchemy.orm import Session
 
 from server.models import Batch, Layer, RunRank
@@ -175,6 +177,62 @@ def _fit(block: np.ndarray, n_layers: int, fill) -> np.ndarray:
     return np.pad(block, ((0, 0), (0, n_layers - width)), constant_values=fill)
 
 
+@functools.cache
+def _batch_query(with_layers: bool, with_acts: bool, bounded_start: bool, bounded_end: bool,
+                 newest_first: bool) -> Select:
+    """The batch read behind `load_batches`, with bind parameters run_id, rank, start and
+    end; built once per shape (building a select costs about as much as running it on a
+    500-step window)."""
+    columns = list(_CORE_COLUMNS)
+    if with_layers:
+        columns += _LAYER_COLUMNS
+    if with_acts:
+        columns += _ACT_COLUMNS
+    query = select(*columns).where(Batch.run_id == bindparam("run_id"),
+                                   Batch.rank == bindparam("rank"))
+    if bounded_start:
+        query = query.where(Batch.last_step >= bindparam("start"))
+    if bounded_end:
+        query = query.where(Batch.first_step <= bindparam("end"))
+    return query.order_by(Batch.last_step.desc() if newest_first else Batch.first_step)
+
+
+def load_batches(
+    session: Session,
+    run_id: str,
+    rank: int,
+    start: int | None = None,
+    end: int | None = None,
+    last_n: int | None = None,
+    *,
+    n_layers: int,
+    with_layers: bool = True,
+    with_acts: bool = True,
+    layer: int | None = None,
+) -> list[StepSeries]:
+    """The stored batches of one rank that overlap [start, end] (or the newest ones that
+    hold its last `last_n` steps), whole and in step order; `load_series` joins and cuts
+    them. Reads only the columns asked for: one row per stored batch in range."""
+    query = _batch_query(with_layers, with_acts, start is not None, end is not None,
+                         last_n is not None)
+    params = {"run_id": run_id, "rank": rank}
+    if start is not None:
+        params["start"] = start
+    if end is not None:
+        params["end"] = end
+    if last_n is not None:
+        rows, total = [], 0
+        for row in session.execute(query, params):
+            rows.append(row)
+            total += row.n_steps
+            if total >= last_n:
+                break
+        rows.reverse()
+    else:
+        rows = session.execute(query, params).all()
+    return [unpack_row(r, n_layers, with_layers, with_acts, layer) for r in rows]
+
+
 def load_series(
     session: Session,
     run_id: str,
@@ -195,29 +253,14 @@ def load_series(
     """
     if n_layers is None:
         n_layers = len(load_layers(session, run_id))
-    columns = list(_CORE_COLUMNS)
-    if with_layers:
-        columns += _LAYER_COLUMNS
-    if with_acts:
-        columns += _ACT_COLUMNS
-    query = select(*columns).where(Batch.run_id == run_id, Batch.rank == rank)
-    if start is not None:
-        query = query.where(Batch.last_step >= start)
-    if end is not None:
-        query = query.where(Batch.first_step <= end)
-    if last_n is not None:
-        rows, total = [], 0
-        for row in session.execute(query.order_by(Batch.last_step.desc())):
-            rows.append(row)
-            total += row.n_steps
-            if total >= last_n:
-                break
-        rows.reverse()
-    else:
-        rows = session.execute(query.order_by(Batch.first_step)).all()
-    width = n_layers if layer is None else 1
-    series = concat([unpack_row(r, n_layers, with_layers, with_acts, layer) for r in rows],
-                    width)
+    parts = load_batches(session, run_id, rank, start, end, last_n, n_layers=n_layers,
+                         with_layers=with_layers, with_acts=with_acts, layer=layer)
+    return clip_steps(concat(parts, n_layers if layer is None else 1), start, end, last_n)
+
+
+def clip_steps(series: StepSeries, start: int | None = None, end: int | None = None,
+               last_n: int | None = None) -> StepSeries:
+    """`series` cut to its steps in [start, end], then to its last `last_n` of them."""
     steps = series.steps
     keep = np.ones(len(series), dtype=bool)
     if start is not None:

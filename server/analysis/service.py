@@ -22,8 +22,8 @@ from server.analysis.settings import AnalysisSettings
 from server.analysis.speed import detect_speed
 from server.analysis.store import apply_detections, refresh_run_health, update_run_health
 from server.models import Batch, Run, RunRank
-from server.series import StepSeries
-from server.storage import load_layers, load_series
+from server.series import StepSeries, concat
+from server.storage import clip_steps, load_batches, load_layers, load_series
 
 # Judged on a rank's steps.
 STEP_DETECTORS = (
@@ -95,25 +95,47 @@ def _rank_first_step(session: Session, run_id: str, rank: int, rank_row: RunRank
     )
 
 
-def on_ingest(session: Session, run: Run, rank: int, first_step: int, last_step: int,
-              settings: AnalysisSettings) -> None:
-    """Analyse a just-stored batch of steps [first_step, last_step] of `rank` inside the
-    ingest transaction (the caller commits).
+def _window(session: Session, run: Run, rank: int, batch: StepSeries, start: int,
+            rank_last_step: int | None) -> StepSeries:
+    """The rank's steps from `start` through `batch`, exactly as `load_series` reads them.
+    A batch past every stored step (the usual case) is joined to the history before it
+    rather than read back: one fewer batch row to read and unpack."""
+    first_step, last_step = _span(batch)
+    follows = rank_last_step is None or rank_last_step < first_step
+    if not len(batch) or not follows or batch.n_layers != run.n_layers:
+        return load_series(session, run.id, rank, start=start, end=last_step,
+                           n_layers=run.n_layers)
+    history = load_batches(session, run.id, rank, start=start, end=first_step - 1,
+                           n_layers=run.n_layers)
+    return clip_steps(concat([*history, batch], run.n_layers), start, last_step)
 
-    Reads the rank's last `history_steps` before the batch plus the batch, runs the
-    detectors, upserts findings and updates `run.status` / `run.open_findings`.
+
+def _span(batch: StepSeries) -> tuple[int, int]:
+    """First and last step of a batch ((-1, -1) when it holds none, as stored)."""
+    steps = batch.steps
+    return (int(steps[0]), int(steps[-1])) if steps.size else (-1, -1)
+
+
+def on_ingest(session: Session, run: Run, rank: int, batch: StepSeries,
+              settings: AnalysisSettings, *, rank_last_step: int | None) -> None:
+    """Analyse `batch`, just stored for `rank` and unpacked with every column, inside the
+    ingest transaction (the caller commits). rank_last_step: the rank's last step before
+    this batch (None when it had none).
+
+    Reads the rank's last `history_steps` before the batch, runs the detectors on them
+    plus the batch, upserts findings and updates `run.status` / `run.open_findings`.
     A batch older than the rank's latest step adds history but changes no open finding.
     """
     if not settings.enabled:
         return
+    first_step, last_step = _span(batch)
     rank_row = session.get(RunRank, (run.id, rank))
     current = rank_row is None or rank_row.last_step is None or rank_row.last_step <= last_step
     start = first_step - settings.history_steps
     rank_first = _rank_first_step(session, run.id, rank, rank_row, start, settings)
     if rank_first is not None:
         start = max(start, rank_first)
-    series = load_series(session, run.id, rank, start=start, end=last_step,
-                         n_layers=run.n_layers)
+    series = _window(session, run, rank, batch, start, rank_last_step)
     if not len(series) and not series.events:
         return
     context = RunContext.build(layer_tables.get(session, run), run.environment, rank,
