@@ -1,0 +1,101 @@
+"""`ampwatch demo` end to end: the real command in a child process (it starts its own
+server, trains on the CPU), then its database reopened with `ampwatch serve`."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from client import Client, Finding
+from tests.conftest import LiveServer, free_port
+
+STEPS = 60  # the least the demo accepts: a few seconds per run
+
+
+def run_demo(*args: str, data_home: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "XDG_DATA_HOME": str(data_home)}
+    return subprocess.run([sys.executable, "-m", "client.cli", "demo", *args],
+                          capture_output=True, text=True, env=env, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory) -> tuple[subprocess.CompletedProcess, str]:
+    """The finished demo and its database URL."""
+    tmp = tmp_path_factory.mktemp("demo")
+    database_url = f"sqlite:///{tmp / 'demo.db'}"
+    result = run_demo("--port", str(free_port()), "--database-url", database_url,
+                      "--steps", str(STEPS), data_home=tmp)
+    assert result.returncode == 0, result.stdout + result.stderr
+    return result, database_url
+
+
+@pytest.fixture(scope="module")
+def reopened(demo, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Client]:
+    """A client on `ampwatch serve` over the database the demo left behind."""
+    server = LiveServer(demo[1], tmp_path_factory.mktemp("reopened") / "server.log")
+    server.start()
+    with Client(server.url) as client:
+        yield client
+    server.stop()
+
+
+def open_findings(client: Client, run_id: str) -> list[Finding]:
+    return list(client.findings(run_id, status="open"))
+
+
+def test_prints_progress_urls_and_where_the_database_is(demo) -> None:
+    result, database_url = demo
+    out = result.stdout
+    for run in ("1/4", "2/4", "3/4", "4/4"):
+        assert f"[{run}]" in out and f"step {STEPS}/{STEPS}" in out
+    assert "Dashboard: http://127.0.0.1:" in out
+    assert "/runs/demo-fp16-overflow" in out
+    assert f"ampwatch serve --database-url {database_url}" in out
+
+
+def test_all_four_runs_are_stored(reopened: Client) -> None:
+    runs = {run.id: run for run in reopened.runs(project="ampwatch-demo")}
+    assert set(runs) == {"demo-fp16-healthy", "demo-fp16-overflow", "demo-fp16-misaligned",
+                         "demo-bf16"}
+    assert all(run.last_step == STEPS - 1 for run in runs.values())
+
+
+def test_overflowing_layer_is_named_as_the_cause_of_the_divergence(reopened: Client) -> None:
+    assert reopened.run("demo-fp16-overflow").status == "critical"
+    divergence = [f for f in open_findings(reopened, "demo-fp16-overflow")
+                  if f.kind == "scaler_divergence" and f.severity == "critical"]
+    assert divergence
+    assert all(f.evidence["cause"] == "forward_overflow" and f.layer == "fc2"
+               for f in divergence)
+
+
+def test_misaligned_run_shows_its_layers_and_the_pitfall(reopened: Client) -> None:
+    findings = open_findings(reopened, "demo-fp16-misaligned")
+    misaligned = {(f.layer, f.evidence["dimension"]) for f in findings
+                  if f.kind == "misaligned_layer"}
+    assert {("embed", "num_embeddings"), ("hidden", "out_features")} <= misaligned
+    assert any(f.kind == "pitfall" and f.code == "clip_before_unscale" for f in findings)
+
+
+@pytest.mark.parametrize("run_id", ["demo-fp16-healthy", "demo-bf16"])
+def test_healthy_runs_raise_nothing_serious(reopened: Client, run_id: str) -> None:
+    assert reopened.run(run_id).status == "healthy"
+    assert [f for f in open_findings(reopened, run_id) if f.severity != "info"] == []
+
+
+def test_busy_port_is_a_one_line_error(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = run_demo("--port", str(port), "--database-url",
+                          f"sqlite:///{tmp_path / 'demo.db'}", data_home=tmp_path)
+    assert result.returncode == 2
+    assert f"port {port} on 127.0.0.1 is in use" in result.stderr
+    assert not (tmp_path / "demo.db").exists()
