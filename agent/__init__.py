@@ -2,8 +2,23 @@
 
 Records loss scales, skipped steps, gradient norms, per-layer inf/NaN and activation
 ranges without synchronising the device, and delivers them to an ampwatch server.
+torch is imported on first use of `attach`, so `ampwatch` commands that only load
+`agent.demo` stay fast and can say when torch is missing.
 """
 
-from agent.attachment import Attachment, attach
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from agent.attachment import Attachment, attach
 
 __all__ = ["Attachment", "attach"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in __all__:
+        from agent import attachment
+
+        return getattr(attachment, name)
+    raise AttributeError(f"module 'agent' has no attribute {name!r}")
