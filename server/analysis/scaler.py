@@ -78,9 +78,9 @@ def _collapse(series, loc, run, settings) -> FindingDraft | None:
     rows = np.flatnonzero(low)
     why = explain(loc, np.flatnonzero(series.skipped[: rows[-1] + 1]), run)
     lowest = float(np.nanmin(scale[rows]))
-    message = (f"The loss scale fell to {lowest:g} at step {int(series.steps[rows[0]])} "
-               f"(at or below {settings.scale_critical:g}): fp16 can no longer hold the "
-               f"gradients; {_fix(why)}.")
+    message = (f"The loss scale fell to {settings.scale_critical:g} or below at step "
+               f"{int(series.steps[rows[0]])} (lowest {lowest:g}): fp16 can no longer hold "
+               f"the gradients; {_fix(why)}.")
     return _draft("scale_collapse", "critical", message, series, rows, rows, bool(low[-1]),
                   why, {"loss_scale": lowest}, settings)
 
