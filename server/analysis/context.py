@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from server.series import DTYPE_CODE, DTYPES, StepSeries
+from server.series import DTYPE_CODE, DTYPES, FIELD_INDEX, StepSeries
 
 FP16 = DTYPE_CODE["float16"]
 BF16 = DTYPE_CODE["bfloat16"]
@@ -171,8 +171,9 @@ class RunContext:
 
 def autocast_codes(series: StepSeries) -> np.ndarray:
     """Per step, the autocast dtype code (0: none or not reported)."""
-    codes = series.column("autocast_dtype")
-    return np.nan_to_num(codes, nan=0.0).astype(np.int64)
+    i = FIELD_INDEX["autocast_dtype"]
+    codes = series.scalars[:, i]
+    return np.where(series.present[:, i] & ~np.isnan(codes), codes, 0.0).astype(np.int64)
 
 
 def compute_dtype(series: StepSeries, run: RunContext) -> str | None:

@@ -16,7 +16,7 @@ import numpy as np
 from server.analysis.context import BF16, FP16, MIXED, RunContext, autocast_codes, compute_dtype
 from server.analysis.draft import Detection, FindingDraft, recent_steps
 from server.analysis.settings import AnalysisSettings
-from server.series import StepSeries
+from server.series import FIELD_INDEX, StepSeries
 
 KIND = "pitfall"
 
@@ -30,12 +30,20 @@ class LoopPitfall:
     steps: Callable[[StepSeries], np.ndarray]  # per step: committed here
 
 
+def _reported(series: StepSeries, name: str) -> np.ndarray:
+    """A scalar column with missing and NaN entries as 0 (as np.nan_to_num reads them,
+    without its cost, which showed on ingest)."""
+    i = FIELD_INDEX[name]
+    values = series.scalars[:, i]
+    return np.where(series.present[:, i] & ~np.isnan(values), values, 0.0)
+
+
 def _flag(series: StepSeries, name: str) -> np.ndarray:
-    return series.has(name) & (np.nan_to_num(series.column(name)) != 0)
+    return _reported(series, name) != 0
 
 
 def _count_above(series: StepSeries, name: str, limit: int) -> np.ndarray:
-    return series.has(name) & (np.nan_to_num(series.column(name)) > limit)
+    return series.has(name) & (_reported(series, name) > limit)
 
 
 def _mixed_dtypes(series: StepSeries) -> np.ndarray:

@@ -13,6 +13,7 @@ from server.analysis.context import (
     LOW_PRECISION,
     MIXED,
     LayerInfo,
+    LayerTable,
     RunContext,
     autocast_codes,
     step_rows,
@@ -53,6 +54,19 @@ def _message(problem: str, layer_type: str, name: str, step: int, autocast: str)
             "with a .float() input), as torch's built-in layers do under autocast.")
 
 
+def _layer_roles(table: LayerTable, n_layers: int) -> tuple:
+    """Per table: each layer's role, the matmul and sensitive masks over n_layers, and
+    the finding key each judged layer covers (computed once per table, not per batch)."""
+    roles = {x.index: layer_role(x) for x in table.layers}
+    matmul = table.mask(lambda x: roles[x.index] == "fp32_matmul", n_layers)
+    sensitive = table.mask(lambda x: roles[x.index] == "fp16_sensitive", n_layers)
+    cover_keys = np.full(n_layers, "", dtype=object)
+    for x in table.layers:
+        if x.index < n_layers and roles[x.index]:
+            cover_keys[x.index] = f"{KIND}:{x.name}:{roles[x.index]}"
+    return roles, matmul, sensitive, cover_keys
+
+
 def detect_precision_map(series: StepSeries, run: RunContext,
                          settings: AnalysisSettings) -> Detection:
     """Judge each layer's sampled compute dtypes in the window; a layer whose latest
@@ -66,17 +80,13 @@ def detect_precision_map(series: StepSeries, run: RunContext,
     under_autocast = np.isin(codes, (*LOW_PRECISION, MIXED))
     autocast_name = (DTYPES[int(np.bincount(codes[under_autocast]).argmax())]
                      if under_autocast.any() else "")
-    roles = run.table.derived("precision_roles",
-                              lambda table: {x.index: layer_role(x) for x in table.layers})
-    matmul = run.table.mask(lambda x: roles[x.index] == "fp32_matmul", n_layers)
-    sensitive = run.table.mask(lambda x: roles[x.index] == "fp16_sensitive", n_layers)
+    roles, matmul, sensitive, cover_keys = run.table.derived(
+        f"precision_layers:{n_layers}", lambda table: _layer_roles(table, n_layers))
     judged = (dtypes != 0) & ((under_autocast[:, None] & matmul) | sensitive)
     bad = judged & np.where(matmul, dtypes == FP32, dtypes == FP16)
     ever_bad = bad.any(axis=0)
-    drafts, covers = [], []
-    for index in np.flatnonzero(judged.any(axis=0) & ~ever_bad):
-        layer = run.layer(int(index))
-        covers.append(f"{KIND}:{layer.name}:{roles[layer.index]}")
+    drafts = []
+    covers = tuple(cover_keys[judged.any(axis=0) & ~ever_bad])
     for index in np.flatnonzero(ever_bad):
         layer = run.layer(int(index))
         problem = roles[layer.index]
@@ -94,4 +104,4 @@ def detect_precision_map(series: StepSeries, run: RunContext,
                       "steps": recent_steps(steps, settings.evidence_steps)},
             occurrences=steps, active=bool(hits[last_judged]),
         ))
-    return Detection(drafts=drafts, covers=tuple(covers))
+    return Detection(drafts=drafts, covers=covers)

@@ -11,6 +11,13 @@ from server.analysis.settings import AnalysisSettings
 from server.series import MISSING, StepSeries
 
 
+def _layer_keys(run: RunContext, kind: str) -> np.ndarray:
+    """`kind:name` per layer index of the table, made once per table (covers list
+    every evaluated layer on every batch)."""
+    return run.table.derived(f"{kind}_keys", lambda table: np.array(
+        [f"{kind}:{name}" for name in table.names], dtype=object))
+
+
 def _recent(steps: np.ndarray, last_step: int, settings: AnalysisSettings) -> np.ndarray:
     return steps > last_step - settings.risk_window
 
@@ -53,9 +60,8 @@ def detect_overflow_risk(series: StepSeries, run: RunContext,
             occurrences=steps, active=bool((hits & recent).any()),
         ))
     flagged = {d.key for d in drafts if d.active}
-    names = run.table.names
-    covers = tuple(k for k in (f"overflow_risk:{names[i]}" for i in evaluated if i < len(names))
-                   if k not in flagged)
+    keys = _layer_keys(run, "overflow_risk")
+    covers = tuple(k for k in keys[evaluated[evaluated < keys.size]] if k not in flagged)
     return Detection(drafts=drafts, covers=covers)
 
 
@@ -77,9 +83,11 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
     scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
     recent = _recent(series.steps, int(series.steps[-1]), settings) & ~series.skipped
     window = grads[recent]
-    valid = (window != MISSING) & np.isfinite(window) & (window > 0) & (params > 0)
+    # > 0 leaves out MISSING (-1), NaN and -inf; < inf leaves out +inf
+    valid = (window > 0) & (window < np.inf) & (params > 0)
+    rms = window * scale[recent, None]
     with np.errstate(divide="ignore", invalid="ignore"):
-        rms = window * scale[recent, None] / np.sqrt(params)
+        rms /= np.sqrt(params)  # in place: one (steps x layers) float64 temporary, not two
     low = valid & (rms < settings.fp16_min_normal)
     n_valid = valid.sum(axis=0)
     share = np.divide(low.sum(axis=0), n_valid, out=np.zeros(n_layers), where=n_valid > 0)
@@ -107,8 +115,8 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
                       "steps": recent_steps(low_steps, settings.evidence_steps)},
             occurrences=low_steps,
         ))
-    names = run.table.names
-    covers = tuple(f"underflow_risk:{names[i]}"
-                   for i in np.flatnonzero(evaluated & ~flagged) if i < len(names))
+    keys = _layer_keys(run, "underflow_risk")
+    unflagged = np.flatnonzero(evaluated & ~flagged)
+    covers = tuple(keys[unflagged[unflagged < keys.size]])
     return Detection(drafts=drafts, covers=covers)
 

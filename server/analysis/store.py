@@ -10,11 +10,12 @@ are resolved.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import func, or_, select
+from sqlalchemy import Select, bindparam, func, or_, select
 from sqlalchemy.orm import Session
 
 from server.analysis.draft import SEVERITY_RANK, Detection, FindingDraft
@@ -24,15 +25,25 @@ from server.models import Finding, Run, utcnow
 OPEN, RESOLVED = "open", "resolved"
 
 
+@functools.cache
+def _matchable(bounded: bool) -> Select:
+    """The select behind `_load` (bind parameters run_id, rank, since), built once: on
+    ingest, building it cost as much as running it."""
+    recent = Finding.status == OPEN
+    if bounded:
+        recent = or_(recent, Finding.last_step >= bindparam("since"))
+    return (select(Finding)
+            .where(Finding.run_id == bindparam("run_id"), Finding.rank == bindparam("rank"),
+                   recent)
+            .order_by(Finding.id))
+
+
 def _load(session: Session, run_id: str, rank: int, since: int | None) -> dict[str, Finding]:
     """The latest finding per key that a draft could still match."""
-    recent = Finding.status == OPEN
+    params = {"run_id": run_id, "rank": rank}
     if since is not None:
-        recent = or_(recent, Finding.last_step >= since)
-    query = (select(Finding)
-             .where(Finding.run_id == run_id, Finding.rank == rank, recent)
-             .order_by(Finding.id))
-    return {f.key: f for f in session.scalars(query)}
+        params["since"] = since
+    return {f.key: f for f in session.scalars(_matchable(since is not None), params)}
 
 
 def _same_episode(finding: Finding, draft: FindingDraft, gap: int) -> bool:
