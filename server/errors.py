@@ -19,3 +19,9 @@ class InvalidInput(AmpwatchServerError):
     """Well-formed JSON that contradicts stored state (e.g. vector lengths)."""
 
     status_code = 422
+
+
+class SeqConflict(AmpwatchServerError):
+    """A (run, rank, seq) already used by a batch with other steps."""
+
+    status_code = 409

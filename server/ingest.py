@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 
 from client.wire import encode_tree
 from server import analysis
-from server.errors import InvalidInput, NotFound
+from server.errors import InvalidInput, NotFound, SeqConflict
 from server.models import Batch, Run, RunRank, utcnow
 from server.schemas import BatchAck, BatchIn
 from server.series import FIELD_INDEX
@@ -24,6 +24,9 @@ _INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
 
 def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings) -> BatchAck:
     """Store `batch` in one transaction; a repeated (run, rank, seq) changes nothing.
+
+    A repeat must carry the same steps (a replay); a different batch under a used seq
+    is refused with SeqConflict rather than silently dropped.
 
     The first statement is a write (touching the run), so concurrent SQLite writers
     queue on the busy timeout instead of failing on a read-to-write lock upgrade.
@@ -50,7 +53,17 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
     ack = BatchAck(run_id=run_id, rank=batch.rank, seq=batch.seq, duplicate=not stored,
                    stored_steps=len(batch.steps) if stored else 0)
     if not stored:
+        kept = session.execute(
+            select(Batch.first_step, Batch.last_step, Batch.n_steps).where(
+                Batch.run_id == run_id, Batch.rank == batch.rank, Batch.seq == batch.seq)
+        ).one()
         session.rollback()
+        if tuple(kept) != (row["first_step"], row["last_step"], row["n_steps"]):
+            raise SeqConflict(
+                f"seq {batch.seq} of rank {batch.rank} already holds steps "
+                f"{kept.first_step}..{kept.last_step}, this batch has steps "
+                f"{row['first_step']}..{row['last_step']}: it is not a replay. Register the "
+                f"run again (PUT) and continue from the returned next_seq")
         return ack
 
     series = unpack_row(SimpleNamespace(**row), n_layers, with_layers=True, with_acts=True)

@@ -16,6 +16,7 @@ class Outcome(Enum):
     OK = "ok"            # committed (or acknowledged duplicate)
     RETRY = "retry"      # unreachable, 5xx, 408, 429: keep it, back off
     MISSING = "missing"  # 404: the run is not registered there (yet)
+    CONFLICT = "conflict"  # 409: the seq is taken by other steps; renumber and resend
     REJECT = "reject"    # any other 4xx: sending it again cannot succeed
 
 
@@ -33,6 +34,8 @@ def classify(status: int) -> Outcome:
         return Outcome.RETRY
     if status == 404:
         return Outcome.MISSING
+    if status == 409:
+        return Outcome.CONFLICT
     return Outcome.REJECT
 
 

@@ -97,6 +97,21 @@ class Spool:
         self._write_state()
         return path
 
+    def renumber(self, path: Path, entry: dict[str, Any], next_seq: int) -> Path:
+        """Move a batch to the next free seq (at least `next_seq`, what the server said):
+        its seq was taken on the server by a run this spool did not know about."""
+        seq = max(self.next_seq, next_seq)
+        entry["batch"]["seq"] = seq
+        new_path = self.dir / f"{seq:012d}{SUFFIX}"
+        data = encode_entry(entry["run_id"], entry["rank"], seq, entry["run"], entry["batch"])
+        _atomic_write(new_path, data)
+        self._sizes[new_path] = len(data)
+        self._steps[new_path] = len(entry["batch"].get("steps", ()))
+        self.remove(path)
+        self.next_seq = seq + 1
+        self._write_state()
+        return new_path
+
     def _enforce_limit(self) -> None:
         while self.size_bytes > self.max_bytes and len(self._sizes) > 1:
             oldest = min(self._sizes)

@@ -214,8 +214,11 @@ class Worker:
         return True
 
     def _deliver_spool(self, spool: Spool, deadline: float | None) -> bool:
+        """Send the spool's batches in seq order; True when none is left."""
         assert self._sender is not None
-        for path in spool.pending():
+        pending = deque(spool.pending())
+        while pending:
+            path = pending.popleft()
             limit = None if deadline is None else deadline - time.monotonic()
             if limit is not None and limit <= 0:
                 return False
@@ -232,6 +235,14 @@ class Worker:
                 spool.remove(path)
                 self._backoff_s = 0.0
                 self.delivered_batches += 1
+            elif reply.outcome is Outcome.CONFLICT:
+                # a resumed run whose spool started from seq 0 while the server was down:
+                # the batch moves past every seq in use, so order is kept
+                moved = self._renumber(spool, path, entry, limit)
+                if moved is None:
+                    self._backoff()
+                    return False
+                pending.append(moved)
             elif reply.outcome is Outcome.REJECT:
                 spool.reject(path)
                 guard.report("worker.rejected", RuntimeError(
@@ -242,6 +253,18 @@ class Worker:
                 self._backoff()
                 return False
         return True
+
+    def _renumber(self, spool: Spool, path: Path, entry: dict,
+                  limit: float | None) -> Path | None:
+        """Ask the server for the rank's next free seq (PUT) and move the batch there."""
+        assert self._sender is not None
+        reply = self._sender.put_run(entry["run_id"], entry["run"], limit)
+        if reply.outcome is not Outcome.OK:
+            return None
+        ranks = (reply.body or {}).get("ranks") or []
+        next_seq = max((int(r["next_seq"]) for r in ranks if r.get("rank") == entry["rank"]),
+                       default=0)
+        return spool.renumber(path, entry, next_seq)
 
     def _replay_leftovers(self, deadline: float | None) -> None:
         """Deliver batches other (finished or crashed) runs left in the spool root."""

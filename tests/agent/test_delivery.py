@@ -126,3 +126,26 @@ def test_sigkill_loses_at_most_the_last_flush_interval(live_server, spool_dir,
     flush_interval, slack = 0.3, 0.7
     must_have = [s for s, at in done if at < killed_at - flush_interval - slack]
     assert must_have and set(must_have) <= set(stored)
+
+
+def test_resumed_run_that_numbered_from_zero_offline_is_renumbered(live_server,
+                                                                     tmp_path) -> None:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    with agent.attach(model, run="resumed-late", server=live_server.url,
+                      spool_dir=tmp_path / "a") as first:
+        bf16_loop(model, optimizer, batches(3))
+        assert first.flush(10)
+    live_server.stop()  # machine b starts while the server is down: its spool says seq 0
+    second = agent.attach(model, run="resumed-late", server=live_server.url,
+                          spool_dir=tmp_path / "b", max_batch_steps=2, flush_interval=0.1)
+    try:
+        bf16_loop(model, optimizer, batches(5))
+        second.flush(0.5)
+        live_server.start()
+        assert second.flush(15)
+    finally:
+        second.detach()
+    rank = _rank(live_server.url, "resumed-late")
+    assert (rank["batches"], rank["steps"], rank["lost_batches"]) == (4, 8, 0)
+    assert not list((tmp_path / "b").rglob("*.json.gz"))  # nothing left behind or rejected

@@ -182,3 +182,13 @@ def test_non_finite_summary_values_do_not_break_the_run_view(api):
     run = api.get("/api/v1/runs/r1").json()
     assert run["loss_scale"] == 65536.0  # the last finite scale
     assert math.isclose(run["skip_rate"], 0.0)
+
+
+def test_a_used_seq_with_other_steps_is_a_conflict_not_a_duplicate(api, app):
+    register_run(api, "r1")
+    post_batch(api, "r1", 0, make_steps(0, 5, 4))
+    response = post_batch(api, "r1", 0, make_steps(100, 5, 4))  # a resumed agent from seq 0
+    assert response.status_code == 409
+    assert "already holds steps 0..4" in response.json()["detail"]
+    assert api.get("/api/v1/runs/r1").json()["steps"] == 5
+    assert post_batch(api, "r1", 1, make_steps(100, 5, 4)).json()["stored_steps"] == 5
