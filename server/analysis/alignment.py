@@ -95,15 +95,15 @@ def detect_misaligned_layers(series: StepSeries, run: RunContext,
     multiple = alignment_for(dtype, run.environment)
     if multiple is None:
         return Detection()
+    misaligned = run.table.derived(f"misaligned_dimensions:{multiple}", lambda table: [
+        (layer, dim, value) for layer in table.layers
+        for dim, value in layer_dimensions(layer).items() if value % multiple])
+    if not misaligned:
+        return Detection(covers=(f"{KIND}:",))
     total = run.total_params
     shares = time_shares(series)
     drafts = []
-    dimensions = run.table.derived("gemm_dimensions", lambda table: [
-        (layer, dim, value) for layer in table.layers
-        for dim, value in layer_dimensions(layer).items()])
-    for layer, dim, value in dimensions:
-        if value % multiple == 0:
-            continue
+    for layer, dim, value in misaligned:
         padded = round_up(value, multiple)
         optimal = round_up(value, OPTIMAL)
         share = layer.param_count / total if total else 0.0

@@ -15,7 +15,6 @@ from server.series import DTYPE_CODE, DTYPES, FIELD_INDEX, StepSeries
 FP16 = DTYPE_CODE["float16"]
 BF16 = DTYPE_CODE["bfloat16"]
 MIXED = DTYPE_CODE["mixed"]
-LOW_PRECISION = (FP16, BF16)
 
 
 @dataclass(frozen=True)
@@ -154,7 +153,8 @@ class RunContext:
         total = self.environment.get("param_count")
         if isinstance(total, int) and total > 0:
             return total
-        return sum(x.param_count for x in self.layers)
+        return self.table.derived("total_params",
+                                  lambda table: sum(x.param_count for x in table.layers))
 
     @property
     def scaler(self) -> dict[str, Any] | None:

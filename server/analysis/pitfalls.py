@@ -48,7 +48,7 @@ def _count_above(series: StepSeries, name: str, limit: int) -> np.ndarray:
 
 def _mixed_dtypes(series: StepSeries) -> np.ndarray:
     codes = autocast_codes(series)
-    low = np.isin(codes, (FP16, BF16))
+    low = (codes == FP16) | (codes == BF16)
     if not low.any():
         return codes == MIXED
     usual = np.bincount(codes[low]).argmax()

@@ -61,7 +61,9 @@ def detect_overflow_risk(series: StepSeries, run: RunContext,
         ))
     flagged = {d.key for d in drafts if d.active}
     keys = _layer_keys(run, "overflow_risk")
-    covers = tuple(k for k in keys[evaluated[evaluated < keys.size]] if k not in flagged)
+    covers = tuple(keys[evaluated[evaluated < keys.size]])
+    if flagged:
+        covers = tuple(k for k in covers if k not in flagged)
     return Detection(drafts=drafts, covers=covers)
 
 
