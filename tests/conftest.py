@@ -22,15 +22,24 @@ POSTGRES_URL = os.environ.get("AMPWATCH_TEST_POSTGRES_URL")
 NO_POSTGRES = "AMPWATCH_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)"
 
 
-@pytest.fixture(autouse=True)
-def private_dirs(tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every test gets its own agent spool and data/cache dirs: an agent replays the
-    leftovers it finds in its spool root, so a shared one would carry one test's
-    batches into the next test's server."""
+@pytest.fixture(scope="session", autouse=True)
+def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """Data, cache and agent spool dirs of this test session, never the user's: an agent
+    replays the leftovers it finds in its spool root, so a shared one would carry one
+    session's batches into another session's server. Session-scoped so that module- and
+    session-scoped fixtures that train are covered too."""
     home = tmp_path_factory.mktemp("home")
-    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(home / "spool"))
-    monkeypatch.setenv("XDG_CACHE_HOME", str(home / "cache"))
-    monkeypatch.setenv("XDG_DATA_HOME", str(home / "data"))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AMPWATCH_SPOOL_DIR", str(home / "spool"))
+        patch.setenv("XDG_CACHE_HOME", str(home / "cache"))
+        patch.setenv("XDG_DATA_HOME", str(home / "data"))
+        yield home
+
+
+@pytest.fixture(autouse=True)
+def private_spool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """And a spool of its own for each test, so no test replays another's leftovers."""
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "spool"))
 
 
 @pytest.fixture(scope="session")

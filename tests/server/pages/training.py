@@ -4,6 +4,7 @@ live server."""
 
 from __future__ import annotations
 
+import httpx
 import torch
 from torch import nn
 
@@ -52,6 +53,7 @@ class Trainer:
                  dtype: torch.dtype = torch.float16, lr: float = 1e-3,
                  project: str = "pages", tags: list[str] | None = None) -> None:
         torch.set_num_threads(1)
+        self.server, self.run = server, run
         self.model, self.dtype = model, dtype
         self.scaler = torch.amp.GradScaler("cpu") if dtype == torch.float16 else None
         self.optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
@@ -86,3 +88,5 @@ class Trainer:
 
     def close(self) -> None:
         assert self.attachment.detach(timeout=30), "the agent did not deliver its steps"
+        run = httpx.get(f"{self.server}/api/v1/runs/{self.run}", timeout=10).json()
+        assert (run["lost_batches"], run["dropped_steps"]) == (0, 0), run["ranks"]
