@@ -1,11 +1,12 @@
 """Ingest rate and long-run query latency of a real ampwatch server over HTTP.
 
 Starts the server under uvicorn, one process (a SQLite file; `--postgres URL` adds
-Postgres), registers runs with 200 layers, and sends agent-shaped gzip batches (100 steps each,
-per-step scalars, per-layer grad norms, activation samples every 10 steps) from 1..8
-concurrent senders. Reports committed steps/s and layer-values/s and p50/p99 request
-latency, then times the reads of a 100,000-step x 200-layer run: steps downsampled to
-2,000 points and a 200 x 1,000 heatmap matrix.
+Postgres), registers runs with 200 layers, and sends agent-shaped gzip batches (200 steps
+each, as the agent cuts them at high step rates; per-step scalars, per-layer grad norms,
+activation samples every 10 steps) from 1..8 concurrent senders. Reports committed
+steps/s and layer-values/s and p50/p99 request latency, then times the reads of a
+100,000-step x 200-layer run: steps downsampled to 2,000 points and a 200 x 1,000
+heatmap matrix.
 
     python bench/ingest.py                      # SQLite, ~2 minutes
     python bench/ingest.py --postgres postgresql+psycopg://postgres@127.0.0.1:5432/test
@@ -32,7 +33,9 @@ from pathlib import Path
 import httpx
 
 LAYERS = 200
-STEPS_PER_BATCH = 100
+# the agent cuts a batch at max_batch_steps (200) or every 2 s: at thousands of steps/s
+# every batch is full; --steps-per-batch 100 shows smaller ones
+STEPS_PER_BATCH = 200
 SAMPLE_EVERY = 10
 
 
@@ -73,11 +76,11 @@ def layer_table() -> list[dict]:
             for i in range(LAYERS)]
 
 
-def make_template(rng: random.Random) -> bytes:
+def make_template(rng: random.Random, steps_per_batch: int = STEPS_PER_BATCH) -> bytes:
     """An agent-shaped batch as JSON bytes with rank, seq and step placeholders."""
     steps = []
     scale = 65536.0
-    for offset in range(STEPS_PER_BATCH):
+    for offset in range(steps_per_batch):
         skipped = rng.random() < 0.002
         record = {
             "step": f"@STEP{offset}@", "loss_scale": scale,
@@ -98,22 +101,23 @@ def make_template(rng: random.Random) -> bytes:
         steps.append(record)
     text = json.dumps({"rank": "@RANK@", "seq": "@SEQ@", "steps": steps}).replace("%", "%%")
     text = text.replace('"@RANK@"', "%(rank)d").replace('"@SEQ@"', "%(seq)d")
-    for offset in range(STEPS_PER_BATCH):
+    for offset in range(steps_per_batch):
         text = text.replace(f'"@STEP{offset}@"', f"%(s{offset})d")
     return text.encode()
 
 
-def ingest(url: str, run_id: str, senders: int, steps_per_sender: int) -> dict:
+def ingest(url: str, run_id: str, senders: int, steps_per_sender: int,
+           steps_per_batch: int = STEPS_PER_BATCH) -> dict:
     """Each sender is one rank streaming its batches in order; returns rates."""
     httpx.put(f"{url}/api/v1/runs/{run_id}", json={"layers": layer_table()},
               timeout=60).raise_for_status()
-    batches = steps_per_sender // STEPS_PER_BATCH
+    batches = steps_per_sender // steps_per_batch
     rng = random.Random(0)
-    templates = [make_template(rng) for _ in range(10)]
+    templates = [make_template(rng, steps_per_batch) for _ in range(10)]
     # payloads are built before the clock starts: the agent does that on its own thread
     payloads = {rank: [gzip.compress(templates[seq % len(templates)] % {
         b"rank": rank, b"seq": seq,
-        **{b"s%d" % i: seq * STEPS_PER_BATCH + i for i in range(STEPS_PER_BATCH)}}, 1)
+        **{b"s%d" % i: seq * steps_per_batch + i for i in range(steps_per_batch)}}, 1)
         for seq in range(batches)] for rank in range(senders)}
     headers = {"content-encoding": "gzip", "content-type": "application/json"}
 
@@ -133,7 +137,7 @@ def ingest(url: str, run_id: str, senders: int, steps_per_sender: int) -> dict:
         latencies = [lat for result in pool.map(send, range(senders)) for lat in result]
     elapsed = time.perf_counter() - t0
     run = httpx.get(f"{url}/api/v1/runs/{run_id}", timeout=60).json()
-    assert run["steps"] == senders * batches * STEPS_PER_BATCH, run["steps"]
+    assert run["steps"] == senders * batches * steps_per_batch, run["steps"]
     latencies.sort()
     return {
         "senders": senders,
@@ -164,6 +168,7 @@ def main() -> None:
     parser.add_argument("--long-steps", type=int, default=100_000)
     parser.add_argument("--steps-per-sender", type=int, default=10_000)
     parser.add_argument("--senders", default="1,2,4,8")
+    parser.add_argument("--steps-per-batch", type=int, default=STEPS_PER_BATCH)
     parser.add_argument("--no-detect", action="store_true", help="detectors off")
     args = parser.parse_args()
 
@@ -172,20 +177,30 @@ def main() -> None:
     targets.append(("sqlite", f"sqlite:///{Path(tmp.name) / 'bench.db'}"))
     if args.postgres:
         targets.append(("postgres", _fresh_postgres(args.postgres)))
+    try:
+        run_targets(targets, args)
+    finally:
+        tmp.cleanup()
+        if args.postgres:
+            _drop_postgres(targets[-1][1])
+
+
+def run_targets(targets: list[tuple[str, str]], args: argparse.Namespace) -> None:
 
     for backend, database_url in targets:
         proc, url = start_server(database_url, detect=not args.no_detect)
         try:
-            print(f"\n## {backend} (detectors {'off' if args.no_detect else 'on'})")
+            print(f"\n## {backend} (detectors {'off' if args.no_detect else 'on'}, "
+                  f"{args.steps_per_batch} steps per batch)")
             print(f"{'senders':>7} {'steps':>8} {'steps/s':>9} {'values/s':>11} "
                   f"{'p50 ms':>7} {'p99 ms':>7}")
             for senders in [int(s) for s in args.senders.split(",")]:
                 r = ingest(url, f"ingest-{senders}-{uuid.uuid4().hex[:6]}", senders,
-                           args.steps_per_sender)
+                           args.steps_per_sender, args.steps_per_batch)
                 print(f"{r['senders']:>7} {r['steps']:>8} {r['steps_per_s']:>9.0f} "
                       f"{r['layer_values_per_s']:>11.0f} {r['p50_ms']:>7.1f} "
                       f"{r['p99_ms']:>7.1f}", flush=True)
-            long = ingest(url, "long-run", 1, args.long_steps)
+            long = ingest(url, "long-run", 1, args.long_steps, args.steps_per_batch)
             print(f"long run: {long['steps']} steps x {LAYERS} layers ingested at "
                   f"{long['steps_per_s']:.0f} steps/s")
             for label, path in [
@@ -201,7 +216,6 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(timeout=30)
-    tmp.cleanup()
 
 
 def _fresh_postgres(url: str) -> str:
@@ -214,8 +228,18 @@ def _fresh_postgres(url: str) -> str:
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     admin.dispose()
-    print(f"postgres: created database {name} (drop it when done)")
     return admin_url.set(database=name).render_as_string(hide_password=False)
+
+
+def _drop_postgres(url: str) -> None:
+    from sqlalchemy import create_engine, text
+    from sqlalchemy.engine import make_url
+
+    parsed = make_url(url)
+    admin = create_engine(parsed.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{parsed.database}" WITH (FORCE)'))
+    admin.dispose()
 
 
 if __name__ == "__main__":

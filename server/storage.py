@@ -6,10 +6,14 @@ run is a handful of large reads and one `np.frombuffer` per row.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+from collections.abc import Iterable, Iterator
 
 import numpy as np
+from psycopg.rows import namedtuple_row
 from sqlalchemy import Select, bindparam, select
+from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
 from server.models import Batch, Layer, RunRank
@@ -42,7 +46,10 @@ _ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_tim
 LAYER_STATS_ROWS = 8
 
 
-def _vector(values: list[float | None]) -> list[float]:
+def _vector(values: list[float | None]) -> list[float | None]:
+    """None (missing) as MISSING; the list itself when nothing is missing (a C-level scan)."""
+    if None not in values:
+        return values
     return [_MISSING_F if v is None else v for v in values]
 
 
@@ -220,17 +227,38 @@ def load_batches(
         params["start"] = start
     if end is not None:
         params["end"] = end
-    if last_n is not None:
-        rows, total = [], 0
-        for row in session.execute(query, params):
-            rows.append(row)
-            total += row.n_steps
-            if total >= last_n:
-                break
-        rows.reverse()
-    else:
-        rows = session.execute(query, params).all()
+    with _batch_rows(session, query, params) as result:
+        if last_n is not None:
+            rows, total = [], 0
+            for row in result:
+                rows.append(row)
+                total += row.n_steps
+                if total >= last_n:
+                    break
+            rows.reverse()
+        else:
+            rows = list(result)
     return [unpack_row(r, n_layers, with_layers, with_acts, layer) for r in rows]
+
+
+@contextlib.contextmanager
+def _batch_rows(session: Session, query: Select, params: dict) -> Iterator[Iterable]:
+    """Rows of a batch read, in the session's transaction. On Postgres they come in
+    psycopg's binary format: in text format every bytea is hex-decoded, which made a
+    100,000-step heatmap read take 2 to 3 times as long."""
+    connection = session.connection()
+    if connection.dialect.name != "postgresql":
+        yield session.execute(query, params)
+        return
+    driver = connection.connection.driver_connection
+    with driver.cursor(binary=True, row_factory=namedtuple_row) as cursor:
+        cursor.execute(_postgres_sql(query), params)
+        yield cursor
+
+
+@functools.cache
+def _postgres_sql(query: Select) -> str:
+    return str(query.compile(dialect=postgresql.dialect()))
 
 
 def load_series(
