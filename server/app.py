@@ -10,7 +10,7 @@ from sqlalchemy.orm import sessionmaker
 
 from server import __version__, pages
 from server.api import batches, findings, health, runs, series
-from server.db import make_engine, upgrade
+from server.db import make_engine, session_info, upgrade
 from server.deps import require_token
 from server.errors import AmpwatchServerError
 from server.middleware import RequestBodyMiddleware
@@ -44,7 +44,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.engine = engine
-    app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False)
+    app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False,
+                                          info=session_info(engine))
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
 
     @app.exception_handler(AmpwatchServerError)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 from alembic import command
@@ -34,6 +35,15 @@ def make_engine(database_url: str) -> Engine:
 
         return engine
     return create_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
+
+
+def session_info(engine: Engine) -> dict:
+    """What every session of `engine` carries: on SQLite a process-wide `write_lock` that
+    ingest takes, so concurrent writers queue in order instead of polling SQLite's busy
+    handler (whose sleeps gave p99 latencies of seconds with 8 senders)."""
+    if engine.dialect.name == "sqlite":
+        return {"write_lock": threading.Lock()}
+    return {}
 
 
 def alembic_config(database_url: str) -> Config:

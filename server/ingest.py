@@ -3,6 +3,7 @@ dedupe on (run, rank, seq), update the rank's totals, run the detectors."""
 
 from __future__ import annotations
 
+import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -26,11 +27,17 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
     """Store `batch` in one transaction; a repeated (run, rank, seq) changes nothing.
 
     A repeat must carry the same steps (a replay); a different batch under a used seq
-    is refused with SeqConflict rather than silently dropped.
-
-    The first statement is a write (touching the run), so concurrent SQLite writers
-    queue on the busy timeout instead of failing on a read-to-write lock upgrade.
+    is refused with SeqConflict rather than silently dropped. May block while other
+    requests ingest: on SQLite, writers of this process take turns on the session's
+    `write_lock` (server/db.py), on Postgres on the run's row lock.
     """
+    with session.info.get("write_lock") or contextlib.nullcontext():
+        return _ingest(session, run_id, batch, settings)
+
+
+def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -> BatchAck:
+    # The first statement is a write (touching the run), so a writer from another process
+    # queues on SQLite's busy timeout instead of failing on a read-to-write lock upgrade.
     now = utcnow()
     touched = session.execute(
         update(Run).where(Run.id == run_id).values(last_seen_at=now)
