@@ -133,7 +133,7 @@ def instrument(trainer: Trainer, config: str, server: str | None) -> Any:
     if config == "wandb_watch":
         import wandb
 
-        wandb.init(mode="offline")
+        wandb.init(mode="offline", dir=tempfile.mkdtemp(prefix="ampwatch-bench-wandb-"))
         wandb.watch(trainer.model, log="gradients", log_freq=1)
         return None
     if config == "hf_debug_underflow_overflow":
@@ -199,7 +199,10 @@ def mode_rounds(args: argparse.Namespace, server: str) -> None:
                 [sys.executable, __file__, "--worker", config, "--steps", str(args.steps),
                  "--warmup", str(args.warmup), "--server", server],
                 capture_output=True, text=True, check=True, cwd=REPO)
-            times[config].extend(json.loads(out.stdout.strip().splitlines()[-1])["times"])
+            # peers (wandb) print their own lines around ours
+            result = next(line for line in reversed(out.stdout.splitlines())
+                          if line.startswith('{"config"'))
+            times[config].extend(json.loads(result)["times"])
         print(f"round {round_index + 1}/{args.rounds} done", file=sys.stderr)
     print_table(summarize(times, "baseline"),
                 f"per-process rounds: {args.rounds} rounds x {args.steps} steps "
