@@ -71,7 +71,11 @@ class Session:
         self._handles: list[Any] = []
         self._patch_tokens: list[tuple[patches.GlobalPatch, object]] = []
         self._scaler_wrapped: list[str] = []
-        self._listeners = {e: [c for c in collectors if overrides(c, e)] for e in EVENTS}
+        # per event, the bound handlers of the collectors that implement it
+        self._listeners = {e: [(getattr(c, e), f"{c.name}.{e}") for c in collectors
+                               if overrides(c, e)] for e in EVENTS}
+        self._take_grads_guarded = guard.guarded("session.clip_snapshot")(self._take_grads)
+        self._step_end_guarded = guard.guarded("session.step_end")(self._step_end)
         self.on_run_change: Callable[[], None] = lambda: None
 
     # ------------------------------------------------------------------ set-up
@@ -117,11 +121,11 @@ class Session:
             collector.unbind()
 
     def dispatch(self, event: str, *args: Any) -> None:
-        for collector in self._listeners[event]:
+        for handler, site in self._listeners[event]:
             try:
-                getattr(collector, event)(*args)
+                handler(*args)
             except Exception as exc:  # noqa: BLE001
-                guard.report(f"{collector.name}.{event}", exc)
+                guard.report(site, exc)
 
     @property
     def live(self) -> bool:
@@ -247,9 +251,9 @@ class Session:
             guard.report("session.clip", exc)
             prepared = None
         if prepared is None:
-            guard.guarded("session.clip_snapshot")(self._take_grads)()
+            self._take_grads_guarded()
             return original(**arguments)
-        guard.guarded("session.clip_snapshot")(self._take_grads)(None, prepared.norms)
+        self._take_grads_guarded(None, prepared.norms)
         return prepared.apply()
 
     def _clip_after(self, result: Any, args: tuple, kwargs: dict, unscaled: Any) -> None:
@@ -323,7 +327,7 @@ class Session:
                 return original(optimizer, *args, **kwargs)
             finally:
                 self._in_scaler_step = False
-                guard.guarded("session.step_end")(self._step_end)(self._opt_stepped)
+                self._step_end_guarded(self._opt_stepped)
         return step
 
     def _wrap_update(self, original: Callable) -> Callable:
