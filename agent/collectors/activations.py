@@ -36,7 +36,8 @@ def first_float_tensor(output: Any) -> torch.Tensor | None:
 
 def absmax_per_layer(minmax: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
                      n_layers: int, zero: torch.Tensor) -> torch.Tensor:
-    """max(|min|, |max|) per layer over its calls; NaN propagates (a few kernels)."""
+    """max(|min|, |max|) per layer over its calls; NaN propagates. One stack of every
+    layer's min and max (mixed dtypes promote exactly), then two kernels."""
     lows, highs = [], []
     for i in range(n_layers):
         pairs = minmax.get(i)
@@ -44,12 +45,13 @@ def absmax_per_layer(minmax: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
             lows.append(zero)
             highs.append(zero)
         elif len(pairs) == 1:
-            lows.append(pairs[0][0].float())
-            highs.append(pairs[0][1].float())
+            lows.append(pairs[0][0])
+            highs.append(pairs[0][1])
         else:
             lows.append(torch.stack([p[0].float() for p in pairs]).amin())
             highs.append(torch.stack([p[1].float() for p in pairs]).amax())
-    return torch.maximum(torch.stack(highs), torch.stack(lows).neg())
+    low, high = torch.stack(lows + highs).view(2, n_layers)
+    return torch.maximum(high, low.neg())
 
 
 class ActivationCollector(Collector):
@@ -75,6 +77,8 @@ class ActivationCollector(Collector):
     def bind(self, session: Any) -> None:
         super().bind(session)
         self._zero = torch.zeros((), device=session.device)
+        self._layer_hooks = [(layer.module, self._pre(layer.index), self._post(layer.index))
+                             for layer in session.layers]  # made once, registered when sampling
 
     def unbind(self) -> None:
         self._set_sampling(False)
@@ -101,9 +105,9 @@ class ActivationCollector(Collector):
                 handle.remove()
             self._hooks = []
             return
-        for layer in self.session.layers:
-            self._hooks.append(layer.module.register_forward_pre_hook(self._pre(layer.index)))
-            self._hooks.append(layer.module.register_forward_hook(self._post(layer.index)))
+        for module, pre, post in self._layer_hooks:
+            self._hooks.append(module.register_forward_pre_hook(pre))
+            self._hooks.append(module.register_forward_hook(post))
 
     def _pre(self, index: int) -> Any:
         @guard.guarded("activations.pre")

@@ -41,6 +41,11 @@ class Collector:
 
     def bind(self, session: Session) -> None:
         self.session = session
+        self._view = session.buffer.view(self.offset, self.slots)  # one narrow, not per step
+
+    def slot(self, index: int) -> torch.Tensor:
+        """Slot `index` as a 1-element view (copy_ of a 0-d or 1-element tensor fills it)."""
+        return self._view.narrow(0, index, 1)
 
     def unbind(self) -> None:
         """Remove whatever hooks the collector registered itself."""
@@ -48,7 +53,7 @@ class Collector:
     @property
     def view(self) -> torch.Tensor:
         assert self.session is not None
-        return self.session.buffer.view(self.offset, self.slots)
+        return self._view
 
     # per step (training thread): seal() hands over this step's host state at step end;
     # close() writes the device values of a sealed step into the slots, returns host meta

@@ -37,6 +37,9 @@ class GradNormCollector(Collector):
         position = {id(p): i for i, p in enumerate(session.params)}
         self._pairs = [(position[id(p)], layer.index)
                        for layer in session.layers for p in layer.params if id(p) in position]
+        self._total_slot = self.view.select(0, self.n_layers)  # 0-d: an out= target
+        self._clipped_slot = self.slot(self.n_layers + 1)
+        self._layer_slots = self.view.narrow(0, 0, self.n_layers)
         self._layer_sq = torch.zeros(self.n_layers, dtype=session.buffer.dtype,
                                      device=session.device)
 
@@ -67,10 +70,9 @@ class GradNormCollector(Collector):
         if divisor is not None:
             norms = norms / divisor
         squares = norms.square()
-        view = self.view
-        torch.sqrt(squares.sum(), out=view[self.n_layers])
+        torch.sqrt(squares.sum(), out=self._total_slot)
         self._layer_sq.zero_().index_add_(0, layer_idx, squares.index_select(0, grad_idx))
-        torch.sqrt(self._layer_sq, out=view[: self.n_layers])
+        torch.sqrt(self._layer_sq, out=self._layer_slots)
 
     def on_clip_end(self, total_norm: Any, max_norm: float, unscaled: bool) -> None:
         if unscaled and isinstance(total_norm, torch.Tensor) and max_norm is not None:
@@ -86,7 +88,7 @@ class GradNormCollector(Collector):
         if clip is not None:
             total, max_norm = clip
             coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            self.view[self.n_layers + 1].copy_(total * coef)
+            self._clipped_slot.copy_(total * coef)
         return {"taken": taken, "mask": mask, "clipped": clip is not None}
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:

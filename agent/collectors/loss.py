@@ -22,6 +22,10 @@ class LossCollector(Collector):
         super().__init__()
         self._losses: list[torch.Tensor] = []
 
+    def bind(self, session: Any) -> None:
+        super().bind(session)
+        self._slot = self.slot(0)
+
     def _take(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.numel() == 1 and tensor.is_floating_point():
             self._losses.append(tensor.detach().reshape(()))
@@ -42,7 +46,7 @@ class LossCollector(Collector):
             return False
         total = sealed[0] if len(sealed) == 1 else torch.stack(
             [t.float() for t in sealed]).sum()
-        self.view[0].copy_(total)
+        self._slot.copy_(total)
         return True
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:

@@ -22,6 +22,10 @@ class ScalerCollector(Collector):
         self._before = False
         self._after = False
 
+    def bind(self, session: Any) -> None:
+        super().bind(session)
+        self._slot_before, self._slot_after = self.slot(0), self.slot(1)
+
     def _scale_tensor(self) -> Any:
         scaler = self.session.scaler if self.session else None
         if scaler is None or not getattr(scaler, "_enabled", True):
@@ -32,7 +36,7 @@ class ScalerCollector(Collector):
         scale = self._scale_tensor()
         self._before = scale is not None
         if scale is not None:
-            self.view[0].copy_(scale.reshape(()))
+            self._slot_before.copy_(scale)  # 1 element
 
     def seal(self) -> Any:
         before, self._before = self._before, False
@@ -42,7 +46,7 @@ class ScalerCollector(Collector):
     def on_update_end(self, closing: bool) -> None:
         scale = self._scale_tensor()
         if closing and scale is not None:
-            self.view[1].copy_(scale.reshape(()))
+            self._slot_after.copy_(scale)
             self._after = True
 
     def close(self, sealed: Any) -> Any:
