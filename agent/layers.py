@@ -6,6 +6,7 @@ attention block (it names a head count). The table is built once at attach (host
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,6 +42,7 @@ class Layer:
         }
 
 
+@functools.cache
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
