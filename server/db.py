@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -44,6 +47,13 @@ def session_info(engine: Engine) -> dict:
     if engine.dialect.name == "sqlite":
         return {"write_lock": threading.Lock()}
     return {}
+
+
+def writing(session: Session) -> AbstractContextManager:
+    """Hold while a transaction writes: the SQLite write lock of `session_info`, nothing
+    on Postgres. Every write path (ingest, register, delete) takes it, so this process's
+    writers queue in order instead of polling SQLite's busy handler."""
+    return session.info.get("write_lock") or contextlib.nullcontext()
 
 
 def alembic_config(database_url: str) -> Config:

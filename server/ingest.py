@@ -3,7 +3,6 @@ dedupe on (run, rank, seq), update the rank's totals, run the detectors."""
 
 from __future__ import annotations
 
-import contextlib
 from types import SimpleNamespace
 
 import numpy as np
@@ -13,6 +12,7 @@ from sqlalchemy.orm import Session
 
 from client.wire import encode_tree
 from server import analysis
+from server.db import writing
 from server.errors import InvalidInput, NotFound, SeqConflict
 from server.models import Batch, Run, RunRank, utcnow
 from server.schemas import BatchAck, BatchIn
@@ -31,7 +31,7 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
     requests ingest: on SQLite, writers of this process take turns on the session's
     `write_lock` (server/db.py), on Postgres on the run's row lock.
     """
-    with session.info.get("write_lock") or contextlib.nullcontext():
+    with writing(session):
         return _ingest(session, run_id, batch, settings)
 
 

@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from client.wire import encode_tree
 from server import analysis
+from server.db import writing
 from server.errors import NotFound
 from server.models import Layer, Run, RunRank, utcnow
 from server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
@@ -30,7 +31,13 @@ def get_run(session: Session, run_id: str) -> Run:
 
 
 def upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Settings) -> Run:
-    """Create the run or update the fields the body names; `layers` replaces the table."""
+    """Create the run or update the fields the body names; `layers` replaces the table.
+    May wait for concurrent writers (see `db.writing`)."""
+    with writing(session):
+        return _upsert_run(session, run_id, body, settings)
+
+
+def _upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Settings) -> Run:
     run = session.get(Run, run_id, with_for_update=True)
     now = utcnow()
     if run is None:
@@ -64,9 +71,10 @@ def upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Setting
 
 def delete_run(session: Session, run_id: str) -> None:
     """Delete a run and everything stored for it."""
-    run = get_run(session, run_id)
-    session.delete(run)
-    session.commit()
+    with writing(session):
+        run = get_run(session, run_id)
+        session.delete(run)
+        session.commit()
 
 
 def list_runs(

@@ -50,3 +50,27 @@ def test_concurrent_ingest_from_eight_senders(server):
         for rank in range(SENDERS):
             items = http.get(f"/api/v1/runs/multi/steps?rank={rank}").json()["items"]
             assert [s["step"] for s in items] == list(range(BATCHES * STEPS))
+
+
+def test_registering_while_ingesting_never_fails(server):
+    """An agent re-registers (PUT) while other ranks ingest: both always succeed."""
+    layers = make_layers(8)
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        http.put("/api/v1/runs/busy", json={"layers": layers}).raise_for_status()
+
+    def ingest(rank: int) -> list[int]:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            return [http.post("/api/v1/runs/busy/batches", json={
+                "rank": rank, "seq": seq, "steps": make_steps(seq * 10, 10, 8)}).status_code
+                for seq in range(15)]
+
+    def register(_: int) -> list[int]:
+        with httpx.Client(base_url=server.url, timeout=60) as http:
+            return [http.put("/api/v1/runs/busy", json={"tags": [str(i)], "layers": layers})
+                    .status_code for i in range(15)]
+
+    with ThreadPoolExecutor(4) as pool:
+        codes = [c for result in pool.map(lambda f: f[0](f[1]),
+                                          [(ingest, 0), (ingest, 1), (register, 0),
+                                           (register, 1)]) for c in result]
+    assert set(codes) == {200}
