@@ -5,7 +5,8 @@ On a sampled step (every `sample_every` steps, and every step through
 abs-max of its output (one `aminmax` kernel, NaN/inf propagate), the dtype
 it computed in, and its forward time. Values are stacked into the buffer at close.
 Does not synchronise the device. The first sampled training forward gives the forward
-order; a change triggers a re-registration of the run's layer table.
+order, and each Linear-like layer's token count (the rows of its GEMM, read from the
+input's shape on the host); a change triggers a re-registration of the run's layer table.
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ class ActivationCollector(Collector):
         self._times: dict[int, list[tuple[Any, Any]]] = {}
         self._starts: dict[int, Any] = {}
         self._seen: list[int] = []
+        self._tokens: dict[int, int] = {}
 
     def bind(self, session: Any) -> None:
         super().bind(session)
@@ -112,11 +114,16 @@ class ActivationCollector(Collector):
     def _pre(self, index: int) -> Any:
         session = self.session
         mark = session.clock.mark
+        # a Linear-like layer's GEMM has one row per token: input.numel() / in_features
+        in_features = session.layers[index].attrs.get("in_features")
+        counts_tokens = isinstance(in_features, int) and in_features > 0
 
         def hook(module: torch.nn.Module, args: tuple) -> None:
             try:
                 if session.in_training_forward:
                     self._starts[index] = mark()
+                    if counts_tokens and args and isinstance(args[0], torch.Tensor):
+                        self._tokens[index] = args[0].numel() // in_features
             except Exception as exc:  # noqa: BLE001
                 guard.report("activations.pre", exc)
         return hook
@@ -145,24 +152,40 @@ class ActivationCollector(Collector):
 
     def seal(self) -> Any:
         sampled = self.sampling
-        sealed = (sampled, self._minmax, self._dtypes, self._times, self._seen)
+        sealed = (sampled, self._minmax, self._dtypes, self._times, self._seen, self._tokens)
         self._reset()
         return sealed
 
     def close(self, sealed: Any) -> Any:
-        sampled, minmax, dtypes, times, seen = sealed
+        sampled, minmax, dtypes, times, seen, tokens = sealed
         if not sampled:
             return None
+        changed = self._note_tokens(tokens)
         if seen and seen != self.order[: len(seen)] or len(seen) > len(self.order):
             self.order = seen
             for layer in self.session.layers:
                 layer.forward_index = seen.index(layer.index) if layer.index in seen else None
+            changed = True
+        if changed:
             self.session.on_run_change()
         if minmax:
             self.view.copy_(absmax_per_layer(minmax, self.n_layers, self._zero))
         ran = np.array([i in minmax for i in range(self.n_layers)], dtype=bool)
         return {"ran": ran, "dtypes": [dtypes.get(i) for i in range(self.n_layers)],
                 "times": [times.get(i) for i in range(self.n_layers)]}
+
+    def _note_tokens(self, tokens: dict[int, int]) -> bool:
+        """Put token counts in the layer table: the first seen, replaced only by one that
+        is not a multiple of 8 when the kept one is (so a misaligned count is reported
+        once rather than re-registering the run for every sequence length)."""
+        changed = False
+        for index, count in tokens.items():
+            attrs = self.session.layers[index].attrs
+            kept = attrs.get("token_count")
+            if kept is None or (count != kept and count % 8 and not kept % 8):
+                attrs["token_count"] = count
+                changed = True
+        return changed
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
         if meta is None:

@@ -103,3 +103,24 @@ def test_custom_attention_block_reports_head_size(attach, offline: Path) -> None
     model = nn.Sequential(Attention())
     table = {layer.name: layer.attrs for layer in discover_layers(model)}
     assert table["0"]["head_dim"] == 16 and table["0"]["num_heads"] == 6
+
+
+def test_token_counts_of_linear_layers_reach_the_layer_table(attach, offline: Path) -> None:
+    torch.manual_seed(0)
+    model = TinyGPT()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    attachment = attach(model, sample_every=1)
+    for batch, seq in ((2, 8), (3, 7), (2, 8)):  # 16 tokens, then 21: not a multiple of 8
+        idx = torch.randint(0, 64, (batch, seq))
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(idx).float().logsumexp(-1).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    attachment.flush(5)
+    (entry,) = spooled(offline, attachment.run_id)
+    table = {layer["name"]: layer for layer in entry["run"]["layers"]}
+    # 16 first, then 21 replaced it (not a multiple of 8), and the later 16 did not
+    assert table["head"]["attrs"]["token_count"] == 21
+    assert table["mlp.0"]["attrs"]["token_count"] == 21
+    assert "token_count" not in table["tok"]["attrs"]  # an Embedding has no GEMM rows

@@ -184,6 +184,28 @@ def test_misaligned_dimensions_with_padded_values(server):
                        ("odd", "out_features", 127, 128)}
 
 
+def test_token_count_seen_at_run_time_is_checked(server):
+    class Sequence(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.proj = nn.Linear(16, 64)
+            self.head = nn.Linear(64, 8)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            out = self.head(self.proj(x)).mean(dim=1)  # one row per sequence
+            return out.repeat(8 // out.shape[0], 1)  # the 8 x 8 target
+
+    gen = torch.Generator().manual_seed(0)
+    aligned = train(server, Sequence(), 3,
+                    make_input=lambda: torch.randn(8, 7, 16, generator=gen))  # 56 tokens
+    assert findings(server, aligned, kind="misaligned_layer") == []
+    odd = train(server, Sequence(), 3,
+                make_input=lambda: torch.randn(4, 9, 16, generator=gen))  # 36 tokens
+    flagged = {(f["layer"], f["evidence"]["dimension"], f["evidence"]["value"],
+                f["evidence"]["padded"]) for f in findings(server, odd, kind="misaligned_layer")}
+    assert flagged == {("proj", "token_count", 36, 40), ("head", "token_count", 36, 40)}
+
+
 def test_healthy_fp16_run_ends_without_warnings(server):
     run_id = train(server, Net(), 500)
     serious = [f for f in findings(server, run_id) if f["severity"] != "info"]
