@@ -58,6 +58,7 @@ class Spool:
         last = max((int(p.name[: -len(SUFFIX)]) for p in self._sizes), default=-1)
         self.next_seq = max(int(state.get("next_seq", 0)), last + 1)
         self.dropped_batches = int(state.get("dropped_batches", 0))
+        self.last_step = int(state.get("last_step", -1))  # the last step ever spooled here
         self.dropped_steps = int(state.get("dropped_steps", 0))
 
     @classmethod
@@ -73,7 +74,7 @@ class Spool:
     def _write_state(self) -> None:
         _atomic_write(self.dir / "state.json", json.dumps({
             "next_seq": self.next_seq, "dropped_batches": self.dropped_batches,
-            "dropped_steps": self.dropped_steps}).encode())
+            "dropped_steps": self.dropped_steps, "last_step": self.last_step}).encode())
 
     def pending(self) -> list[Path]:
         """Batch files not yet delivered, in replay order."""
@@ -87,6 +88,8 @@ class Spool:
         """Write the next batch (its `seq` is assigned here) and enforce the size bound."""
         seq = self.next_seq
         batch["seq"] = seq
+        if batch.get("steps"):
+            self.last_step = max(self.last_step, int(batch["steps"][-1]["step"]))
         data = encode_entry(run_id, rank, seq, run, batch)
         path = self.dir / f"{seq:012d}{SUFFIX}"
         _atomic_write(path, data)

@@ -59,6 +59,7 @@ class Worker:
         self._retry_at = 0.0
         self._leftovers_at = 0.0
         self.delivered_batches = 0
+        self.step_offset = 0  # added to this process's step numbers (see _open)
 
     # ------------------------------------------------------------------ any thread
     def submit(self, item: Any) -> bool:
@@ -135,14 +136,21 @@ class Worker:
     def _open(self) -> None:
         s = self.settings
         self.spool = Spool.for_run(Path(s.spool_dir), s.run_id, s.rank, s.spool_max_bytes)
+        last_step = self.spool.last_step
         if not s.offline:
             self._sender = Sender(s.server)
-            self._register(self.run_body, self.REGISTER_TIMEOUT_S)
+            last_step = max(last_step, self._register(self.run_body, self.REGISTER_TIMEOUT_S))
+        # a resumed run (same run id) continues its step numbers instead of overwriting
+        # its first steps: after what this spool or the server already holds
+        self.step_offset = last_step + 1
 
     def _handle(self, item: Any) -> None:
         if isinstance(item, tuple) and item and item[0] == "event":
             self._note_pending()
-            self._events.append(item[1])
+            event = item[1]
+            if self.step_offset and event.get("step") is not None:
+                event["step"] += self.step_offset
+            self._events.append(event)
         elif isinstance(item, tuple) and item and item[0] == "run":
             self.run_body = item[1]
         elif isinstance(item, tuple) and item and item[0] == "flush":
@@ -155,6 +163,7 @@ class Worker:
         else:
             record = self._decode(item)
             if record is not None:
+                record["step"] += self.step_offset
                 self._note_pending()
                 self._steps.append(record)
 
@@ -181,16 +190,21 @@ class Worker:
         self._spool_pending = True
 
     # ------------------------------------------------------------------ delivery
-    def _register(self, body: dict, limit: float | None) -> bool:
+    def _register(self, body: dict, limit: float | None) -> int:
+        """PUT the run; learn the rank's next seq. Returns the rank's last step on the
+        server (-1: none, or the server could not be reached)."""
         assert self._sender is not None and self.spool is not None
         reply = self._sender.put_run(self.settings.run_id, body, limit)
         if reply.outcome is not Outcome.OK:
-            return False
+            return -1
         self._put_key = json.dumps(body, sort_keys=True)
+        last_step = -1
         for rank in (reply.body or {}).get("ranks") or []:
             if rank.get("rank") == self.settings.rank and rank.get("next_seq") is not None:
                 self.spool.next_seq = max(self.spool.next_seq, int(rank["next_seq"]))
-        return True
+                if rank.get("last_step") is not None:
+                    last_step = int(rank["last_step"])
+        return last_step
 
     def _backoff(self) -> None:
         self._backoff_s = min(self.BACKOFF_MAX_S, max(self.BACKOFF_MIN_S, self._backoff_s * 2))

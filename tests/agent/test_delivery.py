@@ -70,6 +70,8 @@ def test_resumed_run_continues_the_servers_sequence(live_server, tmp_path) -> No
             assert attachment.flush(10)
     rank = _rank(live_server.url, "resumed-run")
     assert rank["next_seq"] == 2 and rank["batches"] == 2 and rank["lost_batches"] == 0
+    # machine b continued the step numbers after the server's last step
+    assert _server_steps(live_server.url, "resumed-run") == list(range(6))
 
 
 def _child(run_id: str, url: str, spool: Path) -> subprocess.Popen:
@@ -148,4 +150,24 @@ def test_resumed_run_that_numbered_from_zero_offline_is_renumbered(live_server,
         second.detach()
     rank = _rank(live_server.url, "resumed-late")
     assert (rank["batches"], rank["steps"], rank["lost_batches"]) == (4, 8, 0)
+    # it could not learn the server's last step, so its steps 0..4 replace the first ones
+    assert _server_steps(live_server.url, "resumed-late") == list(range(5))
     assert not list((tmp_path / "b").rglob("*.json.gz"))  # nothing left behind or rejected
+
+
+def test_resumed_run_on_the_same_machine_continues_from_its_spool(live_server,
+                                                                    tmp_path) -> None:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    live_server.stop()  # neither process can reach the server: only the spool knows
+    for _ in range(2):
+        with agent.attach(model, run="same-machine", server=live_server.url,
+                          spool_dir=tmp_path, flush_interval=0.1) as attachment:
+            bf16_loop(model, optimizer, batches(3))
+            attachment.flush(0.3)
+    live_server.start()
+    sync = subprocess.run([sys.executable, "-m", "client.cli", "sync", str(tmp_path),
+                           "--server", live_server.url], capture_output=True, text=True,
+                          timeout=60, cwd=REPO)
+    assert sync.returncode == 0, sync.stderr
+    assert _server_steps(live_server.url, "same-machine") == list(range(6))
