@@ -73,11 +73,14 @@ def train(server: LiveServer, model: nn.Module, steps: int, *, scaler: bool = Tr
           before_step: Callable[[int], None] = lambda i: None, clip_scaled: bool = False,
           dtype: torch.dtype = torch.float16, scheduler_every_step: bool = False,
           eval_every: int = 0, eval_autocast: bool = True, x_dim: int = 16,
-          make_input: Callable[[], torch.Tensor] | None = None) -> str:
+          make_input: Callable[[], torch.Tensor] | None = None,
+          dtype_at: Callable[[int], torch.dtype] | None = None,
+          init_scale: float = 65536.0, on_agent: Callable[[agent.Attachment], None] =
+          lambda attachment: None) -> str:
     """A standard AMP loop on the CPU, watched by the agent; returns the run id."""
     run_id = f"e2e-{uuid.uuid4().hex[:8]}"
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
-    grad_scaler = torch.amp.GradScaler("cpu") if scaler else None
+    grad_scaler = torch.amp.GradScaler("cpu", init_scale=init_scale) if scaler else None
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1000)
     attachment = agent.attach(model, grad_scaler, run=run_id, server=server.url,
                               flush_interval=0.2)
@@ -86,7 +89,7 @@ def train(server: LiveServer, model: nn.Module, steps: int, *, scaler: bool = Tr
         if make_input is not None:
             x = make_input()
         before_step(i)
-        with torch.autocast("cpu", dtype=dtype):
+        with torch.autocast("cpu", dtype=dtype_at(i) if dtype_at else dtype):
             loss = nn.functional.mse_loss(model(x).float(), y)
         if grad_scaler is None:
             loss.backward()
@@ -109,6 +112,7 @@ def train(server: LiveServer, model: nn.Module, steps: int, *, scaler: bool = Tr
             with torch.no_grad(), torch.autocast("cpu", dtype=dtype, enabled=eval_autocast):
                 model(x)
             model.train()
+    on_agent(attachment)
     assert attachment.detach(timeout=30)
     return run_id
 
