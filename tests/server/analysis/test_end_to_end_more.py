@@ -22,7 +22,7 @@ server = test_end_to_end.server
 _agent_errors_fail_the_test = test_end_to_end._agent_errors_fail_the_test
 
 
-def kinds(server, run_id: str, kind: str) -> set[tuple]:
+def layer_codes(server, run_id: str, kind: str) -> set[tuple]:
     return {(f["layer"], f["code"]) for f in findings(server, run_id, kind=kind)}
 
 
@@ -113,7 +113,7 @@ class Normed(nn.Module):
 def test_precision_map_flags_an_fp16_norm_and_an_fp32_matmul(server):
     # CPU fp16 autocast leaves LayerNorm's output in fp16
     fp16_norm = train(server, Normed(safe_norm=False), 12)
-    assert kinds(server, fp16_norm, "precision_map") == {("norm", "fp16_sensitive")}
+    assert layer_codes(server, fp16_norm, "precision_map") == {("norm", "fp16_sensitive")}
     fp32_head = train(server, Normed(safe_norm=True, fp32_head=True), 12)
     [finding] = findings(server, fp32_head, kind="precision_map")
     assert (finding["layer"], finding["code"], finding["severity"],
@@ -141,10 +141,10 @@ def test_speed_check_gives_the_verdict_of_its_ratio(server):
     assert finding["evidence"]["speedup"] == pytest.approx(speedup)
 
 
-def poisoned(steps: set[int]) -> tuple[Net, dict]:
-    """A Net whose `out.weight` grad turns inf on `steps` (so GradScaler skips them)."""
+def poisoned() -> tuple[Net, dict]:
+    """A Net whose `out.weight` grad turns inf while poison["on"] (GradScaler skips those)."""
     model = Net()
-    poison = {"steps": steps, "on": False}
+    poison = {"on": False}
     model.out.weight.register_hook(lambda grad: grad * float("inf") if poison["on"] else grad)
     return model, poison
 
@@ -153,7 +153,7 @@ def test_scheduler_on_skipped_step(server):
     injected = {12, 20}
 
     def run(scheduler_every_step: bool) -> str:
-        model, poison = poisoned(injected)
+        model, poison = poisoned()
         return train(server, model, 30, scheduler_every_step=scheduler_every_step,
                      before_step=lambda i: poison.update(on=i in injected))
 
