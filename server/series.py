@@ -125,6 +125,7 @@ class StepSeries:
         """The steps at positional `index` (activation samples whose step is kept)."""
         kept_steps = self.steps[index]
         act_keep = np.isin(self.act_step, kept_steps)
+        kept = set(kept_steps.tolist()) if self.events else set()
         return StepSeries(
             scalars=self.scalars[index],
             present=self.present[index],
@@ -134,7 +135,7 @@ class StepSeries:
             act_dtype=None if self.act_dtype is None else self.act_dtype[act_keep],
             act_time=None if self.act_time is None else self.act_time[act_keep],
             n_layers=self.n_layers,
-            events=[e for e in self.events if e.get("step") in set(kept_steps.tolist())],
+            events=[e for e in self.events if e.get("step") in kept],
         )
 
 
