@@ -66,6 +66,21 @@ def _live_url(request: Request) -> str:
     return f"{request.url.path}?{urlencode([*query, ('format', 'update')])}"
 
 
+def _run_tab(request: Request, output: str, template: str, tab: str, figures: dict,
+             context: dict, fragments: dict[str, str]) -> Response:
+    """A run page (overview or layers) whole, or as the update a live page polls for:
+    its figures and its panels (the run's stats plus the tab's own `fragments`)."""
+    panels = {"run-stats": render_fragment("_run_stats.html", **context)}
+    panels |= {panel: render_fragment(name, **context) for panel, name in fragments.items()}
+    live = context["run"]["live"]
+    if output == "update":
+        return _update(live, figures, panels)
+    return render_page(request, template, tab=tab, panels=panels,
+                       figures=script_json({k: f.to_plotly_json() for k, f in figures.items()}),
+                       live_url=_live_url(request) if live else None,
+                       poll_ms=LIVE_POLL_MS, **context)
+
+
 @pages.get("/", response_class=HTMLResponse)
 def runs_page(
     request: Request,
@@ -125,14 +140,8 @@ def run_page(
                 for status, items in twin["findings"].items()}
     context = {"twin": twin, "run": twin["run"], "findings": findings,
                "start": start, "end": end}
-    panels = {"run-stats": render_fragment("_run_stats.html", **context),
-              "findings": render_fragment("_findings.html", **context)}
-    if output == "update":
-        return _update(twin["run"]["live"], figures, panels)
-    return render_page(request, "run.html", tab="overview", panels=panels,
-                       figures=script_json({k: f.to_plotly_json() for k, f in figures.items()}),
-                       live_url=_live_url(request) if twin["run"]["live"] else None,
-                       poll_ms=LIVE_POLL_MS, **context)
+    return _run_tab(request, output, "run.html", "overview", figures, context,
+                    {"findings": "_findings.html"})
 
 
 @pages.get("/runs/{run_id}/layers", response_class=HTMLResponse)
@@ -158,14 +167,8 @@ def layers_page(
     context = {"twin": twin, "run": twin["run"], "start": start, "end": end,
                "misaligned": views.misaligned_rows(twin),
                "precision": views.precision_rows(twin)}
-    panels = {"run-stats": render_fragment("_run_stats.html", **context),
-              "layer-tables": render_fragment("_layer_tables.html", **context)}
-    if output == "update":
-        return _update(twin["run"]["live"], figures, panels)
-    return render_page(request, "layers.html", tab="layers", panels=panels,
-                       figures=script_json({k: f.to_plotly_json() for k, f in figures.items()}),
-                       live_url=_live_url(request) if twin["run"]["live"] else None,
-                       poll_ms=LIVE_POLL_MS, **context)
+    return _run_tab(request, output, "layers.html", "layers", figures, context,
+                    {"layer-tables": "_layer_tables.html"})
 
 
 @pages.get("/compare", response_class=HTMLResponse)
