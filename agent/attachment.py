@@ -20,7 +20,7 @@ from agent.layers import discover_layers
 from agent.session import CLOSE_FAILED, Session, StepItem
 from agent.settings import AgentSettings
 from agent.transport.worker import Worker
-from client.wire import encode_tree
+from client.wire import encode_float, encode_tree
 
 _live: weakref.WeakSet[Attachment] = weakref.WeakSet()
 
@@ -165,7 +165,11 @@ class Attachment:
                 isinstance(record.get(k), float) and not math.isfinite(record[k])
                 for k in ("grad_norm", "loss")):
             session.note_anomaly(item.step)
-        return encode_tree(record)
+        # collectors encode their arrays (encode_array); what is left are scalar fields
+        for key, value in record.items():
+            if type(value) is float and not math.isfinite(value):
+                record[key] = encode_float(value)
+        return record
 
 
 def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import operator
 import types
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -32,7 +33,10 @@ class PreparedClip:
     total: torch.Tensor
     error_if_nonfinite: bool
     foreach: bool | None
-    norms: dict[int, torch.Tensor]  # grad norm per parameter id
+    with_grad: list[torch.Tensor]  # the params that have a grad, in the call's order
+    norms: list[torch.Tensor]  # their grad norms, same order
+    stacked: torch.Tensor  # the norms stacked as the total's pass stacked them
+    in_param_order: bool  # whether `stacked` is in `with_grad` order (one device and dtype)
 
     def apply(self) -> torch.Tensor:
         """Scale the grads as `clip_grad_norm_` does and return its total norm."""
@@ -45,18 +49,49 @@ class PreparedClip:
         clip_grad._clip_grads_with_norm_(self.params, self.max_norm, total, self.foreach)
         return total
 
+    def norms_for(self, params: list[torch.Tensor]) -> torch.Tensor:
+        """The grad norms of `params` (the same set as `with_grad`) stacked in their order;
+        usually the total's own stack, reused."""
+        if self.in_param_order and _same(params, self.with_grad):
+            return self.stacked
+        by_id = {id(p): n for p, n in zip(self.with_grad, self.norms, strict=True)}
+        return torch.stack([by_id[id(p)] for p in params])
+
+
+def _same(a: list, b: list) -> bool:
+    return len(a) == len(b) and all(map(operator.is_, a, b))
+
+
+def _arguments(parameters: Any, max_norm: float, norm_type: float = 2.0,
+               error_if_nonfinite: bool = False, foreach: bool | None = None) -> dict[str, Any]:
+    """`clip_grad_norm_`'s signature: Python binds the call (a TypeError as torch's)."""
+    return {"parameters": parameters, "max_norm": max_norm, "norm_type": norm_type,
+            "error_if_nonfinite": error_if_nonfinite, "foreach": foreach}
+
 
 @functools.lru_cache(maxsize=8)
-def _signature(original: Callable) -> inspect.Signature:
-    return inspect.signature(original)  # ~40 us a call: once per wrapped function
+def _binder(original: Callable) -> Callable[..., dict[str, Any]]:
+    """`_arguments` when `original` has that very signature (it has since torch 2.0), else
+    inspect's general binding (~40 us to build, ~50 us a call: once per wrapped function)."""
+    signature = inspect.signature(original)
+    if _shape(signature) == _shape(inspect.signature(_arguments)):
+        return _arguments
+
+    def general(*args: Any, **kwargs: Any) -> dict[str, Any]:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return dict(bound.arguments)
+    return general
+
+
+def _shape(signature: inspect.Signature) -> list[tuple[str, Any, Any]]:
+    return [(p.name, p.kind, p.default) for p in signature.parameters.values()]
 
 
 def bind(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     """The call's arguments with defaults, `parameters` made a list (a generator can be
     consumed once: whoever clips must use this list)."""
-    bound = _signature(original).bind(*args, **kwargs)
-    bound.apply_defaults()
-    arguments = dict(bound.arguments)
+    arguments = _binder(original)(*args, **kwargs)
     parameters = arguments["parameters"]
     if isinstance(parameters, torch.Tensor):
         arguments["parameters"] = [parameters]
@@ -68,16 +103,18 @@ def bind(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     return arguments
 
 
-def prepare(a: dict[str, Any], model_params: list[torch.nn.Parameter]) -> PreparedClip | None:
+def prepare(a: dict[str, Any], model_with_grad: list[torch.Tensor]) -> PreparedClip | None:
     """Norms of the grads a `clip_grad_norm_` call (arguments from `bind`) would clip, or
     None when the call is not the plain case (another norm type, other parameters than
-    the model's, no grads): the caller then runs the original."""
+    the model's with grads, `model_with_grad`, or no grads): the caller then runs the
+    original."""
     if float(a["norm_type"]) != 2.0 or not isinstance(a["parameters"], list):
         return None
     params = a["parameters"]
     with_grad = [p for p in params if p.grad is not None]
-    if not with_grad or {id(p) for p in with_grad} != {
-            id(p) for p in model_params if p.grad is not None}:
+    if not with_grad or not (_same(with_grad, model_with_grad) or (
+            len(with_grad) == len(model_with_grad)
+            and {id(p) for p in with_grad} == {id(p) for p in model_with_grad})):
         return None
     grads = [p.grad for p in with_grad]
     foreach = a["foreach"]
@@ -97,7 +134,8 @@ def prepare(a: dict[str, Any], model_params: list[torch.nn.Parameter]) -> Prepar
             for index, norm in zip(indices, group, strict=True):
                 norms[index] = norm
         first_device = grads[0].device
-        total = torch.linalg.vector_norm(torch.stack([n.to(first_device) for n in in_order]),
-                                         2.0)
+        stacked = torch.stack([n.to(first_device) for n in in_order])
+        total = torch.linalg.vector_norm(stacked, 2.0)
     return PreparedClip(params, float(a["max_norm"]), total, bool(a["error_if_nonfinite"]),
-                        foreach, {id(p): n for p, n in zip(with_grad, norms, strict=True)})
+                        foreach, with_grad, norms, stacked,  # type: ignore[arg-type]
+                        in_param_order=_same(in_order, norms))

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.optim.optimizer as optim_hooks
 from torch import nn
+from torch.amp.grad_scaler import OptState
 
 from agent import grad_clip, guard, patches
 from agent.buffer import StepBuffer
@@ -146,17 +147,18 @@ class Session:
 
     # ------------------------------------------------------------------ step lifecycle
     def _take_grads(self, divisor: torch.Tensor | None = None,
-                    norms: dict[int, torch.Tensor] | None = None) -> None:
+                    clip: grad_clip.PreparedClip | None = None) -> None:
         """Per-step gradient snapshot, once, at the first point the grads are unscaled
-        (`norms`: per-parameter grad norms already computed, by parameter id)."""
+        (`clip`: a clip_grad_norm_ call's prepared norms, to reuse)."""
         if self._grads_taken:
             return
         self._grads_taken = True
         self.close_pending()
-        present = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
-        grads = [self.params[i].grad for i in present]
-        aligned = None if norms is None else [norms[id(self.params[i])] for i in present]
-        self.dispatch("on_grads", grads, present, divisor, aligned)
+        params = self.params
+        present = tuple(i for i, p in enumerate(params) if p.grad is not None)
+        with_grad = [params[i] for i in present]
+        norms = None if clip is None else clip.norms_for(with_grad)
+        self.dispatch("on_grads", [p.grad for p in with_grad], present, divisor, norms)
 
     def _step_begin(self) -> None:
         self.close_pending()
@@ -227,8 +229,8 @@ class Session:
         states = getattr(self.scaler, "_per_optimizer_states", {})
         if self.optimizer is not None:
             state = states.get(id(self.optimizer))
-            return state is not None and state["stage"].name == "UNSCALED"
-        return any(s["stage"].name == "UNSCALED" for s in states.values())
+            return state is not None and state["stage"] is OptState.UNSCALED
+        return any(s["stage"] is OptState.UNSCALED for s in states.values())
 
     def _clip_before(self, args: tuple, kwargs: dict) -> bool:
         unscaled = self._grads_unscaled()
@@ -246,14 +248,15 @@ class Session:
             return patches.NOT_HANDLED
         arguments = grad_clip.bind(original, args, kwargs)  # user errors raise as usual
         try:
-            prepared = grad_clip.prepare(arguments, self.params)
+            prepared = grad_clip.prepare(
+                arguments, [p for p in self.params if p.grad is not None])
         except Exception as exc:  # noqa: BLE001
             guard.report("session.clip", exc)
             prepared = None
         if prepared is None:
             self._take_grads_guarded()
             return original(**arguments)
-        self._take_grads_guarded(None, prepared.norms)
+        self._take_grads_guarded(None, prepared)
         return prepared.apply()
 
     def _clip_after(self, result: Any, args: tuple, kwargs: dict, unscaled: Any) -> None:

@@ -1,9 +1,12 @@
 """Sampled per-layer forward statistics and the layers' forward execution order.
 
 On a sampled step (every `sample_every` steps, and every step through
-`session.anomaly_until`) each layer gets a forward pre/post hook for that step only:
-abs-max of its output (one `aminmax` kernel, NaN/inf propagate), the dtype
-it computed in, and its forward time. Values are stacked into the buffer at close.
+`session.anomaly_until`) each layer gets a forward pre/post hook for that step only. A
+hook call does one device op, `aminmax` of the layer's output (NaN and inf propagate),
+and appends the call to a list; at close, the abs-max of every layer is reduced into the
+buffer with about a dozen device ops whatever the number of layers or calls (grouped by
+output dtype, a layer called several times keeps its largest value). The dtype each layer
+computed in and its forward time are worked out from the calls on the worker thread.
 Does not synchronise the device. The first sampled training forward gives the forward
 order, and each Linear-like layer's token count (the rows of its GEMM, read from the
 input's shape on the host); a change triggers a re-registration of the run's layer table.
@@ -21,6 +24,9 @@ from agent.collectors.base import Collector
 from agent.layers import dtype_name
 from client.wire import encode_array
 
+# one hooked call: (layer index, output dtype or None, aminmax or None, start, end)
+Call = tuple[int, torch.dtype | None, Any, Any, Any]
+
 
 def first_float_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
@@ -35,23 +41,45 @@ def first_float_tensor(output: Any) -> torch.Tensor | None:
     return None
 
 
-def absmax_per_layer(minmax: dict[int, list[tuple[torch.Tensor, torch.Tensor]]],
-                     n_layers: int, zero: torch.Tensor) -> torch.Tensor:
-    """max(|min|, |max|) per layer over its calls; NaN propagates (a few kernels).
-    Each value goes to float before the stacks: a stack of mixed dtypes is ~5x slower."""
-    lows, highs = [], []
-    for i in range(n_layers):
-        pairs = minmax.get(i)
-        if not pairs:
-            lows.append(zero)
-            highs.append(zero)
-        elif len(pairs) == 1:
-            lows.append(pairs[0][0].float())
-            highs.append(pairs[0][1].float())
-        else:
-            lows.append(torch.stack([p[0].float() for p in pairs]).amin())
-            highs.append(torch.stack([p[1].float() for p in pairs]).amax())
-    return torch.maximum(torch.stack(highs), torch.stack(lows).neg())
+class AbsMaxPlan:
+    """How the calls of one step pattern reduce to per-layer abs-max values: the (min,
+    max) pairs are stacked per output dtype (a stack of mixed dtypes is ~5x slower), and
+    one gather through a (layer x call) index matrix padded with a zero lets `amax` keep
+    each layer's largest call. NaN propagates through every op. Nine device ops for a
+    model computing in two dtypes; built once per pattern, on the host."""
+
+    def __init__(self, pattern: tuple[tuple[int, torch.dtype | None], ...], n_layers: int,
+                 device: torch.device) -> None:
+        groups: dict[torch.dtype, list[int]] = {}
+        for position, (_, dtype) in enumerate(pattern):
+            if dtype is not None:  # None: a call without statistics
+                groups.setdefault(dtype, []).append(position)
+        self.groups = list(groups.values())  # call positions per dtype, in concat order
+        order = [p for positions in self.groups for p in positions]
+        self.empty = not order
+        if self.empty:
+            return
+        rows: dict[int, list[int]] = {}
+        for row, position in enumerate(order):
+            rows.setdefault(pattern[position][0], []).append(row)
+        width = max(len(r) for r in rows.values())
+        pad = len(order)  # index of the appended zero
+        matrix = [rows.get(layer, []) + [pad] * (width - len(rows.get(layer, [])))
+                  for layer in range(n_layers)]
+        self.index = torch.tensor(matrix, dtype=torch.long, device=device)
+        self.single = width == 1  # each layer called once: a plain gather
+        if self.single:
+            self.index = self.index.reshape(-1)
+        self.zero = torch.zeros(1, dtype=pattern[order[0]][1], device=device)
+
+    def reduce(self, calls: list[Call], out: torch.Tensor) -> None:
+        if self.empty:
+            return
+        parts = [torch.stack([x for p in positions for x in calls[p][2]])
+                 .view(-1, 2).abs().amax(dim=1) for positions in self.groups]
+        values = torch.cat([*parts, self.zero])  # cat promotes to the widest dtype
+        values = values[self.index] if self.single else values[self.index].amax(dim=1)
+        out.copy_(values)
 
 
 class ActivationCollector(Collector):
@@ -65,19 +93,15 @@ class ActivationCollector(Collector):
         self.slots = n_layers
         self.order: list[int] = []
         self._hooks: list[Any] = []
-        self._reset()
-
-    def _reset(self) -> None:
-        self._minmax: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._dtypes: dict[int, str | None] = {}
-        self._times: dict[int, list[tuple[Any, Any]]] = {}
-        self._starts: dict[int, Any] = {}
-        self._seen: list[int] = []
+        self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
+        self._calls: list[Call] = []
+        self._starts: dict[int, Any] = {}  # the hooks hold these two dicts: kept, cleared
         self._tokens: dict[int, int] = {}
+        self._last_tokens: dict[int, int] = {}  # what close() saw last: unchanged is skipped
+        self._last_pattern: tuple[tuple[int, torch.dtype | None], ...] | None = None
 
     def bind(self, session: Any) -> None:
         super().bind(session)
-        self._zero = torch.zeros((), device=session.device)
         self._layer_hooks = [(layer.module, self._pre(layer.index), self._post(layer.index))
                              for layer in session.layers]  # made once, registered when sampling
 
@@ -89,18 +113,16 @@ class ActivationCollector(Collector):
         return bool(self._hooks)
 
     def on_next_step(self, step: int) -> None:
-        settings = self.session.settings
-        every = settings.sample_every
+        every = self.session.settings.sample_every
         sample = (every > 0 and step % every == 0) or step <= self.session.anomaly_until
-        self._set_sampling(sample)
+        if sample != self.sampling:
+            self._set_sampling(sample)
 
     def on_step_end(self, step: int, stepped: bool) -> None:
         if not stepped:
             self.session.note_anomaly(step)
 
     def _set_sampling(self, on: bool) -> None:
-        if on == self.sampling:
-            return
         if not on:
             for handle in self._hooks:
                 handle.remove()
@@ -110,10 +132,12 @@ class ActivationCollector(Collector):
             self._hooks.append(module.register_forward_pre_hook(pre))
             self._hooks.append(module.register_forward_hook(post))
 
-    # the layer hooks run ~2x per layer per sampled step: the guard is inlined, not a wrapper
+    # the layer hooks run ~2x per layer per sampled step: the guard is inlined, not a
+    # wrapper, and they do as little as possible (the rest happens at close or on the worker)
     def _pre(self, index: int) -> Any:
         session = self.session
         mark = session.clock.mark
+        starts, tokens = self._starts, self._tokens
         # a Linear-like layer's GEMM has one row per token: input.numel() / in_features
         in_features = session.layers[index].attrs.get("in_features")
         counts_tokens = isinstance(in_features, int) and in_features > 0
@@ -121,63 +145,73 @@ class ActivationCollector(Collector):
         def hook(module: torch.nn.Module, args: tuple) -> None:
             try:
                 if session.in_training_forward:
-                    self._starts[index] = mark()
+                    starts[index] = mark()
                     if counts_tokens and args and isinstance(args[0], torch.Tensor):
-                        self._tokens[index] = args[0].numel() // in_features
+                        tokens[index] = args[0].numel() // in_features
             except Exception as exc:  # noqa: BLE001
                 guard.report("activations.pre", exc)
         return hook
 
     def _post(self, index: int) -> Any:
         mark = self.session.clock.mark
+        starts = self._starts
+        aminmax = torch.aminmax
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             try:
-                start = self._starts.pop(index, None)
+                start = starts.pop(index, None)
                 if start is None:
                     return
-                self._times.setdefault(index, []).append((start, mark()))
+                end = mark()
                 tensor = first_float_tensor(output)
-                if index not in self._dtypes:
-                    self._seen.append(index)
-                dtype = dtype_name(tensor.dtype) if tensor is not None else None
-                previous = self._dtypes.get(index, dtype)
-                self._dtypes[index] = dtype if previous == dtype else "mixed"
-                if tensor is None or tensor.numel() == 0:
-                    return
-                self._minmax.setdefault(index, []).append(torch.aminmax(tensor.detach()))
+                if tensor is None:
+                    self._calls.append((index, None, None, start, end))
+                elif tensor.numel() == 0:
+                    self._calls.append((index, tensor.dtype, None, start, end))
+                else:
+                    self._calls.append((index, tensor.dtype, aminmax(tensor.detach()),
+                                        start, end))
             except Exception as exc:  # noqa: BLE001
                 guard.report("activations.post", exc)
         return hook
 
     def seal(self) -> Any:
-        sampled = self.sampling
-        sealed = (sampled, self._minmax, self._dtypes, self._times, self._seen, self._tokens)
-        self._reset()
+        sealed = (self.sampling, self._calls, dict(self._tokens))
+        self._calls = []
+        self._starts.clear()
+        self._tokens.clear()
         return sealed
 
     def close(self, sealed: Any) -> Any:
-        sampled, minmax, dtypes, times, seen, tokens = sealed
+        sampled, calls, tokens = sealed
         if not sampled:
             return None
-        changed = self._note_tokens(tokens)
-        if seen and seen != self.order[: len(seen)] or len(seen) > len(self.order):
-            self.order = seen
-            for layer in self.session.layers:
-                layer.forward_index = seen.index(layer.index) if layer.index in seen else None
-            changed = True
+        # each call's layer and the dtype its statistics have (None: it has none)
+        pattern = tuple((call[0], None if call[2] is None else call[1]) for call in calls)
+        changed = tokens != self._last_tokens and self._note_tokens(tokens)
+        if pattern != self._last_pattern:  # the layers ran in another order or dtype
+            self._last_pattern = pattern
+            seen = list(dict.fromkeys(call[0] for call in calls))
+            if seen and seen != self.order[: len(seen)] or len(seen) > len(self.order):
+                self.order = seen
+                for layer in self.session.layers:
+                    layer.forward_index = (seen.index(layer.index) if layer.index in seen
+                                           else None)
+                changed = True
         if changed:
             self.session.on_run_change()
-        if minmax:
-            self.view.copy_(absmax_per_layer(minmax, self.n_layers, self._zero))
-        ran = np.array([i in minmax for i in range(self.n_layers)], dtype=bool)
-        return {"ran": ran, "dtypes": [dtypes.get(i) for i in range(self.n_layers)],
-                "times": [times.get(i) for i in range(self.n_layers)]}
+        plan = self._plans.get(pattern)
+        if plan is None:
+            plan = self._plans[pattern] = AbsMaxPlan(pattern, self.n_layers,
+                                                     self.session.device)
+        plan.reduce(calls, self.view)
+        return calls
 
     def _note_tokens(self, tokens: dict[int, int]) -> bool:
         """Put token counts in the layer table: the first seen, replaced only by one that
         is not a multiple of 8 when the kept one is (so a misaligned count is reported
         once rather than re-registering the run for every sequence length)."""
+        self._last_tokens = tokens
         changed = False
         for index, count in tokens.items():
             attrs = self.session.layers[index].attrs
@@ -190,10 +224,18 @@ class ActivationCollector(Collector):
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
         if meta is None:
             return
-        clock = self.session.clock
-        record["activations"] = {
-            "absmax": encode_array(host, missing=~meta["ran"]),
-            "dtype": meta["dtypes"],
-            "time_ms": [None if t is None else sum(clock.elapsed_ms(a, b) for a, b in t)
-                        for t in meta["times"]],
-        }
+        n = self.n_layers
+        elapsed = self.session.clock.elapsed_ms
+        ran = np.zeros(n, dtype=bool)
+        dtypes: list[str | None] = [None] * n
+        times: list[float | None] = [None] * n
+        called: set[int] = set()
+        for index, dtype, stats, start, end in meta:
+            ran[index] |= stats is not None
+            name = dtype_name(dtype)
+            dtypes[index] = (name if index not in called or dtypes[index] == name
+                             else "mixed")
+            called.add(index)
+            times[index] = (times[index] or 0.0) + elapsed(start, end)
+        record["activations"] = {"absmax": encode_array(host, missing=~ran),
+                                 "dtype": dtypes, "time_ms": times}

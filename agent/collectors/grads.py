@@ -1,11 +1,12 @@
 """Gradient norms at optimizer-step time, after unscale: total and per layer.
 
-One `torch._foreach_norm` over the grads present, squared and summed per layer with one
-`index_add_` into a preallocated vector; the total is the square root of the sum over
-unique parameters, which is what `clip_grad_norm_` returns (to float tolerance), inf or
-NaN exactly when a grad is. Does not synchronise the device. When the loop clips the
-unscaled grads, the clipped norm is derived on the device from `clip_grad_norm_`'s own
-result the way it scales the grads: total * min(1, max_norm / (total + 1e-6)).
+The per-parameter grad norms (one `torch._foreach_norm`, or the ones `clip_grad_norm_`
+already took) are squared in float64 and summed per layer with one `index_add` straight
+into the buffer, and in total with one `sum`; the worker takes the square roots. The total
+is what `clip_grad_norm_` returns (to float tolerance), inf or NaN exactly when a grad
+is. When the loop clips the unscaled grads, the clipped norm is derived on the worker the
+way `clip_grad_norm_` scales the grads: total * min(1, max_norm / (total + 1e-6)).
+Four device ops a step; does not synchronise the device.
 """
 
 from __future__ import annotations
@@ -19,6 +20,12 @@ from agent.collectors.base import Collector
 from client.wire import encode_array
 
 
+def clipped_norm(total: float, max_norm: float) -> float:
+    """The norm of the grads after `clip_grad_norm_(max_norm)` scaled them (host)."""
+    with np.errstate(all="ignore"):  # inf * 0 is NaN, as on the device
+        return float(np.float64(total) * min(1.0, max_norm / (total + 1e-6)))
+
+
 class GradNormCollector(Collector):
     """`grad_norm`, `grad_norm_clipped`, `layer_grad_norm` (null: layer without grads)."""
 
@@ -27,31 +34,35 @@ class GradNormCollector(Collector):
     def __init__(self, n_layers: int) -> None:
         super().__init__()
         self.n_layers = n_layers
-        self.slots = n_layers + 2
-        self._cache: dict[tuple[int, ...], tuple[torch.Tensor, torch.Tensor, np.ndarray]] = {}
+        self.slots = n_layers + 1
+        self._cache: dict[tuple[int, ...], tuple[Any, torch.Tensor, np.ndarray]] = {}
         self._taken = False
-        self._clip: tuple[torch.Tensor, float] | None = None
+        self._max_norm: float | None = None
 
     def bind(self, session: Any) -> None:
         super().bind(session)
         position = {id(p): i for i, p in enumerate(session.params)}
+        # (parameter position, layer): a tied parameter counts in each layer that holds it
         self._pairs = [(position[id(p)], layer.index)
                        for layer in session.layers for p in layer.params if id(p) in position]
         self._total_slot = self.view.select(0, self.n_layers)  # 0-d: an out= target
-        self._clipped_slot = self.slot(self.n_layers + 1)
         self._layer_slots = self.view.narrow(0, 0, self.n_layers)
-        self._layer_sq = torch.zeros(self.n_layers, dtype=session.buffer.dtype,
-                                     device=session.device)
+        self._zeros = torch.zeros(self.n_layers, dtype=session.buffer.dtype,
+                                  device=session.device)
 
-    def _indices(self, present: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
-        """Index tensors for this set of params with grads; built once per pattern (the
-        first step pays one small host-to-device copy)."""
+    def _indices(self, present: tuple[int, ...]
+                 ) -> tuple[torch.Tensor | None, torch.Tensor, np.ndarray]:
+        """For this set of params with grads: which grad goes to which layer (the grad
+        index is None when it is each grad once, in order) and the layers that have one.
+        Built once per pattern (the first step pays a small host-to-device copy)."""
         cached = self._cache.get(present)
         if cached is None:
             rank = {param: i for i, param in enumerate(present)}
             pairs = [(rank[p], layer) for p, layer in self._pairs if p in rank]
             device = self.session.device
-            grad_idx = torch.tensor([p for p, _ in pairs], dtype=torch.long, device=device)
+            grads = [p for p, _ in pairs]
+            grad_idx = (None if grads == list(range(len(present))) else
+                        torch.tensor(grads, dtype=torch.long, device=device))
             layer_idx = torch.tensor([lay for _, lay in pairs], dtype=torch.long, device=device)
             mask = np.zeros(self.n_layers, dtype=bool)
             mask[[lay for _, lay in pairs]] = True
@@ -59,44 +70,41 @@ class GradNormCollector(Collector):
         return cached
 
     def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
-                 divisor: torch.Tensor | None, norms: list[torch.Tensor] | None) -> None:
+                 divisor: torch.Tensor | None, norms: torch.Tensor | None) -> None:
         self._taken = bool(grads)
         if not grads:
             return
         grad_idx, layer_idx, self._mask = self._indices(present)
         if norms is None:
-            norms = list(torch._foreach_norm(grads))
-        norms = torch.stack(norms).to(self._layer_sq.dtype)
+            norms = torch.stack(torch._foreach_norm(grads))
+        squares = norms.to(self._zeros.dtype)
         if divisor is not None:
-            norms = norms / divisor
-        squares = norms.square()
-        torch.sqrt(squares.sum(), out=self._total_slot)
-        self._layer_sq.zero_().index_add_(0, layer_idx, squares.index_select(0, grad_idx))
-        torch.sqrt(self._layer_sq, out=self._layer_slots)
+            squares = squares / divisor
+        squares = squares.square()
+        torch.sum(squares, dim=0, out=self._total_slot)
+        if grad_idx is not None:
+            squares = squares.index_select(0, grad_idx)
+        torch.index_add(self._zeros, 0, layer_idx, squares, out=self._layer_slots)
 
     def on_clip_end(self, total_norm: Any, max_norm: float, unscaled: bool) -> None:
         if unscaled and isinstance(total_norm, torch.Tensor) and max_norm is not None:
-            self._clip = (total_norm, float(max_norm))
+            self._max_norm = float(max_norm)
 
     def seal(self) -> Any:
-        sealed = (self._taken, self._mask if self._taken else None, self._clip)
-        self._taken, self._clip = False, None
+        sealed = (self._mask if self._taken else None, self._max_norm)
+        self._taken, self._max_norm = False, None
         return sealed
-
-    def close(self, sealed: Any) -> Any:
-        taken, mask, clip = sealed
-        if clip is not None:
-            total, max_norm = clip
-            coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-            self._clipped_slot.copy_(total * coef)
-        return {"taken": taken, "mask": mask, "clipped": clip is not None}
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
         n = self.n_layers
-        if meta["taken"]:
-            record["grad_norm"] = float(host[n])
-            record["layer_grad_norm"] = encode_array(host[:n], missing=~meta["mask"])
+        mask, max_norm = meta
+        if mask is not None:
+            total = float(np.sqrt(host[n]))
+            record["grad_norm"] = total
+            record["layer_grad_norm"] = encode_array(np.sqrt(host[:n]), missing=~mask)
         else:
+            total = None
             record["grad_norm"] = None
             record["layer_grad_norm"] = [None] * n
-        record["grad_norm_clipped"] = float(host[n + 1]) if meta["clipped"] else None
+        record["grad_norm_clipped"] = (clipped_norm(total, max_norm)
+                                       if max_norm is not None and total is not None else None)

@@ -28,7 +28,7 @@ class LossCollector(Collector):
 
     def _take(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.numel() == 1 and tensor.is_floating_point():
-            self._losses.append(tensor.detach().reshape(()))
+            self._losses.append(tensor.detach())
 
     def on_scale(self, outputs: Any) -> None:
         self._take(outputs)
@@ -45,7 +45,7 @@ class LossCollector(Collector):
         if not sealed:
             return False
         total = sealed[0] if len(sealed) == 1 else torch.stack(
-            [t.float() for t in sealed]).sum()
+            [t.float().reshape(()) for t in sealed]).sum()
         self._slot.copy_(total)
         return True
 

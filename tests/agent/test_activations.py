@@ -36,6 +36,50 @@ def test_absmax_dtype_and_time_match_a_reference_hook(attach, offline: Path) -> 
     assert all(t > 0 for t in act["time_ms"])
 
 
+def test_accumulated_calls_keep_each_layers_largest_value_and_nan(attach, offline: Path
+                                                                  ) -> None:
+    """Three micro-batches per step: a layer's abs-max is its largest over its calls, a NaN
+    in one call wins, and a layer that computed in two dtypes is "mixed"."""
+    model = mlp()
+    layers = discover_layers(model)
+    largest = [0.0] * len(layers)
+    dtypes: list[set[str]] = [set() for _ in layers]
+
+    def record(i: int, out: torch.Tensor) -> None:
+        largest[i] = max(largest[i], float(out.detach().abs().max()))
+        dtypes[i].add(str(out.dtype).removeprefix("torch."))
+
+    handles = [layer.module.register_forward_hook(
+        lambda m, a, out, i=layer.index: record(i, out)) for layer in layers]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    attachment = attach(model, scaler, sample_every=1)
+    data = batches(6)
+    data[1][0].mul_(40.0)  # the largest values come from the middle micro-batch
+    fp16_loop(model, optimizer, scaler, data[:3], accumulate=3)
+    first_largest, first_dtypes = list(largest), [next(iter(d)) for d in dtypes]
+    # second step: micro-batch 4 runs in float32 (no autocast), micro-batch 5 holds a NaN
+    for d in dtypes:
+        d.clear()
+    data[4][0][0, 0] = float("nan")
+    for i, (x, y) in enumerate(data[3:]):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=i != 0):
+            loss = nn.functional.mse_loss(model(x), y) / 3
+        scaler.scale(loss).backward()
+    scaler.step(optimizer)
+    scaler.update()
+    for handle in handles:
+        handle.remove()
+    attachment.flush(5)
+    first, second = (s["activations"] for s in spooled_steps(offline, attachment.run_id))
+    assert first["absmax"] == first_largest
+    assert first["dtype"] == first_dtypes and first_dtypes[0] == "float16"
+    assert all(t > 0 for t in first["time_ms"])
+    assert all(math.isnan(v) for v in second["absmax"])  # the NaN spreads from fc1 on
+    assert second["dtype"] == ["mixed" if len(d) > 1 else next(iter(d)) for d in dtypes]
+    assert second["dtype"][0] == "mixed"
+
+
 def test_every_step_sampled_after_a_skipped_step(attach, offline: Path) -> None:
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
