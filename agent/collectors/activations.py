@@ -5,15 +5,19 @@ On a sampled step (every `sample_every` steps, and every step through
 hook call does one device op, `aminmax` of the layer's output (NaN and inf propagate),
 and appends the call to a list; at close, the abs-max of every layer is reduced into the
 buffer with about a dozen device ops whatever the number of layers or calls (grouped by
-output dtype, a layer called several times keeps its largest value). The dtype each layer
-computed in and its forward time are worked out from the calls on the worker thread.
-Does not synchronise the device. The first sampled training forward gives the forward
-order, and each Linear-like layer's token count (the rows of its GEMM, read from the
-input's shape on the host); a change triggers a re-registration of the run's layer table.
+output dtype, a layer called several times keeps its largest value). On the CPU
+(`session.host_reduce`) that reduction is left to the worker, which reads the (min, max)
+pairs themselves. The dtype each layer computed in and its forward time are worked out
+from the calls on the worker thread. Does not synchronise the device.
+
+The first sampled training forward gives the forward order, and each Linear-like layer's
+token count (the rows of its GEMM, read from the input's shape on the host); a change
+triggers a re-registration of the run's layer table.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
@@ -39,6 +43,11 @@ def first_float_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, dict):
         return first_float_tensor(list(output.values()))
     return None
+
+
+def largest(*values: float) -> float:
+    """max() that propagates NaN (the builtin's result depends on argument order)."""
+    return math.nan if any(v != v for v in values) else max(values)
 
 
 class AbsMaxPlan:
@@ -200,11 +209,12 @@ class ActivationCollector(Collector):
                 changed = True
         if changed:
             self.session.on_run_change()
-        plan = self._plans.get(pattern)
-        if plan is None:
-            plan = self._plans[pattern] = AbsMaxPlan(pattern, self.n_layers,
-                                                     self.session.device)
-        plan.reduce(calls, self.view)
+        if not self.session.host_reduce:
+            plan = self._plans.get(pattern)
+            if plan is None:
+                plan = self._plans[pattern] = AbsMaxPlan(pattern, self.n_layers,
+                                                         self.session.device)
+            plan.reduce(calls, self.view)
         return calls
 
     def _note_tokens(self, tokens: dict[int, int]) -> bool:
@@ -230,8 +240,13 @@ class ActivationCollector(Collector):
         dtypes: list[str | None] = [None] * n
         times: list[float | None] = [None] * n
         called: set[int] = set()
+        host_reduce = self.session.host_reduce
+        if host_reduce:
+            host = np.zeros(n)
         for index, dtype, stats, start, end in meta:
             ran[index] |= stats is not None
+            if host_reduce and stats is not None:
+                host[index] = largest(host[index], -float(stats[0]), float(stats[1]))
             name = dtype_name(dtype)
             dtypes[index] = (name if index not in called or dtypes[index] == name
                              else "mixed")

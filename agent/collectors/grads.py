@@ -6,7 +6,8 @@ into the buffer, and in total with one `sum`; the worker takes the square roots.
 is what `clip_grad_norm_` returns (to float tolerance), inf or NaN exactly when a grad
 is. When the loop clips the unscaled grads, the clipped norm is derived on the worker the
 way `clip_grad_norm_` scales the grads: total * min(1, max_norm / (total + 1e-6)).
-Four device ops a step; does not synchronise the device.
+Four device ops a step; on the CPU (`session.host_reduce`) none: the worker sums the
+norms. Does not synchronise the device.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ class GradNormCollector(Collector):
         self._cache: dict[tuple[int, ...], tuple[Any, torch.Tensor, np.ndarray]] = {}
         self._taken = False
         self._max_norm: float | None = None
+        self._norms: torch.Tensor | None = None  # host_reduce: this step's grad norms
+        self._present: tuple[int, ...] = ()
 
     def bind(self, session: Any) -> None:
         super().bind(session)
@@ -74,9 +77,13 @@ class GradNormCollector(Collector):
         self._taken = bool(grads)
         if not grads:
             return
+        self._present = present
         grad_idx, layer_idx, self._mask = self._indices(present)
         if norms is None:
             norms = torch.stack(torch._foreach_norm(grads))
+        if self.session.host_reduce and divisor is None:
+            self._norms = norms  # the worker reduces them (grad_idx, layer_idx: host too)
+            return
         squares = norms.to(self._zeros.dtype)
         if divisor is not None:
             squares = squares / divisor
@@ -91,13 +98,22 @@ class GradNormCollector(Collector):
             self._max_norm = float(max_norm)
 
     def seal(self) -> Any:
-        sealed = (self._mask if self._taken else None, self._max_norm)
-        self._taken, self._max_norm = False, None
+        sealed = (self._mask if self._taken else None, self._max_norm, self._norms,
+                  self._indices(self._present)[:2] if self._norms is not None else None)
+        self._taken, self._max_norm, self._norms = False, None, None
         return sealed
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
         n = self.n_layers
-        mask, max_norm = meta
+        mask, max_norm, norms, indices = meta
+        if norms is not None:  # host_reduce: the same sums as on_grads, here
+            grad_idx, layer_idx = indices
+            squares = np.square(norms.numpy().astype(np.float64))
+            host = np.empty(n + 1)
+            host[n] = squares.sum()
+            if grad_idx is not None:
+                squares = squares[grad_idx.numpy()]
+            host[:n] = np.bincount(layer_idx.numpy(), weights=squares, minlength=n)
         if mask is not None:
             total = float(np.sqrt(host[n]))
             record["grad_norm"] = total

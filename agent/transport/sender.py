@@ -53,9 +53,9 @@ class Sender:
             limit, self.REQUEST_TIMEOUT_S))
         return httpx.Timeout(total, connect=min(total, self.CONNECT_TIMEOUT_S))
 
-    def _send(self, method: str, url: str, body: dict, limit: float | None,
+    def _send(self, method: str, url: str, body: dict | bytes, limit: float | None,
               compress: bool) -> Response:
-        content = json.dumps(body, allow_nan=False).encode()
+        content = body if isinstance(body, bytes) else json.dumps(body, allow_nan=False).encode()
         headers = {"Content-Type": "application/json"}
         if compress:
             content = gzip.compress(content, compresslevel=5)
@@ -75,7 +75,9 @@ class Sender:
     def put_run(self, run_id: str, body: dict, limit: float | None = None) -> Response:
         return self._send("PUT", f"/api/v1/runs/{run_id}", body, limit, compress=False)
 
-    def post_batch(self, run_id: str, batch: dict, limit: float | None = None) -> Response:
+    def post_batch(self, run_id: str, batch: dict | bytes, limit: float | None = None
+                   ) -> Response:
+        """POST a batch: a dict, or its JSON already encoded (bytes)."""
         return self._send("POST", f"/api/v1/runs/{run_id}/batches", batch, limit, compress=True)
 
     def close(self) -> None:

@@ -23,10 +23,22 @@ FORMAT = "ampwatch-spool/1"
 SUFFIX = ".json.gz"
 
 
-def encode_entry(run_id: str, rank: int, seq: int, run: dict, batch: dict) -> bytes:
-    entry = {"format": FORMAT, "run_id": run_id, "rank": rank, "seq": seq,
-             "run": run, "batch": batch}
-    return gzip.compress(json.dumps(entry, allow_nan=False).encode(), compresslevel=5)
+def batch_text(batch: dict, steps: list[str] | None = None) -> str:
+    """The POST body of `batch` as JSON text; `steps`, when given, are its step records
+    already encoded one JSON text each (the worker encodes a step as it decodes it, so no
+    single encode holds the GIL for a whole batch)."""
+    if steps is None:
+        return json.dumps(batch, allow_nan=False)
+    head = json.dumps({k: v for k, v in batch.items() if k != "steps"}, allow_nan=False)
+    return f'{head[:-1]}, "steps": [{", ".join(steps)}]}}'
+
+
+def encode_entry(run_id: str, rank: int, seq: int, run: dict, batch: dict | str) -> bytes:
+    """A spool file: gzip of one JSON object; `batch` may be its JSON text already."""
+    head = json.dumps({"format": FORMAT, "run_id": run_id, "rank": rank, "seq": seq,
+                       "run": run}, allow_nan=False)
+    text = batch if isinstance(batch, str) else json.dumps(batch, allow_nan=False)
+    return gzip.compress(f'{head[:-1]}, "batch": {text}}}'.encode(), compresslevel=5)
 
 
 def read_entry(path: Path) -> dict[str, Any]:
@@ -42,6 +54,9 @@ def _atomic_write(path: Path, data: bytes) -> None:
 class Spool:
     """One (run, rank) directory of the spool, locked by this process while open."""
 
+    BODIES_KEPT = 8  # POST bodies of the newest batches kept in memory (bounded if the
+    # server is down for long: older batches are read back from their files)
+
     def __init__(self, directory: Path, max_bytes: int) -> None:
         self.dir = directory
         self.max_bytes = max_bytes
@@ -55,6 +70,7 @@ class Spool:
         state = self._read_state()
         self._sizes = {p: p.stat().st_size for p in self.pending()}
         self._steps: dict[Path, int] = {}
+        self._bodies: dict[Path, bytes] = {}  # the newest appended batches' POST bodies
         last = max((int(p.name[: -len(SUFFIX)]) for p in self._sizes), default=-1)
         self.next_seq = max(int(state.get("next_seq", 0)), last + 1)
         self.dropped_batches = int(state.get("dropped_batches", 0))
@@ -84,17 +100,27 @@ class Spool:
     def size_bytes(self) -> int:
         return sum(self._sizes.values())
 
-    def append(self, run_id: str, rank: int, run: dict, batch: dict) -> Path:
-        """Write the next batch (its `seq` is assigned here) and enforce the size bound."""
+    def append(self, run_id: str, rank: int, run: dict, batch: dict,
+               steps: list[str] | None = None, last_step: int | None = None) -> Path:
+        """Write the next batch (its `seq` is assigned here) and enforce the size bound.
+        `steps`/`last_step`: the batch's step records pre-encoded (see `batch_text`) and
+        the last one's step number. The POST body stays in memory for a few batches
+        (`body()`), so sending a fresh batch does not decode and re-encode its file."""
         seq = self.next_seq
         batch["seq"] = seq
-        if batch.get("steps"):
-            self.last_step = max(self.last_step, int(batch["steps"][-1]["step"]))
-        data = encode_entry(run_id, rank, seq, run, batch)
+        if last_step is None and batch.get("steps"):
+            last_step = int(batch["steps"][-1]["step"])
+        if last_step is not None:
+            self.last_step = max(self.last_step, last_step)
+        text = batch_text(batch, steps)
+        data = encode_entry(run_id, rank, seq, run, text)
         path = self.dir / f"{seq:012d}{SUFFIX}"
         _atomic_write(path, data)
+        self._bodies[path] = text.encode()
+        while len(self._bodies) > self.BODIES_KEPT:
+            self._bodies.pop(next(iter(self._bodies)))
         self._sizes[path] = len(data)
-        self._steps[path] = len(batch.get("steps", ()))
+        self._steps[path] = len(steps) if steps is not None else len(batch.get("steps", ()))
         self.next_seq = seq + 1
         self._enforce_limit()
         self._write_state()
@@ -126,11 +152,16 @@ class Spool:
             self.dropped_batches += 1
             self.dropped_steps += steps or 0
 
+    def body(self, path: Path) -> bytes | None:
+        """The POST body (JSON) of a batch this process appended recently, else None."""
+        return self._bodies.get(path)
+
     def remove(self, path: Path) -> None:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
         self._sizes.pop(path, None)
         self._steps.pop(path, None)
+        self._bodies.pop(path, None)
 
     def reject(self, path: Path) -> None:
         """Keep a batch the server refused (4xx) aside, out of the replay order."""
@@ -140,6 +171,7 @@ class Spool:
             os.replace(path, rejected / path.name)
         self._sizes.pop(path, None)
         self._steps.pop(path, None)
+        self._bodies.pop(path, None)
 
     def close(self) -> None:
         if self._lock_fd is not None:

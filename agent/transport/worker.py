@@ -51,7 +51,9 @@ class Worker:
         self.dead = False
         self.spool: Spool | None = None
         self._sender: Sender | None = None
-        self._steps: list[dict] = []
+        self._steps: list[str] = []  # step records of the next batch, JSON-encoded
+        self._last_step = -1
+        self._cut_runs: dict[Path, str] = {}  # recent batches: the run body they go with
         self._events: list[dict] = []
         self._first_pending = 0.0
         self._put_key: str | None = None
@@ -165,7 +167,8 @@ class Worker:
             if record is not None:
                 record["step"] += self.step_offset
                 self._note_pending()
-                self._steps.append(record)
+                self._steps.append(json.dumps(record, allow_nan=False))
+                self._last_step = record["step"]
 
     def _note_pending(self) -> None:
         if not self._steps and not self._events:
@@ -184,9 +187,13 @@ class Worker:
         batch = {"rank": s.rank, "seq": None,
                  "dropped_batches": self.spool.dropped_batches,
                  "dropped_steps": self.spool.dropped_steps + self._extra_dropped(),
-                 "steps": self._steps, "events": self._events}
-        self._steps, self._events = [], []
-        self.spool.append(s.run_id, s.rank, self.run_body, batch)
+                 "events": self._events}
+        steps, self._steps, self._events = self._steps, [], []
+        path = self.spool.append(s.run_id, s.rank, self.run_body, batch, steps,
+                                 self._last_step if steps else None)
+        self._cut_runs[path] = json.dumps(self.run_body, sort_keys=True)
+        while len(self._cut_runs) > Spool.BODIES_KEPT:
+            self._cut_runs.pop(next(iter(self._cut_runs)))
         self._spool_pending = True
 
     # ------------------------------------------------------------------ delivery
@@ -236,15 +243,20 @@ class Worker:
             limit = None if deadline is None else deadline - time.monotonic()
             if limit is not None and limit <= 0:
                 return False
-            entry = read_entry(path)
-            key = json.dumps(entry["run"], sort_keys=True)
-            if key != self._put_key:
-                reply = self._sender.put_run(entry["run_id"], entry["run"], limit)
-                if reply.outcome is not Outcome.OK:
-                    self._backoff()
-                    return False
-                self._put_key = key
-            reply = self._sender.post_batch(entry["run_id"], entry["batch"], limit)
+            body = spool.body(path)  # a fresh batch of ours: its JSON, and its run body
+            if body is not None and self._cut_runs.get(path) == self._put_key:
+                entry = None
+                reply = self._sender.post_batch(self.settings.run_id, body, limit)
+            else:
+                entry = read_entry(path)
+                key = json.dumps(entry["run"], sort_keys=True)
+                if key != self._put_key:
+                    reply = self._sender.put_run(entry["run_id"], entry["run"], limit)
+                    if reply.outcome is not Outcome.OK:
+                        self._backoff()
+                        return False
+                    self._put_key = key
+                reply = self._sender.post_batch(entry["run_id"], entry["batch"], limit)
             if reply.outcome is Outcome.OK:
                 spool.remove(path)
                 self._backoff_s = 0.0
@@ -252,6 +264,7 @@ class Worker:
             elif reply.outcome is Outcome.CONFLICT:
                 # a resumed run whose spool started from seq 0 while the server was down:
                 # the batch moves past every seq in use, so order is kept
+                entry = entry or read_entry(path)
                 moved = self._renumber(spool, path, entry, limit)
                 if moved is None:
                     self._backoff()

@@ -12,6 +12,7 @@ import torch
 
 import agent
 from agent import guard
+from agent.session import Session
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +30,15 @@ def agent_errors() -> Iterator[list[tuple[str, BaseException]]]:
     if swallowed:
         site, exc = swallowed[0]
         raise AssertionError(f"agent swallowed an error in {site}") from exc
+
+
+@pytest.fixture(params=["host", "device"])
+def reduction(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Run a test both ways statistics are reduced: on the worker from host tensors (what
+    the CPU does) and on the device into the step buffer (what CUDA does), here on CPU."""
+    if request.param == "device":
+        monkeypatch.setattr(Session, "HOST_REDUCE_DEVICES", ())
+    return request.param
 
 
 @pytest.fixture

@@ -5,11 +5,17 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from agent.layers import discover_layers
 from tests.agent.factories import TinyGPT, batches, fp16_loop, mlp, spooled, spooled_steps
+
+
+@pytest.fixture(autouse=True)
+def _both_reductions(reduction: str) -> None:
+    """Every test here runs with host-side and with device-side reduction."""
 
 
 def test_absmax_dtype_and_time_match_a_reference_hook(attach, offline: Path) -> None:

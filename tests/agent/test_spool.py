@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -27,6 +28,27 @@ def test_files_sort_in_seq_order_and_seq_survives_a_restart(tmp_path: Path) -> N
     spool.close()
     again = Spool.for_run(tmp_path, "r1", 0, 1 << 20)
     assert again.next_seq == 12 and again.locked
+
+
+def test_pre_encoded_steps_make_the_same_batch_and_recent_bodies_stay_in_memory(
+        tmp_path: Path) -> None:
+    spool = Spool.for_run(tmp_path, "r", 0, 1 << 30)
+    paths = []
+    for first in range(0, 40, 4):
+        batch = _batch(0)
+        steps = [{"step": i, "loss": float("nan") if i == 5 else 1.0} for i in range(first,
+                                                                                 first + 4)]
+        wire = [dict(s, loss="NaN") if s["loss"] != s["loss"] else s for s in steps]
+        paths.append(spool.append("r", 0, {"name": "x"}, batch,
+                                  [json.dumps(s) for s in wire], first + 3))
+        entry = read_entry(paths[-1])
+        assert entry["batch"]["steps"] == wire and entry["run"] == {"name": "x"}
+        assert json.loads(spool.body(paths[-1])) == entry["batch"]
+    assert spool.last_step == 39
+    kept = [p for p in paths if spool.body(p) is not None]
+    assert kept == paths[-Spool.BODIES_KEPT:]  # bounded: older ones are read from disk
+    spool.remove(paths[-1])
+    assert spool.body(paths[-1]) is None
 
 
 def test_full_spool_drops_the_oldest_and_counts_them(tmp_path: Path) -> None:

@@ -22,6 +22,11 @@ from tests.agent.factories import (
 )
 
 
+@pytest.fixture(autouse=True)
+def _both_reductions(reduction: str) -> None:
+    """Every test here runs with host-side and with device-side reduction."""
+
+
 def _norm(grads: list[torch.Tensor]) -> float:
     return float(nn.utils.get_total_norm(grads)) if grads else 0.0
 
