@@ -30,7 +30,8 @@ def batch_text(batch: dict, steps: list[str] | None = None) -> str:
     if steps is None:
         return json.dumps(batch, allow_nan=False)
     head = json.dumps({k: v for k, v in batch.items() if k != "steps"}, allow_nan=False)
-    return f'{head[:-1]}, "steps": [{", ".join(steps)}]}}'
+    comma = ", " if len(head) > 2 else ""  # head is "{}" when steps are all there is
+    return f'{head[:-1]}{comma}"steps": [{", ".join(steps)}]}}'
 
 
 def encode_entry(run_id: str, rank: int, seq: int, run: dict, batch: dict | str) -> bytes:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from agent.transport.spool import Spool, read_entry
+from agent.transport.spool import Spool, batch_text, read_entry
 from tests.agent.factories import batches, bf16_loop, mlp, spooled
 
 
@@ -49,6 +49,7 @@ def test_pre_encoded_steps_make_the_same_batch_and_recent_bodies_stay_in_memory(
     assert kept == paths[-Spool.BODIES_KEPT:]  # bounded: older ones are read from disk
     spool.remove(paths[-1])
     assert spool.body(paths[-1]) is None
+    assert json.loads(batch_text({}, ['{"step": 1}'])) == {"steps": [{"step": 1}]}
 
 
 def test_full_spool_drops_the_oldest_and_counts_them(tmp_path: Path) -> None:
