@@ -157,18 +157,24 @@ class Session:
 
     # ------------------------------------------------------------------ step lifecycle
     def _take_grads(self, divisor: torch.Tensor | None = None,
-                    clip: grad_clip.PreparedClip | None = None) -> None:
+                    clip: grad_clip.PreparedClip | None = None,
+                    present: tuple[int, ...] | None = None) -> None:
         """Per-step gradient snapshot, once, at the first point the grads are unscaled
-        (`clip`: a clip_grad_norm_ call's prepared norms, to reuse)."""
+        (`clip`: a clip_grad_norm_ call's prepared norms, to reuse; `present`: the
+        positions of the params with a grad, when the caller has them)."""
         if self._grads_taken:
             return
         self._grads_taken = True
         self.close_pending()
         params = self.params
-        present = tuple(i for i, p in enumerate(params) if p.grad is not None)
+        if present is None:
+            present = self._present()
         with_grad = [params[i] for i in present]
         norms = None if clip is None else clip.norms_for(with_grad)
         self.dispatch("on_grads", [p.grad for p in with_grad], present, divisor, norms)
+
+    def _present(self) -> tuple[int, ...]:
+        return tuple(i for i, p in enumerate(self.params) if p.grad is not None)
 
     def _step_begin(self) -> None:
         self.close_pending()
@@ -257,16 +263,16 @@ class Session:
         if not self.live or self._grads_taken or not self._grads_unscaled():
             return patches.NOT_HANDLED
         arguments = grad_clip.bind(original, args, kwargs)  # user errors raise as usual
+        present = self._present()
         try:
-            prepared = grad_clip.prepare(
-                arguments, [p for p in self.params if p.grad is not None])
+            prepared = grad_clip.prepare(arguments, [self.params[i] for i in present])
         except Exception as exc:  # noqa: BLE001
             guard.report("session.clip", exc)
             prepared = None
         if prepared is None:
             self._take_grads_guarded()
             return original(**arguments)
-        self._take_grads_guarded(None, prepared)
+        self._take_grads_guarded(None, prepared, present)
         return prepared.apply()
 
     def _clip_after(self, result: Any, args: tuple, kwargs: dict, unscaled: Any) -> None:

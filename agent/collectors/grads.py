@@ -39,8 +39,8 @@ class GradNormCollector(Collector):
         self._cache: dict[tuple[int, ...], tuple[Any, torch.Tensor, np.ndarray]] = {}
         self._taken = False
         self._max_norm: float | None = None
-        self._norms: torch.Tensor | None = None  # host_reduce: this step's grad norms
-        self._present: tuple[int, ...] = ()
+        # host_reduce: this step's grad norms with their grad and layer indices
+        self._norms: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
 
     def bind(self, session: Any) -> None:
         super().bind(session)
@@ -77,12 +77,11 @@ class GradNormCollector(Collector):
         self._taken = bool(grads)
         if not grads:
             return
-        self._present = present
         grad_idx, layer_idx, self._mask = self._indices(present)
         if norms is None:
             norms = torch.stack(torch._foreach_norm(grads))
         if self.session.host_reduce and divisor is None:
-            self._norms = norms  # the worker reduces them (grad_idx, layer_idx: host too)
+            self._norms = (norms, grad_idx, layer_idx)  # the worker reduces them
             return
         squares = norms.to(self._zeros.dtype)
         if divisor is not None:
@@ -98,16 +97,15 @@ class GradNormCollector(Collector):
             self._max_norm = float(max_norm)
 
     def seal(self) -> Any:
-        sealed = (self._mask if self._taken else None, self._max_norm, self._norms,
-                  self._indices(self._present)[:2] if self._norms is not None else None)
+        sealed = (self._mask if self._taken else None, self._max_norm, self._norms)
         self._taken, self._max_norm, self._norms = False, None, None
         return sealed
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
         n = self.n_layers
-        mask, max_norm, norms, indices = meta
+        mask, max_norm, norms = meta
         if norms is not None:  # host_reduce: the same sums as on_grads, here
-            grad_idx, layer_idx = indices
+            norms, grad_idx, layer_idx = norms
             squares = np.square(norms.numpy().astype(np.float64))
             host = np.empty(n + 1)
             host[n] = squares.sum()
