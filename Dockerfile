@@ -7,6 +7,7 @@ COPY pyproject.toml README.md ./
 COPY server ./server
 COPY client ./client
 COPY migrations ./migrations
+COPY agent ./agent
 RUN pip install --no-cache-dir ".[server]"
 
 RUN useradd --create-home ampwatch

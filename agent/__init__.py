@@ -11,14 +11,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from agent.attachment import Attachment, attach
+    from ampwatch.agent.attachment import Attachment, attach
 
 __all__ = ["Attachment", "attach"]
 
 
 def __getattr__(name: str) -> Any:
     if name in __all__:
-        from agent import attachment
+        from ampwatch.agent import attachment
 
         return getattr(attachment, name)
     raise AttributeError(f"module 'agent' has no attribute {name!r}")

@@ -12,15 +12,15 @@ from typing import Any
 
 from torch import nn
 
-from agent import guard
-from agent.collectors import default_collectors
-from agent.collectors.forward import ForwardCollector
-from agent.environment import distributed_rank, environment, run_body
-from agent.layers import discover_layers
-from agent.session import CLOSE_FAILED, Session, StepItem
-from agent.settings import AgentSettings
-from agent.transport.worker import Worker
-from client.wire import encode_float, encode_tree
+from ampwatch.agent import guard
+from ampwatch.agent.collectors import default_collectors
+from ampwatch.agent.collectors.forward import ForwardCollector
+from ampwatch.agent.environment import distributed_rank, environment, run_body
+from ampwatch.agent.layers import discover_layers
+from ampwatch.agent.session import CLOSE_FAILED, Session, StepItem
+from ampwatch.agent.settings import AgentSettings
+from ampwatch.agent.transport.worker import Worker
+from ampwatch.client.wire import encode_float, encode_tree
 
 _live: weakref.WeakSet[Attachment] = weakref.WeakSet()
 
@@ -107,7 +107,7 @@ class Attachment:
         """
         if self._detached or self._session is None:
             return None
-        from agent.speed import measure_speedup
+        from ampwatch.agent.speed import measure_speedup
 
         session = self._session
         session.suspended = True

@@ -24,9 +24,9 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from client.api import DEFAULT_SERVER, Client
-from client.errors import AmpwatchError
-from client.models import Finding
+from ampwatch.client.api import DEFAULT_SERVER, Client
+from ampwatch.client.errors import AmpwatchError
+from ampwatch.client.models import Finding
 
 DEFAULT_PORT = urlsplit(DEFAULT_SERVER).port
 DEFAULT_STEPS = 500
@@ -84,7 +84,7 @@ class ServerProcess:
         """Start it and wait until /api/v1/health answers; blocks up to START_TIMEOUT_S."""
         with self.log_path.open("wb") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "client.cli", "serve", "--host", "127.0.0.1",
+                [sys.executable, "-m", "ampwatch.client.cli", "serve", "--host", "127.0.0.1",
                  "--port", str(self.port), "--database-url", self.database_url,
                  "--log-level", "warning"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
@@ -188,7 +188,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.steps < MIN_STEPS:
         return _fail(f"--steps must be at least {MIN_STEPS}")
     try:
-        from agent import demo_runs
+        from ampwatch.agent import demo_runs
     except ImportError as exc:
         return _fail(f'the demo needs torch ({exc}): pip install "ampwatch[agent]"')
     if threading.current_thread() is threading.main_thread():

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-import agent
+from ampwatch import agent
 
 PROJECT = "ampwatch-demo"
 BATCH = 32

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from agent.layers import Layer
+from ampwatch.agent.layers import Layer
 
 
 def distributed_rank() -> tuple[int, int]:

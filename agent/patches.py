@@ -18,7 +18,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 import torch.optim.lr_scheduler as lr_scheduler
 
-from agent import guard
+from ampwatch.agent import guard
 
 Before = Callable[[tuple, dict], Any]
 After = Callable[[Any, tuple, dict, Any], None]

@@ -18,11 +18,11 @@ import torch.optim.optimizer as optim_hooks
 from torch import nn
 from torch.amp.grad_scaler import OptState
 
-from agent import grad_clip, guard, patches
-from agent.buffer import StepBuffer
-from agent.clock import CudaClock, HostClock
-from agent.collectors.base import EVENTS, Collector, overrides
-from agent.layers import Layer
+from ampwatch.agent import grad_clip, guard, patches
+from ampwatch.agent.buffer import StepBuffer
+from ampwatch.agent.clock import CudaClock, HostClock
+from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
+from ampwatch.agent.layers import Layer
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out

@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from agent.layers import dtype_name
+from ampwatch.agent.layers import dtype_name
 
 WARMUP_STEPS = 2
 

@@ -122,7 +122,7 @@ def instrument(trainer: Trainer, config: str, server: str | None) -> Any:
     if config.startswith("baseline"):
         return None
     if config in ("agent", "agent_activations_every_step"):
-        import agent
+        from ampwatch import agent
 
         every = 1 if config == "agent_activations_every_step" else 10
         return agent.attach(trainer.model, trainer.scaler, server=server, sample_every=every,
@@ -212,7 +212,7 @@ def mode_rounds(args: argparse.Namespace, server: str) -> None:
 
 
 def mode_ab(args: argparse.Namespace, server: str) -> None:
-    import agent
+    from ampwatch import agent
 
     torch.set_num_threads(1)
     for every in (10, 1):
@@ -242,7 +242,7 @@ def rss_bytes() -> int:
 
 
 def mode_memory(args: argparse.Namespace, server: str) -> None:
-    import agent
+    from ampwatch import agent
 
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -279,7 +279,7 @@ def local_server(url: str | None):
         port = sock.getsockname()[1]
     with tempfile.TemporaryDirectory() as tmp:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "client.cli", "serve", "--port", str(port),
+            [sys.executable, "-m", "ampwatch.client.cli", "serve", "--port", str(port),
              "--database-url", f"sqlite:///{tmp}/bench.db", "--log-level", "warning"],
             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:

@@ -27,9 +27,9 @@ from pathlib import Path
 from fastapi.testclient import TestClient
 from ingest import layer_table, make_template
 
-from server.analysis import AnalysisSettings
-from server.app import create_app
-from server.settings import Settings
+from ampwatch.server.analysis import AnalysisSettings
+from ampwatch.server.app import create_app
+from ampwatch.server.settings import Settings
 
 RUN_ID = "detect-cost"
 STEPS_PER_BATCH = 100  # the size the recorded figures were measured with

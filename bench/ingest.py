@@ -50,7 +50,7 @@ def start_server(database_url: str, detect: bool) -> tuple[subprocess.Popen, str
     env = {**os.environ, "AMPWATCH_DATABASE_URL": database_url,
            "AMPWATCH_ANALYSIS__ENABLED": "true" if detect else "false"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "uvicorn", "--factory", "server.app:create_app",
+        [sys.executable, "-m", "uvicorn", "--factory", "ampwatch.server.app:create_app",
          "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],
         env=env,
     )

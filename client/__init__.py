@@ -1,6 +1,6 @@
 """Python client for the ampwatch REST API, and the `ampwatch` command line.
 
-    from client import Client
+    from ampwatch.client import Client
 
     with Client("http://127.0.0.1:8000", token="...") as ampwatch:
         for run in ampwatch.runs(status="critical"):
@@ -9,8 +9,8 @@
 docs/client.md describes every method and command.
 """
 
-from client.api import DEFAULT_SERVER, Client
-from client.errors import (
+from ampwatch.client.api import DEFAULT_SERVER, Client
+from ampwatch.client.errors import (
     AmpwatchError,
     BadRequest,
     ConnectionFailed,
@@ -18,7 +18,7 @@ from client.errors import (
     ServerError,
     Unauthorized,
 )
-from client.models import (
+from ampwatch.client.models import (
     BatchAck,
     Finding,
     Health,

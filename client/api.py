@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 import httpx
 
-from client.errors import ConnectionFailed, NotFound, ServerError, error_for_response
-from client.models import (
+from ampwatch.client.errors import ConnectionFailed, NotFound, ServerError, error_for_response
+from ampwatch.client.models import (
     BatchAck,
     Finding,
     Health,

@@ -14,9 +14,9 @@ import os
 import sys
 from importlib.metadata import entry_points
 
-from client import commands as client_commands
-from client.commands import BadUsage
-from client.errors import AmpwatchError, ConnectionFailed, Unauthorized
+from ampwatch.client import commands as client_commands
+from ampwatch.client.commands import BadUsage
+from ampwatch.client.errors import AmpwatchError, ConnectionFailed, Unauthorized
 
 ERROR_EXIT = 2
 

@@ -15,10 +15,10 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
-from client.api import Client
-from client.errors import AmpwatchError
-from client.models import Step
-from client.wire import encode_float, encode_tree
+from ampwatch.client.api import Client
+from ampwatch.client.errors import AmpwatchError
+from ampwatch.client.models import Step
+from ampwatch.client.wire import encode_float, encode_tree
 
 Format = Literal["csv", "jsonl", "parquet"]
 FORMATS: tuple[Format, ...] = ("csv", "jsonl", "parquet")

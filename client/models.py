@@ -15,7 +15,7 @@ from datetime import datetime
 from functools import cache
 from typing import Any, Self, TypeVar
 
-from client.wire import decode_float, decode_tree, encode_tree
+from ampwatch.client.wire import decode_float, decode_tree, encode_tree
 
 T = TypeVar("T")
 SEVERITIES = ("info", "warning", "critical")

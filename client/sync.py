@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from client.api import Client
-from client.errors import AmpwatchError, BadRequest, NotFound
+from ampwatch.client.api import Client
+from ampwatch.client.errors import AmpwatchError, BadRequest, NotFound
 
 try:
     import fcntl

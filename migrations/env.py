@@ -4,7 +4,7 @@
 from alembic import context
 from sqlalchemy import create_engine
 
-from server.models import Base
+from ampwatch.server.models import Base
 
 config = context.config
 target_metadata = Base.metadata

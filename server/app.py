@@ -8,15 +8,15 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, Depends, FastAPI, Request
 from sqlalchemy.orm import sessionmaker
 
-from server import __version__, pages
-from server.api import batches, findings, health, runs, series
-from server.db import make_engine, session_info, upgrade
-from server.deps import require_token
-from server.errors import AmpwatchServerError
-from server.middleware import RequestBodyMiddleware
-from server.responses import WireJSONResponse
-from server.schemas import BatchIn
-from server.settings import Settings
+from ampwatch.server import __version__, pages
+from ampwatch.server.api import batches, findings, health, runs, series
+from ampwatch.server.db import make_engine, session_info, upgrade
+from ampwatch.server.deps import require_token
+from ampwatch.server.errors import AmpwatchServerError
+from ampwatch.server.middleware import RequestBodyMiddleware
+from ampwatch.server.responses import WireJSONResponse
+from ampwatch.server.schemas import BatchIn
+from ampwatch.server.settings import Settings
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:

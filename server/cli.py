@@ -27,7 +27,7 @@ def register(commands: argparse._SubParsersAction) -> None:
 
 
 def _settings(args: argparse.Namespace):
-    from server.settings import Settings
+    from ampwatch.server.settings import Settings
 
     overrides = {k: v for k in ("host", "port", "database_url")
                  if (v := getattr(args, k, None)) is not None}
@@ -41,7 +41,7 @@ def _settings(args: argparse.Namespace):
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
-    from server.app import create_app
+    from ampwatch.server.app import create_app
 
     settings = _settings(args)
     app = create_app(settings)
@@ -52,7 +52,7 @@ def _serve(args: argparse.Namespace) -> int:
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:
-    from server.db import make_engine, upgrade
+    from ampwatch.server.db import make_engine, upgrade
 
     settings = _settings(args)
     engine = make_engine(settings.database_url)

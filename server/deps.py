@@ -9,7 +9,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from sqlalchemy.orm import Session
 
-from server.settings import Settings
+from ampwatch.server.settings import Settings
 
 
 def get_settings(request: Request) -> Settings:

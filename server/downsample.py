@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from server.series import MISSING
+from ampwatch.server.series import MISSING
 
 
 def _buckets(n: int, n_buckets: int) -> tuple[int, int]:

@@ -10,15 +10,20 @@ from sqlalchemy import select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from client.wire import encode_tree
-from server import analysis
-from server.db import writing
-from server.errors import InvalidInput, NotFound, SeqConflict
-from server.models import Batch, Run, RunRank, utcnow
-from server.schemas import BatchAck, BatchIn
-from server.series import FIELD_INDEX
-from server.settings import Settings
-from server.storage import new_batch_row, unpack_row, update_layer_stats, vector_length_errors
+from ampwatch.client.wire import encode_tree
+from ampwatch.server import analysis
+from ampwatch.server.db import writing
+from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
+from ampwatch.server.models import Batch, Run, RunRank, utcnow
+from ampwatch.server.schemas import BatchAck, BatchIn
+from ampwatch.server.series import FIELD_INDEX
+from ampwatch.server.settings import Settings
+from ampwatch.server.storage import (
+    new_batch_row,
+    unpack_row,
+    update_layer_stats,
+    vector_length_errors,
+)
 
 _INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
 

@@ -10,14 +10,21 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy.orm import Session
 
-from client.wire import encode_array, encode_float
-from server.downsample import bucket_matrix, keep_extremes
-from server.errors import InvalidInput, NotFound
-from server.models import Run
-from server.responses import float_rows
-from server.runs import run_ranks
-from server.series import BOOL_FIELDS, DTYPES, INT_FIELDS, MISSING, SCALAR_FIELDS, StepSeries
-from server.storage import (
+from ampwatch.client.wire import encode_array, encode_float
+from ampwatch.server.downsample import bucket_matrix, keep_extremes
+from ampwatch.server.errors import InvalidInput, NotFound
+from ampwatch.server.models import Run
+from ampwatch.server.responses import float_rows
+from ampwatch.server.runs import run_ranks
+from ampwatch.server.series import (
+    BOOL_FIELDS,
+    DTYPES,
+    INT_FIELDS,
+    MISSING,
+    SCALAR_FIELDS,
+    StepSeries,
+)
+from ampwatch.server.storage import (
     ACT_DTYPE,
     ACT_MAX,
     ACT_NONFINITE,

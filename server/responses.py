@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 from fastapi.responses import JSONResponse
 
-from client.wire import encode_array, encode_tree
+from ampwatch.client.wire import encode_array, encode_tree
 
 
 class WireJSONResponse(JSONResponse):

@@ -7,13 +7,13 @@ from datetime import UTC, datetime
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from client.wire import encode_tree
-from server import analysis
-from server.db import writing
-from server.errors import NotFound
-from server.models import Layer, Run, RunRank, utcnow
-from server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
-from server.settings import Settings
+from ampwatch.client.wire import encode_tree
+from ampwatch.server import analysis
+from ampwatch.server.db import writing
+from ampwatch.server.errors import NotFound
+from ampwatch.server.models import Layer, Run, RunRank, utcnow
+from ampwatch.server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
+from ampwatch.server.settings import Settings
 
 
 def as_utc(moment: datetime | None) -> datetime | None:

@@ -8,7 +8,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
-from server.series import DTYPES
+from ampwatch.server.series import DTYPES
 
 RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]

@@ -9,7 +9,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.settings import AnalysisSettings
 
 
 def default_database_url() -> str:

@@ -16,9 +16,9 @@ from sqlalchemy import Select, bindparam, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
-from server.models import Batch, Layer, RunRank
-from server.schemas import StepIn
-from server.series import (
+from ampwatch.server.models import Batch, Layer, RunRank
+from ampwatch.server.schemas import StepIn
+from ampwatch.server.series import (
     DTYPE_CODE,
     MISSING,
     SCALAR_FIELDS,

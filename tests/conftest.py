@@ -84,14 +84,14 @@ def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
 
 @pytest.fixture
 def settings(database_url: str):
-    from server.settings import Settings
+    from ampwatch.server.settings import Settings
 
     return Settings(database_url=database_url)
 
 
 @pytest.fixture
 def app(settings):
-    from server.app import create_app
+    from ampwatch.server.app import create_app
 
     app = create_app(settings)
     yield app
@@ -127,7 +127,7 @@ class LiveServer:
     def start(self, timeout: float = 30.0) -> None:
         with self.log_path.open("ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "client.cli", "serve", "--port", str(self.port),
+                [sys.executable, "-m", "ampwatch.client.cli", "serve", "--port", str(self.port),
                  "--database-url", self.database_url, "--log-level", "warning"],
                 stdout=log, stderr=subprocess.STDOUT, env=self.env,
             )

@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
-from agent.collectors.activations import ActivationCollector
-from agent.collectors.base import Collector
-from agent.collectors.core import StepCollector
-from agent.collectors.forward import ForwardCollector
-from agent.collectors.grads import GradNormCollector
-from agent.collectors.loss import LossCollector
-from agent.collectors.pitfalls import PitfallCollector
-from agent.collectors.scaler import ScalerCollector
-from agent.collectors.timing import TimingCollector
+from ampwatch.agent.collectors.activations import ActivationCollector
+from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.collectors.core import StepCollector
+from ampwatch.agent.collectors.forward import ForwardCollector
+from ampwatch.agent.collectors.grads import GradNormCollector
+from ampwatch.agent.collectors.loss import LossCollector
+from ampwatch.agent.collectors.pitfalls import PitfallCollector
+from ampwatch.agent.collectors.scaler import ScalerCollector
+from ampwatch.agent.collectors.timing import TimingCollector
 
 __all__ = ["Collector", "default_collectors"]
 

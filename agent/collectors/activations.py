@@ -23,10 +23,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from agent import guard
-from agent.collectors.base import Collector
-from agent.layers import dtype_name
-from client.wire import encode_array
+from ampwatch.agent import guard
+from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.layers import dtype_name
+from ampwatch.client.wire import encode_array
 
 # one hooked call: (layer index, output dtype or None, aminmax or None, start, end)
 Call = tuple[int, torch.dtype | None, Any, Any, Any]

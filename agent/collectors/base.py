@@ -14,8 +14,8 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from agent.buffer import StepBuffer
-    from agent.session import Session
+    from ampwatch.agent.buffer import StepBuffer
+    from ampwatch.agent.session import Session
 
 EVENTS = ("on_forward_begin", "on_forward_end", "on_backward_begin", "on_backward_end",
           "on_scale", "on_grads", "on_clip_begin", "on_clip_end", "on_scheduler_step",

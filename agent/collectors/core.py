@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agent.collectors.base import Collector
+from ampwatch.agent.collectors.base import Collector
 
 
 class StepCollector(Collector):

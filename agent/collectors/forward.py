@@ -8,8 +8,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from agent.collectors.base import Collector
-from agent.layers import dtype_name
+from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.layers import dtype_name
 
 
 def _float_tensors(args: tuple, kwargs: dict) -> list[torch.Tensor]:

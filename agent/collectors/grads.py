@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from agent.collectors.base import Collector
-from client.wire import encode_array
+from ampwatch.agent.collectors.base import Collector
+from ampwatch.client.wire import encode_array
 
 
 def clipped_norm(total: float, max_norm: float) -> float:

@@ -9,7 +9,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from agent.collectors.base import Collector
+from ampwatch.agent.collectors.base import Collector
 
 
 class LossCollector(Collector):

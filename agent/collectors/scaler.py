@@ -6,7 +6,7 @@ from typing import Any
 
 import numpy as np
 
-from agent.collectors.base import Collector
+from ampwatch.agent.collectors.base import Collector
 
 
 class ScalerCollector(Collector):

@@ -12,8 +12,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from agent.clock import total_ms
-from agent.collectors.base import Collector
+from ampwatch.agent.clock import total_ms
+from ampwatch.agent.collectors.base import Collector
 
 
 class TimingCollector(Collector):

@@ -19,9 +19,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from agent import guard
-from agent.transport.sender import Outcome, Sender
-from agent.transport.spool import Spool, leftover_dirs, read_entry
+from ampwatch.agent import guard
+from ampwatch.agent.transport.sender import Outcome, Sender
+from ampwatch.agent.transport.spool import Spool, leftover_dirs, read_entry
 
 _STOP = object()
 

@@ -12,8 +12,8 @@ import os
 import sys
 from typing import Any
 
-from client.api import DEFAULT_SERVER, Client
-from client.models import to_json
+from ampwatch.client.api import DEFAULT_SERVER, Client
+from ampwatch.client.models import to_json
 
 
 class BadUsage(Exception):
@@ -23,7 +23,7 @@ class BadUsage(Exception):
 def register(commands: argparse._SubParsersAction) -> None:
     """Add runs, show, findings, check, export and sync to the `ampwatch` parser."""
     # imported here: those modules import this package's helpers below
-    from client.commands import export, findings, runs, sync
+    from ampwatch.client.commands import export, findings, runs, sync
 
     common = common_options()
     for module in (runs, findings, export, sync):

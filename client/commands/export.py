@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from client import export
-from client.commands import BadUsage, connect, print_json
+from ampwatch.client import export
+from ampwatch.client.commands import BadUsage, connect, print_json
 
 
 def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

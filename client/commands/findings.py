@@ -5,10 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 
-from client import render
-from client.api import Client
-from client.commands import connect, print_json
-from client.models import SEVERITIES, Finding, Records
+from ampwatch.client import render
+from ampwatch.client.api import Client
+from ampwatch.client.commands import connect, print_json
+from ampwatch.client.models import SEVERITIES, Finding, Records
 
 MESSAGE_WIDTH = 100
 

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 
-from client import render
-from client.commands import connect, print_json
-from client.commands.findings import findings_table
-from client.models import Run
+from ampwatch.client import render
+from ampwatch.client.commands import connect, print_json
+from ampwatch.client.commands.findings import findings_table
+from ampwatch.client.models import Run
 
 HEALTH = ("healthy", "warning", "critical")
 

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from client import sync
-from client.commands import connect, print_json
+from ampwatch.client import sync
+from ampwatch.client.commands import connect, print_json
 
 BAR_WIDTH = 30
 

@@ -5,10 +5,10 @@ Detectors are pure functions `detect_*(series, run_context, settings) -> Detecti
 `service` runs them on a recent window and `store` upserts `Finding` rows.
 """
 
-from server.analysis.context import LayerInfo, RunContext
-from server.analysis.draft import Detection, FindingDraft
-from server.analysis.service import on_ingest, on_register, run_detectors
-from server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.context import LayerInfo, RunContext
+from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.service import on_ingest, on_register, run_detectors
+from ampwatch.server.analysis.settings import AnalysisSettings
 
 __all__ = [
     "AnalysisSettings",

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.analysis.context import LayerInfo, RunContext, compute_dtype
-from server.analysis.draft import Detection, FindingDraft
-from server.analysis.settings import AnalysisSettings
-from server.series import MISSING, StepSeries
+from ampwatch.server.analysis.context import LayerInfo, RunContext, compute_dtype
+from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.series import MISSING, StepSeries
 
 KIND = "misaligned_layer"
 OPTIMAL = 64

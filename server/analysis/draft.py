@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from client.wire import encode_tree
+from ampwatch.client.wire import encode_tree
 
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.analysis.context import RunContext, step_rows
-from server.series import FIELD_INDEX, StepSeries
+from ampwatch.server.analysis.context import RunContext, step_rows
+from ampwatch.server.series import FIELD_INDEX, StepSeries
 
 # Causes in the order they explain each other: a bad input makes the forward pass
 # non-finite, which makes the loss non-finite, which makes every gradient non-finite.

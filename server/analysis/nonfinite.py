@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.analysis.context import RunContext
-from server.analysis.draft import Detection, FindingDraft, recent_steps
-from server.analysis.localize import (
+from ampwatch.server.analysis.context import RunContext
+from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.localize import (
     CAUSES,
     FORWARD,
     GRAD,
@@ -22,9 +22,9 @@ from server.analysis.localize import (
     fix_for_cause,
     localize,
 )
-from server.analysis.scaler import calibration_mask
-from server.analysis.settings import AnalysisSettings
-from server.series import StepSeries
+from ampwatch.server.analysis.scaler import calibration_mask
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.series import StepSeries
 
 KIND = "nonfinite"
 MAX_LAYERS_LISTED = 20

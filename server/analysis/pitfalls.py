@@ -13,10 +13,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from server.analysis.context import BF16, FP16, MIXED, RunContext, autocast_codes, compute_dtype
-from server.analysis.draft import Detection, FindingDraft, recent_steps
-from server.analysis.settings import AnalysisSettings
-from server.series import FIELD_INDEX, StepSeries
+from ampwatch.server.analysis.context import (
+    BF16,
+    FP16,
+    MIXED,
+    RunContext,
+    autocast_codes,
+    compute_dtype,
+)
+from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.series import FIELD_INDEX, StepSeries
 
 KIND = "pitfall"
 

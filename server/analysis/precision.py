@@ -8,7 +8,7 @@ import re
 
 import numpy as np
 
-from server.analysis.context import (
+from ampwatch.server.analysis.context import (
     BF16,
     FP16,
     MIXED,
@@ -18,9 +18,9 @@ from server.analysis.context import (
     autocast_codes,
     step_rows,
 )
-from server.analysis.draft import Detection, FindingDraft, recent_steps
-from server.analysis.settings import AnalysisSettings
-from server.series import DTYPE_CODE, DTYPES, StepSeries
+from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.series import DTYPE_CODE, DTYPES, StepSeries
 
 KIND = "precision_map"
 FP32 = DTYPE_CODE["float32"]

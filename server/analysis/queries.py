@@ -5,9 +5,9 @@ from __future__ import annotations
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from server.analysis.schemas import FindingPublic, FindingsPublic
-from server.models import Finding
-from server.runs import as_utc
+from ampwatch.server.analysis.schemas import FindingPublic, FindingsPublic
+from ampwatch.server.models import Finding
+from ampwatch.server.runs import as_utc
 
 SEVERITY_ORDER = case({"critical": 0, "warning": 1, "info": 2}, value=Finding.severity, else_=3)
 OPEN_FIRST = case((Finding.status == "open", 0), else_=1)

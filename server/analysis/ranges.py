@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.analysis.context import FP16, RunContext, is_fp16_run
-from server.analysis.draft import Detection, FindingDraft, recent_steps
-from server.analysis.settings import AnalysisSettings
-from server.series import MISSING, StepSeries
+from ampwatch.server.analysis.context import FP16, RunContext, is_fp16_run
+from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.series import MISSING, StepSeries
 
 
 def _layer_keys(run: RunContext, kind: str) -> np.ndarray:

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from server.analysis.context import RunContext, scale_column
-from server.analysis.draft import Detection, FindingDraft, recent_steps
-from server.analysis.localize import Localization, explain, fix_for_cause, localize
-from server.analysis.settings import AnalysisSettings
-from server.series import StepSeries
+from ampwatch.server.analysis.context import RunContext, scale_column
+from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.localize import Localization, explain, fix_for_cause, localize
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.series import StepSeries
 
 KIND = "scaler_divergence"
 

@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from server.schemas import Severity
+from ampwatch.server.schemas import Severity
 
 FindingStatus = Literal["open", "resolved"]
 FindingKind = Literal[

@@ -9,21 +9,21 @@ from collections import OrderedDict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from server.analysis.alignment import detect_misaligned_layers
-from server.analysis.context import LayerTable, RunContext
-from server.analysis.draft import Detection
-from server.analysis.localize import localize
-from server.analysis.nonfinite import detect_nonfinite
-from server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
-from server.analysis.precision import detect_precision_map
-from server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
-from server.analysis.scaler import detect_scaler_divergence
-from server.analysis.settings import AnalysisSettings
-from server.analysis.speed import detect_speed
-from server.analysis.store import apply_detections, refresh_run_health, update_run_health
-from server.models import Batch, Run, RunRank
-from server.series import StepSeries, concat
-from server.storage import clip_steps, load_batches, load_layers, load_series
+from ampwatch.server.analysis.alignment import detect_misaligned_layers
+from ampwatch.server.analysis.context import LayerTable, RunContext
+from ampwatch.server.analysis.draft import Detection
+from ampwatch.server.analysis.localize import localize
+from ampwatch.server.analysis.nonfinite import detect_nonfinite
+from ampwatch.server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
+from ampwatch.server.analysis.precision import detect_precision_map
+from ampwatch.server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
+from ampwatch.server.analysis.scaler import detect_scaler_divergence
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.speed import detect_speed
+from ampwatch.server.analysis.store import apply_detections, refresh_run_health, update_run_health
+from ampwatch.server.models import Batch, Run, RunRank
+from ampwatch.server.series import StepSeries, concat
+from ampwatch.server.storage import clip_steps, load_batches, load_layers, load_series
 
 # Judged on a rank's steps.
 STEP_DETECTORS = (

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 
-from client.wire import decode_tree
-from server.analysis.context import RunContext
-from server.analysis.draft import Detection, FindingDraft
-from server.analysis.settings import AnalysisSettings
-from server.series import StepSeries
+from ampwatch.client.wire import decode_tree
+from ampwatch.server.analysis.context import RunContext
+from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.series import StepSeries
 
 KIND = "speed"
 EVENT = "speed_check"

@@ -18,9 +18,9 @@ from datetime import datetime
 from sqlalchemy import Select, bindparam, func, or_, select
 from sqlalchemy.orm import Session
 
-from server.analysis.draft import SEVERITY_RANK, Detection, FindingDraft
-from server.analysis.settings import AnalysisSettings
-from server.models import Finding, Run, utcnow
+from ampwatch.server.analysis.draft import SEVERITY_RANK, Detection, FindingDraft
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.models import Finding, Run, utcnow
 
 OPEN, RESOLVED = "open", "resolved"
 

@@ -8,10 +8,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from server.api.runs import RunIdPath
-from server.deps import SessionDep, SettingsDep
-from server.ingest import ingest_batch
-from server.schemas import BatchAck, BatchIn
+from ampwatch.server.api.runs import RunIdPath
+from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.ingest import ingest_batch
+from ampwatch.server.schemas import BatchAck, BatchIn
 
 router = APIRouter(prefix="/runs", tags=["ingest"])
 

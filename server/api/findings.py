@@ -6,11 +6,11 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from server.analysis.queries import list_findings
-from server.analysis.schemas import FindingKind, FindingsPublic, FindingStatus
-from server.deps import SessionDep
-from server.runs import get_run
-from server.schemas import RUN_ID_PATTERN, Severity
+from ampwatch.server.analysis.queries import list_findings
+from ampwatch.server.analysis.schemas import FindingKind, FindingsPublic, FindingStatus
+from ampwatch.server.deps import SessionDep
+from ampwatch.server.runs import get_run
+from ampwatch.server.schemas import RUN_ID_PATTERN, Severity
 
 router = APIRouter(tags=["findings"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]

@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from sqlalchemy import text
 
-from server import __version__
-from server.deps import SessionDep
-from server.schemas import HealthPublic
+from ampwatch.server import __version__
+from ampwatch.server.deps import SessionDep
+from ampwatch.server.schemas import HealthPublic
 
 router = APIRouter(tags=["health"])
 

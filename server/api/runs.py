@@ -6,9 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
-from server.deps import SessionDep, SettingsDep
-from server.runs import delete_run, get_run, list_runs, run_public, run_ranks, upsert_run
-from server.schemas import RUN_ID_PATTERN, Health, RunPublic, RunsPublic, RunUpsert
+from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.runs import delete_run, get_run, list_runs, run_public, run_ranks, upsert_run
+from ampwatch.server.schemas import RUN_ID_PATTERN, Health, RunPublic, RunsPublic, RunUpsert
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]

@@ -6,12 +6,18 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query
 
-from server.api.runs import RunIdPath
-from server.deps import SessionDep
-from server.queries import layer_series_query, layers_query, matrix_query, steps_query
-from server.responses import WireJSONResponse
-from server.runs import get_run
-from server.schemas import MAX_STEP, LayerSeriesPublic, LayersPublic, MatrixPublic, StepsPublic
+from ampwatch.server.api.runs import RunIdPath
+from ampwatch.server.deps import SessionDep
+from ampwatch.server.queries import layer_series_query, layers_query, matrix_query, steps_query
+from ampwatch.server.responses import WireJSONResponse
+from ampwatch.server.runs import get_run
+from ampwatch.server.schemas import (
+    MAX_STEP,
+    LayerSeriesPublic,
+    LayersPublic,
+    MatrixPublic,
+    StepsPublic,
+)
 
 router = APIRouter(prefix="/runs", tags=["series"])
 Start = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="first step (inclusive)")]

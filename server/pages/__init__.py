@@ -4,6 +4,6 @@
 served from the installed plotly package).
 """
 
-from server.pages.routes import router
+from ampwatch.server.pages.routes import router
 
 __all__ = ["router"]

@@ -11,8 +11,8 @@ from urllib.parse import parse_qs, quote
 from fastapi import APIRouter, Depends, HTTPException, Query, Request
 from fastapi.responses import HTMLResponse, RedirectResponse, Response
 
-from server.deps import SettingsDep, require_token
-from server.pages.rendering import render_page
+from ampwatch.server.deps import SettingsDep, require_token
+from ampwatch.server.pages.rendering import render_page
 
 COOKIE = "ampwatch_token"
 COOKIE_MAX_AGE = 30 * 24 * 3600

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import orjson
 
-from client.wire import decode_float
+from ampwatch.client.wire import decode_float
 
 
 def decode_values(values: list) -> tuple[np.ndarray, np.ndarray]:

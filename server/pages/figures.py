@@ -14,7 +14,7 @@ import math
 import numpy as np
 import plotly.graph_objects as go
 
-from server.pages.columns import StepColumns
+from ampwatch.server.pages.columns import StepColumns
 
 # One meaning per colour, everywhere (server/pages/static/app.css uses the same values).
 CRITICAL = "#d93025"

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 import plotly.graph_objects as go
 
-from server.pages.columns import LayerMatrix
-from server.pages.figures import CRITICAL, MUTED, base_figure, label, note
+from ampwatch.server.pages.columns import LayerMatrix
+from ampwatch.server.pages.figures import CRITICAL, MUTED, base_figure, label, note
 
 NAN_COLOUR = "#7f1d1d"  # NaN cells: a darker shade of the critical red used for inf
 DTYPE_COLOURS = {"float16": "#1a73e8", "bfloat16": "#12a4af", "float32": "#e8710a",

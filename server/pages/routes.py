@@ -13,13 +13,13 @@ from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 from plotly.io.json import to_json_plotly
 
-from server.api.runs import RunIdPath
-from server.deps import SessionDep, SettingsDep
-from server.errors import NotFound
-from server.pages import auth, views
-from server.pages.rendering import render_fragment, render_page, script_json
-from server.responses import WireJSONResponse
-from server.schemas import MAX_STEP, Health
+from ampwatch.server.api.runs import RunIdPath
+from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.errors import NotFound
+from ampwatch.server.pages import auth, views
+from ampwatch.server.pages.rendering import render_fragment, render_page, script_json
+from ampwatch.server.responses import WireJSONResponse
+from ampwatch.server.schemas import MAX_STEP, Health
 
 STATIC = FilePath(__file__).parent / "static"
 PLOTLY_JS = FilePath(plotly.__file__).parent / "package_data" / "plotly.min.js"

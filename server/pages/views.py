@@ -10,14 +10,14 @@ from plotly.graph_objects import Figure
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from server.analysis.draft import SEVERITY_RANK
-from server.analysis.queries import list_findings
-from server.models import Run
-from server.pages import figures, heatmaps
-from server.pages.columns import LayerMatrix, StepColumns, by_rank
-from server.queries import layers_query, matrix_query, steps_query
-from server.runs import get_run, list_runs, run_public, run_ranks
-from server.settings import Settings
+from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.queries import list_findings
+from ampwatch.server.models import Run
+from ampwatch.server.pages import figures, heatmaps
+from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
+from ampwatch.server.queries import layers_query, matrix_query, steps_query
+from ampwatch.server.runs import get_run, list_runs, run_public, run_ranks
+from ampwatch.server.settings import Settings
 
 MAX_POINTS = 2000  # per chart line set: what a laptop-wide chart can show
 BUCKETS = 1000  # heatmap columns

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
-import agent
-from agent import guard
-from agent.session import Session
+from ampwatch import agent
+from ampwatch.agent import guard
+from ampwatch.agent.session import Session
 
 
 @pytest.fixture(autouse=True)

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import torch
 
-import agent
+from ampwatch import agent
 from tests.agent.factories import batches, bf16_loop, mlp
 
 REPO = Path(__file__).resolve().parents[2]
@@ -79,7 +79,7 @@ def _child(run_id: str, url: str, spool: Path) -> subprocess.Popen:
         import sys, time, torch
         torch.set_num_threads(1)
         sys.path.insert(0, {str(REPO)!r})
-        import agent
+        from ampwatch import agent
         from tests.agent.factories import batches, bf16_loop, mlp
         model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=0.01)
         agent.attach(model, run={run_id!r}, server={url!r}, flush_interval=0.3)
@@ -119,7 +119,7 @@ def test_sigkill_loses_at_most_the_last_flush_interval(live_server, spool_dir,
             child.stdout.close()
     if not server_up:
         live_server.start()
-    sync = subprocess.run([sys.executable, "-m", "client.cli", "sync", str(spool_dir),
+    sync = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "sync", str(spool_dir),
                            "--server", live_server.url, "--no-progress"],
                           capture_output=True, text=True, cwd=REPO, timeout=120)
     assert sync.returncode == 0, sync.stdout + sync.stderr
@@ -166,7 +166,7 @@ def test_resumed_run_on_the_same_machine_continues_from_its_spool(live_server,
             bf16_loop(model, optimizer, batches(3))
             attachment.flush(0.3)
     live_server.start()
-    sync = subprocess.run([sys.executable, "-m", "client.cli", "sync", str(tmp_path),
+    sync = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "sync", str(tmp_path),
                            "--server", live_server.url], capture_output=True, text=True,
                           timeout=60, cwd=REPO)
     assert sync.returncode == 0, sync.stderr

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from client import Client, Finding
+from ampwatch.client import Client, Finding
 from tests.conftest import LiveServer, free_port
 
 STEPS = 60  # the least the demo accepts: a few seconds per run
@@ -20,7 +20,7 @@ STEPS = 60  # the least the demo accepts: a few seconds per run
 
 def run_demo(*args: str, data_home: Path) -> subprocess.CompletedProcess:
     env = {**os.environ, "XDG_DATA_HOME": str(data_home)}
-    return subprocess.run([sys.executable, "-m", "client.cli", "demo", *args],
+    return subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "demo", *args],
                           capture_output=True, text=True, env=env, timeout=120)
 
 

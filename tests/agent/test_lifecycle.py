@@ -12,9 +12,9 @@ import pytest
 import torch
 from torch import nn
 
-import agent
-from agent import guard, patches
-from agent.collectors.grads import GradNormCollector
+from ampwatch import agent
+from ampwatch.agent import guard, patches
+from ampwatch.agent.collectors.grads import GradNormCollector
 from tests.agent.factories import batches, bf16_loop, fp16_loop, mlp, spooled, spooled_steps
 
 REPO = Path(__file__).resolve().parents[2]
@@ -119,7 +119,7 @@ def _run_script(body: str, env: dict[str, str],
         import os, sys, torch
         torch.set_num_threads(1)
         sys.path.insert(0, {repo!r})
-        import agent
+        from ampwatch import agent
         from tests.agent.factories import batches, bf16_loop, mlp
     """).format(repo=str(REPO)) + textwrap.dedent(body)
     return subprocess.run([sys.executable, "-c", script], env={**os.environ, **env},

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from agent.transport.spool import Spool, batch_text, read_entry
+from ampwatch.agent.transport.spool import Spool, batch_text, read_entry
 from tests.agent.factories import batches, bf16_loop, mlp, spooled
 
 
@@ -74,7 +74,7 @@ def test_a_live_writer_holds_the_lock(tmp_path: Path) -> None:
 def test_dropped_counts_reach_the_batches(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.setenv("AMPWATCH_MODE", "offline")
     monkeypatch.setenv("AMPWATCH_SPOOL_MAX_BYTES", "1")  # keeps only the newest batch
-    import agent
+    from ampwatch import agent
 
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

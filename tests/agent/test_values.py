@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from agent.layers import discover_layers
+from ampwatch.agent.layers import discover_layers
 from tests.agent.factories import (
     TinyGPT,
     batches,

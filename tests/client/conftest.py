@@ -10,8 +10,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from client import Client
-from client.cli import main
+from ampwatch.client import Client
+from ampwatch.client.cli import main
 from tests.conftest import LiveServer
 from tests.utils import make_steps, post_batch, register_run
 

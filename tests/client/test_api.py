@@ -8,7 +8,7 @@ import threading
 import pytest
 from fastapi.testclient import TestClient
 
-from client import (
+from ampwatch.client import (
     BadRequest,
     Client,
     ConnectionFailed,
@@ -19,8 +19,8 @@ from client import (
     Step,
     Unauthorized,
 )
-from server.app import create_app
-from server.settings import Settings
+from ampwatch.server.app import create_app
+from ampwatch.server.settings import Settings
 from tests.client.conftest import N_LAYERS, seed_diverging, seed_healthy
 from tests.conftest import free_port
 from tests.utils import make_steps, post_batch, register_run

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from client import Client
-from client.cli import ERROR_EXIT
+from ampwatch.client import Client
+from ampwatch.client.cli import ERROR_EXIT
 from tests.client.conftest import seed_healthy
 from tests.conftest import LiveServer, free_port
 
@@ -151,7 +151,7 @@ def token_server(tmp_path_factory: pytest.TempPathFactory):
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess:
     """The real entry point in a child process, as a shell would run it."""
-    return subprocess.run([sys.executable, "-m", "client.cli", *args], capture_output=True,
+    return subprocess.run([sys.executable, "-m", "ampwatch.client.cli", *args], capture_output=True,
                           text=True, timeout=60,
                           env={**os.environ, "AMPWATCH_TOKEN": "", **env})
 

@@ -7,8 +7,8 @@ import inspect
 import httpx
 import pytest
 
-import client
-from client import (
+from ampwatch import client
+from ampwatch.client import (
     AmpwatchError,
     BadRequest,
     ConnectionFailed,
@@ -16,7 +16,7 @@ from client import (
     ServerError,
     Unauthorized,
 )
-from client.errors import error_for_response
+from ampwatch.client.errors import error_for_response
 
 
 def test_all_names_every_public_name() -> None:

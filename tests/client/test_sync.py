@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from agent.transport.spool import Spool, read_entry
-from client import Client, NotFound
+from ampwatch.agent.transport.spool import Spool, read_entry
+from ampwatch.client import Client, NotFound
 from tests.conftest import LiveServer
 
 STEPS = 30
@@ -23,7 +23,7 @@ TRAIN = textwrap.dedent("""
     import sys
     import torch
     from torch import nn
-    import agent
+    from ampwatch import agent
 
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -183,7 +183,7 @@ def test_files_stay_when_the_server_refuses_the_token(ampwatch, tmp_path: Path,
 
 
 def test_progress_bar_counts_batches(capsys) -> None:
-    from client.commands.sync import progress_bar
+    from ampwatch.client.commands.sync import progress_bar
 
     progress_bar(3, 4, Path("/spool/run-a/rank-0/000000000002.json.gz"))
     assert "[" + "#" * 22 + "-" * 8 + "] 3/4 batches  run-a" in capsys.readouterr().err

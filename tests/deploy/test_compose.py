@@ -20,5 +20,8 @@ def test_compose_file_is_valid():
 
 
 def test_server_image_installs_no_torch():
-    dockerfile = (ROOT / "Dockerfile").read_text()
-    assert ".[server]" in dockerfile and "agent" not in dockerfile
+    # agent/ is copied (it is part of the one `ampwatch` package and imports torch lazily),
+    # but only the server extra is installed.
+    installs = [line for line in (ROOT / "Dockerfile").read_text().splitlines()
+                if "pip install" in line]
+    assert installs == ['RUN pip install --no-cache-dir ".[server]"']

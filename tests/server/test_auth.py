@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.settings import Settings
+from ampwatch.server.app import create_app
+from ampwatch.server.settings import Settings
 
 
 @pytest.fixture

@@ -9,7 +9,7 @@ import math
 import pytest
 from sqlalchemy import func, select
 
-from server.models import Batch
+from ampwatch.server.models import Batch
 from tests.utils import make_steps, post_batch, register_run
 
 
@@ -150,7 +150,7 @@ def test_malformed_json_and_bad_gzip(api, app):
 def small_limit_api(settings):
     from fastapi.testclient import TestClient
 
-    from server.app import create_app
+    from ampwatch.server.app import create_app
 
     app = create_app(settings.model_copy(update={"max_body_bytes": 4096}))
     with TestClient(app) as client:

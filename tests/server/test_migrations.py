@@ -9,8 +9,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import inspect
 
-from server.db import make_engine, upgrade
-from server.models import Base
+from ampwatch.server.db import make_engine, upgrade
+from ampwatch.server.models import Base
 
 
 def test_upgrade_from_empty_matches_the_models(database_url):
@@ -27,7 +27,7 @@ def test_upgrade_from_empty_matches_the_models(database_url):
 
 def test_db_upgrade_command(tmp_path):
     url = f"sqlite:///{tmp_path / 'cli.db'}"
-    done = subprocess.run([sys.executable, "-m", "client.cli", "db", "upgrade",
+    done = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "db", "upgrade",
                            "--database-url", url], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0, done.stderr
     assert "up to date" in done.stdout
@@ -37,7 +37,7 @@ def test_db_upgrade_command(tmp_path):
 
 
 def test_bad_database_url_is_one_clear_line():
-    done = subprocess.run([sys.executable, "-m", "client.cli", "db", "upgrade",
+    done = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "db", "upgrade",
                            "--database-url", "mysql://x"], capture_output=True, text=True,
                           timeout=60)
     assert done.returncode != 0

@@ -9,8 +9,8 @@ schemathesis = pytest.importorskip("schemathesis")
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.checks import not_a_server_error  # noqa: E402
 
-from server.app import create_app  # noqa: E402
-from server.settings import Settings  # noqa: E402
+from ampwatch.server.app import create_app  # noqa: E402
+from ampwatch.server.settings import Settings  # noqa: E402
 from tests.utils import make_steps, register_run  # noqa: E402
 
 

@@ -8,11 +8,11 @@ from collections.abc import Iterable
 from types import SimpleNamespace
 from typing import Any
 
-from server.analysis import AnalysisSettings, RunContext
-from server.analysis.context import LayerInfo
-from server.schemas import StepIn
-from server.series import StepSeries, concat
-from server.storage import new_batch_row, unpack_row
+from ampwatch.server.analysis import AnalysisSettings, RunContext
+from ampwatch.server.analysis.context import LayerInfo
+from ampwatch.server.schemas import StepIn
+from ampwatch.server.series import StepSeries, concat
+from ampwatch.server.storage import new_batch_row, unpack_row
 
 INF = math.inf
 NAN = math.nan

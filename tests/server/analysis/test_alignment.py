@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.analysis.alignment import detect_misaligned_layers
-from server.analysis.context import LayerInfo
-from server.series import StepSeries
+from ampwatch.server.analysis.alignment import detect_misaligned_layers
+from ampwatch.server.analysis.context import LayerInfo
+from ampwatch.server.series import StepSeries
 from tests.server.analysis.factories import (
     SETTINGS,
     activations,

@@ -12,8 +12,8 @@ import pytest
 import torch
 from torch import nn
 
-import agent
-from agent import guard
+from ampwatch import agent
+from ampwatch.agent import guard
 from tests.conftest import LiveServer
 
 

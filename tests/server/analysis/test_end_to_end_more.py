@@ -13,7 +13,7 @@ import pytest
 import torch
 from torch import nn
 
-import agent
+from ampwatch import agent
 from tests.server.analysis import test_end_to_end
 from tests.server.analysis.test_end_to_end import Net, data, findings, steps_of, train
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from server.analysis.nonfinite import detect_nonfinite
+from ampwatch.server.analysis.nonfinite import detect_nonfinite
 from tests.server.analysis.factories import (
     INF,
     NAN,

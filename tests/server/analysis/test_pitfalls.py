@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
-from server.analysis.speed import detect_speed
-from server.series import StepSeries
+from ampwatch.server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
+from ampwatch.server.analysis.speed import detect_speed
+from ampwatch.server.series import StepSeries
 from tests.server.analysis.factories import (
     SETTINGS,
     context,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from server.analysis.context import LayerInfo
-from server.analysis.precision import detect_precision_map
+from ampwatch.server.analysis.context import LayerInfo
+from ampwatch.server.analysis.precision import detect_precision_map
 from tests.server.analysis.factories import (
     SETTINGS,
     activations,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
+from ampwatch.server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
 from tests.server.analysis.factories import (
     SETTINGS,
     activations,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from server.analysis import AnalysisSettings
-from server.analysis.scaler import calibration_mask, detect_scaler_divergence
+from ampwatch.server.analysis import AnalysisSettings
+from ampwatch.server.analysis.scaler import calibration_mask, detect_scaler_divergence
 from tests.server.analysis.factories import (
     INF,
     NAN,

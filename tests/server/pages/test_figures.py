@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from server.pages import figures, heatmaps
-from server.pages.columns import LayerMatrix, StepColumns, decode_values
+from ampwatch.server.pages import figures, heatmaps
+from ampwatch.server.pages.columns import LayerMatrix, StepColumns, decode_values
 
 
 def steps(items: list[dict]) -> list[StepColumns]:

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from fastapi.testclient import TestClient
 
-from server.app import create_app
-from server.settings import Settings
+from ampwatch.server.app import create_app
+from ampwatch.server.settings import Settings
 from tests.utils import make_steps, post_batch, register_run
 
 XSS = "<script>alert(1)</script>"

@@ -8,7 +8,7 @@ import httpx
 import torch
 from torch import nn
 
-import agent
+from ampwatch import agent
 
 
 class Block(nn.Module):
