@@ -14,6 +14,7 @@ from ampwatch.client.models import (
     BatchAck,
     Finding,
     Health,
+    Incident,
     Layer,
     LayerMatrix,
     LayerSeries,
@@ -190,6 +191,14 @@ class Client:
         path = f"/runs/{run_id}/findings" if run_id is not None else "/findings"
         return Records(self._pages(path, Finding, self.FINDINGS_PAGE, limit,
                                    kind=kind, severity=severity, status=status), of=Finding)
+
+    def incidents(self, run_id: str, *, status: str | None = None,
+                  severity: str | None = None) -> Records[Incident]:
+        """A run's findings grouped by root cause, open first, most severe first;
+        filtered by status (open, resolved) and severity."""
+        body = self._request("GET", f"/runs/{run_id}/incidents",
+                             params={"status": status, "severity": severity})
+        return Records((Incident.from_json(item) for item in body["items"]), of=Incident)
 
     # plumbing
 

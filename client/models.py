@@ -102,6 +102,8 @@ class Run(Model):
     environment: dict[str, Any] = dataclasses.field(default_factory=dict)
     live: bool = False
     open_findings: int = 0
+    open_problems: int = 0  # open incidents at warning or critical
+    open_notes: int = 0  # open info incidents
     n_layers: int = 0
     steps: int = 0
     skipped: int = 0
@@ -217,6 +219,37 @@ class LayerMatrix(Model):
 
 
 @dataclasses.dataclass(frozen=True)
+class TimelineEntry(Model):
+    step: int | None
+    what: str
+    finding: int
+    severity: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Incident(Model):
+    """Findings of one root cause (the same rank, cause and layer) told once: `headline`
+    and `fix` (None when one finding without a known cause is the whole incident: its
+    message says it), steps `step..last_step`, and a `timeline` of its findings.
+    `problem`: open and at least a warning."""
+
+    id: int
+    run_id: str
+    severity: str
+    status: str = "open"
+    problem: bool = False
+    rank: int = 0
+    cause: str | None = None
+    layer: str | None = None
+    step: int | None = None
+    last_step: int | None = None
+    headline: str | None = None
+    fix: str | None = None
+    findings: list[int] = dataclasses.field(default_factory=list)
+    timeline: list[TimelineEntry] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
 class Finding(Model):
     """Something the analysis flagged in a run: `severity` info/warning/critical,
     `status` open or resolved, steps `step..last_step`, `layer` when one is to blame."""
@@ -236,6 +269,7 @@ class Finding(Model):
     evidence: dict[str, Any] = dataclasses.field(default_factory=dict)
     created_at: datetime | None = None
     updated_at: datetime | None = None
+    incident: int | None = None  # id of the incident (root cause) it belongs to
 
     @property
     def severity_rank(self) -> int:

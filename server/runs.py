@@ -2,25 +2,18 @@
 
 from __future__ import annotations
 
-from datetime import UTC, datetime
-
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
+from ampwatch.server.analysis.incidents import Incident
+from ampwatch.server.analysis.queries import incidents_by_run
 from ampwatch.server.db import writing
 from ampwatch.server.errors import NotFound
-from ampwatch.server.models import Layer, Run, RunRank, utcnow
+from ampwatch.server.models import Layer, Run, RunRank, as_utc, utcnow
 from ampwatch.server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
 from ampwatch.server.settings import Settings
-
-
-def as_utc(moment: datetime | None) -> datetime | None:
-    """SQLite hands back naive datetimes; every stored time is UTC."""
-    if moment is None or moment.tzinfo is not None:
-        return moment
-    return moment.replace(tzinfo=UTC)
 
 
 def get_run(session: Session, run_id: str) -> Run:
@@ -99,8 +92,9 @@ def list_runs(
     runs = list(
         session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset))
     )
-    ranks = _ranks_of(session, [r.id for r in runs])
-    items = [run_public(r, ranks.get(r.id, []), settings) for r in runs]
+    ids = [r.id for r in runs]
+    ranks, incidents = _ranks_of(session, ids), incidents_by_run(session, ids, open_only=True)
+    items = [run_public(r, ranks.get(r.id, []), settings, incidents[r.id]) for r in runs]
     return RunsPublic(items=items, total=total, limit=limit, offset=offset)
 
 
@@ -119,8 +113,16 @@ def run_ranks(session: Session, run_id: str) -> list[RunRank]:
     return _ranks_of(session, [run_id]).get(run_id, [])
 
 
-def run_public(run: Run, ranks: list[RunRank], settings: Settings) -> RunPublic:
-    """The API view of a run: its fields plus totals over its ranks."""
+def public_run(session: Session, run: Run, settings: Settings) -> RunPublic:
+    """`run_public` of one run, reading its ranks and open incidents."""
+    return run_public(run, run_ranks(session, run.id), settings,
+                      incidents_by_run(session, [run.id], open_only=True)[run.id])
+
+
+def run_public(run: Run, ranks: list[RunRank], settings: Settings,
+               open_incidents: list[Incident]) -> RunPublic:
+    """The API view of a run: its fields, totals over its ranks and its open incidents
+    counted (problems: warning or critical; notes: info)."""
     steps = sum(r.steps for r in ranks)
     skipped = sum(r.skipped for r in ranks)
     last_seen = as_utc(run.last_seen_at)
@@ -138,6 +140,8 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings) -> RunPublic:
         status=run.status,
         live=live,
         open_findings=run.open_findings,
+        open_problems=sum(i.problem for i in open_incidents),
+        open_notes=sum(not i.problem for i in open_incidents),
         n_layers=run.n_layers,
         steps=steps,
         skipped=skipped,

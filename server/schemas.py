@@ -103,6 +103,9 @@ class RunPublic(BaseModel):
     status: Health
     live: bool
     open_findings: int
+    # open incidents (findings grouped by root cause): warning or critical ones, info ones
+    open_problems: int = 0
+    open_notes: int = 0
     n_layers: int
     steps: int
     skipped: int

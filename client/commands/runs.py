@@ -6,8 +6,7 @@ import argparse
 
 from ampwatch.client import render
 from ampwatch.client.commands import connect, print_json
-from ampwatch.client.commands.findings import findings_table
-from ampwatch.client.models import Run
+from ampwatch.client.models import Finding, Incident, Run
 
 HEALTH = ("healthy", "warning", "critical")
 
@@ -37,10 +36,10 @@ def list_runs(args: argparse.Namespace) -> int:
         print("no runs")
     else:
         print(render.table(
-            ["id", "name", "project", "status", "last step", "scale", "skip rate", "findings"],
+            ["id", "name", "project", "status", "last step", "scale", "skip rate", "problems"],
             [[r.id, r.name, r.project, r.status + (" (live)" if r.live else ""),
               render.number(r.last_step), render.scale(r.loss_scale),
-              render.percent(r.skip_rate), str(r.open_findings)] for r in runs],
+              render.percent(r.skip_rate), str(r.open_problems)] for r in runs],
             right=(4, 5, 6, 7),
         ))
     return 0
@@ -50,21 +49,48 @@ def show_run(args: argparse.Namespace) -> int:
     with connect(args) as client:
         run = client.run(args.run)
         findings = client.findings(run.id)
+        incidents = client.incidents(run.id)
     if args.json:
-        print_json({"run": run, "findings": findings})
+        print_json({"run": run, "incidents": incidents, "findings": findings})
         return 0
     print(summary(run))
-    open_findings = [f for f in findings if f.status == "open"]
-    resolved = len(findings) - len(open_findings)
+    by_id = {f.id: f for f in findings}
+    problems = [i for i in incidents if i.problem]
+    notes = [i for i in incidents if i.status == "open" and not i.problem]
+    resolved = len(incidents) - len(problems) - len(notes)
     print()
-    if open_findings:
-        print(f"Open findings ({len(open_findings)}):")
-        print(findings_table(open_findings, with_run=False))
+    if problems:
+        print(f"Open problems ({len(problems)}):")
+        print(incidents_text(problems, by_id))
     else:
-        print("No open findings.")
+        print("No open problems.")
+    if notes:
+        print(f"\nNotes ({len(notes)}):")
+        print(incidents_text(notes, by_id))
     if resolved:
         print(f"({resolved} resolved; `ampwatch findings {run.id} --status resolved`)")
     return 0
+
+
+def incidents_text(incidents: list[Incident], findings: dict[int, Finding]) -> str:
+    """One block per incident: severity, headline (or its one finding's message), first
+    step and layer, the fix, then its timeline when it holds several findings."""
+    blocks = []
+    for incident in incidents:
+        lead = findings.get(incident.findings[0])
+        headline = incident.headline or (lead.message if lead else incident.cause or "-")
+        where = ", ".join(part for part in (
+            f"from step {incident.step}" if incident.step is not None else "",
+            f"layer {incident.layer}" if incident.layer and not incident.headline else "",
+            f"rank {incident.rank}" if incident.rank else "") if part)
+        lines = [f"{incident.severity.upper():<8} {headline}" + (f" ({where})" if where else "")]
+        if incident.fix:
+            lines.append(f"         fix: {incident.fix}")
+        if len(incident.timeline) > 1:
+            lines += [f"         step {render.number(entry.step):>7}  {entry.what} "
+                      f"({entry.severity})" for entry in incident.timeline]
+        blocks.append("\n".join(lines))
+    return "\n".join(blocks)
 
 
 def summary(run: Run) -> str:

@@ -2,24 +2,32 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from sqlalchemy import case, func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.schemas import FindingPublic, FindingsPublic
-from ampwatch.server.models import Finding
-from ampwatch.server.runs import as_utc
+from ampwatch.server.analysis.incidents import Incident, group_incidents, incident_of
+from ampwatch.server.analysis.schemas import (
+    FindingPublic,
+    FindingsPublic,
+    IncidentPublic,
+    IncidentsPublic,
+)
+from ampwatch.server.models import Finding, as_utc
 
 SEVERITY_ORDER = case({"critical": 0, "warning": 1, "info": 2}, value=Finding.severity, else_=3)
 OPEN_FIRST = case((Finding.status == "open", 0), else_=1)
 
 
-def finding_public(finding: Finding) -> FindingPublic:
+def finding_public(finding: Finding, incident: int | None = None) -> FindingPublic:
     return FindingPublic(
         id=finding.id, run_id=finding.run_id, kind=finding.kind, code=finding.code,
         severity=finding.severity, status=finding.status, rank=finding.rank,
         step=finding.step, last_step=finding.last_step, layer=finding.layer,
         message=finding.message, evidence=finding.evidence or {}, count=finding.count,
         created_at=as_utc(finding.created_at), updated_at=as_utc(finding.updated_at),
+        incident=incident,
     )
 
 
@@ -48,6 +56,39 @@ def list_findings(
         order = (OPEN_FIRST, SEVERITY_ORDER, Finding.step, Finding.id)
     else:
         order = (Finding.updated_at.desc(), Finding.id.desc())
-    rows = session.scalars(query.order_by(*order).limit(limit).offset(offset))
-    return FindingsPublic(items=[finding_public(f) for f in rows], total=total,
-                          limit=limit, offset=offset)
+    rows = list(session.scalars(query.order_by(*order).limit(limit).offset(offset)))
+    incident = {}
+    for incidents in incidents_by_run(session, {f.run_id for f in rows}).values():
+        incident |= incident_of(incidents)
+    return FindingsPublic(items=[finding_public(f, incident.get(f.id)) for f in rows],
+                          total=total, limit=limit, offset=offset)
+
+
+def incidents_by_run(session: Session, run_ids: Iterable[str], *,
+                     open_only: bool = False) -> dict[str, list[Incident]]:
+    """The incidents of each run, from all its findings (or only its open ones): one
+    query; findings per run are few (one per key and episode)."""
+    run_ids = list(run_ids)
+    if not run_ids:
+        return {}
+    query = select(Finding).where(Finding.run_id.in_(run_ids)).order_by(Finding.id)
+    if open_only:
+        query = query.where(Finding.status == "open")
+    by_run: dict[str, list[Finding]] = {run_id: [] for run_id in run_ids}
+    for finding in session.scalars(query):
+        by_run[finding.run_id].append(finding)
+    return {run_id: group_incidents(found) for run_id, found in by_run.items()}
+
+
+def incident_public(incident: Incident) -> IncidentPublic:
+    return IncidentPublic(**{**vars(incident), "problem": incident.problem,
+                             "timeline": [vars(t) for t in incident.timeline]})
+
+
+def list_incidents(session: Session, run_id: str, *, status: str | None = None,
+                   severity: str | None = None) -> IncidentsPublic:
+    """A run's incidents, open first, most severe first, then by first step."""
+    incidents = [i for i in incidents_by_run(session, [run_id])[run_id]
+                 if (status is None or i.status == status)
+                 and (severity is None or i.severity == severity)]
+    return IncidentsPublic(items=[incident_public(i) for i in incidents], total=len(incidents))

@@ -40,6 +40,7 @@ class FindingPublic(BaseModel):
     count: int
     created_at: datetime
     updated_at: datetime
+    incident: int | None = None  # id of the incident (root cause) it belongs to
 
 
 class FindingsPublic(BaseModel):
@@ -47,3 +48,37 @@ class FindingsPublic(BaseModel):
     total: int
     limit: int
     offset: int
+
+
+class TimelineEntryPublic(BaseModel):
+    step: int | None
+    what: str
+    finding: int
+    severity: Severity
+
+
+class IncidentPublic(BaseModel):
+    """Findings that share one root cause (the same rank, cause and layer), told once:
+    `headline` and `fix` say what went wrong and what to do (None for an incident of one
+    finding without a known cause: its finding's message says it), `timeline` how it
+    played out. `problem`: open and at least a warning."""
+
+    id: int
+    run_id: str
+    rank: int
+    cause: str | None
+    layer: str | None
+    severity: Severity
+    status: FindingStatus
+    problem: bool
+    step: int | None
+    last_step: int | None
+    headline: str | None
+    fix: str | None
+    findings: list[int]
+    timeline: list[TimelineEntryPublic]
+
+
+class IncidentsPublic(BaseModel):
+    items: list[IncidentPublic]
+    total: int

@@ -6,8 +6,13 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
-from ampwatch.server.analysis.queries import list_findings
-from ampwatch.server.analysis.schemas import FindingKind, FindingsPublic, FindingStatus
+from ampwatch.server.analysis.queries import list_findings, list_incidents
+from ampwatch.server.analysis.schemas import (
+    FindingKind,
+    FindingsPublic,
+    FindingStatus,
+    IncidentsPublic,
+)
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.runs import get_run
 from ampwatch.server.schemas import RUN_ID_PATTERN, Severity
@@ -36,6 +41,20 @@ def get_run_findings(
     get_run(session, run_id)
     return list_findings(session, run_id=run_id, kind=kind, code=code, severity=severity,
                          status=status, rank=rank, limit=limit, offset=offset)
+
+
+@router.get("/runs/{run_id}/incidents", response_model=IncidentsPublic)
+def get_run_incidents(
+    run_id: RunIdPath,
+    session: SessionDep,
+    status: FindingStatus | None = None,
+    severity: Severity | None = None,
+) -> IncidentsPublic:
+    """A run's findings grouped by root cause (same rank, cause and layer): one incident
+    with a headline, the first step, the fix and a timeline; open first, most severe
+    first. Each finding's `incident` field names its incident. 404 for an unknown run."""
+    get_run(session, run_id)
+    return list_incidents(session, run_id, status=status, severity=severity)
 
 
 @router.get("/findings", response_model=FindingsPublic)

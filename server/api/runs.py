@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 
 from ampwatch.server.deps import SessionDep, SettingsDep
-from ampwatch.server.runs import delete_run, get_run, list_runs, run_public, run_ranks, upsert_run
+from ampwatch.server.runs import delete_run, get_run, list_runs, public_run, upsert_run
 from ampwatch.server.schemas import RUN_ID_PATTERN, Health, RunPublic, RunsPublic, RunUpsert
 
 router = APIRouter(prefix="/runs", tags=["runs"])
@@ -19,7 +19,7 @@ def put_run(run_id: RunIdPath, body: RunUpsert, session: SessionDep,
             settings: SettingsDep) -> RunPublic:
     """Register a run, or update the fields the body names (idempotent)."""
     run = upsert_run(session, run_id, body, settings)
-    return run_public(run, run_ranks(session, run_id), settings)
+    return public_run(session, run, settings)
 
 
 @router.get("", response_model=RunsPublic)
@@ -40,7 +40,7 @@ def get_runs(
 @router.get("/{run_id}", response_model=RunPublic)
 def get_one_run(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
     """One run with its totals per rank."""
-    return run_public(get_run(session, run_id), run_ranks(session, run_id), settings)
+    return public_run(session, get_run(session, run_id), settings)
 
 
 @router.delete("/{run_id}", status_code=204, response_class=Response)

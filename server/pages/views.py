@@ -16,7 +16,7 @@ from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.queries import layers_query, matrix_query, steps_query
-from ampwatch.server.runs import get_run, list_runs, run_public, run_ranks
+from ampwatch.server.runs import get_run, list_runs, public_run
 from ampwatch.server.settings import Settings
 
 MAX_POINTS = 2000  # per chart line set: what a laptop-wide chart can show
@@ -49,8 +49,7 @@ def projects(session: Session) -> list[str]:
 
 
 def _run(session: Session, run_id: str, settings: Settings) -> dict:
-    return run_public(get_run(session, run_id), run_ranks(session, run_id),
-                      settings).model_dump(mode="json")
+    return public_run(session, get_run(session, run_id), settings).model_dump(mode="json")
 
 
 def findings_of(session: Session, run_id: str, kind: str | None = None) -> dict:
@@ -227,7 +226,7 @@ def compare_twin(session: Session, settings: Settings, run_ids: list[str]) -> di
         if run is None:
             missing.append(run_id)
             continue
-        public = run_public(run, run_ranks(session, run_id), settings).model_dump(mode="json")
+        public = public_run(session, run, settings).model_dump(mode="json")
         lead = min((r["rank"] for r in public["ranks"]), default=0)
         runs.append(public)
         steps[run_id] = steps_query(session, run, rank=lead, max_points=MAX_POINTS)

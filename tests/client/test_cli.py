@@ -22,7 +22,7 @@ def test_runs_table_is_aligned(ampwatch) -> None:
     assert result.code == 0, result.err
     header, *rows = result.out.splitlines()
     assert header.split()[:4] == ["ID", "NAME", "PROJECT", "STATUS"]
-    assert "SKIP RATE" in header and "FINDINGS" in header
+    assert "SKIP RATE" in header and "PROBLEMS" in header
     by_id = {row.split()[0]: row for row in rows}
     assert set(by_id) >= {"healthy", "diverging"}
     assert "critical" in by_id["diverging"] and "23.1%" in by_id["diverging"]
@@ -44,15 +44,21 @@ def test_runs_json_and_filters(ampwatch, server, server_api) -> None:
     assert ampwatch("runs", "--project", "nowhere").out.strip() == "no runs"
 
 
-def test_show_summarises_a_run_with_its_findings(ampwatch) -> None:
+def test_show_summarises_a_run_with_its_incidents(ampwatch, server) -> None:
     result = ampwatch("show", "diverging")
     assert result.code == 0, result.err
     assert "status:     critical" in result.out
     assert "260 (last step 259, 60 skipped, 23.1%)" in result.out
     assert "32768 (2^15)" in result.out
     assert "autocast float16, GradScaler (growth interval 2000)" in result.out
-    assert "Open findings" in result.out and "scaler_divergence" in result.out
-    assert "200-259" in result.out and "blocks.0.fc" in result.out
+    with Client(server.url) as client:
+        incidents = client.incidents("diverging", status="open")
+        findings = client.findings("diverging", status="open")
+    problems = [i for i in incidents if i.problem]
+    assert len(incidents) < len(findings)  # counted by root cause, not by finding
+    assert f"Open problems ({len(problems)}):" in result.out
+    assert "blocks.0.fc" in result.out and "from step 200" in result.out
+    assert "steps skipped in a row" in result.out  # the incident's timeline
 
 
 def test_show_json(ampwatch, server) -> None:
@@ -61,6 +67,7 @@ def test_show_json(ampwatch, server) -> None:
         expected = client.run("diverging")
     assert shown["run"] == expected.to_json()
     assert {f["kind"] for f in shown["findings"]} >= {"scaler_divergence", "nonfinite"}
+    assert {f["incident"] for f in shown["findings"]} == {i["id"] for i in shown["incidents"]}
 
 
 def test_findings_across_runs_and_by_severity(ampwatch, server) -> None:

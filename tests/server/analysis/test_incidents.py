@@ -1,0 +1,115 @@
+"""Grouping findings into incidents, on hand-made findings (the pure function) and over
+the API on a real server (the route, the `incident` field and the run's counts)."""
+
+from __future__ import annotations
+
+import itertools
+
+from ampwatch.server.analysis.incidents import group_incidents, incident_of, root_cause
+from tests.utils import make_steps, post_batch, register_run
+
+_ids = itertools.count(1)
+
+
+def finding(kind: str, step: int | None, *, layer: str | None = None, severity="warning",
+            status="open", rank=0, run_id="r", last_step=None, **evidence) -> dict:
+    return {"id": next(_ids), "run_id": run_id, "kind": kind, "rank": rank, "step": step,
+            "last_step": last_step, "layer": layer, "severity": severity, "status": status,
+            "evidence": evidence}
+
+
+def overflow_story(layer: str = "boom", **common) -> list[dict]:
+    """The four findings of one layer overflowing fp16, as the detectors write them."""
+    return [
+        finding("scaler_divergence", 160, layer=layer, severity="critical", last_step=499,
+                check="scale_collapse", cause="forward_overflow", **common),
+        finding("scaler_divergence", 147, layer=layer, severity="critical", last_step=499,
+                check="skip_streak", cause="forward_overflow", **common),
+        finding("nonfinite", 145, layer=layer, severity="warning", last_step=499,
+                cause="forward_overflow", first_nonfinite_layer=layer, **common),
+        finding("overflow_risk", 134, layer=layer, severity="warning", last_step=140,
+                **common),
+    ]
+
+
+def test_one_layer_overflowing_is_one_incident_with_its_timeline():
+    story = overflow_story()
+    small_model = finding("pitfall", 0, severity="info", code="small_model")
+    incidents = group_incidents([*story, small_model])
+    assert len(incidents) == 2
+    boom, note = incidents
+    assert (boom.cause, boom.layer, boom.severity, boom.status) == (
+        "forward_overflow", "boom", "critical", "open")
+    assert (boom.step, boom.last_step) == (134, 499)
+    assert boom.headline == "Layer 'boom' overflows fp16 in the forward pass"
+    assert boom.fix.startswith("Run it in fp32 (torch.autocast(device_type, enabled=False)")
+    assert [(e.step, e.what) for e in boom.timeline] == [
+        (134, "outputs close to fp16's maximum"), (145, "first non-finite step"),
+        (147, "steps skipped in a row"), (160, "loss scale at or below 1")]
+    assert sorted(boom.findings) == sorted(f["id"] for f in story)
+    assert boom.id == min(f["id"] for f in story) and boom.problem
+    assert note.findings == [small_model["id"]] and note.headline is None
+    assert not note.problem  # info: a note, not a problem
+    assert incident_of(incidents)[story[2]["id"]] == boom.id
+
+
+def test_different_layers_causes_and_ranks_are_different_incidents():
+    a = overflow_story("a")
+    b = overflow_story("b")
+    other_rank = overflow_story("a", rank=1)
+    loss = finding("nonfinite", 10, cause="nonfinite_loss")
+    no_cause = finding("scaler_divergence", 5, check="skip_ratio")
+    incidents = group_incidents([*a, *b, *other_rank, loss, no_cause])
+    assert len(incidents) == 5
+    assert {(i.rank, i.layer) for i in incidents if i.cause == "forward_overflow"} == {
+        (0, "a"), (0, "b"), (1, "a")}
+    assert root_cause(no_cause) is None
+    assert next(i for i in incidents if i.cause == "nonfinite_loss").headline == \
+        "The loss is inf/NaN"
+
+
+def test_an_incident_is_open_while_any_finding_is_and_takes_the_worst_open_severity():
+    resolved_critical = finding("scaler_divergence", 50, layer="x", severity="critical",
+                                status="resolved", check="skip_streak",
+                                cause="forward_overflow")
+    open_warning = finding("nonfinite", 40, layer="x", cause="forward_overflow")
+    (incident,) = group_incidents([resolved_critical, open_warning])
+    assert (incident.status, incident.severity) == ("open", "warning")
+    open_warning["status"] = "resolved"
+    (incident,) = group_incidents([resolved_critical, open_warning])
+    assert (incident.status, incident.severity) == ("resolved", "critical")
+
+
+def test_incidents_order_open_first_then_most_severe():
+    late_critical = finding("scaler_divergence", 90, severity="critical", check="skip_streak",
+                            cause="nonfinite_loss")
+    early_warning = finding("overflow_risk", 10, layer="y")
+    resolved = finding("nonfinite", 1, status="resolved", cause="nonfinite_input")
+    order = [i.findings for i in group_incidents([resolved, early_warning, late_critical])]
+    assert order == [[late_critical["id"]], [early_warning["id"]], [resolved["id"]]]
+
+
+def test_api_groups_a_runs_findings_and_counts_incidents(api):
+    register_run(api, "grouped", n_layers=3)
+    steps = make_steps(0, 400, 3, sample_every=1)
+    for step in steps[200:]:  # layer 1's output and the loss go inf from step 200 on
+        step.update(skipped=True, loss="Infinity", grad_norm="Infinity",
+                    loss_scale=2.0 ** max(16 - (step["step"] - 199), -10),
+                    layer_grad_norm=["Infinity"] * 3)
+        step["activations"]["absmax"] = [1.0, "Infinity", "Infinity"]
+    for seq, first in enumerate(range(0, 400, 100)):
+        assert post_batch(api, "grouped", seq, steps[first:first + 100]).status_code == 200
+    findings = api.get("/api/v1/runs/grouped/findings?status=open").json()["items"]
+    incidents = api.get("/api/v1/runs/grouped/incidents?status=open").json()["items"]
+    assert len(findings) > len(incidents) >= 1
+    assert {f["incident"] for f in findings} == {i["id"] for i in incidents}
+    head = incidents[0]
+    assert head["cause"] == "forward_overflow" and head["severity"] == "critical"
+    assert head["headline"].startswith("Layer ") and head["problem"] is True
+    assert [e["step"] for e in head["timeline"]] == sorted(e["step"] for e in head["timeline"])
+    run = api.get("/api/v1/runs/grouped").json()
+    assert run["open_problems"] == sum(i["problem"] for i in incidents)
+    assert run["open_findings"] == len(findings)
+    listed = next(r for r in api.get("/api/v1/runs").json()["items"] if r["id"] == "grouped")
+    assert listed["open_problems"] == run["open_problems"]
+    assert api.get("/api/v1/runs/nope/incidents").status_code == 404
