@@ -161,7 +161,7 @@ class Attachment:
                                meta, record)
         finally:
             session.buffer.release(item.host)
-        if record.get("skipped") or any(
+        if record.get("skipped") or record.get("forward_nonfinite") or any(
                 isinstance(record.get(k), float) and not math.isfinite(record[k])
                 for k in ("grad_norm", "loss")):
             session.note_anomaly(item.step)

@@ -21,7 +21,7 @@ PROJECT = "ampwatch-demo"
 BATCH = 32
 FEATURES = 64
 CLASSES = 16
-VOCAB = 1001          # not a multiple of 8: the misaligned embedding
+VOCAB = 1001          # not a multiple of 8, but an untied lookup is no matmul: not flagged
 TOKENS = 8
 OVERFLOW_GAIN = 1e5   # what the overflowing layer multiplies its output by
 

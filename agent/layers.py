@@ -2,6 +2,8 @@
 
 A layer is a module that owns parameters itself, has no children, or looks like an
 attention block (it names a head count). The table is built once at attach (host only).
+A parameter held by several layers (a tied embedding and LM head) counts in the first
+layer's `param_count` only; the later ones name it in `attrs["tied_to"]`.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class Layer:
     params: list[nn.Parameter]
     attrs: dict[str, Any] = field(default_factory=dict)
     forward_index: int | None = None
+    tied: frozenset[int] = frozenset()  # ids of own params an earlier layer already holds
 
     def describe(self) -> dict[str, Any]:
         """The layer's entry in the run registration body (docs/wire-format.md)."""
@@ -34,7 +37,7 @@ class Layer:
             "index": self.index,
             "name": self.name,
             "type": type(self.module).__name__,
-            "param_count": sum(p.numel() for p in own.values()),
+            "param_count": sum(p.numel() for p in own.values() if id(p) not in self.tied),
             "dtype": _dtype_name(next(iter(own.values())).dtype) if own else None,
             "shapes": {k: list(p.shape) for k, p in own.items()},
             "attrs": self.attrs,
@@ -81,10 +84,18 @@ def layer_attrs(module: nn.Module) -> dict[str, Any]:
 def discover_layers(model: nn.Module) -> list[Layer]:
     """Layers in registration order; host only, no device work."""
     layers: list[Layer] = []
+    holder: dict[int, str] = {}  # parameter id -> the first layer that holds it
     for name, module in model.named_modules():
         own = list(module.parameters(recurse=False))
         has_children = next(module.children(), None) is not None
         if own or not has_children or _is_attention(module):
-            layers.append(Layer(index=len(layers), name=name or "model", module=module,
-                                params=own, attrs=layer_attrs(module)))
+            layer = Layer(index=len(layers), name=name or "model", module=module,
+                          params=own, attrs=layer_attrs(module))
+            tied = {id(p) for p in own if id(p) in holder}
+            if tied:
+                layer.tied = frozenset(tied)
+                layer.attrs["tied_to"] = holder[next(iter(tied))]
+            for p in own:
+                holder.setdefault(id(p), layer.name)
+            layers.append(layer)
     return layers

@@ -136,6 +136,8 @@ class Step(Model):
     t_step_ms: float | None = None
     peak_mem_bytes: float | None = None
     input_nonfinite: bool | None = None
+    forward_nonfinite: bool | None = None
+    first_nonfinite_layer: int | None = None
     autocast_dtype: str | None = None
     scheduler_steps: int | None = None
     scaler_updates: int | None = None

@@ -3,22 +3,55 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
+import sys
+import textwrap
 from collections.abc import Sequence
 from datetime import UTC, datetime
 
+MIN_WRAP = 40  # narrower than this, the last column wraps under the row instead
+
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
-          right: Sequence[int] = ()) -> str:
+          right: Sequence[int] = (), wrap_width: int | None = None) -> str:
     """Rows as aligned text columns under upper-case headers; columns whose position is in
-    `right` are right-aligned (numbers). Cells must already be strings."""
+    `right` are right-aligned (numbers). Cells must already be strings. With `wrap_width`,
+    the last column (free text) is wrapped so that lines fit in that many characters,
+    never cut; continuation lines are indented to its column."""
+    last = len(headers) - 1
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
+    indent = sum(widths[:last]) + 2 * last
+    text_width = None
+    if wrap_width is not None:
+        text_width = wrap_width - indent
+        if text_width < MIN_WRAP:  # no room beside the columns: under them, indented by 4
+            indent, text_width = 4, max(wrap_width - 4, MIN_WRAP)
 
     def line(cells: Sequence[str]) -> str:
         padded = [c.rjust(w) if i in right else c.ljust(w)
                   for i, (c, w) in enumerate(zip(cells, widths, strict=True))]
-        return "  ".join(padded).rstrip()
+        if text_width is None:
+            return "  ".join(padded).rstrip()
+        head = "  ".join(padded[:last])
+        pieces = textwrap.wrap(cells[last], text_width, break_on_hyphens=False) or [""]
+        if indent != len(head) + 2:
+            return "\n".join([head.rstrip(), *(" " * indent + p for p in pieces)])
+        return "\n".join([f"{head}  {pieces[0]}".rstrip(),
+                          *(" " * indent + p for p in pieces[1:])])
 
-    return "\n".join([line([h.upper() for h in headers]), *(line(row) for row in rows)])
+    header = "  ".join(h.upper().ljust(w) for h, w in zip(headers, widths, strict=True))
+    return "\n".join([header.rstrip(), *(line(row) for row in rows)])
+
+
+def terminal_width() -> int | None:
+    """Columns to wrap text to: $COLUMNS, else the terminal's; None when the output is not
+    a terminal (a pipe or a file gets whole lines, for grep)."""
+    if os.environ.get("COLUMNS", "").isdigit():
+        return int(os.environ["COLUMNS"])
+    if not sys.stdout.isatty():
+        return None
+    return shutil.get_terminal_size().columns
 
 
 def number(x: float | int | None, digits: int = 4) -> str:
@@ -59,9 +92,3 @@ def step_range(first: int | None, last: int | None) -> str:
 def moment(when: datetime | None) -> str:
     """A time in UTC to the second."""
     return "-" if when is None else when.astimezone(UTC).strftime("%Y-%m-%d %H:%M:%S UTC")
-
-
-def shorten(text: str, width: int) -> str:
-    """One line of at most `width` characters (newlines become spaces)."""
-    text = " ".join(text.split())
-    return text if len(text) <= width else text[: width - 3] + "..."

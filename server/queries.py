@@ -79,6 +79,7 @@ def always_kept(series: StepSeries) -> np.ndarray:
         col = series.column(name)
         keep |= series.has(name) & ~np.isfinite(col)
     keep |= series.column("input_nonfinite") == 1
+    keep |= series.column("forward_nonfinite") == 1
     return keep
 
 

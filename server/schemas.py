@@ -149,6 +149,8 @@ class StepIn(Strict):
     t_step_ms: float | None = None
     peak_mem_bytes: float | None = None
     input_nonfinite: bool | None = None
+    forward_nonfinite: bool | None = None
+    first_nonfinite_layer: int | None = Field(None, ge=0, le=MAX_LAYERS)
     autocast_dtype: DtypeName | None = None
     scheduler_steps: int | None = Field(None, ge=0)
     scaler_updates: int | None = Field(None, ge=0)
@@ -210,6 +212,8 @@ class StepPublic(BaseModel):
     t_step_ms: float | None
     peak_mem_bytes: float | None
     input_nonfinite: bool | None
+    forward_nonfinite: bool | None = None
+    first_nonfinite_layer: int | None = None
     autocast_dtype: str | None
     scheduler_steps: int | None
     scaler_updates: int | None

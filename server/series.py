@@ -39,11 +39,15 @@ SCALAR_FIELDS: tuple[str, ...] = (
     "clip_before_unscale",
     "eval_forwards",
     "eval_forwards_no_autocast",
+    "forward_nonfinite",
+    "first_nonfinite_layer",
 )
 FIELD_INDEX = {name: i for i, name in enumerate(SCALAR_FIELDS)}
-BOOL_FIELDS = frozenset({"skipped", "input_nonfinite", "clip_before_unscale"})
+BOOL_FIELDS = frozenset({"skipped", "input_nonfinite", "clip_before_unscale",
+                         "forward_nonfinite"})
 INT_FIELDS = frozenset(
-    {"step", "scheduler_steps", "scaler_updates", "eval_forwards", "eval_forwards_no_autocast"}
+    {"step", "scheduler_steps", "scaler_updates", "eval_forwards", "eval_forwards_no_autocast",
+     "first_nonfinite_layer"}
 )
 
 # dtype names <-> small integer codes (0 = none / missing).

@@ -108,6 +108,9 @@ def vector_length_errors(steps: list[StepIn], n_layers: int) -> list[str]:
     """Human-readable complaints about per-layer vectors of the wrong length."""
     errors = []
     for s in steps:
+        if s.first_nonfinite_layer is not None and s.first_nonfinite_layer >= n_layers:
+            errors.append(f"step {s.step}: first_nonfinite_layer {s.first_nonfinite_layer} "
+                          f"is not in the run's layer table of {n_layers}")
         vectors = {"layer_grad_norm": s.layer_grad_norm}
         if s.activations is not None:
             vectors |= {

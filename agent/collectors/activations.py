@@ -1,14 +1,18 @@
-"""Sampled per-layer forward statistics and the layers' forward execution order.
+"""Per-layer forward statistics: a non-finite flag on every step, and on sampled steps
+the abs-max, dtype and time of each layer's output; the layers' forward execution order.
 
-On a sampled step (every `sample_every` steps, and every step through
-`session.anomaly_until`) each layer gets a forward pre/post hook for that step only. A
-hook call does one device op, `aminmax` of the layer's output (NaN and inf propagate),
-and appends the call to a list; at close, the abs-max of every layer is reduced into the
-buffer with about a dozen device ops whatever the number of layers or calls (grouped by
-output dtype, a layer called several times keeps its largest value). On the CPU
-(`session.host_reduce`) that reduction is left to the worker, which reads the (min, max)
-pairs themselves. The dtype each layer computed in and its forward time are worked out
-from the calls on the worker thread. Does not synchronise the device.
+Every layer has a forward post hook on every training step. A hook call does one device
+op, `aminmax` of the layer's output (NaN and inf propagate), and appends the call to a
+list. At close, every step: the position of the first call whose output held inf/NaN
+(in execution order, so the first offender of that exact step) is reduced into one slot
+with a few device ops. On a sampled step (every `sample_every` steps, and every step
+through `session.anomaly_until`) the layers also get a pre hook (time, token count) and
+the abs-max of every layer is reduced into the buffer with about a dozen device ops
+whatever the number of layers or calls (grouped by output dtype, a layer called several
+times keeps its largest value). On the CPU (`session.host_reduce`) both reductions are
+left to the worker, which reads the (min, max) pairs themselves. The dtype each layer
+computed in and its forward time are worked out from the calls on the worker thread.
+Does not synchronise the device.
 
 The first sampled training forward gives the forward order, and each Linear-like layer's
 token count (the rows of its GEMM, read from the input's shape on the host); a change
@@ -50,12 +54,26 @@ def largest(*values: float) -> float:
     return math.nan if any(v != v for v in values) else max(values)
 
 
+NO_CALL = 1 << 40  # the first-non-finite slot when every output was finite
+
+
+def first_nonfinite_call(calls: list[Call]) -> int | None:
+    """Host: the position of the first call whose (min, max) is not finite (worker)."""
+    for position, call in enumerate(calls):
+        stats = call[2]
+        if stats is not None and not (math.isfinite(float(stats[0]))
+                                      and math.isfinite(float(stats[1]))):
+            return position
+    return None
+
+
 class AbsMaxPlan:
-    """How the calls of one step pattern reduce to per-layer abs-max values: the (min,
-    max) pairs are stacked per output dtype (a stack of mixed dtypes is ~5x slower), and
-    one gather through a (layer x call) index matrix padded with a zero lets `amax` keep
-    each layer's largest call. NaN propagates through every op. Nine device ops for a
-    model computing in two dtypes; built once per pattern, on the host."""
+    """How the calls of one step pattern reduce on the device: the (min, max) pairs are
+    stacked per output dtype (a stack of mixed dtypes is ~5x slower); the first call
+    with inf/NaN is the smallest call position among the non-finite pairs (four ops per
+    dtype and three more); for the abs-max, one gather through a (layer x call) index
+    matrix padded with a zero lets `amax` keep each layer's largest call. NaN propagates
+    through every op. Built once per pattern, on the host."""
 
     def __init__(self, pattern: tuple[tuple[int, torch.dtype | None], ...], n_layers: int,
                  device: torch.device) -> None:
@@ -68,6 +86,9 @@ class AbsMaxPlan:
         self.empty = not order
         if self.empty:
             return
+        self.positions = [torch.tensor(positions, dtype=torch.float64, device=device)
+                          for positions in self.groups]
+        self.no_call = torch.full((1,), float(NO_CALL), dtype=torch.float64, device=device)
         rows: dict[int, list[int]] = {}
         for row, position in enumerate(order):
             rows.setdefault(pattern[position][0], []).append(row)
@@ -81,27 +102,42 @@ class AbsMaxPlan:
             self.index = self.index.reshape(-1)
         self.zero = torch.zeros(1, dtype=pattern[order[0]][1], device=device)
 
-    def reduce(self, calls: list[Call], out: torch.Tensor) -> None:
+    def stack(self, calls: list[Call]) -> list[torch.Tensor]:
+        """The (min, max) pairs of each dtype group, as (calls, 2) tensors."""
+        return [torch.stack([x for p in positions for x in calls[p][2]]).view(-1, 2)
+                for positions in self.groups]
+
+    def first_nonfinite(self, pairs: list[torch.Tensor], out: torch.Tensor) -> None:
+        """The position of the first call with inf/NaN into `out` (NO_CALL if none)."""
+        if self.empty:
+            out.fill_(float(NO_CALL))
+            return
+        firsts = [torch.where(group.isfinite().all(dim=1), NO_CALL, positions)
+                  for group, positions in zip(pairs, self.positions, strict=True)]
+        torch.amin(torch.cat([*firsts, self.no_call]), dim=0, keepdim=True, out=out)
+
+    def reduce(self, pairs: list[torch.Tensor], out: torch.Tensor) -> None:
         if self.empty:
             return
-        parts = [torch.stack([x for p in positions for x in calls[p][2]])
-                 .view(-1, 2).abs().amax(dim=1) for positions in self.groups]
+        parts = [group.abs().amax(dim=1) for group in pairs]
         values = torch.cat([*parts, self.zero])  # cat promotes to the widest dtype
         values = values[self.index] if self.single else values[self.index].amax(dim=1)
         out.copy_(values)
 
 
 class ActivationCollector(Collector):
-    """`activations.absmax`, `.dtype`, `.time_ms` on sampled steps."""
+    """`forward_nonfinite`, `first_nonfinite_layer` on every step (null when no training
+    forward ran); `activations.absmax`, `.dtype`, `.time_ms` on sampled steps."""
 
     name = "activations"
 
     def __init__(self, n_layers: int) -> None:
         super().__init__()
         self.n_layers = n_layers
-        self.slots = n_layers
+        self.slots = n_layers + 1  # abs-max per layer, then the first non-finite call
         self.order: list[int] = []
-        self._hooks: list[Any] = []
+        self._hooks: list[Any] = []  # post hooks: every step
+        self._pre_hooks: list[Any] = []  # pre hooks: sampled steps only
         self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
         self._calls: list[Call] = []
         self._starts: dict[int, Any] = {}  # the hooks hold these two dicts: kept, cleared
@@ -111,15 +147,21 @@ class ActivationCollector(Collector):
 
     def bind(self, session: Any) -> None:
         super().bind(session)
-        self._layer_hooks = [(layer.module, self._pre(layer.index), self._post(layer.index))
-                             for layer in session.layers]  # made once, registered when sampling
+        self._absmax_slots = self.view.narrow(0, 0, self.n_layers)
+        self._first_slot = self.view.narrow(0, self.n_layers, 1)
+        self._pre_by_layer = [(layer.module, self._pre(layer.index)) for layer in session.layers]
+        self._hooks = [layer.module.register_forward_hook(self._post(layer.index))
+                       for layer in session.layers]
 
     def unbind(self) -> None:
         self._set_sampling(False)
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
 
     @property
     def sampling(self) -> bool:
-        return bool(self._hooks)
+        return bool(self._pre_hooks)
 
     def on_next_step(self, step: int) -> None:
         every = self.session.settings.sample_every
@@ -133,15 +175,14 @@ class ActivationCollector(Collector):
 
     def _set_sampling(self, on: bool) -> None:
         if not on:
-            for handle in self._hooks:
+            for handle in self._pre_hooks:
                 handle.remove()
-            self._hooks = []
+            self._pre_hooks = []
             return
-        for module, pre, post in self._layer_hooks:
-            self._hooks.append(module.register_forward_pre_hook(pre))
-            self._hooks.append(module.register_forward_hook(post))
+        self._pre_hooks = [module.register_forward_pre_hook(pre)
+                           for module, pre in self._pre_by_layer]
 
-    # the layer hooks run ~2x per layer per sampled step: the guard is inlined, not a
+    # the layer hooks run once or twice per layer per step: the guard is inlined, not a
     # wrapper, and they do as little as possible (the rest happens at close or on the worker)
     def _pre(self, index: int) -> Any:
         session = self.session
@@ -162,16 +203,17 @@ class ActivationCollector(Collector):
         return hook
 
     def _post(self, index: int) -> Any:
-        mark = self.session.clock.mark
+        session = self.session
+        mark = session.clock.mark
         starts = self._starts
         aminmax = torch.aminmax
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             try:
-                start = starts.pop(index, None)
-                if start is None:
+                if not session.in_training_forward:
                     return
-                end = mark()
+                start = starts.pop(index, None) if starts else None
+                end = None if start is None else mark()
                 tensor = first_float_tensor(output)
                 if tensor is None:
                     self._calls.append((index, None, None, start, end))
@@ -193,10 +235,25 @@ class ActivationCollector(Collector):
 
     def close(self, sealed: Any) -> Any:
         sampled, calls, tokens = sealed
-        if not sampled:
+        if not calls:
             return None
         # each call's layer and the dtype its statistics have (None: it has none)
         pattern = tuple((call[0], None if call[2] is None else call[1]) for call in calls)
+        if sampled:
+            self._note_order(pattern, calls, tokens)
+        if not self.session.host_reduce:
+            plan = self._plans.get(pattern)
+            if plan is None:
+                plan = self._plans[pattern] = AbsMaxPlan(pattern, self.n_layers,
+                                                         self.session.device)
+            pairs = plan.stack(calls) if not plan.empty else []
+            plan.first_nonfinite(pairs, self._first_slot)
+            if sampled:
+                plan.reduce(pairs, self._absmax_slots)
+        return sampled, calls
+
+    def _note_order(self, pattern: tuple, calls: list[Call], tokens: dict[int, int]) -> None:
+        """Forward order and token counts from a sampled step; a change re-registers."""
         changed = tokens != self._last_tokens and self._note_tokens(tokens)
         if pattern != self._last_pattern:  # the layers ran in another order or dtype
             self._last_pattern = pattern
@@ -209,13 +266,6 @@ class ActivationCollector(Collector):
                 changed = True
         if changed:
             self.session.on_run_change()
-        if not self.session.host_reduce:
-            plan = self._plans.get(pattern)
-            if plan is None:
-                plan = self._plans[pattern] = AbsMaxPlan(pattern, self.n_layers,
-                                                         self.session.device)
-            plan.reduce(calls, self.view)
-        return calls
 
     def _note_tokens(self, tokens: dict[int, int]) -> bool:
         """Put token counts in the layer table: the first seen, replaced only by one that
@@ -232,7 +282,20 @@ class ActivationCollector(Collector):
         return changed
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
-        if meta is None:
+        if meta is None:  # no training forward in this step: nothing observed
+            record["forward_nonfinite"] = None
+            record["first_nonfinite_layer"] = None
+            return
+        sampled, calls = meta
+        host_reduce = self.session.host_reduce
+        if host_reduce:
+            first = first_nonfinite_call(calls)
+        else:
+            position = int(host[self.n_layers])
+            first = None if position >= NO_CALL else position
+        record["forward_nonfinite"] = first is not None
+        record["first_nonfinite_layer"] = None if first is None else calls[first][0]
+        if not sampled:
             return
         n = self.n_layers
         elapsed = self.session.clock.elapsed_ms
@@ -240,17 +303,16 @@ class ActivationCollector(Collector):
         dtypes: list[str | None] = [None] * n
         times: list[float | None] = [None] * n
         called: set[int] = set()
-        host_reduce = self.session.host_reduce
-        if host_reduce:
-            host = np.zeros(n)
-        for index, dtype, stats, start, end in meta:
+        absmax = np.zeros(n) if host_reduce else host[:n]
+        for index, dtype, stats, start, end in calls:
             ran[index] |= stats is not None
             if host_reduce and stats is not None:
-                host[index] = largest(host[index], -float(stats[0]), float(stats[1]))
+                absmax[index] = largest(absmax[index], -float(stats[0]), float(stats[1]))
             name = dtype_name(dtype)
             dtypes[index] = (name if index not in called or dtypes[index] == name
                              else "mixed")
             called.add(index)
-            times[index] = (times[index] or 0.0) + elapsed(start, end)
-        record["activations"] = {"absmax": encode_array(host, missing=~ran),
+            if start is not None:
+                times[index] = (times[index] or 0.0) + elapsed(start, end)
+        record["activations"] = {"absmax": encode_array(absmax, missing=~ran),
                                  "dtype": dtypes, "time_ms": times}

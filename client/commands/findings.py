@@ -10,8 +10,6 @@ from ampwatch.client.api import Client
 from ampwatch.client.commands import connect, print_json
 from ampwatch.client.models import SEVERITIES, Finding, Records
 
-MESSAGE_WIDTH = 100
-
 
 def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     findings = commands.add_parser(
@@ -87,5 +85,5 @@ def findings_table(findings: list[Finding], *, with_run: bool) -> str:
                "message"]
     rows = [[f.severity, *([f.run_id] if with_run else []), f.kind, str(f.rank),
              render.step_range(f.step, f.last_step), f.layer or "-",
-             render.shorten(f.message, MESSAGE_WIDTH)] for f in findings]
-    return render.table(headers, rows)
+             " ".join(f.message.split())] for f in findings]
+    return render.table(headers, rows, wrap_width=render.terminal_width())

@@ -25,8 +25,11 @@ class Localization:
 
     nonfinite: the step shows inf/NaN anywhere (input, outputs, loss, grads).
     cause: index into CAUSES (meaningful where `nonfinite` or skipped).
-    forward_layer: first layer in forward execution order whose sampled output was
-        non-finite, else NO_LAYER (also when the step's activations were not sampled).
+    forward_layer: first layer in forward execution order whose output was non-finite
+        at that step (the agent's per-step flag; for steps without it, the activation
+        sample when there is one), else NO_LAYER.
+    forward_observed: the step's layer outputs were checked (flag or sample), so a
+        NO_LAYER there means every output was finite.
     grad_layer: the layer whose grads went non-finite first, i.e. the last in forward
         order among those with non-finite grads (backward runs in reverse), else NO_LAYER.
     grad_bad: (n, L) which layers had non-finite grads, or None without per-layer grads.
@@ -36,6 +39,8 @@ class Localization:
     cause: np.ndarray
     forward_layer: np.ndarray
     grad_layer: np.ndarray
+    forward_observed: np.ndarray
+    grad_nonfinite: np.ndarray
     loss_nonfinite: np.ndarray
     input_nonfinite: np.ndarray
     grad_bad: np.ndarray | None
@@ -56,15 +61,23 @@ def localize(series: StepSeries, run: RunContext) -> Localization:
     norm_bad = _nonfinite_scalar(series, "grad_norm")
 
     forward_layer = np.full(n, NO_LAYER, dtype=np.int64)
+    flagged = series.has("forward_nonfinite")
+    forward_observed = flagged.copy()
     if series.act_absmax is not None and len(series.act_step) and n_layers:
-        act_bad = ~np.isfinite(series.act_absmax)
+        # older agents: only sampled steps say which layer went non-finite
+        rows = step_rows(series, series.act_step)
+        sampled = rows >= 0
+        forward_observed[rows[sampled]] = True
+        act_bad = ~np.isfinite(series.act_absmax) & sampled[:, None]
         sampled_bad = act_bad.any(axis=1)
         if sampled_bad.any():
             ranked = np.where(act_bad[sampled_bad], position, np.iinfo(np.int64).max)
-            first = ranked.argmin(axis=1)
-            rows = step_rows(series, series.act_step[sampled_bad])
-            ok = rows >= 0
-            forward_layer[rows[ok]] = first[ok]
+            forward_layer[rows[sampled_bad]] = ranked.argmin(axis=1)
+    i_first = FIELD_INDEX["first_nonfinite_layer"]
+    named = series.present[:, i_first]
+    forward_layer[flagged] = NO_LAYER  # the per-step flag is exact: it wins
+    first = series.scalars[named, i_first].astype(np.int64)
+    forward_layer[named] = np.where(first < n_layers, first, NO_LAYER)
 
     grad_layer = np.full(n, NO_LAYER, dtype=np.int64)
     grad_bad = None
@@ -80,10 +93,11 @@ def localize(series: StepSeries, run: RunContext) -> Localization:
     cause[loss_bad] = LOSS
     cause[forward_layer != NO_LAYER] = FORWARD
     cause[input_bad] = INPUT
-    nonfinite = input_bad | loss_bad | norm_bad | (forward_layer != NO_LAYER)
-    nonfinite |= grad_layer != NO_LAYER
+    grad_nonfinite = norm_bad | (grad_layer != NO_LAYER)
+    nonfinite = input_bad | loss_bad | grad_nonfinite | (forward_layer != NO_LAYER)
     return Localization(nonfinite=nonfinite, cause=cause, forward_layer=forward_layer,
-                        grad_layer=grad_layer, loss_nonfinite=loss_bad,
+                        grad_layer=grad_layer, forward_observed=forward_observed,
+                        grad_nonfinite=grad_nonfinite, loss_nonfinite=loss_bad,
                         input_nonfinite=input_bad, grad_bad=grad_bad)
 
 

@@ -2,7 +2,9 @@
 output went non-finite, the layers whose grads did, and whether the loss or input did.
 
 One finding per (cause, offending layer), so a layer that overflows on every step is one
-finding whose count grows, not one finding per step.
+finding whose count grows, not one finding per step. A forward overflow that a later op
+absorbed (the loss and the gradients stayed finite and the step was applied) is a
+finding of its own: the activations were silently clipped, the weights are intact.
 """
 
 from __future__ import annotations
@@ -28,18 +30,28 @@ from ampwatch.server.series import StepSeries
 
 KIND = "nonfinite"
 MAX_LAYERS_LISTED = 20
+ABSORBED = len(CAUSES)  # a group of its own: forward inf/NaN that never reached the grads
+GROUPS = (*CAUSES, "absorbed_overflow")
 
 
-def _what(cause: int, layer: str | None) -> str:
-    if cause == FORWARD:
+def _what(group: int, layer: str | None, observed: bool) -> str:
+    """What the data shows for the first step of a group (`observed`: the layer outputs
+    of that step were checked)."""
+    outputs = ("every layer output was finite" if observed else
+               "the layer outputs of that step were not observed")
+    if group == FORWARD:
         return f"layer {layer!r} is the first in forward order whose output is inf/NaN"
-    if cause == GRAD:
-        return f"layer {layer!r} is the first whose gradients went inf/NaN"
-    if cause == LOSS:
-        return "the loss is inf/NaN while every sampled layer output is finite"
-    if cause == INPUT:
+    if group == ABSORBED:
+        return (f"layer {layer!r} produced inf/NaN in the forward pass, but the loss and "
+                "the gradients stayed finite and the step was applied: a later op (a ReLU, "
+                "a max or a mask) absorbed it, so those activations were silently clipped")
+    if group == GRAD:
+        return f"layer {layer!r} is the first whose gradients went inf/NaN ({outputs})"
+    if group == LOSS:
+        return f"the loss is inf/NaN while {outputs}"
+    if group == INPUT:
         return "the input batch holds inf/NaN"
-    return "the total gradient norm is inf/NaN (no per-layer detail was recorded)"
+    return f"the total gradient norm is inf/NaN, no layer's own was recorded ({outputs})"
 
 
 def _grad_layers(loc: Localization, rows: np.ndarray, run: RunContext,
@@ -51,14 +63,23 @@ def _grad_layers(loc: Localization, rows: np.ndarray, run: RunContext,
     return [run.layer_name(int(i)) for i in ordered]
 
 
+def _severity(group: int, reached_weights: np.ndarray) -> str:
+    if reached_weights.any():
+        return "critical"
+    if group in (FORWARD, LOSS, INPUT, ABSORBED):
+        return "warning"
+    return "info"
+
+
 def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSettings,
                      loc: Localization | None = None) -> Detection:
     """Group the window's non-finite steps by cause and offender.
 
     Gradient overflows that the GradScaler skipped during its initial calibration are
-    how it finds its scale, not findings. Severity: critical when a non-finite step was
-    not skipped (inf/NaN reached the weights), warning for forward/loss/input causes,
-    info for gradient overflows the scaler skipped.
+    how it finds its scale, not findings. Severity follows cost: critical when the step
+    was applied with non-finite gradients (inf/NaN reached the weights and the optimizer
+    state); warning when a step was lost to a forward, loss or input fault, or a forward
+    overflow was absorbed; info for gradient overflows the scaler skipped.
     """
     covers = (f"{KIND}:",)
     if not len(series):
@@ -70,50 +91,55 @@ def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSett
     if not rows.size:
         return Detection(covers=covers)
 
-    layer = np.where(loc.cause[rows] == FORWARD, loc.forward_layer[rows],
-                     np.where(loc.cause[rows] == GRAD, loc.grad_layer[rows], NO_LAYER))
-    group = loc.cause[rows] * (series.n_layers + 1) + (layer + 1)
+    reached = ~skipped & loc.grad_nonfinite
+    grads_known = series.has("grad_norm")
+    absorbed = ((loc.cause == FORWARD) & ~skipped & ~loc.grad_nonfinite & grads_known
+                & ~loc.loss_nonfinite)
+    groups = np.where(absorbed, ABSORBED, loc.cause)
+    layer = np.where(np.isin(groups[rows], (FORWARD, ABSORBED)), loc.forward_layer[rows],
+                     np.where(groups[rows] == GRAD, loc.grad_layer[rows], NO_LAYER))
+    key = groups[rows] * (series.n_layers + 1) + (layer + 1)
     position = run.forward_position(series.n_layers)
     last_step = int(series.steps[-1])
     drafts = []
-    for g in np.unique(group):
-        g_rows = rows[group == g]
-        cause, layer_index = divmod(int(g), series.n_layers + 1)
+    for k in np.unique(key):
+        g_rows = rows[key == k]
+        group, layer_index = divmod(int(k), series.n_layers + 1)
         layer_index -= 1
         name = None if layer_index == NO_LAYER else run.layer_name(layer_index)
         steps = series.steps[g_rows]
-        reached_weights = ~skipped[g_rows]
-        if reached_weights.any():
-            severity = "critical"
-        elif cause in (FORWARD, LOSS, INPUT):
-            severity = "warning"
-        else:
-            severity = "info"
-        fix = fix_for_cause(CAUSES[cause], name)
+        severity = _severity(group, reached[g_rows])
+        fix = fix_for_cause(CAUSES[FORWARD] if group == ABSORBED else CAUSES[group], name)
         if severity == "info":
             fix = (f"GradScaler skipped these steps, which is harmless when rare; if they "
                    f"recur, {fix}")
         elif severity == "critical":
-            fix = f"inf/NaN reached the weights (the step was not skipped); {fix}"
+            first_reached = int(series.steps[g_rows[reached[g_rows]][0]])
+            fix = (f"step {first_reached} was applied with inf/NaN gradients, so they reached "
+                   f"the weights and the optimizer state; {fix}")
         first_forward = loc.forward_layer[g_rows]
         first_forward = first_forward[first_forward != NO_LAYER]
         drafts.append(FindingDraft(
             kind=KIND,
-            key=f"{KIND}:{CAUSES[cause]}:{name or '-'}",
+            key=f"{KIND}:{GROUPS[group]}:{name or '-'}",
             severity=severity,
-            message=(f"Step {int(steps[0])}: {_what(cause, name)} ({steps.size} "
-                     f"step{'s' if steps.size > 1 else ''} in the last {len(series)}); {fix}."),
+            message=(f"Step {int(steps[0])}: "
+                     f"{_what(group, name, bool(loc.forward_observed[g_rows[0]]))} "
+                     f"({steps.size} step{'s' if steps.size > 1 else ''} in the last "
+                     f"{len(series)}); {fix}."),
             step=int(steps[0]),
             last_step=int(steps[-1]),
             layer=name,
             evidence={
-                "cause": CAUSES[cause],
+                "cause": GROUPS[group],
                 "first_nonfinite_layer": (run.layer_name(int(first_forward[0]))
                                           if first_forward.size else None),
                 "grad_nonfinite_layers": _grad_layers(loc, g_rows, run, position),
                 "loss_nonfinite": bool(loc.loss_nonfinite[g_rows].any()),
                 "input_nonfinite": bool(loc.input_nonfinite[g_rows].any()),
+                "forward_observed": bool(loc.forward_observed[g_rows].all()),
                 "skipped_steps": int(skipped[g_rows].sum()),
+                "applied_nonfinite_steps": int(reached[g_rows].sum()),
                 "steps": recent_steps(steps, settings.evidence_steps),
             },
             occurrences=steps,

@@ -35,6 +35,9 @@ class LoopPitfall:
     what: str
     fix: str
     steps: Callable[[StepSeries], np.ndarray]  # per step: committed here
+    # (series, per-step hits, settings) -> (severity, what the cost was, evidence)
+    judge: Callable[[StepSeries, np.ndarray, AnalysisSettings],
+                    tuple[str, str, dict]] | None = None
 
 
 def _reported(series: StepSeries, name: str) -> np.ndarray:
@@ -70,6 +73,21 @@ def _scheduler_after_skip(series: StepSeries) -> np.ndarray:
     return series.skipped & stepped_next & following
 
 
+def _schedule_drift(series: StepSeries, hits: np.ndarray,
+                    settings: AnalysisSettings) -> tuple[str, str, dict]:
+    """Each scheduler step on a skipped step puts the schedule one step ahead of the
+    optimizer: the cost is that lead as a share of the steps the optimizer took. A
+    probing GradScaler (one skip per growth interval) leads by well under 1%: info."""
+    ahead = int(hits.sum())
+    applied = int((~series.skipped).sum())
+    share = ahead / max(applied, 1)
+    severity = "warning" if share >= settings.scheduler_drift_warning else "info"
+    cost = (f"the LR schedule ran {ahead} step{'s' if ahead != 1 else ''} ahead of the "
+            f"optimizer's {applied} ({share:.1%} of the last {len(series)} steps)")
+    return severity, cost, {"schedule_ahead_steps": ahead, "optimizer_steps": applied,
+                            "drift_share": round(share, 4)}
+
+
 LOOP_PITFALLS = (
     LoopPitfall(
         "clip_before_unscale", "warning",
@@ -83,6 +101,7 @@ LOOP_PITFALLS = (
         "step the scheduler only when the optimizer stepped (skip it when "
         "scaler.get_scale() decreased in update())",
         _scheduler_after_skip,
+        _schedule_drift,
     ),
     LoopPitfall(
         "fp16_without_scaler", "warning",
@@ -121,15 +140,20 @@ def detect_loop_pitfalls(series: StepSeries, run: RunContext,
     if not len(series):
         return Detection()
     for pitfall in LOOP_PITFALLS:
-        steps = series.steps[pitfall.steps(series)]
+        hits = pitfall.steps(series)
+        steps = series.steps[hits]
         if not steps.size:
             continue
+        severity, what, evidence = pitfall.severity, pitfall.what, {}
+        if pitfall.judge is not None:
+            severity, cost, evidence = pitfall.judge(series, hits, settings)
+            what = f"{what}: {cost}"
         drafts.append(FindingDraft(
             kind=KIND, code=pitfall.code, key=f"{KIND}:{pitfall.code}",
-            severity=pitfall.severity,  # type: ignore[arg-type]
-            message=f"Step {int(steps[0])}: {pitfall.what}; {pitfall.fix}.",
+            severity=severity,  # type: ignore[arg-type]
+            message=f"Step {int(steps[0])}: {what}; {pitfall.fix}.",
             step=int(steps[0]), last_step=int(steps[-1]),
-            evidence={"steps": recent_steps(steps, settings.evidence_steps)},
+            evidence={**evidence, "steps": recent_steps(steps, settings.evidence_steps)},
             occurrences=steps,
         ))
     return Detection(drafts=drafts)

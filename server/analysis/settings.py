@@ -35,13 +35,21 @@ class AnalysisSettings(BaseModel):
     overflow_factor: float = Field(2.0, ge=1, description="abs-max within fp16_max / this")
     fp16_min_normal: float = Field(FP16_MIN_NORMAL, gt=0)
     underflow_share: float = Field(
-        0.5, gt=0, le=1, description="share of recent steps below fp16_min_normal to flag"
+        0.5, gt=0, le=1, description="share of recent measured steps that must show underflow"
+    )
+    underflow_zero_share: float = Field(
+        0.5, gt=0, le=1, description="a layer's share of exactly-zero grad elements: underflow"
     )
     risk_window: int = Field(200, ge=1, description="recent steps overflow/underflow are judged on")
 
     # layers and model
     misaligned_warning_share: float = Field(
-        0.2, ge=0, le=1, description="a misaligned layer holding this share of params: warning"
+        0.2, ge=0, le=1,
+        description="a misaligned layer doing this share of the matmul FLOPs: warning"
+    )
+    scheduler_drift_warning: float = Field(
+        0.05, gt=0, le=1,
+        description="LR schedule steps ahead of the optimizer, as a share of its steps: warning"
     )
     small_model_params: int = Field(10_000_000, ge=0)
     bf16_min_capability: float = Field(8.0, ge=0)

@@ -80,7 +80,7 @@ def fold_misaligned(findings: list[dict], run_id: str) -> list[dict]:
     if len(misaligned) < 2:
         return findings
     worst = max(misaligned, key=lambda f: (SEVERITY_RANK[f["severity"]],
-                                           f["evidence"].get("param_share") or 0))
+                                           f["evidence"].get("flops_share") or 0))
     layers = {f["layer"] for f in misaligned}
     summary = {
         **worst, "code": None, "layer": None, "step": None, "last_step": None, "count": 1,
@@ -162,7 +162,7 @@ class MisalignedRow:
     value: int
     padded: int
     optimal: int | None
-    param_share: float | None
+    flops_share: float | None
     severity: str
     message: str
 
@@ -178,10 +178,10 @@ def misaligned_rows(twin: dict) -> list[MisalignedRow]:
             layer=finding["layer"] or "", type=evidence.get("type", ""),
             dimension=evidence.get("dimension", ""), value=evidence.get("value"),
             padded=evidence.get("padded"), optimal=evidence.get("optimal"),
-            param_share=evidence.get("param_share"), severity=finding["severity"],
+            flops_share=evidence.get("flops_share"), severity=finding["severity"],
             message=finding["message"],
         ))
-    return sorted(rows, key=lambda r: (-(r.param_share or 0), r.layer, r.dimension))
+    return sorted(rows, key=lambda r: (-(r.flops_share or 0), r.layer, r.dimension))
 
 
 @dataclass(frozen=True)

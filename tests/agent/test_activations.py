@@ -174,3 +174,43 @@ def test_token_counts_of_linear_layers_reach_the_layer_table(attach, offline: Pa
     assert table["head"]["attrs"]["token_count"] == 21
     assert table["mlp.0"]["attrs"]["token_count"] == 21
     assert "token_count" not in table["tok"]["attrs"]  # an Embedding has no GEMM rows
+
+
+def test_first_nonfinite_layer_on_every_step_matches_a_reference_hook(attach, offline: Path
+                                                                      ) -> None:
+    """Between samples, the first layer in execution order whose output held inf/NaN, at
+    that exact step: here the second Linear's weights overflow fp16 on steps 3 and 6 only;
+    step 5's input holds a NaN, so the first layer is the first one."""
+    model = mlp()
+    layers = discover_layers(model)
+    first_bad: dict[int, int | None] = {}
+    step = {"i": 0}
+
+    def reference(index: int, out: torch.Tensor) -> None:
+        if first_bad.get(step["i"]) is None and not bool(torch.isfinite(out).all()):
+            first_bad[step["i"]] = index
+
+    handles = [layer.module.register_forward_hook(
+        lambda m, a, out, i=layer.index: reference(i, out)) for layer in layers]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    attachment = attach(model, scaler, sample_every=100, sample_after_anomaly=0)
+    last = model[3]
+
+    def on_step(i: int, *args) -> None:
+        step["i"] = i + 1
+        with torch.no_grad():
+            last.weight.mul_(1e6 if i + 1 in (3, 6) else 1e-6 if i in (3, 6) else 1.0)
+
+    fp16_loop(model, optimizer, scaler, batches(8, bad=lambda i: "nan" if i == 5 else None),
+              on_step=on_step)
+    for handle in handles:
+        handle.remove()
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == \
+        {i: first_bad.get(i) for i in range(8)}
+    assert {i for i, layer in first_bad.items() if layer is not None} == {3, 5, 6}
+    assert first_bad[3] == 3 and first_bad[5] == 0
+    assert [s["forward_nonfinite"] for s in steps] == [i in (3, 5, 6) for i in range(8)]
+    assert [s["step"] for s in steps if "activations" in s] == [0]

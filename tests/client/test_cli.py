@@ -85,6 +85,29 @@ def test_findings_across_runs_and_by_severity(ampwatch, server) -> None:
     assert ampwatch("findings", "healthy", "--severity", "warning").out.strip() == "no findings"
 
 
+@pytest.mark.parametrize("columns", [80, 200, 30])
+def test_findings_messages_are_wrapped_to_the_terminal_never_cut(
+        ampwatch, server, monkeypatch, columns: int) -> None:
+    monkeypatch.setenv("COLUMNS", str(columns))
+    out = ampwatch("findings", "diverging").out
+    with Client(server.url) as client:
+        messages = [f.message for f in client.findings("diverging", status="open")]
+    assert max(len(m) for m in messages) > 100
+    lines = out.splitlines()
+    assert all(len(line) <= max(columns, 44) for line in lines[1:] if line.startswith(" "))
+    words = " ".join(out.split())
+    for message in messages:  # every word of every message, in order
+        assert " ".join(message.split()) in words
+
+
+def test_findings_in_a_pipe_are_whole_lines(ampwatch, server, monkeypatch) -> None:
+    monkeypatch.delenv("COLUMNS", raising=False)
+    out = ampwatch("findings", "diverging").out
+    with Client(server.url) as client:
+        messages = [f.message for f in client.findings("diverging", status="open")]
+    assert all(any(line.endswith(m) for line in out.splitlines()) for m in messages)
+
+
 @pytest.mark.parametrize("run_id, fail_on, code", [
     ("healthy", "warning", 0),
     ("healthy", "critical", 0),

@@ -36,19 +36,48 @@ def detect(layers, dtype="float16", data=EMPTY, **env):
 
 def test_flags_exactly_the_misaligned_dimensions_with_padded_values():
     drafts = detect(model())
-    assert set(drafts) == {"misaligned_layer:head:out_features",
-                           "misaligned_layer:wte:num_embeddings"}
+    # an untied embedding is a lookup, not a matmul: its vocabulary is not flagged
+    assert set(drafts) == {"misaligned_layer:head:out_features"}
     head = drafts["misaligned_layer:head:out_features"]
     assert head.layer == "head"
-    assert head.evidence | {"param_share": None} == {
+    # FLOPs per token: proj 256 x 64, head 64 x 127
+    share = round(64 * 127 / (256 * 64 + 64 * 127), 4)
+    assert head.evidence == {
         "type": "Linear", "dimension": "out_features", "value": 127, "multiple": 8,
         "padded": 128, "optimal": 128, "dtype": "float16", "param_count": 64 * 127 + 127,
-        "param_share": None}
-    assert "128" in head.message
-    wte = drafts["misaligned_layer:wte:num_embeddings"]
-    assert wte.evidence["padded"] == 50264 and wte.evidence["optimal"] == 50304
-    assert wte.evidence["param_share"] > 0.99 and wte.severity == "warning"
-    assert head.severity == "info"
+        "flops_share": share}
+    assert "128" in head.message and "matmul FLOPs" in head.message
+    assert head.severity == "warning"  # a third of the matmul work, whatever its params
+
+
+def test_severity_follows_the_share_of_matmul_flops_not_of_parameters():
+    # the embedding holds most parameters but does no matmul
+    layers = [LayerInfo(0, "emb", "Embedding", 1001 * 64,
+                        {"num_embeddings": 1001, "embedding_dim": 64}, 0),
+              linear(1, "up", 64, 127), linear(2, "down", 127, 64)]
+    drafts = detect(layers)
+    assert set(drafts) == {"misaligned_layer:up:out_features",
+                           "misaligned_layer:down:in_features"}
+    assert {d.severity for d in drafts.values()} == {"warning"}
+    # the same odd layer fed 4 tokens beside a layer fed 512 does a small share of the work
+    layers = [linear(0, "big", 64, 1024, token_count=512), linear(1, "odd", 1024, 127,
+                                                                  token_count=4)]
+    odd = detect(layers)["misaligned_layer:odd:out_features"]
+    assert odd.severity == "info" and odd.evidence["flops_share"] < 0.02
+
+
+def test_a_tied_lm_head_reports_the_vocabulary_once():
+    layers = [LayerInfo(0, "wte", "Embedding", 50257 * 768,
+                        {"num_embeddings": 50257, "embedding_dim": 768}, 0),
+              linear(1, "mlp", 768, 768),
+              LayerInfo(2, "lm_head", "Linear", 0,
+                        {"in_features": 768, "out_features": 50257, "tied_to": "wte"}, 2)]
+    drafts = detect(layers)
+    assert set(drafts) == {"misaligned_layer:lm_head:out_features"}
+    head = drafts["misaligned_layer:lm_head:out_features"]
+    assert head.evidence["padded"] == 50264 and head.evidence["optimal"] == 50304
+    assert head.evidence["tied_embedding"] == "wte" and head.severity == "warning"
+    assert "'wte'" in head.message and "vocabulary" in head.message
 
 
 @pytest.mark.parametrize(("dtype", "env", "multiple"), [

@@ -169,23 +169,35 @@ def test_injected_grad_inf_skips_exactly_those_steps_and_names_the_layer(server)
 
 def test_misaligned_dimensions_with_padded_values(server):
     class Misaligned(nn.Module):
+        """A lookup table tied to the LM head, and an odd hidden width."""
+
         def __init__(self) -> None:
             super().__init__()
-            self.emb = nn.Embedding(50257, 256)
-            self.down = nn.Linear(256, 64)
+            self.emb = nn.Embedding(50257, 64)
             self.odd = nn.Linear(64, 127)
+            self.back = nn.Linear(127, 64)
+            self.head = nn.Linear(64, 50257, bias=False)
+            self.head.weight = self.emb.weight
 
         def forward(self, idx: torch.Tensor) -> torch.Tensor:
-            return self.odd(self.down(self.emb(idx)).mean(dim=1))[:, :8]
+            return self.head(self.back(self.odd(self.emb(idx))))[:, 0, :8]
 
     gen = torch.Generator().manual_seed(0)
     run_id = train(server, Misaligned(), 3,
                    make_input=lambda: torch.randint(0, 50257, (8, 4), generator=gen))
+    found = findings(server, run_id, kind="misaligned_layer")
     flagged = {(f["layer"], f["evidence"]["dimension"], f["evidence"]["value"],
-                f["evidence"]["padded"]) for f in findings(server, run_id,
-                                                           kind="misaligned_layer")}
-    assert flagged == {("emb", "num_embeddings", 50257, 50264),
-                       ("odd", "out_features", 127, 128)}
+                f["evidence"]["padded"]) for f in found}
+    # the vocabulary once, on the matmul that uses it; the lookup itself is no matmul
+    assert flagged == {("head", "out_features", 50257, 50264),
+                       ("odd", "out_features", 127, 128), ("back", "in_features", 127, 128)}
+    head = next(f for f in found if f["layer"] == "head")
+    assert head["evidence"]["tied_embedding"] == "emb" and head["severity"] == "warning"
+    layers = httpx.get(f"{server.url}/api/v1/runs/{run_id}/layers", timeout=30).json()["items"]
+    by_name = {layer["name"]: layer for layer in layers}
+    assert by_name["head"]["attrs"]["tied_to"] == "emb"
+    assert by_name["head"]["param_count"] == 0  # the tied matrix counts once, in emb
+    assert by_name["emb"]["param_count"] == 50257 * 64
 
 
 def test_token_count_seen_at_run_time_is_checked(server):

@@ -109,21 +109,24 @@ def test_ranks_are_analysed_apart(api):
 
 
 def test_setup_is_judged_at_registration_and_follows_the_layer_table(api):
-    layers = [{"index": 0, "name": "wte", "type": "Embedding", "param_count": 50257 * 256,
-               "attrs": {"num_embeddings": 50257, "embedding_dim": 256}, "forward_index": 0},
-              {"index": 1, "name": "head", "type": "Linear", "param_count": 64 * 127,
-               "attrs": {"in_features": 64, "out_features": 127}, "forward_index": 1}]
+    layers = [{"index": 0, "name": "wte", "type": "Embedding", "param_count": 50257 * 64,
+               "attrs": {"num_embeddings": 50257, "embedding_dim": 64}, "forward_index": 0},
+              {"index": 1, "name": "odd", "type": "Linear", "param_count": 64 * 127,
+               "attrs": {"in_features": 64, "out_features": 127}, "forward_index": 1},
+              {"index": 2, "name": "head", "type": "Linear", "param_count": 0,
+               "attrs": {"in_features": 64, "out_features": 50257, "tied_to": "wte"},
+               "forward_index": 2}]
     register(api, layers=layers)
     flagged = {(f["layer"], f["evidence"]["dimension"], f["evidence"]["padded"])
                for f in findings(api, kind="misaligned_layer")}
-    assert flagged == {("wte", "num_embeddings", 50264), ("head", "out_features", 128)}
+    assert flagged == {("head", "out_features", 50264), ("odd", "out_features", 128)}
 
     layers[1]["attrs"]["out_features"] = 128
     register(api, layers=layers)
     assert {f["layer"] for f in findings(api, kind="misaligned_layer", status="open")} == \
-        {"wte"}
-    assert {f["layer"] for f in findings(api, kind="misaligned_layer", status="resolved")} == \
         {"head"}
+    assert {f["layer"] for f in findings(api, kind="misaligned_layer", status="resolved")} == \
+        {"odd"}
 
 
 def test_findings_api_filters_and_pages(api):
