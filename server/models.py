@@ -134,6 +134,8 @@ class Batch(Base):
     act_absmax: Mapped[bytes | None] = mapped_column(LargeBinary)
     act_dtype: Mapped[bytes | None] = mapped_column(LargeBinary)
     act_time: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # per sampled step and layer: share of exactly-zero grad elements (MISSING: not counted)
+    act_grad_zero: Mapped[bytes | None] = mapped_column(LargeBinary)
     events: Mapped[list[Any] | None] = mapped_column(JSON)
 
     __table_args__ = (Index("ix_batches_run_rank_steps", "run_id", "rank", "first_step"),)

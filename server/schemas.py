@@ -158,6 +158,7 @@ class StepIn(Strict):
     eval_forwards: int | None = Field(None, ge=0)
     eval_forwards_no_autocast: int | None = Field(None, ge=0)
     layer_grad_norm: list[float | None] | None = Field(None, max_length=MAX_LAYERS)
+    layer_grad_zero_share: list[float | None] | None = Field(None, max_length=MAX_LAYERS)
     activations: ActivationsIn | None = None
 
 

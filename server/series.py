@@ -76,7 +76,8 @@ class StepSeries:
 
     scalars: (n, len(SCALAR_FIELDS)) float64; present: same shape, bool.
     layer_grad: (n, L) float32 or None when no step carried per-layer grads.
-    act_*: activation samples at `act_step` (m,), each (m, L).
+    act_*: activation samples at `act_step` (m,), each (m, L); act_grad_zero: the share
+    of exactly-zero grad elements per layer on those steps (None: never counted).
     """
 
     scalars: np.ndarray
@@ -88,6 +89,7 @@ class StepSeries:
     act_time: np.ndarray | None
     n_layers: int
     events: list[dict] = field(default_factory=list)
+    act_grad_zero: np.ndarray | None = None
 
     @property
     def steps(self) -> np.ndarray:
@@ -140,6 +142,8 @@ class StepSeries:
             act_time=None if self.act_time is None else self.act_time[act_keep],
             n_layers=self.n_layers,
             events=[e for e in self.events if e.get("step") in kept],
+            act_grad_zero=(None if self.act_grad_zero is None
+                           else self.act_grad_zero[act_keep]),
         )
 
 
@@ -172,12 +176,13 @@ def concat(parts: list[StepSeries], n_layers: int) -> StepSeries:
     act_absmax = stack("act_absmax", act_rows, MISSING)
     act_dtype = stack("act_dtype", act_rows, 0)
     act_time = stack("act_time", act_rows, MISSING)
+    act_grad_zero = stack("act_grad_zero", act_rows, MISSING)
 
     steps = scalars[:, 0]
     if np.all(np.diff(steps) > 0) and np.all(np.diff(act_step) > 0):
         # batches arrived in order (the usual case): no reordering copies
         return StepSeries(scalars, present, layer_grad, act_step.astype(np.int64), act_absmax,
-                          act_dtype, act_time, n_layers, events)
+                          act_dtype, act_time, n_layers, events, act_grad_zero)
     order = np.argsort(steps, kind="stable")
     if np.any(np.diff(steps[order]) == 0):
         # keep the last occurrence of each step
@@ -201,4 +206,5 @@ def concat(parts: list[StepSeries], n_layers: int) -> StepSeries:
         act_time=None if act_time is None else act_time[act_order],
         n_layers=n_layers,
         events=events,
+        act_grad_zero=None if act_grad_zero is None else act_grad_zero[act_order],
     )

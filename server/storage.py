@@ -30,7 +30,8 @@ from ampwatch.server.series import (
 _MISSING_F = float(MISSING)
 _CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.scalars, Batch.present, Batch.events)
 _LAYER_COLUMNS = (Batch.layer_grad,)
-_ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time)
+_ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time,
+                Batch.act_grad_zero)
 
 # rows of RunRank.layer_stats
 (
@@ -77,6 +78,7 @@ def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
         "act_absmax": None,
         "act_dtype": None,
         "act_time": None,
+        "act_grad_zero": None,
     }
     if any(s.layer_grad_norm is not None for s in steps):
         missing_row = [_MISSING_F] * n_layers
@@ -86,21 +88,30 @@ def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
             dtype=np.float32,
         )
         out["layer_grad"] = grad.tobytes()
-    sampled = [s for s in steps if s.activations is not None]
+    # sampled steps: activations and/or zero-grad shares, one row each
+    sampled = [s for s in steps
+               if s.activations is not None or s.layer_grad_zero_share is not None]
     if sampled:
         none_row = [None] * n_layers
+        missing_row = [_MISSING_F] * n_layers
+        acts = [s.activations for s in sampled]
         out["act_step"] = np.array([s.step for s in sampled], dtype=np.int64).tobytes()
         out["act_absmax"] = np.array(
-            [_vector(s.activations.absmax) for s in sampled], dtype=np.float32
+            [missing_row if a is None else _vector(a.absmax) for a in acts], dtype=np.float32
         ).tobytes()
         out["act_dtype"] = np.array(
-            [[DTYPE_CODE[d] if d else 0 for d in (s.activations.dtype or none_row)]
-             for s in sampled],
+            [[DTYPE_CODE[d] if d else 0 for d in (a is not None and a.dtype or none_row)]
+             for a in acts],
             dtype=np.uint8,
         ).tobytes()
         out["act_time"] = np.array(
-            [_vector(s.activations.time_ms or none_row) for s in sampled], dtype=np.float32
+            [_vector(a is not None and a.time_ms or none_row) for a in acts], dtype=np.float32
         ).tobytes()
+        if any(s.layer_grad_zero_share is not None for s in sampled):
+            out["act_grad_zero"] = np.array(
+                [missing_row if s.layer_grad_zero_share is None
+                 else _vector(s.layer_grad_zero_share) for s in sampled], dtype=np.float32
+            ).tobytes()
     return out
 
 
@@ -111,7 +122,8 @@ def vector_length_errors(steps: list[StepIn], n_layers: int) -> list[str]:
         if s.first_nonfinite_layer is not None and s.first_nonfinite_layer >= n_layers:
             errors.append(f"step {s.step}: first_nonfinite_layer {s.first_nonfinite_layer} "
                           f"is not in the run's layer table of {n_layers}")
-        vectors = {"layer_grad_norm": s.layer_grad_norm}
+        vectors = {"layer_grad_norm": s.layer_grad_norm,
+                   "layer_grad_zero_share": s.layer_grad_zero_share}
         if s.activations is not None:
             vectors |= {
                 "activations.absmax": s.activations.absmax,
@@ -157,13 +169,15 @@ def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool,
     if with_layers and row.layer_grad is not None:
         layer_grad = block(row.layer_grad, np.float32, n, MISSING)
     act_step = np.zeros(0, dtype=np.int64)
-    act_absmax = act_dtype = act_time = None
+    act_absmax = act_dtype = act_time = act_grad_zero = None
     if with_acts and row.act_step is not None:
         act_step = np.frombuffer(row.act_step, dtype=np.int64)
         m = act_step.size
         act_absmax = block(row.act_absmax, np.float32, m, MISSING)
         act_dtype = block(row.act_dtype, np.uint8, m, 0)
         act_time = block(row.act_time, np.float32, m, MISSING)
+        if row.act_grad_zero is not None:
+            act_grad_zero = block(row.act_grad_zero, np.float32, m, MISSING)
     return StepSeries(
         scalars=scalars,
         present=present,
@@ -172,6 +186,7 @@ def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool,
         act_absmax=act_absmax,
         act_dtype=act_dtype,
         act_time=act_time,
+        act_grad_zero=act_grad_zero,
         n_layers=n_layers if layer is None else 1,
         events=list(row.events or []),
     )

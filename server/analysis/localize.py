@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ampwatch.server.analysis.context import RunContext, step_rows
-from ampwatch.server.series import FIELD_INDEX, StepSeries
+from ampwatch.server.series import FIELD_INDEX, MISSING, StepSeries
 
 # Causes in the order they explain each other: a bad input makes the forward pass
 # non-finite, which makes the loss non-finite, which makes every gradient non-finite.
@@ -66,7 +66,7 @@ def localize(series: StepSeries, run: RunContext) -> Localization:
     if series.act_absmax is not None and len(series.act_step) and n_layers:
         # older agents: only sampled steps say which layer went non-finite
         rows = step_rows(series, series.act_step)
-        sampled = rows >= 0
+        sampled = (rows >= 0) & (series.act_absmax != MISSING).any(axis=1)
         forward_observed[rows[sampled]] = True
         act_bad = ~np.isfinite(series.act_absmax) & sampled[:, None]
         sampled_bad = act_bad.any(axis=1)

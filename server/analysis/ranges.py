@@ -1,5 +1,6 @@
 """fp16 range risks per layer: forward outputs close to fp16's maximum (overflow next),
-and scaled gradients below fp16's normal range (flushed to zero)."""
+and gradients flushed to zero (underflow, measured as the share of exactly-zero grad
+elements)."""
 
 from __future__ import annotations
 
@@ -69,33 +70,31 @@ def detect_overflow_risk(series: StepSeries, run: RunContext,
 
 def detect_underflow_risk(series: StepSeries, run: RunContext,
                           settings: AnalysisSettings) -> Detection:
-    """fp16 runs: layers whose scaled gradients sit below fp16's normal range.
+    """fp16 runs: layers whose gradients are mostly exactly zero, measured.
 
-    A layer's typical scaled gradient element is estimated as
-    loss_scale * grad_norm / sqrt(param_count) (the RMS of its scaled grads); it is
-    flagged when that sits below `fp16_min_normal` on more than `underflow_share` of
-    the last `risk_window` steps. Skipped and non-finite steps are left out.
+    The agent counts each layer's exactly-zero grad elements on sampled steps; a layer is
+    flagged when `underflow_zero_share` or more of its grad elements were zero on more
+    than `underflow_share` of the last `risk_window` steps that measured it. Embedding
+    lookups are left out (rows not looked up have zero grads by design), and so are
+    skipped steps. Costs O(samples x layers).
     """
-    grads = series.layer_grad
-    if grads is None or not len(series) or not is_fp16_run(series, run):
+    zeros = series.act_grad_zero
+    if zeros is None or not len(series.act_step) or not is_fp16_run(series, run):
         return Detection()
     n_layers = series.n_layers
-    params = run.param_counts(n_layers)
-    scale = series.column("loss_scale")
-    scale = np.where(np.isfinite(scale) & (scale > 0), scale, 1.0)
-    recent = _recent(series.steps, int(series.steps[-1]), settings) & ~series.skipped
-    window = grads[recent]
-    # > 0 leaves out MISSING (-1), NaN and -inf; < inf leaves out +inf
-    valid = (window > 0) & (window < np.inf) & (params > 0)
-    rms = window * scale[recent, None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        rms /= np.sqrt(params)  # in place: one (steps x layers) float64 temporary, not two
-    low = valid & (rms < settings.fp16_min_normal)
+    lookups = run.table.mask(lambda x: "Embedding" in x.type and not x.attrs.get("tied_to"),
+                             n_layers)
+    recent = _recent(series.act_step, int(series.steps[-1]), settings)
+    skipped_steps = series.steps[series.skipped]
+    recent &= ~np.isin(series.act_step, skipped_steps)
+    window = zeros[recent]
+    valid = (window != MISSING) & np.isfinite(window) & ~lookups
+    low = valid & (window >= settings.underflow_zero_share)
     n_valid = valid.sum(axis=0)
     share = np.divide(low.sum(axis=0), n_valid, out=np.zeros(n_layers), where=n_valid > 0)
     evaluated = n_valid > 0
     flagged = evaluated & (share > settings.underflow_share)
-    steps = series.steps[recent]
+    steps = series.act_step[recent]
     no_scaler = not series.has("loss_scale").any()
     fix = ("use torch.amp.GradScaler with fp16" if no_scaler else
            "find what keeps the loss scale low (see the scaler findings), raise init_scale, "
@@ -104,16 +103,17 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
     for layer in np.flatnonzero(flagged):
         name = run.layer_name(int(layer))
         low_steps = steps[low[:, layer]]
-        typical = float(np.median(rms[valid[:, layer], layer]))
+        typical = float(np.median(window[valid[:, layer], layer]))
         drafts.append(FindingDraft(
             kind="underflow_risk", key=f"underflow_risk:{name}", severity="warning",
-            message=(f"Layer {name!r}: its scaled gradients (about {typical:.2g} per element) "
-                     f"sit below fp16's normal range {settings.fp16_min_normal:.2g} on "
-                     f"{share[layer]:.0%} of recent steps, so they are flushed to zero; {fix}."),
+            message=(f"Layer {name!r}: {typical:.0%} of its gradient elements are exactly zero "
+                     f"(median of the measured steps; {share[layer]:.0%} of them at or above "
+                     f"{settings.underflow_zero_share:.0%}), the mark of fp16 underflow: "
+                     f"small gradients are flushed to zero; {fix}."),
             step=int(low_steps[0]), last_step=int(low_steps[-1]), layer=name,
-            evidence={"scaled_grad_rms": typical, "min_normal": settings.fp16_min_normal,
-                      "share": round(float(share[layer]), 4),
-                      "param_count": int(params[layer]),
+            evidence={"zero_share": round(typical, 4),
+                      "threshold": settings.underflow_zero_share,
+                      "share_of_steps": round(float(share[layer]), 4),
                       "steps": recent_steps(low_steps, settings.evidence_steps)},
             occurrences=low_steps,
         ))
@@ -121,4 +121,3 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
     unflagged = np.flatnonzero(evaluated & ~flagged)
     covers = tuple(keys[unflagged[unflagged < keys.size]])
     return Detection(drafts=drafts, covers=covers)
-

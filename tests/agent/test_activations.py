@@ -214,3 +214,27 @@ def test_first_nonfinite_layer_on_every_step_matches_a_reference_hook(attach, of
     assert first_bad[3] == 3 and first_bad[5] == 0
     assert [s["forward_nonfinite"] for s in steps] == [i in (3, 5, 6) for i in range(8)]
     assert [s["step"] for s in steps if "activations" in s] == [0]
+
+
+def test_zero_grad_share_on_sampled_steps_matches_the_grads(attach, offline: Path) -> None:
+    """Each layer's share of exactly-zero grad elements, measured on sampled steps; a tiny
+    loss scale makes fp16 backward flush most of them to zero."""
+    model = mlp()
+    layers = discover_layers(model)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**-24, growth_interval=10**6)
+    attachment = attach(model, scaler, sample_every=2)
+    reference: dict[int, list[float | None]] = {}
+
+    def on_step(i: int, *args) -> None:
+        reference[i] = [None if not layer.params else
+                        sum(int((p.grad == 0).sum()) for p in layer.params)
+                        / sum(p.numel() for p in layer.params) for layer in layers]
+
+    fp16_loop(model, optimizer, scaler, batches(4), on_step=on_step)
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert ["layer_grad_zero_share" in s for s in steps] == [True, False, True, False]
+    for s in (steps[0], steps[2]):
+        assert s["layer_grad_zero_share"] == pytest.approx(reference[s["step"]])
+    assert steps[0]["layer_grad_zero_share"][0] > 0.5  # underflow, measured

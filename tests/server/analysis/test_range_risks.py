@@ -1,16 +1,18 @@
-"""fp16 overflow risk (activations near 65504) and underflow risk (scaled grads below
-fp16's normal range)."""
+"""fp16 overflow risk (activations near 65504) and underflow risk (the measured share of
+exactly-zero grad elements)."""
 
 from __future__ import annotations
 
 import pytest
 
+from ampwatch.server.analysis.context import LayerInfo
 from ampwatch.server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
 from tests.server.analysis.factories import (
     SETTINGS,
     activations,
     context,
     drafts_by_key,
+    linear,
     series,
     step,
 )
@@ -49,29 +51,46 @@ def test_overflow_risk_resolves_when_back_in_range():
     assert not drafts_by_key(result)["overflow_risk:fc1"].active
 
 
-def grads(norm, scale=65536.0, dtype="float16", n=300):
-    return [step(s, loss_scale=scale, scale_after=scale, autocast_dtype=dtype,
-                 layer_grad_norm=[0.1, norm, 0.1, None]) for s in range(n)]
+def zero_shares(share, dtype="float16", n=300, every=10, skipped=()):
+    """Steps whose sampled ones measured fc1's share of exactly-zero grad elements."""
+    steps = [step(s, autocast_dtype=dtype) for s in range(n)]
+    for s in steps[::every]:
+        s["layer_grad_zero_share"] = [0.01, share, 0.0, None]
+    for s in skipped:
+        steps[s].update(skipped=True, grad_norm=float("inf"))
+    return steps
 
 
-@pytest.mark.parametrize(("norm", "scale", "dtype", "flagged"), [
-    (1e-7, 1.0, "float16", True),       # rms ~1.5e-9 per element, unscaled
-    (1e-7, 65536.0, "float16", False),  # the scaler lifts it to ~1e-4
-    (1e-9, 65536.0, "float16", True),
-    (1e-7, 1.0, "bfloat16", False),     # bf16 has fp32's range
+@pytest.mark.parametrize(("share", "dtype", "flagged"), [
+    (0.97, "float16", True),
+    (0.2, "float16", False),   # dead units and sparse inputs leave some zeros
+    (0.97, "bfloat16", False),  # bf16 has fp32's range: no underflow to measure
 ])
-def test_underflow_risk(norm, scale, dtype, flagged):
+def test_underflow_risk_judges_the_measured_zero_share(share, dtype, flagged):
     run = context(environment={"autocast_dtype": dtype})
-    drafts = drafts_by_key(detect_underflow_risk(series(grads(norm, scale, dtype)), run,
+    drafts = drafts_by_key(detect_underflow_risk(series(zero_shares(share, dtype)), run,
                                                  SETTINGS))
-    assert ("underflow_risk:fc1" in drafts) == flagged
-    assert len(drafts) == int(flagged)
+    assert set(drafts) == ({"underflow_risk:fc1"} if flagged else set())
     if flagged:
-        assert drafts["underflow_risk:fc1"].evidence["share"] == 1.0
+        finding = drafts["underflow_risk:fc1"]
+        assert finding.evidence["zero_share"] == pytest.approx(0.97)
+        assert finding.evidence["share_of_steps"] == 1.0 and finding.step == 100  # risk_window
+        assert "97%" in finding.message
+
+
+def test_underflow_leaves_out_lookups_and_skipped_steps():
+    layers = [linear(0), linear(1), linear(2),
+              LayerInfo(3, "emb", "Embedding", 64 * 64, {"num_embeddings": 64}, 3)]
+    steps = zero_shares(0.97, skipped=range(0, 300, 10))  # every measured step was skipped
+    assert detect_underflow_risk(series(steps), context(layers), SETTINGS).drafts == []
+    steps = zero_shares(0.2)
+    for s in steps[::10]:
+        s["layer_grad_zero_share"][3] = 0.99  # rows not looked up: zero by design
+    assert detect_underflow_risk(series(steps), context(layers), SETTINGS).drafts == []
 
 
 def test_underflow_fix_depends_on_the_scaler():
-    steps = [step(s, loss_scale=None, scale_after=None, layer_grad_norm=[1e-7] * 4)
+    steps = [step(s, loss_scale=None, scale_after=None, layer_grad_zero_share=[0.9] * 4)
              for s in range(50)]
     drafts = detect_underflow_risk(series(steps), context(), SETTINGS).drafts
     assert len(drafts) == 4 and "GradScaler" in drafts[0].message
