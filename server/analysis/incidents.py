@@ -27,6 +27,8 @@ STAGES = {
 }
 HEADLINES = {
     "forward_overflow": "Layer {layer!r} overflows fp16 in the forward pass",
+    "absorbed_overflow": "Layer {layer!r} overflows in the forward pass; a later op "
+                         "silently clipped it",
     "grad_overflow": "Gradients of layer {layer!r} are inf/NaN",
     "nonfinite_loss": "The loss is inf/NaN",
     "nonfinite_input": "The input batch holds inf/NaN",
@@ -81,7 +83,7 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
     if kind in ("nonfinite", "scaler_divergence") and evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
-        if cause in ("forward_overflow", "grad_overflow") and not culprit:
+        if cause in ("forward_overflow", "absorbed_overflow", "grad_overflow") and not culprit:
             return None
         return cause, culprit or "-"
     return None

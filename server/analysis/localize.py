@@ -133,7 +133,7 @@ def explain(loc: Localization, rows: np.ndarray, run: RunContext) -> dict:
 def fix_for_cause(cause: str | None, layer: str | None) -> str:
     """The remedy sentence for a divergence or non-finite cause."""
     where = f"layer {layer!r}" if layer else "a layer"
-    if cause == "forward_overflow":
+    if cause in ("forward_overflow", "absorbed_overflow"):
         return (f"{where} overflows fp16 in the forward pass, which no loss scale can fix: "
                 "run it in fp32 (torch.autocast(device_type, enabled=False) with a .float() "
                 "input), scale its output down, or train in bf16")

@@ -109,7 +109,7 @@ def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSett
         name = None if layer_index == NO_LAYER else run.layer_name(layer_index)
         steps = series.steps[g_rows]
         severity = _severity(group, reached[g_rows])
-        fix = fix_for_cause(CAUSES[FORWARD] if group == ABSORBED else CAUSES[group], name)
+        fix = fix_for_cause(GROUPS[group], name)
         if severity == "info":
             fix = (f"GradScaler skipped these steps, which is harmless when rare; if they "
                    f"recur, {fix}")
