@@ -15,7 +15,9 @@ from torch import nn
 from ampwatch.agent import guard
 from ampwatch.agent.collectors import default_collectors
 from ampwatch.agent.collectors.forward import ForwardCollector
+from ampwatch.agent.collectors.fp8 import Fp8Collector
 from ampwatch.agent.environment import distributed_rank, environment, run_body
+from ampwatch.agent.fp8 import find_fp8_layers
 from ampwatch.agent.layers import discover_layers
 from ampwatch.agent.session import CLOSE_FAILED, Session, StepItem
 from ampwatch.agent.settings import AgentSettings
@@ -195,7 +197,11 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
             flush_interval_s=flush_interval, max_batch_steps=max_batch_steps)
         layers = discover_layers(model)
-        session = Session(model, scaler, optimizer, layers, default_collectors(len(layers)),
+        collectors = default_collectors(len(layers))
+        fp8_layers = find_fp8_layers(layers)
+        if fp8_layers:
+            collectors.append(Fp8Collector(fp8_layers, layers))
+        session = Session(model, scaler, optimizer, layers, collectors,
                           sink=lambda item: False, settings=settings)
         describe = {"name": name, "project": project, "tags": tags, "config": config}
         attachment = Attachment(settings.run_id, session, None, describe)

@@ -12,8 +12,11 @@ from sqlalchemy.orm import Session
 
 from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
+from ampwatch.server.analysis.fp8 import on_fp8_ingest
+from ampwatch.server.analysis.service import layer_tables
 from ampwatch.server.db import writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
+from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import Batch, Run, RunRank, utcnow
 from ampwatch.server.schemas import BatchAck, BatchIn
 from ampwatch.server.series import FIELD_INDEX
@@ -51,7 +54,8 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
         session.rollback()
         raise NotFound(f"no run with id {run_id!r}: register it with PUT /api/v1/runs/{run_id}")
     n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
-    errors = vector_length_errors(batch.steps, n_layers)
+    errors = vector_length_errors(batch.steps, n_layers) + fp8_length_errors(batch.steps,
+                                                                             n_layers)
     if errors:
         session.rollback()
         raise InvalidInput("; ".join(errors))
@@ -93,6 +97,12 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
         run = session.get(Run, run_id)
         analysis.on_ingest(session, run, batch.rank, series, settings.analysis,
                            rank_last_step=rank_last_step)
+    stored_fp8 = store_fp8_samples(session, run_id, batch.rank, batch.steps, n_layers)
+    last_step = int(series.steps[-1]) if len(series) else -1
+    if stored_fp8 and (rank_last_step is None or last_step >= rank_last_step):
+        run = session.get(Run, run_id)
+        on_fp8_ingest(session, run, layer_tables.get(session, run), batch.rank, last_step,
+                      settings.analysis)
     session.commit()
     return ack
 

@@ -141,6 +141,23 @@ class Batch(Base):
     __table_args__ = (Index("ix_batches_run_rank_steps", "run_id", "rank", "first_step"),)
 
 
+class Fp8Sample(Base):
+    """FP8 cast statistics of one sampled step of one rank (server/analysis/fp8.py):
+    `values` is float32 (3 roles x 5 statistics x n_layers), `present` bool (3 roles x
+    n_layers), both packed; a re-sent step replaces its row."""
+
+    __tablename__ = "fp8_samples"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    n_layers: Mapped[int] = mapped_column(Integer)
+    values: Mapped[bytes] = mapped_column(LargeBinary)
+    present: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class Finding(Base):
     """Something the analysis flagged. A persisting condition updates its open finding
     (matched by `key`) instead of adding rows; a recovered condition resolves it."""

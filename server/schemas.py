@@ -134,6 +134,25 @@ class ActivationsIn(Strict):
     time_ms: list[float | None] | None = None
 
 
+class Fp8TensorIn(Strict):
+    """Per-layer statistics of one tensor role's FP8 cast (L entries each, null where the
+    layer does not cast that tensor to FP8 or was not measured)."""
+
+    amax: list[float | None] = Field(max_length=MAX_LAYERS)
+    scale: list[float | None] = Field(max_length=MAX_LAYERS)
+    rms: list[float | None] = Field(max_length=MAX_LAYERS)
+    saturated: list[float | None] = Field(max_length=MAX_LAYERS)
+    underflow: list[float | None] = Field(max_length=MAX_LAYERS)
+
+
+class Fp8In(Strict):
+    """FP8 cast statistics of a sampled step, by tensor role (docs/wire-format.md)."""
+
+    input: Fp8TensorIn | None = None
+    weight: Fp8TensorIn | None = None
+    grad: Fp8TensorIn | None = None
+
+
 class StepIn(Strict):
     step: int = Field(ge=0, le=MAX_STEP)
     loss_scale: float | None = None
@@ -160,6 +179,7 @@ class StepIn(Strict):
     layer_grad_norm: list[float | None] | None = Field(None, max_length=MAX_LAYERS)
     layer_grad_zero_share: list[float | None] | None = Field(None, max_length=MAX_LAYERS)
     activations: ActivationsIn | None = None
+    fp8: Fp8In | None = None
 
 
 class EventIn(Strict):

@@ -19,6 +19,9 @@ FindingKind = Literal[
     "precision_map",
     "pitfall",
     "speed",
+    "fp8_underflow",
+    "fp8_saturation",
+    "fp8_stale_scale",
 ]
 
 
@@ -82,3 +85,28 @@ class IncidentPublic(BaseModel):
 class IncidentsPublic(BaseModel):
     items: list[IncidentPublic]
     total: int
+
+
+class Fp8LayerPublic(BaseModel):
+    """An FP8 layer: its scaling recipe, the format of each tensor it casts, and the
+    statistics of its latest sample per tensor (amax, scale, rms, saturated, underflow)."""
+
+    index: int
+    name: str
+    recipe: str
+    formats: dict[str, str | None]
+    latest: dict[str, dict[str, float | int | str]]
+
+
+class Fp8Public(BaseModel):
+    """/api/v1/runs/{id}/fp8: rows are (layer, tensor) pairs; `underflow` and `saturated`
+    are rows x step buckets of the largest share seen (null: no sample in the bucket)."""
+
+    rank: int
+    layers: list[Fp8LayerPublic]
+    rows: list[str]
+    steps: list[int]
+    underflow: list[list[float | None]]
+    saturated: list[list[float | None]]
+    samples: int
+    findings: list[FindingPublic]

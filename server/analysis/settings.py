@@ -42,6 +42,17 @@ class AnalysisSettings(BaseModel):
     )
     risk_window: int = Field(200, ge=1, description="recent steps overflow/underflow are judged on")
 
+    # FP8 casts (server/analysis/fp8.py)
+    fp8_underflow_share: float = Field(
+        0.01, gt=0, le=1, description="share of a tensor's elements flushed to zero: warning"
+    )
+    fp8_saturation_share: float = Field(
+        0.001, gt=0, le=1, description="share of a tensor's elements clipped at the max: warning"
+    )
+    fp8_stale_samples: int = Field(
+        2, ge=1, description="consecutive samples whose amax outgrew the scale: stale scale"
+    )
+
     # layers and model
     misaligned_warning_share: float = Field(
         0.2, ge=0, le=1,

@@ -1,0 +1,152 @@
+"""Per FP8 layer, on sampled steps: abs-max, scale, RMS, saturated and flushed-to-zero
+shares of the input, the weight and the gradient as each is cast to FP8.
+
+Sampled with the activation statistics (every `sample_every` steps and every step of the
+anomaly window after a skip, a non-finite value, or an FP8 cast that flushed or saturated
+more than `FLAG_SHARE` of a tensor). On a sampled step each FP8 layer gets a forward
+pre-hook (input and weight, as the layer will cast them) and a forward hook that puts a
+tensor hook on the layer's output, whose gradient is what the backward casts. Only the
+first training forward of a layer in a step is measured (the first micro-batch under
+gradient accumulation). Each tensor costs about a dozen device ops (`fp8.cast_stats`);
+nothing synchronises the device: the values reach the step buffer at close and the host
+a step later, on the worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from ampwatch.agent import guard
+from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.fp8 import N_STATS, ROLES, STATS, Fp8Layer, cast_stats
+from ampwatch.client.wire import encode_array
+
+
+class Fp8Collector(Collector):
+    """`fp8.{input,weight,grad}.{amax,scale,rms,saturated,underflow}`, per layer."""
+
+    name = "fp8"
+    FLAG_SHARE = 0.01  # a share of saturated or flushed elements that opens the anomaly window
+
+    def __init__(self, fp8_layers: list[Fp8Layer], layers: list[Any]) -> None:
+        super().__init__()
+        self.fp8_layers = fp8_layers
+        self.n_layers = len(layers)
+        for layer in fp8_layers:  # the layer table says which layers cast to FP8, and how
+            layers[layer.index].attrs.update(layer.attrs())
+        self.slots = len(fp8_layers) * len(ROLES) * N_STATS
+        self._hooks: list[Any] = []
+        self._stats: dict[tuple[int, int], torch.Tensor] = {}  # (fp8 position, role) -> 5
+
+    def bind(self, session: Any) -> None:
+        super().bind(session)
+        self._missing = torch.zeros(N_STATS, dtype=torch.float32, device=session.device)
+
+    def unbind(self) -> None:
+        self._set_sampling(False)
+
+    @property
+    def sampling(self) -> bool:
+        return bool(self._hooks)
+
+    def on_next_step(self, step: int) -> None:
+        every = self.session.settings.sample_every
+        sample = (every > 0 and step % every == 0) or step <= self.session.anomaly_until
+        if sample != self.sampling:
+            self._set_sampling(sample)
+
+    def _set_sampling(self, on: bool) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+        if on:
+            for position, layer in enumerate(self.fp8_layers):
+                self._hooks.append(layer.module.register_forward_pre_hook(self._pre(position)))
+                self._hooks.append(layer.module.register_forward_hook(self._post(position)))
+
+    def _measure(self, position: int, role: str, tensor: Any) -> None:
+        spec = self.fp8_layers[position].specs.get(role)
+        key = (position, ROLES.index(role))
+        if spec is None or key in self._stats or not isinstance(tensor, torch.Tensor):
+            return
+        if tensor.is_floating_point() and tensor.numel():
+            self._stats[key] = cast_stats(tensor, spec, self.fp8_layers[position].scale_of(role))
+
+    def _pre(self, position: int) -> Any:
+        session = self.session
+
+        def hook(module: torch.nn.Module, args: tuple) -> None:
+            try:
+                if not session.in_training_forward or not args:
+                    return
+                x = args[0]
+                # Float8Linear casts its input to the autocast dtype first (its forward)
+                if isinstance(x, torch.Tensor) and torch.is_autocast_enabled():
+                    x = x.to(torch.get_autocast_dtype("cuda"))
+                self._measure(position, "input", x)
+                weight = getattr(module, "weight", None)
+                if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+                    weight = weight.t()  # cast transposed: its per-row scales run along in
+                self._measure(position, "weight", weight)
+            except Exception as exc:  # noqa: BLE001
+                guard.report("fp8.pre", exc)
+        return hook
+
+    def _post(self, position: int) -> Any:
+        session = self.session
+        grad_role = ROLES.index("grad")
+
+        def on_grad(grad: torch.Tensor) -> None:
+            try:
+                self._measure(position, "grad", grad)
+            except Exception as exc:  # noqa: BLE001
+                guard.report("fp8.grad", exc)
+
+        def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            try:
+                if (session.in_training_forward and isinstance(output, torch.Tensor)
+                        and output.requires_grad and (position, grad_role) not in self._stats):
+                    output.register_hook(on_grad)
+            except Exception as exc:  # noqa: BLE001
+                guard.report("fp8.post", exc)
+        return hook
+
+    def seal(self) -> Any:
+        sealed = (self.sampling, self._stats)
+        self._stats = {}
+        return sealed
+
+    def close(self, sealed: Any) -> Any:
+        sampled, stats = sealed
+        if not sampled or not stats:
+            return None
+        keys = [(p, r) for p in range(len(self.fp8_layers)) for r in range(len(ROLES))]
+        self.view.copy_(torch.cat([stats.get(key, self._missing) for key in keys]))
+        return frozenset(stats)
+
+    def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
+        if meta is None:
+            return
+        values = host.reshape(len(self.fp8_layers), len(ROLES), N_STATS)
+        out: dict[str, dict[str, list]] = {}
+        flagged = False
+        for r, role in enumerate(ROLES):
+            full = np.zeros((N_STATS, self.n_layers))
+            missing = np.ones((N_STATS, self.n_layers), dtype=bool)
+            for p, layer in enumerate(self.fp8_layers):
+                if (p, r) in meta:
+                    full[:, layer.index] = values[p, r]
+                    missing[:, layer.index] = False
+            if missing.all():
+                continue
+            shares = full[STATS.index("saturated")], full[STATS.index("underflow")]
+            flagged |= bool(any((s[~missing[0]] > self.FLAG_SHARE).any() for s in shares))
+            out[role] = {name: encode_array(full[i], missing=missing[i])
+                         for i, name in enumerate(STATS)}
+        if out:
+            record["fp8"] = out
+        if flagged:
+            self.session.note_anomaly(record["step"])

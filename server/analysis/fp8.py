@@ -1,0 +1,155 @@
+"""FP8 casts that lose values: elements flushed to zero, elements clipped at the format's
+maximum, and scales that no longer fit the tensor.
+
+FP8 fails silently: nothing becomes inf. With dynamic tensorwise scaling (torchao's
+default) one outlier sets the amax, and every small element of the tensor falls below the
+format's smallest subnormal (`fp8_underflow`). With delayed scaling (Transformer Engine's
+default) the scale comes from an amax history, so a growing tensor outgrows it: first the
+amax passes what the scale covers (`fp8_stale_scale`), then elements clip (`fp8_saturation`).
+Judged on the agent's sampled FP8 statistics (server/fp8_samples.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from ampwatch.server.analysis.context import LayerTable, RunContext
+from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.store import apply_detections, update_run_health
+from ampwatch.server.fp8_samples import ROLES, Fp8Window, load_fp8_window
+from ampwatch.server.models import Run
+
+FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0, "e4m3fnuz": 240.0, "e5m2fnuz": 57344.0}
+TENSOR_WORDS = {"input": "input", "weight": "weight", "grad": "output gradient"}
+KINDS = ("fp8_underflow", "fp8_saturation", "fp8_stale_scale")
+
+
+def _fix(kind: str, recipe: str) -> str:
+    delayed = recipe.startswith("delayed")
+    if kind == "fp8_underflow":
+        if delayed:
+            return ("use current (per-step) scaling or a shorter amax history, or keep this "
+                    "layer in bf16")
+        if "tensorwise" in recipe:
+            return ("scale per row (torchao: Float8LinearConfig.from_recipe_name(\"rowwise\")) "
+                    "so an outlier only costs its own row, find and clip the outlier, or keep "
+                    "this layer in bf16 (convert_to_float8_training's module_filter_fn)")
+        return "find and clip the outlier, or keep this layer in bf16"
+    return ("shorten the amax history (DelayedScaling(amax_history_len=...)), switch to "
+            "current (dynamic) scaling, or keep this layer in bf16")
+
+
+def _episodes(window: Fp8Window, flags: np.ndarray,
+              evaluated: np.ndarray) -> list[tuple[int, np.ndarray, bool]]:
+    """(layer, steps flagged, still flagged at the layer's latest sample) per layer."""
+    out = []
+    for layer in np.flatnonzero(flags.any(axis=0)):
+        seen = np.flatnonzero(evaluated[:, layer])
+        out.append((int(layer), window.steps[flags[:, layer]], bool(flags[seen[-1], layer])))
+    return out
+
+
+def detect_fp8(window: Fp8Window, run: RunContext, settings: AnalysisSettings) -> Detection:
+    """Every FP8 finding of the window; covers each (layer, tensor) it holds samples of."""
+    if not len(window):
+        return Detection()
+    drafts: list[FindingDraft] = []
+    covers: list[str] = []
+    for r, role in enumerate(ROLES):
+        evaluated = window.present[:, r]
+        if not evaluated.any():
+            continue
+        amax, scale, rms, saturated, underflow = (window.values[:, r, k] for k in range(5))
+        fmax = np.array([FORMAT_MAX.get(str((run.layer(i).attrs if run.layer(i) else {})
+                                            .get(f"fp8_{role}_format")), np.nan)
+                         for i in range(window.values.shape[-1])])
+        with np.errstate(invalid="ignore", divide="ignore"):
+            covered = amax * scale / fmax  # > 1: the tensor outgrew its scale
+        flags = {
+            "fp8_underflow": evaluated & (underflow > settings.fp8_underflow_share),
+            "fp8_saturation": evaluated & (saturated > settings.fp8_saturation_share),
+            "fp8_stale_scale": evaluated & _runs_of(covered > 1.0 + 1e-6,
+                                                    settings.fp8_stale_samples),
+        }
+        for kind, flag in flags.items():
+            for layer, steps, active in _episodes(window, flag, evaluated):
+                rows = flag[:, layer]
+                drafts.append(_draft(kind, run, role, layer, steps, active, rows,
+                                     amax, rms, scale, saturated, underflow, covered,
+                                     settings))
+            for layer in np.flatnonzero(evaluated.any(axis=0)):
+                covers.append(f"{kind}:{run.layer_name(int(layer))}:{role}")
+    flagged = {d.key for d in drafts if d.active}
+    return Detection(drafts=drafts, covers=tuple(k for k in covers if k not in flagged))
+
+
+def _runs_of(flag: np.ndarray, length: int) -> np.ndarray:
+    """True where `flag` has held for at least `length` consecutive samples (per column)."""
+    run = np.zeros(flag.shape[1:], dtype=np.int64)
+    out = np.zeros_like(flag)
+    for i in range(flag.shape[0]):
+        run = np.where(flag[i], run + 1, 0)
+        out[i] = run >= length
+    return out
+
+
+def _draft(kind: str, run: RunContext, role: str, layer: int, steps: np.ndarray,
+           active: bool, rows: np.ndarray, amax, rms, scale, saturated, underflow, covered,
+           settings: AnalysisSettings) -> FindingDraft:
+    info = run.layer(layer)
+    attrs = info.attrs if info else {}
+    name = run.layer_name(layer)
+    recipe = str(attrs.get("fp8_recipe", "unknown recipe"))
+    fmt = str(attrs.get(f"fp8_{role}_format", "fp8"))
+    first = int(np.flatnonzero(rows)[0])
+    tensor = TENSOR_WORDS[role]
+    peak_amax = float(np.nanmax(amax[rows, layer]))
+    evidence = {"tensor": role, "format": fmt, "recipe": recipe, "amax": peak_amax,
+                "scale": float(scale[first, layer]),
+                "steps": recent_steps(steps, settings.evidence_steps)}
+    if kind == "fp8_underflow":
+        share = float(np.nanmax(underflow[rows, layer]))
+        ratio = float(amax[first, layer] / rms[first, layer]) if rms[first, layer] > 0 else None
+        evidence |= {"underflow_share": share, "outlier_ratio": ratio}
+        why = (f" its abs-max is {ratio:,.0f}x its RMS, so the scale set by the largest "
+               "element leaves the small ones below the format's smallest subnormal"
+               if ratio and ratio > 100 else "")
+        message = (f"Layer {name!r}: up to {share:.1%} of its {tensor}'s elements flushed to "
+                   f"zero when cast to {fmt} ({recipe}) from step {int(steps[0])};{why}. "
+                   f"Fix: {_fix(kind, recipe)}.")
+        severity = "warning"
+    elif kind == "fp8_saturation":
+        share = float(np.nanmax(saturated[rows, layer]))
+        evidence |= {"saturated_share": share,
+                     "amax_over_covered": float(np.nanmax(covered[rows, layer]))}
+        message = (f"Layer {name!r}: up to {share:.2%} of its {tensor}'s elements were clipped "
+                   f"at {fmt}'s maximum from step {int(steps[0])}: the tensor outgrew the "
+                   f"scale its amax history gave it ({recipe}). Fix: {_fix(kind, recipe)}.")
+        severity = "warning"
+    else:
+        grown = float(np.nanmax(covered[rows, layer]))
+        evidence |= {"amax_over_covered": grown}
+        message = (f"Layer {name!r}: its {tensor}'s abs-max reached {grown:.2f}x what its FP8 "
+                   f"scale covers on {settings.fp8_stale_samples}+ consecutive samples from "
+                   f"step {int(steps[0])}: the amax history lags a growing tensor ({recipe}). "
+                   f"Fix: {_fix(kind, recipe)}.")
+        severity = "info"
+    return FindingDraft(kind=kind, key=f"{kind}:{name}:{role}", severity=severity,
+                        message=message, step=int(steps[0]), last_step=int(steps[-1]),
+                        layer=name, evidence=evidence, occurrences=steps, active=active)
+
+
+def on_fp8_ingest(session: Session, run: Run, table: LayerTable, rank: int, last_step: int,
+                  settings: AnalysisSettings) -> None:
+    """Judge the rank's FP8 samples of the last `history_steps` through `last_step`, just
+    stored by ingest (the caller commits)."""
+    if not settings.enabled:
+        return
+    window = load_fp8_window(session, run.id, rank, run.n_layers,
+                             start=last_step - settings.history_steps, end=last_step)
+    context = RunContext.build(table, run.environment, rank)
+    change = apply_detections(session, run.id, rank, [detect_fp8(window, context, settings)],
+                              settings, since=int(window.steps[0]) if len(window) else None)
+    update_run_health(session, run, change)

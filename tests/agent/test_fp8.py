@@ -1,0 +1,236 @@
+"""FP8 end to end: torchao Float8Linear training on the CPU (emulate=True), the real agent and
+a real server. The truth comes from the test's own hooks, which cast each tensor with
+torchao's own scale and cast functions and count what the cast lost."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+from torch import nn
+
+from ampwatch import agent
+from ampwatch.agent import guard
+from ampwatch.agent.fp8 import CastSpec, cast_stats
+from tests.conftest import LiveServer
+
+float8 = pytest.importorskip("torchao.float8", reason="torchao (ampwatch[fp8]) is not installed")
+from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8  # noqa: E402
+from torchao.float8.float8_utils import tensor_to_scale  # noqa: E402
+
+SAMPLE_EVERY = 10
+FAULT_STEP = 20  # a scheduled sample: the agent measures FP8 casts on sampled steps
+STEPS = 36
+ROWS = 32
+THRESHOLD = 0.01  # the server's default fp8_underflow_share / fp8_saturation_share
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    root = tmp_path_factory.mktemp("fp8")
+    live = LiveServer(f"sqlite:///{root / 'fp8.db'}", root / "server.log")
+    live.start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture(autouse=True)
+def _agent_errors_fail_the_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    torch.set_num_threads(1)
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "spool"))
+    swallowed: list = []
+    guard.set_error_handler(lambda site, exc: swallowed.append((site, exc)))
+    yield
+    guard.set_error_handler(None)
+    if swallowed:
+        site, exc = swallowed[0]
+        raise AssertionError(f"agent swallowed an error in {site}") from exc
+
+
+class Net(nn.Module):
+    def __init__(self, recipe: str) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1 = nn.Linear(64, 128)
+        self.norm = nn.LayerNorm(128)
+        self.fc2 = nn.Linear(128, 128)
+        self.fc3 = nn.Linear(128, 16)
+        config = float8.Float8LinearConfig.from_recipe_name(recipe)
+        float8.convert_to_float8_training(
+            self, config=dataclasses.replace(config, emulate=True))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc3(torch.relu(self.fc2(torch.relu(self.norm(self.fc1(x))))))
+
+
+class Truth:
+    """Per step, layer and tensor: the abs-max and the elements the real cast lost, from
+    the test's own hooks (torchao's scale function and cast, as its Float8Linear calls
+    them)."""
+
+    def __init__(self, model: Net) -> None:
+        self.step = 0
+        self.seen: dict[tuple[int, str, str], dict] = {}
+        for name in ("fc1", "fc2", "fc3"):
+            module = getattr(model, name)
+            module.register_forward_pre_hook(self._pre(name))
+            module.register_forward_hook(self._post(name))
+
+    def cast(self, name: str, role: str, tensor: torch.Tensor, module: nn.Module,
+             dim: int) -> None:
+        config = module.config
+        cast = {"input": config.cast_config_input, "weight": config.cast_config_weight,
+                "grad": config.cast_config_grad_output}[role]
+        axiswise = cast.scaling_granularity is float8.ScalingGranularity.AXISWISE
+        axis = dim if axiswise else None
+        tensor = tensor.detach()
+        scale = tensor_to_scale(tensor, cast.target_dtype, False, None,
+                                cast.scaling_granularity, axis,
+                                config.round_scales_to_power_of_2)
+        bits = hp_tensor_and_scale_to_float8(tensor, scale, cast.target_dtype, None,
+                                             axiswise_dim=axis)._data
+        self.seen[(self.step, name, role)] = {
+            "amax": float(tensor.abs().max()),
+            "underflow": int(((bits.float() == 0) & (tensor != 0)).sum()) / tensor.numel(),
+        }
+
+    def _pre(self, name: str):
+        def hook(module, args):
+            if module.training:
+                self.cast(name, "input", args[0], module, -1)
+                self.cast(name, "weight", module.weight.t(), module, 0)
+        return hook
+
+    def _post(self, name: str):
+        def hook(module, args, output):
+            if module.training:
+                step = self.step
+                output.register_hook(lambda grad: self._grad(name, module, grad, step))
+        return hook
+
+    def _grad(self, name, module, grad, step) -> None:
+        current, self.step = self.step, step
+        self.cast(name, "grad", grad.reshape(-1, grad.shape[-1]), module, -1)
+        self.step = current
+
+
+def train(server: LiveServer, recipe: str, *, outlier_from: int | None) -> tuple[str, Truth]:
+    model = Net(recipe)
+    truth = Truth(model)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    run = f"fp8-{recipe}-{uuid.uuid4().hex[:8]}"
+    with agent.attach(model, run=run, server=server.url, sample_every=SAMPLE_EVERY) as watch:
+        for step in range(STEPS):
+            truth.step = step
+            x, y = torch.randn(ROWS, 64, generator=gen), torch.randn(ROWS, 16, generator=gen)
+            if outlier_from is not None and step >= outlier_from:
+                x[0, 0] = 1e6  # one element sets the tensorwise scale of fc1's input
+            loss = nn.functional.mse_loss(model(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        assert watch.flush(timeout=30)
+    return run, truth
+
+
+def fp8_report(server: LiveServer, run: str) -> dict:
+    answer = httpx.get(f"{server.url}/api/v1/runs/{run}/fp8", params={"buckets": 10_000},
+                       timeout=30)
+    answer.raise_for_status()
+    return answer.json()
+
+
+def severe_findings(server: LiveServer, run: str) -> set[tuple[str, str | None, int | None]]:
+    items = httpx.get(f"{server.url}/api/v1/runs/{run}/findings", timeout=30).json()["items"]
+    return {(f["kind"], f["layer"], f["step"], f["evidence"].get("tensor")) for f in items
+            if f["severity"] in ("warning", "critical")}
+
+
+def observed_shares(report: dict, name: str) -> dict[tuple[int, str, str], float]:
+    out = {}
+    for row, label in enumerate(report["rows"]):
+        layer, role = label.split(" · ")
+        for col, step in enumerate(report["steps"]):
+            value = report[name][row][col]
+            if value is not None:
+                out[(step, layer, role)] = value
+    return out
+
+
+def test_an_outlier_under_tensorwise_scaling_is_fp8_underflow_of_that_input(server):
+    run, truth = train(server, "tensorwise", outlier_from=FAULT_STEP)
+    report = fp8_report(server, run)
+    assert [layer["recipe"] for layer in report["layers"]] == ["dynamic tensorwise"] * 3
+    assert report["layers"][0]["formats"] == {"input": "e4m3", "weight": "e4m3", "grad": "e5m2"}
+    shares = observed_shares(report, "underflow")
+    sampled = sorted({step for step, _, _ in shares})
+    assert {0, 10, FAULT_STEP, 30} <= set(sampled)
+    # every recorded share is the share the real cast flushed (float32 division apart)
+    for key, share in shares.items():
+        assert share == pytest.approx(truth.seen[key]["underflow"], rel=1e-6, abs=1e-9), key
+    true_fc1 = truth.seen[(FAULT_STEP, "fc1", "input")]["underflow"]
+    assert true_fc1 > 0.9  # the scenario: 1e6 sets the scale, the rest flushes
+    # the findings are exactly the (layer, tensor) pairs the truth flags, from their first
+    # sampled step over the threshold
+    expected = set()
+    for layer in ("fc1", "fc2", "fc3"):
+        for role in ("input", "weight", "grad"):
+            over = [s for s in sampled if truth.seen[(s, layer, role)]["underflow"] > THRESHOLD]
+            if over:
+                expected.add(("fp8_underflow", layer, over[0], role))
+    assert ("fp8_underflow", "fc1", FAULT_STEP, "input") in expected
+    assert severe_findings(server, run) == expected
+    # the latest sample's abs-max per tensor is the tensor's true abs-max
+    for layer in report["layers"]:
+        for role, latest in layer["latest"].items():
+            assert latest["amax"] == pytest.approx(
+                truth.seen[(latest["step"], layer["name"], role)]["amax"], rel=1e-6)
+
+
+def test_rowwise_scaling_contains_the_outlier_to_its_row(server):
+    run, truth = train(server, "rowwise", outlier_from=FAULT_STEP)
+    report = fp8_report(server, run)
+    assert report["layers"][0]["recipe"] == "dynamic rowwise"
+    shares = observed_shares(report, "underflow")
+    for key, share in shares.items():
+        assert share == pytest.approx(truth.seen[key]["underflow"], rel=1e-6, abs=1e-9), key
+    # only the outlier's own row flushes: at most 1/ROWS of the elements
+    fc1 = shares[(FAULT_STEP, "fc1", "input")]
+    assert 0 < fc1 <= 1 / ROWS
+
+
+def test_healthy_fp8_runs_raise_no_finding(server):
+    for recipe in ("tensorwise", "rowwise"):
+        run, truth = train(server, recipe, outlier_from=None)
+        assert max(v["underflow"] for v in truth.seen.values()) < THRESHOLD
+        assert severe_findings(server, run) == set()
+        assert all(f["kind"] not in ("fp8_underflow", "fp8_saturation", "fp8_stale_scale")
+                   for f in fp8_report(server, run)["findings"])
+
+
+@pytest.mark.parametrize("dtype", [torch.float8_e4m3fn, torch.float8_e5m2])
+def test_cast_stats_match_a_real_cast_under_a_stale_scale(dtype):
+    # delayed scaling: the scale comes from a smaller amax than the tensor now has
+    gen = torch.Generator().manual_seed(3)
+    tensor = torch.randn(64, 64, generator=gen) * 10
+    fmax = torch.finfo(dtype).max
+    scale = torch.tensor(fmax / 12.0)  # covers |x| <= 12: the tail saturates
+    stats = cast_stats(tensor, CastSpec(dtype), scale)
+    scaled = tensor * scale
+    cast = scaled.clamp(-fmax, fmax).to(dtype).float()
+    # clipped: the cast lost more than rounding in the top binade can (half its ulp)
+    top_ulp = torch.finfo(dtype).eps * 2 ** math.floor(math.log2(fmax))
+    saturated = ((cast - scaled).abs() > top_ulp / 2).sum().item() / tensor.numel()
+    flushed = ((cast == 0) & (tensor != 0)).sum().item() / tensor.numel()
+    assert saturated > 0.1
+    assert stats[3].item() == pytest.approx(saturated, rel=1e-6)
+    assert stats[4].item() == pytest.approx(flushed, abs=1e-9)
+    assert stats[0].item() == tensor.abs().max().item()
+    assert stats[1].item() == scale.item()
