@@ -170,3 +170,9 @@ def fp8_report(session: Session, run_id: str, layers: list, rank: int, *,
         "saturated": shares["saturated"].tolist(),
         "samples": len(window),
     }
+
+
+def has_fp8_samples(session: Session, run_id: str) -> bool:
+    """Whether any rank of the run sent FP8 statistics (one primary-key probe)."""
+    return session.scalar(select(Fp8Sample.step).where(Fp8Sample.run_id == run_id).limit(1)
+                          ) is not None

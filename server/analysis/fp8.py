@@ -22,6 +22,8 @@ from ampwatch.server.fp8_samples import ROLES, Fp8Window, load_fp8_window
 from ampwatch.server.models import Run
 
 FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0, "e4m3fnuz": 240.0, "e5m2fnuz": 57344.0}
+# half the smallest subnormal: a scaled value at or below it rounds to zero
+FORMAT_FLUSH = {"e4m3": 2.0**-10, "e5m2": 2.0**-17, "e4m3fnuz": 2.0**-11, "e5m2fnuz": 2.0**-18}
 TENSOR_WORDS = {"input": "input", "weight": "weight", "grad": "output gradient"}
 KINDS = ("fp8_underflow", "fp8_saturation", "fp8_stale_scale")
 
@@ -112,13 +114,15 @@ def _draft(kind: str, run: RunContext, role: str, layer: int, steps: np.ndarray,
     if kind == "fp8_underflow":
         share = float(np.nanmax(underflow[rows, layer]))
         ratio = float(amax[first, layer] / rms[first, layer]) if rms[first, layer] > 0 else None
-        evidence |= {"underflow_share": share, "outlier_ratio": ratio}
-        why = (f" its abs-max is {ratio:,.0f}x its RMS, so the scale set by the largest "
-               "element leaves the small ones below the format's smallest subnormal"
-               if ratio and ratio > 100 else "")
+        flush_below = FORMAT_FLUSH.get(fmt, np.nan) / float(scale[first, layer])
+        evidence |= {"underflow_share": share, "outlier_ratio": ratio,
+                     "flush_below": flush_below}
+        outlier = f" ({ratio:,.0f}x the RMS)" if ratio else ""
         message = (f"Layer {name!r}: up to {share:.1%} of its {tensor}'s elements flushed to "
-                   f"zero when cast to {fmt} ({recipe}) from step {int(steps[0])};{why}. "
-                   f"Fix: {_fix(kind, recipe)}.")
+                   f"zero when cast to {fmt} ({recipe}) from step {int(steps[0])}: the abs-max "
+                   f"{float(amax[first, layer]):.3g}{outlier} set a scale of "
+                   f"{float(scale[first, layer]):.3g}, so every element below "
+                   f"{flush_below:.2g} in magnitude became 0. Fix: {_fix(kind, recipe)}.")
         severity = "warning"
     elif kind == "fp8_saturation":
         share = float(np.nanmax(saturated[rows, layer]))

@@ -42,7 +42,7 @@ class FirstOffender:
     value: str  # "NaN", "+inf" or "-inf"
 
 
-def _heatmap_height(n_layers: int) -> int:
+def heatmap_height(n_layers: int) -> int:
     return int(min(max(ROW_PX * n_layers + 100, 240), 720))
 
 
@@ -75,7 +75,7 @@ def layer_heatmap_figure(matrix: LayerMatrix, order: list[int], *, quantity: str
     """
     values, empty = matrix.values, matrix.empty
     n_layers = len(matrix.layers)
-    fig = base_figure(_heatmap_height(n_layers))
+    fig = base_figure(heatmap_height(n_layers))
     if not values.size or empty.all():
         return note(fig, f"no {quantity} recorded yet")
     values, empty = values[order], empty[order]

@@ -16,7 +16,7 @@ from plotly.io.json import to_json_plotly
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.errors import NotFound
-from ampwatch.server.pages import auth, views
+from ampwatch.server.pages import auth, fp8, views
 from ampwatch.server.pages.rendering import render_fragment, render_page, script_json
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import MAX_STEP, Health
@@ -169,6 +169,30 @@ def layers_page(
                "precision": views.precision_rows(twin)}
     return _run_tab(request, output, "layers.html", "layers", figures, context,
                     {"layer-tables": "_layer_tables.html"})
+
+
+@pages.get("/runs/{run_id}/fp8", response_class=HTMLResponse)
+def fp8_page(
+    request: Request,
+    run_id: RunIdPath,
+    session: SessionDep,
+    settings: SettingsDep,
+    rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    start: Start = None,
+    end: End = None,
+    output: Format = "html",
+) -> Response:
+    """FP8 layers: shares of elements saturated and flushed to zero, recipes and scales."""
+    try:
+        twin = fp8.fp8_page_twin(session, settings, run_id, rank=rank,
+                                 steps=views.StepRange(start, end))
+    except NotFound as exc:
+        return _not_found(request, exc)
+    if output == "json":
+        return WireJSONResponse(twin)
+    context = {"twin": twin, "run": twin["run"], "start": start, "end": end}
+    return _run_tab(request, output, "fp8.html", "fp8", fp8.fp8_figures(twin), context,
+                    {"fp8-layers": "_fp8_layers.html"})
 
 
 @pages.get("/compare", response_class=HTMLResponse)

@@ -194,6 +194,20 @@ def test_an_outlier_under_tensorwise_scaling_is_fp8_underflow_of_that_input(serv
                 truth.seen[(latest["step"], layer["name"], role)]["amax"], rel=1e-6)
 
 
+def test_the_fp8_tab_shows_for_fp8_runs_only(server):
+    run, _ = train(server, "tensorwise", outlier_from=FAULT_STEP)
+    overview = httpx.get(f"{server.url}/runs/{run}", timeout=30)
+    assert f'href="/runs/{run}/fp8"' in overview.text
+    page = httpx.get(f"{server.url}/runs/{run}/fp8", timeout=30)
+    assert page.status_code == 200
+    assert 'id="fig-fp8_underflow"' in page.text and "dynamic tensorwise" in page.text
+    twin = httpx.get(f"{server.url}/runs/{run}/fp8", params={"format": "json"}, timeout=30)
+    assert [f["kind"] for f in twin.json()["findings"]] == ["fp8_underflow"]
+    plain = f"plain-{uuid.uuid4().hex[:8]}"
+    httpx.put(f"{server.url}/api/v1/runs/{plain}", json={"name": plain}, timeout=30)
+    assert "/fp8" not in httpx.get(f"{server.url}/runs/{plain}", timeout=30).text
+
+
 def test_rowwise_scaling_contains_the_outlier_to_its_row(server):
     run, truth = train(server, "rowwise", outlier_from=FAULT_STEP)
     report = fp8_report(server, run)
