@@ -24,6 +24,7 @@ from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.transport.worker import Worker
 from ampwatch.client.wire import encode_float, encode_tree
 
+FINISHED_EVENT = "finished"  # server/ingest.py: the rank is done
 _live: weakref.WeakSet[Attachment] = weakref.WeakSet()
 
 
@@ -86,6 +87,8 @@ class Attachment:
         try:
             session.close_pending()
             session.uninstall()
+            # the server then shows the run finished at once, not after `live_seconds`
+            worker.submit(("event", {"step": None, "kind": FINISHED_EVENT, "detail": {}}))
             delivered = worker.stop(timeout)
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.detach", exc)

@@ -84,12 +84,14 @@ class RankTotals(Model):
     dropped_batches: int = 0
     dropped_steps: int = 0
     last_seen_at: datetime | None = None
+    finished_at: datetime | None = None  # when its agent detached
 
 
 @dataclasses.dataclass(frozen=True)
 class Run(Model):
     """A training run with its totals over all ranks. `status` is its health
-    (healthy, warning, critical); `live` says a batch arrived recently."""
+    (healthy, warning, critical); `live` says a batch arrived recently and the run has not
+    `finished` (every rank's agent detached)."""
 
     id: str
     name: str
@@ -101,6 +103,7 @@ class Run(Model):
     config: dict[str, Any] = dataclasses.field(default_factory=dict)
     environment: dict[str, Any] = dataclasses.field(default_factory=dict)
     live: bool = False
+    finished: bool = False  # every rank's agent detached
     open_findings: int = 0
     open_problems: int = 0  # open incidents at warning or critical
     open_notes: int = 0  # open info incidents

@@ -28,6 +28,7 @@ from ampwatch.server.storage import (
     vector_length_errors,
 )
 
+FINISHED_EVENT = "finished"  # agent/attachment.py sends it on detach
 _INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
 
 
@@ -91,6 +92,7 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
     rank_last_step = rank_row.last_step
     _fold_totals(rank_row, batch, series)
     rank_row.last_seen_at = now
+    _note_finished(rank_row, batch, now)
     update_layer_stats(rank_row, series)
     session.flush()
     if len(series) or series.events:
@@ -105,6 +107,16 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
                       settings.analysis)
     session.commit()
     return ack
+
+
+def _note_finished(rank_row: RunRank, batch: BatchIn, now) -> None:
+    """The agent's detach sends a `finished` event with its last batch: the rank is done
+    now, not when `live_seconds` have passed. Steps sent later (a resumed run) make it
+    train again."""
+    if any(event.kind == FINISHED_EVENT for event in batch.events):
+        rank_row.finished_at = now
+    elif batch.steps:
+        rank_row.finished_at = None
 
 
 def _fold_totals(rank_row: RunRank, batch: BatchIn, series) -> None:

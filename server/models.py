@@ -103,6 +103,8 @@ class RunRank(Base):
     dropped_batches: Mapped[int] = mapped_column(Integer, default=0)
     dropped_steps: Mapped[int] = mapped_column(Integer, default=0)
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # when the rank's agent detached (its "finished" event); None while it trains
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # per-layer running summaries, float64 (LAYER_STATS_ROWS, n_layers); server/storage.py
     layer_stats: Mapped[bytes | None] = mapped_column(LargeBinary)
 

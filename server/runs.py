@@ -126,7 +126,8 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
     steps = sum(r.steps for r in ranks)
     skipped = sum(r.skipped for r in ranks)
     last_seen = as_utc(run.last_seen_at)
-    live = last_seen is not None and (
+    finished = bool(ranks) and all(r.finished_at is not None for r in ranks)
+    live = not finished and last_seen is not None and (
         (utcnow() - last_seen).total_seconds() <= settings.live_seconds
     )
     lead = min(ranks, key=lambda r: r.rank) if ranks else None
@@ -139,6 +140,7 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
         environment=run.environment,
         status=run.status,
         live=live,
+        finished=finished,
         open_findings=run.open_findings,
         open_problems=sum(i.problem for i in open_incidents),
         open_notes=sum(not i.problem for i in open_incidents),
@@ -167,6 +169,7 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
                 dropped_batches=r.dropped_batches,
                 dropped_steps=r.dropped_steps,
                 last_seen_at=as_utc(r.last_seen_at),
+                finished_at=as_utc(r.finished_at),
             )
             for r in ranks
         ],

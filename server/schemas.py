@@ -91,6 +91,7 @@ class RankPublic(BaseModel):
     dropped_batches: int
     dropped_steps: int
     last_seen_at: datetime | None
+    finished_at: datetime | None = None  # when its agent detached
 
 
 class RunPublic(BaseModel):
@@ -101,7 +102,8 @@ class RunPublic(BaseModel):
     config: dict[str, Any]
     environment: dict[str, Any]
     status: Health
-    live: bool
+    live: bool  # a batch arrived within `live_seconds` and not every rank has finished
+    finished: bool = False  # every rank's agent detached (and sent no step since)
     open_findings: int
     # open incidents (findings grouped by root cause): warning or critical ones, info ones
     open_problems: int = 0

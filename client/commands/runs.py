@@ -37,12 +37,17 @@ def list_runs(args: argparse.Namespace) -> int:
     else:
         print(render.table(
             ["id", "name", "project", "status", "last step", "scale", "skip rate", "problems"],
-            [[r.id, r.name, r.project, r.status + (" (live)" if r.live else ""),
+            [[r.id, r.name, r.project, r.status + state(r),
               render.number(r.last_step), render.scale(r.loss_scale),
               render.percent(r.skip_rate), str(r.open_problems)] for r in runs],
             right=(4, 5, 6, 7),
         ))
     return 0
+
+
+def state(run: Run) -> str:
+    """' (live)' while a batch arrived recently, ' (finished)' once every rank detached."""
+    return " (live)" if run.live else " (finished)" if run.finished else ""
 
 
 def show_run(args: argparse.Namespace) -> int:
@@ -100,7 +105,7 @@ def summary(run: Run) -> str:
     fields = [
         ("run", f"{run.id} ({run.name})" if run.name != run.id else run.id),
         ("project", run.project),
-        ("status", run.status + (", live" if run.live else "")),
+        ("status", run.status + state(run).replace(" (", ", ").rstrip(")")),
         ("tags", ", ".join(run.tags) or "-"),
         ("created", render.moment(run.created_at)),
         ("last seen", render.moment(run.last_seen_at)),

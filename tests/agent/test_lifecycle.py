@@ -50,6 +50,18 @@ def test_context_manager_flushes_on_exit(offline: Path) -> None:
     assert len(spooled_steps(offline, attachment.run_id)) == 3
 
 
+def test_detach_tells_the_server_the_run_finished(offline: Path) -> None:
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    attachment = agent.attach(model)
+    bf16_loop(model, optimizer, batches(2))
+    attachment.flush(5)
+    assert not [ev for e in spooled(offline, attachment.run_id) for ev in e["batch"]["events"]]
+    attachment.detach()
+    events = [ev for e in spooled(offline, attachment.run_id) for ev in e["batch"]["events"]]
+    assert [ev["kind"] for ev in events] == ["finished"]
+
+
 def test_disabled_attachment_is_a_no_op(offline: Path) -> None:
     model = mlp()
     attachment = agent.attach(model, enabled=False, run="given")

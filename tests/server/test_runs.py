@@ -73,6 +73,25 @@ def test_run_totals_and_live_flag(api):
     assert run["skip_rate"] == pytest.approx(0.2)
 
 
+def test_a_run_whose_ranks_all_finished_is_not_live(api):
+    register_run(api, "done")
+    post_batch(api, "done", 0, make_steps(0, 10, 4), rank=0)
+    post_batch(api, "done", 0, make_steps(0, 10, 4), rank=1)
+    finished = [{"step": None, "kind": "finished", "detail": {}}]
+    post_batch(api, "done", 1, make_steps(10, 5, 4), rank=0, events=finished)
+    run = api.get("/api/v1/runs/done").json()
+    assert (run["live"], run["finished"]) == (True, False)  # rank 1 still trains
+    assert [r["finished_at"] is not None for r in run["ranks"]] == [True, False]
+    post_batch(api, "done", 1, [], rank=1, events=finished)
+    run = api.get("/api/v1/runs/done").json()
+    assert (run["live"], run["finished"], run["steps"]) == (False, True, 25)
+    listed = api.get("/api/v1/runs?name=done").json()["items"][0]
+    assert (listed["live"], listed["finished"]) == (False, True)
+    post_batch(api, "done", 2, make_steps(15, 5, 4), rank=0)  # resumed: trains again
+    run = api.get("/api/v1/runs/done").json()
+    assert (run["live"], run["finished"]) == (True, False)
+
+
 def test_delete_removes_everything(api):
     register_run(api, "r1")
     post_batch(api, "r1", 0, make_steps(0, 10, 4))
