@@ -19,6 +19,7 @@ from ampwatch.agent.collectors.fp8 import Fp8Collector
 from ampwatch.agent.environment import distributed_rank, environment, run_body
 from ampwatch.agent.fp8 import find_fp8_layers
 from ampwatch.agent.layers import discover_layers
+from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
 from ampwatch.agent.session import CLOSE_FAILED, Session, StepItem
 from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.transport.worker import Worker
@@ -183,14 +184,20 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            server: str | None = None, enabled: bool = True, sample_every: int = 10,
            sample_after_anomaly: int = 20, spool_dir: str | os.PathLike | None = None,
            offline: bool | None = None, flush_interval: float | None = None,
-           max_batch_steps: int | None = None) -> Attachment:
+           max_batch_steps: int | None = None, resume: bool | None = None) -> Attachment:
     """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
 
     The optimizer is found at its first step when not given (the first whose parameters
-    include the model's). Costs a few host-side hooks per step and a handful of small
-    device kernels; does not synchronise the device. Never raises because of the agent's
-    own failures: it logs them and returns a disabled attachment.
+    include the model's). `run` (default `AMPWATCH_RUN_ID`, else a new id) must be new for
+    this rank unless `resume` (default `AMPWATCH_RESUME`) is true. Costs a few host-side
+    hooks per step and a handful of small device kernels; does not synchronise the device;
+    a chosen run id without `resume` costs one request to the server here. Raises
+    ValueError for a run id, name, project or tag the server would refuse, and for a
+    reused run id without `resume`; never raises because of the agent's own failures: it
+    logs them and returns a disabled attachment.
     """
+    run, resume = resolve_run(run, resume)
+    check_labels(name, project, tags)
     if not enabled:
         return Attachment(run)
     try:
@@ -198,7 +205,12 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         settings = AgentSettings.build(
             run, name, server, rank=rank, world_size=world_size, sample_every=sample_every,
             sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
-            flush_interval_s=flush_interval, max_batch_steps=max_batch_steps)
+            flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume)
+    except Exception as exc:  # noqa: BLE001
+        guard.report("attach", exc)
+        return Attachment(run)
+    refuse_reused_run(settings)  # the caller's mistake, not the agent's: it raises
+    try:
         layers = discover_layers(model)
         collectors = default_collectors(len(layers))
         fp8_layers = find_fp8_layers(layers)

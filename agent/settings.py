@@ -35,6 +35,7 @@ class AgentSettings:
 
     run_id: str
     run_id_generated: bool
+    resume: bool = False  # continue a run id that already has steps (see run_identity)
     server: str = DEFAULT_SERVER
     offline: bool = False
     spool_dir: Path = field(default_factory=default_spool_dir)

@@ -6,6 +6,7 @@ import os
 import time
 from collections.abc import Iterator
 from typing import Any, Literal
+from urllib.parse import quote
 
 import httpx
 
@@ -25,6 +26,12 @@ from ampwatch.client.models import (
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms"]
+
+
+def _segment(run_id: str) -> str:
+    """A run id as one URL path segment: '/' or '..' in it cannot reach another route."""
+    segment = quote(str(run_id), safe="")
+    return segment.replace(".", "%2E") if segment in (".", "..") else segment
 
 
 class Client:
@@ -87,15 +94,15 @@ class Client:
 
     def run(self, run_id: str) -> Run:
         """One run with its totals per rank; NotFound when there is none."""
-        return Run.from_json(self._request("GET", f"/runs/{run_id}"))
+        return Run.from_json(self._request("GET", f"/runs/{_segment(run_id)}"))
 
     def delete_run(self, run_id: str) -> None:
         """Delete the run and all its data on the server."""
-        self._request("DELETE", f"/runs/{run_id}")
+        self._request("DELETE", f"/runs/{_segment(run_id)}")
 
     def register_run(self, run_id: str, body: dict[str, Any]) -> Run:
         """PUT the run registration `body` (wire form, docs/wire-format.md); idempotent."""
-        return Run.from_json(self._request("PUT", f"/runs/{run_id}", json=body))
+        return Run.from_json(self._request("PUT", f"/runs/{_segment(run_id)}", json=body))
 
     def send_batch(self, run_id: str, body: dict[str, Any] | bytes, *,
                    gzipped: bool = False) -> BatchAck:
@@ -105,10 +112,10 @@ class Client:
             headers = {"Content-Type": "application/json"}
             if gzipped:
                 headers["Content-Encoding"] = "gzip"
-            data = self._request("POST", f"/runs/{run_id}/batches", content=body,
+            data = self._request("POST", f"/runs/{_segment(run_id)}/batches", content=body,
                                  headers=headers)
         else:
-            data = self._request("POST", f"/runs/{run_id}/batches", json=body)
+            data = self._request("POST", f"/runs/{_segment(run_id)}/batches", json=body)
         return BatchAck.from_json(data)
 
     def wait_for_step(self, run_id: str, step: int, timeout: float = 60.0, *,
@@ -146,7 +153,7 @@ class Client:
         """As `steps`, lazily: one page in memory at a time."""
         params = {"start": start, "end": end, "rank": rank, "max_points": max_points}
         while True:
-            page = self._request("GET", f"/runs/{run_id}/steps",
+            page = self._request("GET", f"/runs/{_segment(run_id)}/steps",
                                  params={**params, "limit": self.STEPS_PAGE})
             next_start = page.get("next_start")
             for item in page["items"]:
@@ -159,7 +166,7 @@ class Client:
 
     def layers(self, run_id: str, *, rank: int = 0) -> Records[Layer]:
         """The run's layer table, with per-layer summaries on `rank`."""
-        page = self._request("GET", f"/runs/{run_id}/layers", params={"rank": rank})
+        page = self._request("GET", f"/runs/{_segment(run_id)}/layers", params={"rank": rank})
         return Records((Layer.from_json(item) for item in page["items"]), of=Layer)
 
     def layer_series(self, run_id: str, layer: int | str, *, rank: int = 0,
@@ -169,7 +176,7 @@ class Client:
         its index or its name (a name costs one more request)."""
         index = layer if isinstance(layer, int) else self._layer_index(run_id, layer, rank)
         return LayerSeries.from_json(self._request(
-            "GET", f"/runs/{run_id}/layers/{index}/series",
+            "GET", f"/runs/{_segment(run_id)}/layers/{index}/series",
             params={"rank": rank, "start": start, "end": end, "max_points": max_points}))
 
     def layer_matrix(self, run_id: str, *, metric: MatrixMetric = "grad_norm", rank: int = 0,
@@ -178,7 +185,7 @@ class Client:
         """Layers x step buckets of `metric` (the heatmap data): the largest finite value
         per bucket, or the non-finite one when the bucket had one."""
         return LayerMatrix.from_json(self._request(
-            "GET", f"/runs/{run_id}/layers/matrix",
+            "GET", f"/runs/{_segment(run_id)}/layers/matrix",
             params={"metric": metric, "rank": rank, "start": start, "end": end,
                     "buckets": buckets}))
 
@@ -188,7 +195,7 @@ class Client:
         """Findings of one run, or of all runs when `run_id` is None, fetching page after
         page; filtered by kind, severity (info, warning, critical) and status (open,
         resolved); at most `limit`."""
-        path = f"/runs/{run_id}/findings" if run_id is not None else "/findings"
+        path = f"/runs/{_segment(run_id)}/findings" if run_id is not None else "/findings"
         return Records(self._pages(path, Finding, self.FINDINGS_PAGE, limit,
                                    kind=kind, severity=severity, status=status), of=Finding)
 

@@ -8,9 +8,9 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from ampwatch.client.wire import LABEL_MAX_CHARS, LABEL_PATTERN, RUN_ID_PATTERN
 from ampwatch.server.series import DTYPES
 
-RUN_ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$"
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
 Severity = Literal["info", "warning", "critical"]
@@ -20,6 +20,9 @@ MAX_LAYERS = 100_000
 MAX_STEPS_PER_BATCH = 100_000
 ShortText = Annotated[str, StringConstraints(max_length=256)]
 Scalar = str | int | float | bool | None
+# a run's name, project or tag: what the agent's `attach` checks too (client/wire.py)
+Label = Annotated[str, StringConstraints(min_length=1, max_length=LABEL_MAX_CHARS,
+                                         pattern=LABEL_PATTERN)]
 
 
 class Strict(BaseModel):
@@ -63,9 +66,9 @@ class LayerIn(Strict):
 
 
 class RunUpsert(Strict):
-    name: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
-    project: Annotated[str, StringConstraints(min_length=1, max_length=256)] | None = None
-    tags: list[ShortText] | None = Field(None, max_length=256)
+    name: Label | None = None
+    project: Label | None = None
+    tags: list[Label] | None = Field(None, max_length=256)
     config: dict[str, Any] | None = None
     environment: Environment | None = None
     layers: list[LayerIn] | None = Field(None, max_length=MAX_LAYERS)

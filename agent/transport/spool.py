@@ -19,6 +19,8 @@ import os
 from pathlib import Path
 from typing import Any
 
+from ampwatch.client.wire import check_run_id
+
 FORMAT = "ampwatch-spool/1"
 SUFFIX = ".json.gz"
 
@@ -80,7 +82,7 @@ class Spool:
 
     @classmethod
     def for_run(cls, root: Path, run_id: str, rank: int, max_bytes: int) -> Spool:
-        return cls(root / run_id / f"rank-{rank}", max_bytes)
+        return cls(run_dir(root, run_id, rank), max_bytes)
 
     def _read_state(self) -> dict[str, Any]:
         try:
@@ -178,6 +180,26 @@ class Spool:
         if self._lock_fd is not None:
             os.close(self._lock_fd)  # releases the flock
             self._lock_fd = None
+
+
+def run_dir(root: Path, run_id: str, rank: int) -> Path:
+    """`<root>/<run_id>/rank-<rank>`; ValueError for a run id API v1 refuses, so that no
+    input can name a directory outside `root`."""
+    check_run_id(run_id)
+    if not isinstance(rank, int) or rank < 0:
+        raise ValueError(f"invalid rank {rank!r}: a rank is an integer >= 0")
+    return Path(root) / run_id / f"rank-{rank}"
+
+
+def spooled_last_step(root: Path, run_id: str, rank: int) -> int | None:
+    """The last step a spool under `root` holds or ever held for (run, rank), or None when
+    it knows none; reads `state.json` and takes no lock."""
+    try:
+        state = json.loads((run_dir(root, run_id, rank) / "state.json").read_text())
+        last = int(state.get("last_step", -1))
+    except (OSError, ValueError, TypeError, AttributeError):
+        return None
+    return last if last >= 0 else None
 
 
 def leftover_dirs(root: Path, exclude: Path) -> list[Path]:

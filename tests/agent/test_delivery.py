@@ -65,7 +65,7 @@ def test_resumed_run_continues_the_servers_sequence(live_server, tmp_path) -> No
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for machine in ("a", "b"):  # separate spools: only the server knows the next seq
         with agent.attach(model, run="resumed-run", server=live_server.url,
-                          spool_dir=tmp_path / machine) as attachment:
+                          spool_dir=tmp_path / machine, resume=machine == "b") as attachment:
             bf16_loop(model, optimizer, batches(3))
             assert attachment.flush(10)
     rank = _rank(live_server.url, "resumed-run")
@@ -139,7 +139,7 @@ def test_resumed_run_that_numbered_from_zero_offline_is_renumbered(live_server,
         bf16_loop(model, optimizer, batches(3))
         assert first.flush(10)
     live_server.stop()  # machine b starts while the server is down: its spool says seq 0
-    second = agent.attach(model, run="resumed-late", server=live_server.url,
+    second = agent.attach(model, run="resumed-late", server=live_server.url, resume=True,
                           spool_dir=tmp_path / "b", max_batch_steps=2, flush_interval=0.1)
     try:
         bf16_loop(model, optimizer, batches(5))
@@ -160,8 +160,8 @@ def test_resumed_run_on_the_same_machine_continues_from_its_spool(live_server,
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     live_server.stop()  # neither process can reach the server: only the spool knows
-    for _ in range(2):
-        with agent.attach(model, run="same-machine", server=live_server.url,
+    for again in (False, True):
+        with agent.attach(model, run="same-machine", server=live_server.url, resume=again,
                           spool_dir=tmp_path, flush_interval=0.1) as attachment:
             bf16_loop(model, optimizer, batches(3))
             attachment.flush(0.3)

@@ -210,3 +210,13 @@ def test_base_url_and_token_default_to_the_environment(monkeypatch) -> None:
     with Client() as client:
         assert client.base_url == "http://example.invalid:9"
         assert client._headers == {"Authorization": "Bearer t0k"}
+
+
+@pytest.mark.parametrize("run_id", ["..", "../health", "a/b", "../../api/v1/runs"])
+def test_a_run_id_cannot_reach_another_route(api, client: Client, run_id: str) -> None:
+    seed_healthy(api, "a-healthy")
+    with pytest.raises((NotFound, BadRequest)):
+        client.run(run_id)
+    with pytest.raises((NotFound, BadRequest)):
+        client.delete_run(run_id)
+    assert [r.id for r in client.runs()] == ["a-healthy"]
