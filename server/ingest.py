@@ -14,6 +14,7 @@ from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
 from ampwatch.server.analysis.fp8 import on_fp8_ingest
 from ampwatch.server.analysis.service import layer_tables
+from ampwatch.server.codec import encode_columns
 from ampwatch.server.db import writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
@@ -65,7 +66,8 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
     row = new_batch_row(run_id, batch.rank, batch.seq, batch.steps, n_layers, events)
     insert = _INSERTS[session.get_bind().dialect.name]
     stored = session.execute(
-        insert(Batch).values(**row).on_conflict_do_nothing().returning(Batch.seq)
+        insert(Batch).values(**encode_columns(row)).on_conflict_do_nothing()
+        .returning(Batch.seq)
     ).first() is not None
     ack = BatchAck(run_id=run_id, rank=batch.rank, seq=batch.seq, duplicate=not stored,
                    stored_steps=len(batch.steps) if stored else 0)

@@ -63,7 +63,8 @@ DTYPES: tuple[str, ...] = (
     "mixed",
 )
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
-STORAGE_FORMAT = 1
+RAW_FORMAT = 1  # a batch row's packed columns as they are (`Batch.format`)
+COMPRESSED_FORMAT = 2  # the same, each compressed (server/codec.py): what is stored
 
 
 def dtype_name(code: int) -> str | None:

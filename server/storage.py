@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import functools
 from collections.abc import Iterable, Iterator
+from types import SimpleNamespace
 
 import numpy as np
 from psycopg.rows import namedtuple_row
@@ -16,19 +17,22 @@ from sqlalchemy import Select, bindparam, select
 from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
+from ampwatch.server.codec import ITEMSIZE, decode_column
 from ampwatch.server.models import Batch, Layer, RunRank
 from ampwatch.server.schemas import StepIn
 from ampwatch.server.series import (
+    COMPRESSED_FORMAT,
     DTYPE_CODE,
     MISSING,
+    RAW_FORMAT,
     SCALAR_FIELDS,
-    STORAGE_FORMAT,
     StepSeries,
     concat,
 )
 
 _MISSING_F = float(MISSING)
-_CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.scalars, Batch.present, Batch.events)
+_CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars, Batch.present,
+                 Batch.events)
 _LAYER_COLUMNS = (Batch.layer_grad,)
 _ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time,
                 Batch.act_grad_zero)
@@ -144,7 +148,10 @@ def vector_length_errors(steps: list[StepIn], n_layers: int) -> list[str]:
 def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool,
                layer: int | None = None) -> StepSeries:
     """One stored batch as a StepSeries; with `layer`, per-layer blocks keep only that
-    layer's column (so reading one layer of a long run copies n values, not n x L)."""
+    layer's column (so reading one layer of a long run copies n values, not n x L).
+    Rows of storage format 2 have their columns compressed (server/codec.py)."""
+    if getattr(row, "format", RAW_FORMAT) == COMPRESSED_FORMAT:
+        row = _decoded(row, with_layers, with_acts)
     n = row.n_steps
     k = len(SCALAR_FIELDS)
     scalars = np.frombuffer(row.scalars, dtype=np.float64)
@@ -190,6 +197,21 @@ def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool,
         n_layers=n_layers if layer is None else 1,
         events=list(row.events or []),
     )
+
+
+def _decoded(row, with_layers: bool, with_acts: bool) -> SimpleNamespace:
+    """The row with the columns that will be read decompressed."""
+    wanted = ["scalars", "present"]
+    if with_layers:
+        wanted.append("layer_grad")
+    if with_acts:
+        wanted += ["act_step", "act_absmax", "act_dtype", "act_time", "act_grad_zero"]
+    fields = {name: getattr(row, name, None) for name in
+              ("n_steps", "n_layers", "events", *ITEMSIZE)}
+    for name in wanted:
+        if fields[name] is not None:
+            fields[name] = decode_column(fields[name], ITEMSIZE[name])
+    return SimpleNamespace(**fields)
 
 
 def _fit(block: np.ndarray, n_layers: int, fill) -> np.ndarray:
@@ -375,7 +397,8 @@ def layer_stats(rank_row: RunRank | None, n_layers: int) -> np.ndarray | None:
 
 def new_batch_row(run_id: str, rank: int, seq: int, steps: list[StepIn], n_layers: int,
                   events: list[dict]) -> dict:
-    """Values for one INSERT into batches."""
+    """Values for one INSERT into batches, its columns raw (`codec.encode_columns` makes
+    the stored form)."""
     return {
         "run_id": run_id,
         "rank": rank,
@@ -384,7 +407,7 @@ def new_batch_row(run_id: str, rank: int, seq: int, steps: list[StepIn], n_layer
         "last_step": steps[-1].step if steps else -1,
         "n_steps": len(steps),
         "n_layers": n_layers,
-        "format": STORAGE_FORMAT,
+        "format": RAW_FORMAT,
         "events": events or None,
         **pack_steps(steps, n_layers),
     }
