@@ -28,6 +28,7 @@ from ampwatch.server.storage import (
     update_layer_stats,
     vector_length_errors,
 )
+from ampwatch.server.summaries import fold_batch
 
 FINISHED_EVENT = "finished"  # agent/attachment.py sends it on detach
 _INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
@@ -96,6 +97,7 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
     rank_row.last_seen_at = now
     _note_finished(rank_row, batch, now)
     update_layer_stats(rank_row, series)
+    fold_batch(session, run_id, batch.rank, series)
     session.flush()
     if len(series) or series.events:
         run = session.get(Run, run_id)

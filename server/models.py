@@ -66,6 +66,8 @@ class Run(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # set when the full-resolution data was dropped (summaries and findings are kept)
+    archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
 
 class Layer(Base):
@@ -141,6 +143,26 @@ class Batch(Base):
     events: Mapped[list[Any] | None] = mapped_column(JSON)
 
     __table_args__ = (Index("ix_batches_run_rank_steps", "run_id", "rank", "first_step"),)
+
+
+class StepSummary(Base):
+    """One bucket of `summaries.SUMMARY_STEPS` steps of a rank, folded as batches arrive
+    (server/summaries.py): envelope rows and per-layer extremes, compressed."""
+
+    __tablename__ = "step_summaries"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    n_steps: Mapped[int] = mapped_column(Integer)
+    n_layers: Mapped[int] = mapped_column(Integer)
+    scalars: Mapped[bytes | None] = mapped_column(LargeBinary)
+    present: Mapped[bytes | None] = mapped_column(LargeBinary)
+    grad_max: Mapped[bytes | None] = mapped_column(LargeBinary)
+    grad_min: Mapped[bytes | None] = mapped_column(LargeBinary)
+    act_max: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class Fp8Sample(Base):
