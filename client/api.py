@@ -100,6 +100,16 @@ class Client:
         """Delete the run and all its data on the server."""
         self._request("DELETE", f"/runs/{_segment(run_id)}")
 
+    def archive_run(self, run_id: str) -> Run:
+        """Drop the run's full-resolution steps on the server; its step summaries,
+        findings and totals stay (docs/long-runs.md)."""
+        return Run.from_json(self._request("POST", f"/runs/{_segment(run_id)}/archive"))
+
+    def compact(self) -> dict[str, Any]:
+        """Hand the space of deleted and archived runs back to the file system (SQLite
+        VACUUM; may take a while on a large database): dialect, bytes before and after."""
+        return self._request("POST", "/storage/compact")
+
     def register_run(self, run_id: str, body: dict[str, Any]) -> Run:
         """PUT the run registration `body` (wire form, docs/wire-format.md); idempotent."""
         return Run.from_json(self._request("PUT", f"/runs/{_segment(run_id)}", json=body))

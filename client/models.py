@@ -117,6 +117,7 @@ class Run(Model):
     dropped_batches: int = 0
     dropped_steps: int = 0
     last_seen_at: datetime | None = None
+    archived_at: datetime | None = None  # per-step data dropped, summaries kept
     ranks: list[RankTotals] = dataclasses.field(default_factory=list)
 
 

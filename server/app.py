@@ -9,7 +9,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from sqlalchemy.orm import sessionmaker
 
 from ampwatch.server import __version__, pages
-from ampwatch.server.api import batches, findings, fp8, health, runs, series
+from ampwatch.server.api import batches, findings, fp8, health, retention, runs, series
 from ampwatch.server.db import make_engine, session_info, upgrade
 from ampwatch.server.deps import require_token
 from ampwatch.server.errors import AmpwatchServerError
@@ -55,7 +55,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api = APIRouter(prefix="/api/v1")
     api.include_router(health.router)
     protected = APIRouter(dependencies=[Depends(require_token)])
-    for module in (runs, batches, series, findings, fp8):
+    for module in (runs, batches, series, findings, fp8, retention):
         protected.include_router(module.router)
     api.include_router(protected)
     app.include_router(api)

@@ -12,7 +12,7 @@ import math
 
 import numpy as np
 
-from ampwatch.server.series import MISSING
+from ampwatch.server.series import MISSING, StepSeries
 
 
 def _buckets(n: int, n_buckets: int) -> tuple[int, int]:
@@ -80,3 +80,14 @@ def bucket_matrix(
     starts = np.arange(count) * width
     ends = np.minimum(starts + width, n) - 1
     return steps[starts], steps[ends], np.ascontiguousarray(best.T), empty.T
+
+
+def always_kept(series: StepSeries) -> np.ndarray:
+    """Steps that downsampling must never drop: skipped or non-finite."""
+    keep = series.skipped.copy()
+    for name in ("grad_norm", "loss", "loss_scale"):
+        col = series.column(name)
+        keep |= series.has(name) & ~np.isfinite(col)
+    keep |= series.column("input_nonfinite") == 1
+    keep |= series.column("forward_nonfinite") == 1
+    return keep

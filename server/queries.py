@@ -7,13 +7,15 @@ numpy passes and one `json.dumps`.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 from sqlalchemy.orm import Session
 
 from ampwatch.client.wire import encode_array, encode_float
-from ampwatch.server.downsample import bucket_matrix, keep_extremes
+from ampwatch.server.downsample import always_kept, bucket_matrix, keep_extremes
 from ampwatch.server.errors import InvalidInput, NotFound
-from ampwatch.server.models import Run
+from ampwatch.server.models import Run, RunRank
 from ampwatch.server.responses import float_rows
 from ampwatch.server.runs import run_ranks
 from ampwatch.server.series import (
@@ -37,8 +39,28 @@ from ampwatch.server.storage import (
     load_layers,
     load_series,
 )
+from ampwatch.server.summaries import SUMMARY_STEPS, load_summaries, summarised_steps
 
 MATRIX_METRICS = ("grad_norm", "act_absmax", "act_time_ms")
+# a downsampled read spanning more steps than this comes from the step summaries
+LONG_RANGE_STEPS = 20 * SUMMARY_STEPS
+
+
+def _summarised(session: Session, run: Run, rank: int, start: int | None,
+                end: int | None) -> SimpleNamespace | None:
+    """The rank's step summaries over [start, end] when a zoomed-out read should use them
+    (an archived run, or a range longer than LONG_RANGE_STEPS whose every step is
+    summarised); None to read the steps themselves."""
+    rank_row = session.get(RunRank, (run.id, rank))
+    if rank_row is None or rank_row.last_step is None:
+        return None
+    if run.archived_at is None:
+        first = start if start is not None else rank_row.last_step - rank_row.steps + 1
+        last = min(end, rank_row.last_step) if end is not None else rank_row.last_step
+        if last - first < LONG_RANGE_STEPS or summarised_steps(
+                session, run.id, rank) < rank_row.steps:
+            return None
+    return load_summaries(session, run.id, rank, start, end, run.n_layers)
 
 
 def _ranks(session: Session, run: Run, rank: int | None) -> list[int]:
@@ -72,17 +94,6 @@ def _step_rows(series: StepSeries, rank: int) -> list[dict]:
     ]
 
 
-def always_kept(series: StepSeries) -> np.ndarray:
-    """Steps that downsampling must never drop: skipped or non-finite."""
-    keep = series.skipped.copy()
-    for name in ("grad_norm", "loss", "loss_scale"):
-        col = series.column(name)
-        keep |= series.has(name) & ~np.isfinite(col)
-    keep |= series.column("input_nonfinite") == 1
-    keep |= series.column("forward_nonfinite") == 1
-    return keep
-
-
 def steps_query(
     session: Session,
     run: Run,
@@ -103,9 +114,16 @@ def steps_query(
     next_start = None
     budget = max(1, (max_points or 0) // max(1, len(ranks)))
     for r in ranks:
-        series = load_series(session, run.id, r, start, end, n_layers=run.n_layers,
-                             with_layers=False, with_acts=False)
-        total += len(series)
+        summary = (_summarised(session, run, r, start, end) if max_points is not None
+                   else None)
+        if summary is not None:  # the envelope rows: every extreme and anomaly of the range
+            series = summary.envelope
+            total += summary.n_steps
+            downsampled = True
+        else:
+            series = load_series(session, run.id, r, start, end, n_layers=run.n_layers,
+                                 with_layers=False, with_acts=False)
+            total += len(series)
         if max_points is not None:
             if len(series) > budget:
                 downsampled = True
@@ -194,6 +212,9 @@ def layer_series_query(
     if not 0 <= index < run.n_layers:
         raise NotFound(f"run {run.id!r} has no layer {index} (it has {run.n_layers})")
     layer = load_layers(session, run.id)[index]
+    summary = _summarised(session, run, rank, start, end) if max_points is not None else None
+    if summary is not None:
+        return _layer_envelope(run, rank, index, layer.name, summary)
     series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers, layer=index)
     grad_values = (series.layer_grad[:, 0] if series.layer_grad is not None
                    else np.full(len(series), MISSING, np.float32))
@@ -217,6 +238,25 @@ def layer_series_query(
     }
 
 
+def _layer_envelope(run: Run, rank: int, index: int, name: str,
+                    summary: SimpleNamespace) -> dict:
+    """A long range of one layer from the step summaries: per bucket of SUMMARY_STEPS, the
+    largest and smallest grad norm and the largest activation abs-max."""
+    grad_max, grad_min = summary.grad_max[:, index], summary.grad_min[:, index]
+    acts_max = summary.act_max[:, index]
+    starts = summary.bucket_start.tolist()
+    highs = encode_array(grad_max, missing=grad_max == MISSING)
+    lows = encode_array(grad_min, missing=grad_min == MISSING)
+    grad = [{"step": s, "grad_norm": hi, "grad_norm_min": lo}
+            for s, hi, lo in zip(starts, highs, lows, strict=True)]
+    sampled = acts_max != MISSING
+    acts = [{"step": s, "grad_norm": None, "act_absmax": v}
+            for s, v in zip(summary.bucket_start[sampled].tolist(),
+                            encode_array(acts_max[sampled]), strict=True)]
+    return {"run_id": run.id, "rank": rank, "layer": index, "name": name,
+            "total": summary.n_steps, "downsampled": True, "grad": grad, "activations": acts}
+
+
 def matrix_query(
     session: Session,
     run: Run,
@@ -231,16 +271,23 @@ def matrix_query(
     if metric not in MATRIX_METRICS:
         raise InvalidInput(f"metric must be one of {', '.join(MATRIX_METRICS)}")
     acts = metric != "grad_norm"
-    series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers,
-                         with_layers=not acts, with_acts=acts)
-    if acts:
-        steps = series.act_step
-        values = series.act_absmax if metric == "act_absmax" else series.act_time
+    summary = _summarised(session, run, rank, start, end) if metric != "act_time_ms" else None
+    if summary is not None:  # one column per summary bucket, reduced by the same rule
+        steps = summary.bucket_start
+        values = summary.act_max if acts else summary.grad_max
     else:
-        steps, values = series.steps, series.layer_grad
+        series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers,
+                             with_layers=not acts, with_acts=acts)
+        if acts:
+            steps = series.act_step
+            values = series.act_absmax if metric == "act_absmax" else series.act_time
+        else:
+            steps, values = series.steps, series.layer_grad
     if values is None:
         steps, values = steps[:0], np.zeros((0, run.n_layers), np.float32)
     step_start, step_end, matrix, empty = bucket_matrix(steps, values, buckets)
+    if summary is not None and step_end.size:  # a bucket's column ends where its steps do
+        step_end = step_end + SUMMARY_STEPS - 1
     return {
         "run_id": run.id,
         "rank": rank,

@@ -156,6 +156,7 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
         created_at=as_utc(run.created_at),
         updated_at=as_utc(run.updated_at),
         last_seen_at=last_seen,
+        archived_at=as_utc(run.archived_at),
         ranks=[
             RankPublic(
                 rank=r.rank,

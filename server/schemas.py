@@ -123,6 +123,8 @@ class RunPublic(BaseModel):
     created_at: datetime
     updated_at: datetime
     last_seen_at: datetime | None
+    # its full-resolution steps were dropped (pages read its step summaries)
+    archived_at: datetime | None = None
     ranks: list[RankPublic]
 
 
@@ -288,8 +290,13 @@ class LayersPublic(BaseModel):
 
 
 class LayerPointPublic(BaseModel):
+    """One step of a layer; on a zoomed-out read from the step summaries, one bucket of
+    steps from `step`: `grad_norm` its largest (or non-finite) grad norm and
+    `grad_norm_min` its smallest."""
+
     step: int
     grad_norm: float | None
+    grad_norm_min: float | None = None
     act_absmax: float | None = None
     act_dtype: str | None = None
     act_time_ms: float | None = None

@@ -20,10 +20,11 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import decode_column, encode_column
+from ampwatch.server.downsample import always_kept
 from ampwatch.server.models import StepSummary
 from ampwatch.server.series import MISSING, SCALAR_FIELDS, StepSeries
 
@@ -33,14 +34,12 @@ _K = len(SCALAR_FIELDS)
 
 
 def envelope_index(series: StepSeries) -> np.ndarray:
-    """Positions of the rows a bucket keeps: skipped or non-finite steps, and each
-    envelope field's minimum and maximum."""
-    keep = series.skipped.copy()
+    """Positions of the rows a bucket keeps: the steps downsampling always keeps (skipped
+    or non-finite), and each envelope field's minimum and maximum."""
+    keep = always_kept(series)
     for name in ENVELOPE_FIELDS:
         col = series.column(name)
-        present = series.has(name)
-        keep |= present & ~np.isfinite(col)
-        finite = present & np.isfinite(col)
+        finite = series.has(name) & np.isfinite(col)
         if finite.any():
             where = np.flatnonzero(finite)
             keep[where[col[where].argmin()]] = True
@@ -162,3 +161,10 @@ def load_summaries(session: Session, run_id: str, rank: int, start: int | None,
                            bucket_start=np.array([r.bucket * SUMMARY_STEPS for r in rows],
                                                  dtype=np.int64), **blocks)
 
+
+
+def summarised_steps(session: Session, run_id: str, rank: int) -> int:
+    """How many of the rank's steps its summaries hold (all of them, unless the run was
+    stored before summaries existed)."""
+    return int(session.scalar(select(func.coalesce(func.sum(StepSummary.n_steps), 0))
+                              .where(StepSummary.run_id == run_id, StepSummary.rank == rank)))

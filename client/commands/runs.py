@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ampwatch.client import render
-from ampwatch.client.commands import connect, print_json
+from ampwatch.client.commands import connect, print_json, retention
 from ampwatch.client.models import Finding, Incident, Run
 
 HEALTH = ("healthy", "warning", "critical")
@@ -19,6 +19,8 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
     runs.add_argument("--status", choices=HEALTH, help="only runs with this health")
     runs.add_argument("--limit", type=int, default=100, help="at most this many (%(default)s)")
     runs.set_defaults(func=list_runs)
+    retention.register(runs.add_subparsers(dest="action", metavar="ACTION",
+                                           title="retention (optional)"), common)
 
     show = commands.add_parser("show", parents=[common], help="summary of one run",
                                description="One run: totals, environment and findings.")

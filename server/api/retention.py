@@ -1,0 +1,33 @@
+"""Retention routes: archive a run, compact the database."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from pydantic import BaseModel
+
+from ampwatch.server.api.runs import RunIdPath
+from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.retention import archive_run, compact
+from ampwatch.server.runs import public_run
+from ampwatch.server.schemas import RunPublic
+
+router = APIRouter(tags=["retention"])
+
+
+class CompactPublic(BaseModel):
+    dialect: str
+    bytes_before: int
+    bytes_after: int
+
+
+@router.post("/runs/{run_id}/archive", response_model=RunPublic)
+def post_archive(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
+    """Drop the run's full-resolution steps, keep its summaries, findings and totals."""
+    return public_run(session, archive_run(session, run_id), settings)
+
+
+@router.post("/storage/compact", response_model=CompactPublic)
+def post_compact(request: Request, session: SessionDep) -> CompactPublic:
+    """Hand the space of deleted and archived runs back to the file system (SQLite:
+    VACUUM, which rewrites the file and can take a while on a large database)."""
+    return CompactPublic(**compact(request.app.state.engine, session))
