@@ -80,6 +80,8 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
     evidence = _get(finding, "evidence") or {}
     if kind == "overflow_risk" and layer:
         return "forward_overflow", layer
+    if kind == "misaligned_layer":  # one fix for all of them: pad to the table's sizes
+        return "misaligned", "-"
     if kind in ("nonfinite", "scaler_divergence") and evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
@@ -129,7 +131,11 @@ def _incident(members: list[Any]) -> Incident:
     lasts = [s for s in lasts if s is not None]
     layer = cause[1] if cause and cause[1] != "-" else _get(lead, "layer")
     headline = fix = None
-    if cause is not None:
+    timeline = [TimelineEntry(step=_get(f, "step"), what=_stage(f)[1], finding=_get(f, "id"),
+                              severity=_get(f, "severity")) for f in members]
+    if cause is not None and cause[0] == "misaligned":
+        layer, headline, fix, timeline = _misaligned(members)
+    elif cause is not None:
         headline = HEADLINES.get(cause[0], "Steps went inf/NaN").format(layer=layer)
         # the remedy after "what happened: " (the headline already says what happened)
         fix = fix_for_cause(cause[0], layer).split(": ", 1)[-1]
@@ -140,10 +146,31 @@ def _incident(members: list[Any]) -> Incident:
         severity=_get(worst, "severity"), status="open" if live else "resolved",
         step=min(steps, default=None), last_step=max(lasts, default=None),
         headline=headline, fix=fix, findings=[_get(f, "id") for f in members],
-        timeline=[TimelineEntry(step=_get(f, "step"), what=_stage(f)[1],
-                                finding=_get(f, "id"), severity=_get(f, "severity"))
-                  for f in members],
+        timeline=timeline,
     )
+
+
+def _misaligned(members: list[Any]) -> tuple[str | None, str, str, list[TimelineEntry]]:
+    """Layer (when one), headline, fix and one entry per dimension, largest share first."""
+    evidence = [_get(f, "evidence") or {} for f in members]
+    layers = list(dict.fromkeys(_get(f, "layer") for f in members))
+    dims = "dimension" if len(members) == 1 else "dimensions"
+    where = f"layer {layers[0]!r}" if len(layers) == 1 else f"{len(layers)} layers"
+    multiple = evidence[0].get("multiple")
+    headline = f"{len(members)} {dims} of {where} misaligned for tensor cores"
+    fix = ("Pad each to the size in the misaligned-layer table"
+           + (f" (a multiple of {multiple}; 64 is best)." if multiple else "."))
+    share = [e.get("flops_share") or 0 for e in evidence]
+    order = sorted(range(len(members)), key=lambda i: -share[i])
+    timeline = []
+    for i in order:
+        found, dim = members[i], evidence[i]
+        what = (f"{_get(found, 'layer')}: {str(dim.get('dimension', '')).replace('_', ' ')} "
+                f"{dim.get('value')} -> {dim.get('padded')}")
+        timeline.append(TimelineEntry(step=_get(found, "step"), what=what,
+                                      finding=_get(found, "id"),
+                                      severity=_get(found, "severity")))
+    return (layers[0] if len(layers) == 1 else None), headline, fix, timeline
 
 
 def incident_of(incidents: Iterable[Incident]) -> dict[int, int]:

@@ -22,6 +22,7 @@ WARNING = "#e37400"
 HEALTHY = "#188038"
 MUTED = "#5f6368"
 GRID = "#eceff1"
+DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 LINE_COLOURS = ("#1a73e8", "#12a4af", "#9334e6", "#e8710a", "#3c4043", "#0b8043",
                 "#b0630b", "#6b5bd2")
 PHASE_COLOURS = {"t_forward_ms": "#1a73e8", "t_backward_ms": "#12a4af",
@@ -92,56 +93,163 @@ def _nonfinite_markers(fig: go.Figure, line: StepColumns, name: str, top: float)
     )
 
 
+def log2_ticks(low: float, high: float, most: int = 7) -> list[int]:
+    """Whole powers of two between `low` and `high` (log2 units), at most `most` of them,
+    spaced by a power-of-two stride and counted down from the top (the scale a run
+    starts at, 2^16 by default, is always labelled)."""
+    stride = 1
+    while (high - low) / stride > most - 1:
+        stride *= 2
+    top = math.floor(high)
+    return list(range(top - (top - math.ceil(low)) // stride * stride, top + 1, stride))
+
+
+def streaks(steps: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
+    """(first, last) step of each run of consecutive steps where `mask` holds. Exact on
+    downsampled lines, which keep every skipped step."""
+    chosen = steps[mask]
+    if not chosen.size:
+        return []
+    breaks = np.flatnonzero(np.diff(chosen) != 1)
+    firsts = np.concatenate([chosen[:1], chosen[breaks + 1]])
+    lasts = np.concatenate([chosen[breaks], chosen[-1:]])
+    return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
+
+
+def _spans(fig: go.Figure, spans: list[tuple[int, int]], low: float, high: float, *,
+           name: str, colour: str, legend: str, owner: str) -> None:
+    """Shaded bands over step spans (one filled trace, however many spans)."""
+    if not spans:
+        return
+    x: list[float | None] = []
+    y: list[float | None] = []
+    for first, last in spans:
+        x += [first - 0.5, first - 0.5, last + 0.5, last + 0.5, first - 0.5, None]
+        y += [low, high, high, low, low, None]
+    fig.add_scatter(
+        x=x, y=y, mode="lines", fill="toself", fillcolor=colour, line={"width": 0},
+        name=name, legendgroup=legend, hoveron="fills",
+        showlegend=not any(t.legendgroup == legend for t in fig.data),
+        text=f"{owner}: {sum(b - a + 1 for a, b in spans):,} {name} in {len(spans):,} "
+             f"span{'s' if len(spans) != 1 else ''}", hoverinfo="text",
+    )
+
+
 def loss_scale_figure(lines: list[StepColumns]) -> go.Figure:
-    """Loss scale on a log2 axis (ticks 2^k), every skipped step marked in red."""
+    """Loss scale on a log2 axis (ticks at whole powers of two), skipped steps shaded as
+    spans, a scale of 0 drawn along the bottom edge; the x axis spans every step."""
     fig = base_figure()
-    lows, highs = [], []
+    drawn, lows, highs = [], [], []
     for i, line in enumerate(lines):
         scale = line.values["loss_scale"]
         ok = line.present["loss_scale"] & np.isfinite(scale) & (scale > 0)
-        if not ok.any():
+        zero = line.present["loss_scale"] & (scale == 0)
+        if not ok.any() and not zero.any():
             continue
-        log_scale = np.log2(scale[ok])
-        lows.append(float(log_scale.min()))
-        highs.append(float(log_scale.max()))
-        fig.add_scatter(
-            x=line.steps[ok], y=log_scale, customdata=scale[ok], mode="lines",
-            line={"color": colour(i), "width": 1.6, "shape": "hv"}, name=label(line.label),
-            hovertemplate="step %{x}<br>scale %{customdata:.6g}<extra>%{fullData.name}</extra>",
-        )
-        skipped = line.skipped & ok
-        if skipped.any():
+        if ok.any():
+            log_scale = np.log2(scale[ok])
+            lows.append(float(log_scale.min()))
+            highs.append(float(log_scale.max()))
             fig.add_scatter(
-                x=line.steps[skipped], y=log_scale[skipped[ok]], customdata=scale[skipped],
-                mode="markers", marker={"symbol": "x-thin", "size": 7, "color": CRITICAL,
-                                        "line": {"width": 2, "color": CRITICAL}},
-                name="skipped step", legendgroup="skipped", showlegend=not any(
-                    t.legendgroup == "skipped" for t in fig.data),
-                hovertemplate="step %{x} skipped<br>scale %{customdata:.6g}<extra>"
-                + label(line.label) + "</extra>",
+                x=line.steps[ok], y=log_scale, customdata=scale[ok], mode="lines",
+                line={"color": colour(i), "width": 1.6, "shape": "hv"}, name=label(line.label),
+                hovertemplate="step %{x}<br>scale %{customdata:.6g}<extra>%{fullData.name}"
+                "</extra>",
             )
-    if not lows:
+        drawn.append((i, line, zero))
+    if not drawn:
         return note(fig, "no loss scale recorded (no GradScaler in this run)")
-    low, high = math.floor(min(lows)), math.ceil(max(highs))
-    stride = max(1, math.ceil((high - low + 1) / 7))
-    ticks = list(range(low, high + 1, stride))
-    fig.update_yaxes(tickvals=ticks, ticktext=[f"2<sup>{k}</sup>" for k in ticks],
-                     range=[low - 0.5, high + 0.5], title={"text": "loss scale (log2)"})
-    if low <= 1:
+    low = math.floor(min(lows, default=0.0))
+    high = math.ceil(max(highs, default=0.0))
+    if any(zero.any() for _, _, zero in drawn):
+        low -= 2  # room for the scale-0 line below the smallest positive scale
+    bottom, top = low - 0.5, high + 0.5
+    for i, line, zero in drawn:
+        if zero.any():
+            fig.add_scatter(
+                x=line.steps[zero], y=np.full(int(zero.sum()), float(low)), mode="markers",
+                marker={"symbol": "line-ew", "size": 8, "color": CRITICAL,
+                        "line": {"width": 2, "color": CRITICAL}},
+                name="scale 0", legendgroup="zero",
+                showlegend=not any(t.legendgroup == "zero" for t in fig.data),
+                hovertemplate="step %{x}: scale 0<extra>" + label(line.label) + "</extra>",
+            )
+        tint = "rgba(217,48,37,0.16)" if len(lines) == 1 else _tint(colour(i))
+        _spans(fig, streaks(line.steps, line.skipped), bottom, top, name="skipped steps",
+               colour=tint, legend=f"skipped-{i}" if len(lines) > 1 else "skipped",
+               owner=label(line.label))
+    has_zero = any(zero.any() for _, _, zero in drawn)
+    ticks = log2_ticks(low + 2 if has_zero and lows else low, high)
+    text = [f"2<sup>{k}</sup>" for k in ticks]
+    if has_zero:
+        ticks, text = [low, *ticks], ["0", *text]
+    fig.update_yaxes(tickvals=ticks, ticktext=text, range=[bottom, top],
+                     title={"text": "loss scale"})
+    if low <= 0 <= high:
         fig.add_hline(y=0, line={"color": CRITICAL, "dash": "dot", "width": 1},
                       annotation_text="scale 1", annotation_font_color=CRITICAL,
                       annotation_position="bottom right")
+    share_x(fig, step_span(lines))
     _legend_if_many(fig, lines)
     return fig
 
 
+def _tint(hex_colour: str, alpha: float = 0.14) -> str:
+    r, g, b = (int(hex_colour[k:k + 2], 16) for k in (1, 3, 5))
+    return f"rgba({r},{g},{b},{alpha})"
+
+
+def step_span(lines: list[StepColumns]) -> tuple[int, int] | None:
+    """First and last step over every line (whatever each line's values)."""
+    spans = [(int(line.steps.min()), int(line.steps.max())) for line in lines if len(line)]
+    if not spans:
+        return None
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def share_x(fig: go.Figure, x_range: tuple[int, int] | None) -> go.Figure:
+    """One x range for every chart of a page: from its first step to its last, so charts
+    line up and none stops short where its values end (a scale of 0, a NaN loss)."""
+    if x_range is not None:
+        first, last = x_range
+        fig.update_xaxes(range=[first - 0.5, last + 0.5] if last > first else
+                         [first - 1, last + 1])
+    return fig
+
+
+def human_number(value: float) -> str:
+    """A tick label as a person writes it: 0.002, 50, 1e-5, 2e+6 (no float noise)."""
+    if value == 0:
+        return "0"
+    if 1e-3 <= abs(value) < 1e5:
+        return f"{value:.6g}"
+    mantissa, exponent = f"{value:.2e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def log10_ticks(low: float, high: float) -> list[float]:
+    """Ticks for a log axis over [low, high] (values > 0): 1-2-5 steps over a short range,
+    whole decades (every n-th when many) over a long one."""
+    first, last = math.floor(math.log10(low)), math.ceil(math.log10(high))
+    if last - first <= 2:
+        ticks = [m * 10.0 ** k for k in range(first, last + 1) for m in (1, 2, 5)]
+    else:
+        stride = max(1, math.ceil((last - first) / 6))
+        ticks = [10.0 ** k for k in range(first, last + 1, stride)]
+    inside = [t for t in ticks if low <= t * (1 + 1e-9) and t <= high * (1 + 1e-9)]
+    return inside if len(inside) >= 2 else ticks
+
+
 def grad_norm_figure(lines: list[StepColumns]) -> go.Figure:
-    """Total grad norm on a log axis; NaN/inf steps as red markers along the top."""
+    """Total grad norm on a log axis with ticks as a person writes them; NaN/inf steps as
+    red markers along the top."""
     fig = base_figure()
     positive = [line.values["grad_norm"][line.finite("grad_norm") & (line.values["grad_norm"] > 0)]
                 for line in lines]
-    highs = [float(p.max()) for p in positive if p.size]
-    top = max(highs) * 4 if highs else 1.0
+    positive = [p for p in positive if p.size]
+    low = min((float(p.min()) for p in positive), default=0.1)
+    high = max((float(p.max()) for p in positive), default=1.0)
+    top = high * 4
     for i, line in enumerate(lines):
         norm = line.values["grad_norm"]
         ok = np.isfinite(norm) & (norm > 0)
@@ -153,7 +261,11 @@ def grad_norm_figure(lines: list[StepColumns]) -> go.Figure:
         _nonfinite_markers(fig, line, "grad_norm", top)
     if not any(line.present["grad_norm"].any() for line in lines):
         return note(fig, "no grad norm recorded")
-    fig.update_yaxes(type="log", title={"text": "grad norm (log)"}, exponentformat="power")
+    ticks = log10_ticks(low, top)
+    fig.update_yaxes(type="log", title={"text": "grad norm"}, tickvals=ticks,
+                     ticktext=[human_number(t) for t in ticks],
+                     range=[math.log10(low) - 0.1, math.log10(top) + 0.1])
+    share_x(fig, step_span(lines))
     _legend_if_many(fig, lines)
     return fig
 
@@ -323,4 +435,15 @@ def step_time_figure(lines: list[StepColumns]) -> go.Figure:
         return note(fig, "no step timings recorded")
     fig.update_yaxes(title={"text": "step time (ms)"}, rangemode="tozero")
     _legend_if_many(fig, lines)
+    return fig
+
+
+def dash_lines(fig: go.Figure, labels: list[str]) -> go.Figure:
+    """Each line its own dash style (line i gets DASHES[i]) so that lines drawn on top of
+    each other stay told apart."""
+    dash = {label(name): DASHES[i % len(DASHES)] for i, name in enumerate(labels)}
+    for trace in fig.data:
+        if trace.type == "scatter" and trace.name in dash and trace.mode == "lines" \
+                and trace.fill in (None, "none"):
+            trace.line.dash = dash[trace.name]
     return fig

@@ -42,6 +42,23 @@ class FirstOffender:
     value: str  # "NaN", "+inf" or "-inf"
 
 
+def bucket_edges(matrix: LayerMatrix) -> np.ndarray:
+    """Cell edges on the step axis: a bucket of steps a..b spans a-0.5..b+0.5, so a
+    heatmap lines up with the step charts, where step s sits at x = s."""
+    if not matrix.step_start.size:
+        return np.zeros(0)
+    return np.concatenate([matrix.step_start - 0.5, matrix.step_end[-1:] + 0.5])
+
+
+def matrix_span(matrices: list[LayerMatrix]) -> tuple[int, int] | None:
+    """First and last step over the matrices' buckets: the layers page's one x range."""
+    spans = [(int(m.step_start[0]), int(m.step_end[-1])) for m in matrices
+             if m.step_start.size]
+    if not spans:
+        return None
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
 def heatmap_height(n_layers: int) -> int:
     return int(min(max(ROW_PX * n_layers + 100, 240), 720))
 
@@ -81,9 +98,10 @@ def layer_heatmap_figure(matrix: LayerMatrix, order: list[int], *, quantity: str
     values, empty = values[order], empty[order]
     names = [label(matrix.layers[i]) for i in order]
     x = matrix.step_start
+    edges = bucket_edges(matrix)
     finite = np.isfinite(values) & ~empty
     if finite.any():
-        _add_log_heatmap(fig, x, names, values, finite, quantity)
+        _add_log_heatmap(fig, edges, names, values, finite, quantity)
     bad = ~np.isfinite(values) & ~empty
     if bad.any():
         for cells, name, fill in ((np.isposinf(values) | np.isneginf(values), "inf", CRITICAL),
@@ -91,9 +109,9 @@ def layer_heatmap_figure(matrix: LayerMatrix, order: list[int], *, quantity: str
             if not cells.any():
                 continue
             fig.add_heatmap(
-                x=x, y=names, z=np.where(cells, 1.0, np.nan).astype(np.float32), zmin=0,
+                x=edges, y=names, z=np.where(cells, 1.0, np.nan).astype(np.float32), zmin=0,
                 zmax=1, showscale=False, name=name, colorscale=[[0, fill], [1, fill]],
-                hovertemplate=f"%{{y}}<br>steps from %{{x}}: {name}<extra></extra>",
+                hovertemplate=f"%{{y}}<br>step %{{x:.0f}}: {name}<extra></extra>",
             )
         rows = np.flatnonzero(bad.any(axis=1))
         first_bucket = bad[rows].argmax(axis=1)
@@ -126,7 +144,7 @@ def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np
         x=x, y=names, z=z, zmin=low, zmax=high, colorscale="Viridis", name=quantity,
         colorbar={"title": {"text": "log10", "side": "right"}, "tickvals": ticks,
                   "ticktext": [f"1e{k}" for k in ticks], "thickness": 12, "len": 0.9},
-        hovertemplate="%{y}<br>steps from %{x}<br>" + quantity
+        hovertemplate="%{y}<br>step %{x:.0f}<br>" + quantity
         + " 10<sup>%{z:.2f}</sup><extra></extra>",
     )
 

@@ -10,13 +10,14 @@ from urllib.parse import urlencode
 
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
-from fastapi.responses import FileResponse, HTMLResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from plotly.io.json import to_json_plotly
 
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.errors import NotFound
 from ampwatch.server.pages import auth, fp8, views
+from ampwatch.server.pages.figures import DASHES, colour
 from ampwatch.server.pages.rendering import render_fragment, render_page, script_json
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import MAX_STEP, Health
@@ -136,9 +137,7 @@ def run_page(
     if output == "json":
         return WireJSONResponse(twin)
     figures = views.overview_figures(twin)
-    findings = {status: views.fold_misaligned(items, run_id)
-                for status, items in twin["findings"].items()}
-    context = {"twin": twin, "run": twin["run"], "findings": findings,
+    context = {"twin": twin, "run": twin["run"], "cards": views.incident_panel(twin),
                "start": start, "end": end}
     return _run_tab(request, output, "run.html", "overview", figures, context,
                     {"findings": "_findings.html"})
@@ -200,24 +199,36 @@ def compare_page(
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
-    runs: Annotated[str, Query(max_length=4096, description="run ids, comma-separated")] = "",
     run: Annotated[list[str], Query(max_length=views.MAX_COMPARED,
-                                    description="run ids, one per parameter (the form)")] = [],  # noqa: B006
+                                    description="run ids, one per parameter")] = [],  # noqa: B006
+    runs: Annotated[str | None, Query(max_length=4096, include_in_schema=False,
+                                      description="old form: ids, comma-separated")] = None,
     output: Format = "html",
 ) -> Response:
-    """Loss scale, grad norm, skip rate and step time of several runs overlaid."""
-    chosen = [*runs.split(","), *run]
-    run_ids = list(dict.fromkeys(r.strip() for r in chosen if r.strip()))
+    """Loss scale, grad norm, skip rate and step time of several runs overlaid.
+    `?run=a&run=b` is the one form; the old `?runs=a,b` redirects to it."""
+    if runs is not None:
+        ids = [*run, *(r.strip() for r in runs.split(",") if r.strip())]
+        query = [("run", r) for r in dict.fromkeys(ids)]
+        query += [(k, v) for k, v in request.query_params.multi_items()
+                  if k not in ("run", "runs")]
+        return RedirectResponse(f"/compare?{urlencode(query)}", status_code=308)
+    run_ids = list(dict.fromkeys(r.strip() for r in run if r.strip()))
     twin = views.compare_twin(session, settings, run_ids)
     if output == "json":
         return WireJSONResponse(twin)
-    figures = views.compare_figures(twin) if twin["runs"] else {}
-    live = any(run["live"] for run in twin["runs"])
+    lines = views.compare_lines(twin)
+    figures = views.compare_figures(twin, lines) if twin["runs"] else {}
+    live = any(r["live"] for r in twin["runs"])
     if output == "update":
         return _update(live, figures, {})
     recent = views.runs_twin(session, settings, project=None, name=None, status=None,
                              offset=0)["items"]
+    n = len(twin["runs"])
     return render_page(request, "compare.html", twin=twin, run_ids=run_ids, recent=recent,
+                       notes=views.coinciding(lines),
+                       dashes=[DASHES[i % len(DASHES)] for i in range(n)],
+                       colours=[colour(i) for i in range(n)],
                        figures=script_json({k: f.to_plotly_json() for k, f in figures.items()}),
                        live_url=_live_url(request) if live else None, poll_ms=LIVE_POLL_MS)
 

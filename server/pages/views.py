@@ -6,12 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import quote
 
+import numpy as np
 from plotly.graph_objects import Figure
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.queries import list_findings
+from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.fp8_samples import has_fp8_samples
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
@@ -65,40 +66,43 @@ def findings_of(session: Session, run_id: str, kind: str | None = None) -> dict:
 
 def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: int | None,
                   steps: StepRange) -> dict:
-    """/runs/{id}: the run, its downsampled steps (all ranks unless one is picked) and
-    its findings."""
+    """/runs/{id}: the run, its downsampled steps (all ranks unless one is picked), its
+    findings and its incidents (the findings grouped by root cause)."""
     run = get_run(session, run_id)
     return {
         "run": _run(session, run_id, settings),
         "rank": rank,
         "steps": steps_query(session, run, rank=rank, max_points=MAX_POINTS, **steps.query()),
         "findings": findings_of(session, run_id),
+        "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
     }
 
 
-def fold_misaligned(findings: list[dict], run_id: str) -> list[dict]:
-    """The overview's panel: misaligned-layer findings (one per layer and dimension)
-    folded into one line that points at the Layers page's table."""
-    misaligned = [f for f in findings if f["kind"] == "misaligned_layer"]
-    if len(misaligned) < 2:
-        return findings
-    worst = max(misaligned, key=lambda f: (SEVERITY_RANK[f["severity"]],
-                                           f["evidence"].get("flops_share") or 0))
-    layers = {f["layer"] for f in misaligned}
-    summary = {
-        **worst, "code": None, "layer": None, "step": None, "last_step": None, "count": 1,
-        "message": f"{len(misaligned)} dimensions of {len(layers)} layers are misaligned for "
-                   f"tensor cores; the largest: {worst['message']}",
-        "href": f"/runs/{quote(run_id)}/layers#misaligned",
-    }
-    position = findings.index(misaligned[0])
-    rest = [f for f in findings if f["kind"] != "misaligned_layer"]
-    return [*rest[:position], summary, *rest[position:]]
+def incident_panel(twin: dict) -> dict:
+    """The overview's findings panel: one card per incident (root cause), split into
+    problems (open, warning or critical), notes (open, info) and resolved ones. Each
+    card carries its findings (for their messages) and, for misaligned layers, a link
+    to the Layers page's table. Every count shown is the length of a list here."""
+    findings = {f["id"]: f for items in twin["findings"].values() for f in items}
+    run_id = twin["run"]["id"]
+    cards: dict[str, list[dict]] = {"problems": [], "notes": [], "resolved": []}
+    for incident in twin["incidents"]:
+        members = [findings[i] for i in incident["findings"] if i in findings]
+        if not members:
+            continue
+        card = {**incident, "members": members, "message": members[0]["message"],
+                "href": (f"/runs/{quote(run_id)}/layers#misaligned"
+                         if incident["cause"] == "misaligned" else None)}
+        group = ("resolved" if incident["status"] != "open" else
+                 "problems" if incident["problem"] else "notes")
+        cards[group].append(card)
+    return cards
 
 
 def overview_figures(twin: dict) -> dict[str, Figure]:
+    """The overview's charts, all over one step range (app.js also shares the zoom)."""
     lines = by_rank(twin["steps"])
-    return {
+    charts = {
         "loss_scale": figures.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
         "loss": figures.loss_figure(lines),
@@ -106,6 +110,8 @@ def overview_figures(twin: dict) -> dict[str, Figure]:
         "phases": figures.phase_times_figure(lines),
         "memory": figures.peak_memory_figure(lines),
     }
+    span = figures.step_span(lines)
+    return {name: figures.share_x(fig, span) for name, fig in charts.items()}
 
 
 def layers_twin(session: Session, settings: Settings, run_id: str, *, rank: int,
@@ -148,11 +154,12 @@ def layers_figures(twin: dict) -> dict[str, Figure]:
     grads = LayerMatrix.from_twin(twin["grad_norm"])
     acts = LayerMatrix.from_twin(twin["act_absmax"])
     offender = offender_layer(twin, grads, acts)
+    span = heatmaps.matrix_span([grads, acts])
     return {
-        "grad_heatmap": heatmaps.layer_heatmap_figure(grads, order, quantity="grad norm",
-                                                      offender=offender),
-        "act_heatmap": heatmaps.layer_heatmap_figure(acts, order, quantity="abs-max",
-                                                     offender=offender),
+        "grad_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
+            grads, order, quantity="grad norm", offender=offender), span),
+        "act_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
+            acts, order, quantity="abs-max", offender=offender), span),
         "fwd_time": heatmaps.forward_time_figure(twin["layers"], order),
     }
 
@@ -201,17 +208,19 @@ class PrecisionRow:
 
 def precision_rows(twin: dict) -> list[PrecisionRow]:
     """One row per layer in forward order: what it computed in, its non-finite counts
-    and the open findings that name it (precision map flags first)."""
-    by_layer: dict[str, list[dict]] = {}
+    and one flag per open incident that names it (precision map flags first): a layer
+    that overflows is one flag, not one per finding of that overflow."""
+    by_layer: dict[str, dict[int, list[dict]]] = {}
     for finding in twin["findings"]["open"]:
         if finding["layer"] is not None:
-            by_layer.setdefault(finding["layer"], []).append(finding)
+            incident = finding.get("incident") or -finding["id"]
+            by_layer.setdefault(finding["layer"], {}).setdefault(incident, []).append(finding)
     items = {item["index"]: item for item in twin["layers"]["items"]}
     rows = []
     for index in heatmaps.forward_order(twin["layers"]):
         item = items[index]
-        flags = sorted(by_layer.get(item["name"], []),
-                       key=lambda f: f["kind"] != "precision_map")
+        flags = sorted((_layer_flag(group) for group in by_layer.get(item["name"], {}).values()),
+                       key=lambda f: (f["kind"] != "precision_map", -SEVERITY_RANK[f["severity"]]))
         rows.append(PrecisionRow(
             index=index, name=item["name"], type=item["type"],
             param_count=item["param_count"], computed_in=item["summary"]["act_dtype"],
@@ -219,6 +228,20 @@ def precision_rows(twin: dict) -> list[PrecisionRow]:
             act_nonfinite_steps=item["summary"]["act_nonfinite_steps"], flags=flags,
         ))
     return rows
+
+
+def _layer_flag(group: list[dict]) -> dict:
+    """One incident's findings on one layer as one flag: the worst severity, named by
+    the root cause when the findings share one, with every message in its tooltip."""
+    worst = max(group, key=lambda f: SEVERITY_RANK[f["severity"]])
+    causes = {f["evidence"].get("cause") for f in group} - {None}
+    name = (causes.pop() if len(causes) == 1 and len(group) > 1 else
+            worst["code"] or worst["kind"])
+    dimensions = [f["evidence"]["dimension"] for f in group if f["evidence"].get("dimension")]
+    if dimensions:
+        name += ": " + ", ".join(dimensions)
+    return {"kind": worst["kind"], "severity": worst["severity"],
+            "label": name.replace("_", " "), "message": " ".join(f["message"] for f in group)}
 
 
 def compare_twin(session: Session, settings: Settings, run_ids: list[str]) -> dict:
@@ -236,13 +259,62 @@ def compare_twin(session: Session, settings: Settings, run_ids: list[str]) -> di
     return {"runs": runs, "steps": steps, "missing": missing}
 
 
-def compare_figures(twin: dict) -> dict[str, Figure]:
-    lines = [StepColumns.from_items(run["name"], twin["steps"][run["id"]]["items"])
-             for run in twin["runs"]]
+def compare_lines(twin: dict) -> list[StepColumns]:
+    """One line per compared run, labelled by its name (and id when names repeat)."""
+    names = [run["name"] for run in twin["runs"]]
+    return [StepColumns.from_items(run["name"] if names.count(run["name"]) == 1
+                                   else f"{run['name']} ({run['id']})",
+                                   twin["steps"][run["id"]]["items"])
+            for run in twin["runs"]]
+
+
+COMPARED_VALUES = {"loss_scale": ("loss_scale",), "grad_norm": ("grad_norm",),
+                   "skip_rate": ("skipped",), "step_time": ("t_step_ms", "t_forward_ms",
+                                                            "t_backward_ms", "t_optimizer_ms")}
+
+
+def coinciding(lines: list[StepColumns]) -> dict[str, list[str]]:
+    """Per chart, the groups of runs whose lines lie on top of each other (same steps,
+    same values), as 'a and b': the page says so under the chart."""
+    notes: dict[str, list[str]] = {}
+    for chart, names in COMPARED_VALUES.items():
+        groups: list[list[StepColumns]] = []
+        for line in lines:
+            if not len(line) or not any(line.present[n].any() for n in names):
+                continue
+            for group in groups:
+                if _same_line(group[0], line, names):
+                    group.append(line)
+                    break
+            else:
+                groups.append([line])
+        notes[chart] = [_and([line.label for line in group])
+                        for group in groups if len(group) > 1]
+    return notes
+
+
+def _and(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _same_line(a: StepColumns, b: StepColumns, names: tuple[str, ...]) -> bool:
+    if len(a) != len(b) or not np.array_equal(a.steps, b.steps):
+        return False
+    return all(np.array_equal(a.present[n], b.present[n])
+               and np.allclose(a.values[n], b.values[n], rtol=1e-6, atol=0, equal_nan=True)
+               for n in names)
+
+
+def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:
+    """The compare charts over one shared step range, each run in its own dash style."""
     totals = [twin["steps"][run["id"]]["total"] for run in twin["runs"]]
-    return {
+    charts = {
         "loss_scale": figures.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
         "skip_rate": figures.skip_rate_figure(lines, totals),
         "step_time": figures.step_time_figure(lines),
     }
+    span = figures.step_span(lines)
+    labels = [line.label for line in lines]
+    return {name: figures.dash_lines(figures.share_x(fig, span), labels)
+            for name, fig in charts.items()}

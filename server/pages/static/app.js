@@ -24,6 +24,52 @@
     });
   }
 
+  // The page's step charts share one x range (set by the server) and one zoom: zooming
+  // one zooms the others; a double click puts all of them back on the page's range.
+  var syncing = false;
+  var sharedRange = null;
+
+  function stepCharts() {
+    return Array.prototype.filter.call(document.querySelectorAll(".plot"), function (el) {
+      return el.layout && el.layout.xaxis && el.layout.xaxis.visible !== false &&
+        el.layout.xaxis.type !== "category";
+    });
+  }
+
+  function shareZoom() {
+    stepCharts().forEach(function (el) {
+      if (el.dataset.zoomShared) {
+        return;
+      }
+      el.dataset.zoomShared = "1";
+      if (!sharedRange && el.layout.xaxis.range) {
+        sharedRange = el.layout.xaxis.range.slice();
+      }
+      el.on("plotly_relayout", function (event) {
+        if (syncing) {
+          return;
+        }
+        var range = null;
+        if ("xaxis.range[0]" in event) {
+          range = [event["xaxis.range[0]"], event["xaxis.range[1]"]];
+        } else if (event["xaxis.range"]) {
+          range = event["xaxis.range"];
+        } else if (event["xaxis.autorange"]) {
+          range = sharedRange;
+        }
+        if (!range) {
+          return;
+        }
+        syncing = true;
+        Promise.all(stepCharts().map(function (other) {
+          return Plotly.relayout(other, { "xaxis.range": range.slice() });
+        })).finally(function () {
+          syncing = false;
+        });
+      });
+    });
+  }
+
   function swapPanels(panels) {
     Object.keys(panels).forEach(function (id) {
       var el = document.getElementById(id);
@@ -72,6 +118,7 @@
     var embedded = document.getElementById("figures");
     if (embedded) {
       draw(JSON.parse(embedded.textContent), false);
+      shareZoom();
     }
     var live = document.querySelector("[data-live-url]");
     if (live) {

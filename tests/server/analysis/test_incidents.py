@@ -80,6 +80,20 @@ def test_an_incident_is_open_while_any_finding_is_and_takes_the_worst_open_sever
     assert (incident.status, incident.severity) == ("resolved", "critical")
 
 
+def test_misaligned_dimensions_are_one_incident_with_one_fix():
+    dims = [finding("misaligned_layer", None, layer=layer, severity=severity,
+                    dimension=dim, value=value, padded=104, multiple=8, flops_share=share)
+            for layer, dim, value, severity, share in (
+                ("embed", "out_features", 100, "info", 0.01),
+                ("blocks.0.fc", "in_features", 100, "warning", 0.3),
+                ("blocks.0.fc", "out_features", 100, "warning", 0.3))]
+    (incident,) = group_incidents(dims)
+    assert incident.headline == "3 dimensions of 2 layers misaligned for tensor cores"
+    assert incident.severity == "warning" and incident.layer is None
+    assert "multiple of 8" in incident.fix
+    assert incident.timeline[-1].what == "embed: out features 100 -> 104"  # smallest share
+
+
 def test_incidents_order_open_first_then_most_severe():
     late_critical = finding("scaler_divergence", 90, severity="critical", check="skip_streak",
                             cause="nonfinite_loss")

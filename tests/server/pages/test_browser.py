@@ -86,7 +86,7 @@ def test_layers_page_marks_the_first_offender(browser):
 
 
 def test_compare_overlays_runs(browser):
-    browser.goto("/compare?runs=healthy-fp16,diverging-fp16,bf16-run")
+    browser.goto("/compare?run=healthy-fp16&run=diverging-fp16&run=bf16-run")
     browser.wait_for_plots("loss_scale", "grad_norm", "skip_rate", "step_time")
     names = {t["name"] for t in browser.traces("skip_rate")}
     assert names == {"healthy fp16", "diverging fp16", "bf16 run"}
@@ -111,7 +111,7 @@ def test_names_a_client_sent_are_shown_as_text(browser):
     ticks = browser.page.locator("#fig-grad_heatmap .ytick text").evaluate_all(
         "texts => texts.map(t => t.textContent)")
     assert XSS_LAYER in ticks
-    browser.goto("/compare?runs=xss-run")
+    browser.goto("/compare?run=xss-run")
     browser.wait_for_plots("loss_scale")
     assert browser.page.locator("img").count() == 0
     browser.shoot("escaping")

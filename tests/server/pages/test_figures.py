@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import numpy as np
+
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, decode_values
 
@@ -16,14 +18,44 @@ def test_wire_values_keep_missing_apart_from_nan():
     assert values[3] == float("inf") and values[4] == float("-inf")
 
 
-def test_loss_scale_is_log2_with_skipped_steps_marked():
+def test_loss_scale_is_log2_with_skipped_streaks_shaded():
     items = [{"step": s, "loss_scale": 2.0 ** (16 - s), "skipped": True} for s in range(3)]
     items.append({"step": 3, "loss_scale": 2.0 ** 13, "skipped": False})
+    items.append({"step": 4, "loss_scale": 2.0 ** 13, "skipped": True})
     fig = figures.loss_scale_figure(steps(items))
     line, skipped = fig.data
-    assert list(line.y) == [16, 15, 14, 13]
-    assert list(skipped.x) == [0, 1, 2] and skipped.marker.color == figures.CRITICAL
+    assert list(line.y) == [16, 15, 14, 13, 13]
+    # two streaks (0-2 and 4) as two shaded spans of one trace, not five markers
+    assert skipped.fill == "toself" and skipped.name == "skipped steps"
+    assert [x for x in skipped.x if x is not None][::5] == [-0.5, 3.5]
     assert "2<sup>16</sup>" in fig.layout.yaxis.ticktext
+    assert figures.streaks(np.array([0, 1, 2, 4, 7, 8]), np.ones(6, bool)) == [
+        (0, 2), (4, 4), (7, 8)]
+
+
+def test_loss_scale_ticks_are_whole_powers_of_two_with_even_spacing():
+    items = [{"step": s, "loss_scale": 2.0 ** (16 - s), "skipped": s > 0} for s in range(166)]
+    ticks = list(figures.loss_scale_figure(steps(items)).layout.yaxis.tickvals)
+    assert ticks == [-144, -112, -80, -48, -16, 16]  # 2^16, where the scale starts
+    assert figures.log2_ticks(0, 16) == [0, 4, 8, 12, 16]
+    assert figures.log2_ticks(10.2, 16) == [11, 12, 13, 14, 15, 16]
+
+
+def test_a_scale_of_zero_keeps_the_full_step_range():
+    items = [{"step": s, "loss_scale": 2.0 ** (16 - s) if s < 200 else 0.0, "skipped": True}
+             for s in range(500)]
+    fig = figures.loss_scale_figure(steps(items))
+    assert fig.layout.xaxis.range == (-0.5, 499.5)
+    zero = next(t for t in fig.data if t.name == "scale 0")
+    assert len(zero.x) == 300 and fig.layout.yaxis.ticktext[0] == "0"
+
+
+def test_grad_norm_ticks_read_as_people_write_them():
+    items = [{"step": s, "grad_norm": 1.525879e-5 * (1 + s)} for s in range(4)]
+    text = list(figures.grad_norm_figure(steps(items)).layout.yaxis.ticktext)
+    assert text and all("e-0" not in t and len(t) <= 5 for t in text), text
+    assert [figures.human_number(v) for v in (1.525879e-5, 2e-5, 0.002, 50, 1e4, 2e6)] == [
+        "1.53e-5", "2e-5", "0.002", "50", "10000", "2e6"]
 
 
 def test_nonfinite_grad_norms_are_markers_not_gaps():

@@ -45,7 +45,7 @@ def test_layers_twin_is_the_matrix_and_layers_queries(api, long_run):
 
 
 def test_compare_and_runs_twins(api, long_run):
-    twin = api.get("/compare?runs=long,missing-run&format=json").json()
+    twin = api.get("/compare?run=long&run=missing-run&format=json").json()
     assert [run["id"] for run in twin["runs"]] == ["long"]
     assert twin["missing"] == ["missing-run"]
     runs = api.get("/?format=json&project=" + XSS).json()
@@ -61,7 +61,7 @@ def test_live_update_answers_figures_and_panels(api, long_run):
 
 
 @pytest.mark.parametrize("path", ["/", "/runs/long", "/runs/long/layers",
-                                  "/compare?runs=long"])
+                                  "/compare?run=long"])
 def test_pages_escape_names_and_embed_no_raw_markup(api, long_run, path):
     response = api.get(path)
     assert response.status_code == 200
