@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi_offline import FastAPIOffline
 from sqlalchemy.orm import sessionmaker
 
 from ampwatch.server import __version__, pages
@@ -13,7 +14,7 @@ from ampwatch.server.api import batches, findings, fp8, health, retention, runs,
 from ampwatch.server.db import make_engine, session_info, upgrade
 from ampwatch.server.deps import require_token
 from ampwatch.server.errors import AmpwatchServerError
-from ampwatch.server.middleware import RequestBodyMiddleware
+from ampwatch.server.middleware import RequestBodyMiddleware, SameOriginPolicyMiddleware
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import BatchIn
 from ampwatch.server.settings import Settings
@@ -33,7 +34,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.migrate_on_start:
         upgrade(engine)
 
-    app = FastAPI(
+    # /docs and /redoc from assets installed with fastapi-offline, not a CDN: teams run
+    # the server air-gapped; no validator badge (it would call validator.swagger.io)
+    app = FastAPIOffline(
+        swagger_ui_parameters={"validatorUrl": None},
         title="ampwatch",
         version=__version__,
         summary="Numerical health of PyTorch mixed-precision training runs.",
@@ -47,6 +51,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False,
                                           info=session_info(engine))
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc"))
 
     @app.exception_handler(AmpwatchServerError)
     async def _domain_error(_request: Request, exc: AmpwatchServerError) -> WireJSONResponse:

@@ -82,3 +82,32 @@ async def _error(send: Send, status: int, detail: str) -> None:
                     (b"content-length", str(len(payload)).encode())],
     })
     await send({"type": "http.response.body", "body": payload})
+
+
+class SameOriginPolicyMiddleware:
+    """Adds a Content-Security-Policy that allows only this server (plus inline code,
+    data: images and blob: workers, which Swagger UI and ReDoc use) to the responses of
+    `paths`. The bundled ReDoc hard-codes a logo from cdn.redoc.ly: with this policy the
+    browser never requests it, so /docs and /redoc send nothing outside, air-gapped or not."""
+
+    POLICY = (b"default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
+              b"script-src 'self' 'unsafe-inline'; worker-src 'self' blob:; "
+              b"font-src 'self' data:; connect-src 'self'")
+
+    def __init__(self, app: ASGIApp, paths: tuple[str, ...]) -> None:
+        self.app = app
+        self.paths = paths
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] not in self.paths:
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_policy(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = list(message.get("headers", []))
+                headers.append((b"content-security-policy", self.POLICY))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_policy)
