@@ -46,7 +46,9 @@ def register(commands: argparse._SubParsersAction) -> None:
         "demo", help="train a few small runs on the CPU and show them on the dashboard",
         description="Start a server (or use a running one), train four small runs on the "
                     "CPU with the agent attached (healthy fp16, a diverging scaler, "
-                    "misaligned layers with a loop pitfall, bf16) and print their URLs.")
+                    "misaligned layers with a loop pitfall, bf16) and print their URLs. Safe to "
+                    "re-run: the runs of earlier demos are kept, and each re-run adds four "
+                    "new ones (ids ending in -2, -3, ...).")
     demo.add_argument("--server", metavar="URL",
                       help="use this running server instead of starting one")
     demo.add_argument("--port", type=int,
@@ -201,10 +203,9 @@ def _demo(args: argparse.Namespace) -> int:
         except DemoFailed as exc:
             return _fail(str(exc))
         client = stack.enter_context(Client(url))
-        for run in client.runs(project=demo_runs.PROJECT):
-            client.delete_run(run.id)  # every demo starts from a clean slate
-        _train_all(demo_runs, args.steps, url, workdir / "spool")
-        _summary(client, url, demo_runs.SCENARIOS)
+        round_ = _next_round(client, demo_runs)
+        _train_all(demo_runs, args.steps, url, workdir / "spool", round_)
+        _summary(client, url, demo_runs.SCENARIOS, round_)
         if server is None:
             return 0
         if args.keep_serving:
@@ -224,7 +225,27 @@ def _interrupt(signum: int, frame: object) -> None:
     raise KeyboardInterrupt
 
 
-def _train_all(demo_runs: ModuleType, steps: int, url: str, spool_dir: Path) -> None:
+def round_run_id(run_id: str, round_: int) -> str:
+    """The id of a scenario's run in the `round_`-th demo on one server: the first keeps
+    the scenario's id, later ones end in `-<round>`."""
+    return run_id if round_ == 1 else f"{run_id}-{round_}"
+
+
+def _next_round(client: Client, demo_runs: ModuleType) -> int:
+    """1 + the last demo round the server holds runs of; says that earlier demo runs are
+    kept. A re-run never touches them (every round has its own run ids)."""
+    ids = {run.id for run in client.runs(project=demo_runs.PROJECT)}
+    round_ = 1
+    while any(round_run_id(s.run_id, round_) in ids for s in demo_runs.SCENARIOS):
+        round_ += 1
+    if round_ > 1:
+        print(f"ampwatch demo: the server keeps the {len(ids)} runs of earlier demos; "
+              f"this is demo {round_}, its run ids end in -{round_}", flush=True)
+    return round_
+
+
+def _train_all(demo_runs: ModuleType, steps: int, url: str, spool_dir: Path,
+               round_: int) -> None:
     total = len(demo_runs.SCENARIOS)
     report_every = max(steps // 4, 1)
     for number, scenario in enumerate(demo_runs.SCENARIOS, 1):
@@ -238,7 +259,8 @@ def _train_all(demo_runs: ModuleType, steps: int, url: str, spool_dir: Path) -> 
 
         start = time.monotonic()
         delivered = demo_runs.train(scenario, steps=steps, server=url, spool_dir=spool_dir,
-                                    report=report, report_every=report_every)
+                                    report=report, report_every=report_every,
+                                    run_id=round_run_id(scenario.run_id, round_))
         note = "" if delivered else " (some steps did not reach the server)"
         print(f"{label}: done in {time.monotonic() - start:.1f} s{note}", flush=True)
 
@@ -263,11 +285,11 @@ def verdict(status: str, findings: list[Finding]) -> str:
     return f"{status}: " + ", ".join(labels)
 
 
-def _summary(client: Client, url: str, scenarios: Iterable[Any]) -> None:
+def _summary(client: Client, url: str, scenarios: Iterable[Any], round_: int) -> None:
     print(f"\nDashboard: {url}/", flush=True)
     for scenario in scenarios:
-        run = client.run(scenario.run_id)
-        findings = list(client.findings(scenario.run_id, status="open"))
+        run = client.run(round_run_id(scenario.run_id, round_))
+        findings = list(client.findings(run.id, status="open"))
         print(f"  {scenario.title}\n    {url}/runs/{run.id}\n    {verdict(run.status, findings)}",
               flush=True)
 

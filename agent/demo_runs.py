@@ -110,10 +110,12 @@ class Progress:
 
 
 def train(scenario: Scenario, *, steps: int, server: str, spool_dir: Path,
-          report: Callable[[Progress], None], report_every: int) -> bool:
-    """Train `scenario` for `steps` optimizer steps with the agent attached, calling
-    `report` every `report_every` steps. Returns whether every step reached the server
-    (detach waits up to 30 s for it)."""
+          report: Callable[[Progress], None], report_every: int,
+          run_id: str | None = None) -> bool:
+    """Train `scenario` for `steps` optimizer steps with the agent attached, as run
+    `run_id` (default the scenario's), calling `report` every `report_every` steps.
+    Returns whether every step reached the server (detach waits up to 30 s for it)."""
+    run_id = run_id or scenario.run_id
     torch.set_num_threads(1)  # the server and the agent's worker share the cores
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
@@ -122,8 +124,8 @@ def train(scenario: Scenario, *, steps: int, server: str, spool_dir: Path,
     scaler = torch.amp.GradScaler("cpu") if scenario.uses_scaler else None
     overflow_from = steps // 3 if scenario.overflow_layer else None
     attachment = agent.attach(
-        model, scaler, optimizer=optimizer, run=scenario.run_id, project=PROJECT,
-        name=scenario.run_id, tags=["demo", str(scenario.dtype).removeprefix("torch.")],
+        model, scaler, optimizer=optimizer, run=run_id, project=PROJECT,
+        name=run_id, tags=["demo", str(scenario.dtype).removeprefix("torch.")],
         config={"scenario": scenario.title, "steps": steps}, server=server,
         spool_dir=spool_dir, offline=False)
     stepped = 0

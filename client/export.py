@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import importlib.util
 import json
 import os
 import tempfile
@@ -117,12 +118,29 @@ def _write_jsonl(table: ExportTable, path: Path) -> None:
             out.write(json.dumps(encode_tree(row), allow_nan=False) + "\n")
 
 
+PARQUET_MISSING = ("parquet export needs pyarrow, which the ampwatch[parquet] extra "
+                   "installs: pip install 'ampwatch[parquet]'")
+
+
+def check_format_available(fmt: Format) -> None:
+    """AmpwatchError naming the extra to install when `fmt` needs a package that is
+    missing; cheap, so callers check before fetching a run."""
+    if fmt != "parquet":
+        return
+    try:
+        found = importlib.util.find_spec("pyarrow") is not None
+    except ValueError:  # sys.modules maps it to None: importing it fails
+        found = False
+    if not found:
+        raise AmpwatchError(PARQUET_MISSING)
+
+
 def _write_parquet(table: ExportTable, path: Path) -> None:
     try:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise AmpwatchError("parquet export needs pyarrow: pip install pyarrow") from None
+        raise AmpwatchError(PARQUET_MISSING) from None
     columns = {c: [row[c] for row in table.rows] for c in table.columns}
     pq.write_table(pa.table({c: pa.array(v, type=_arrow_type(pa, c)) for c, v in
                              columns.items()}), path)

@@ -10,18 +10,29 @@ from pydantic import ValidationError
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    serve = commands.add_parser("serve", help="run the ampwatch server")
+    serve = commands.add_parser(
+        "serve", help="run the ampwatch server",
+        description="Serve the REST API (/api/v1, described at /docs), the dashboard pages "
+                    "and ingest from agents. Migrates the database on start. Flags win over "
+                    "the AMPWATCH_* environment; see the README for every setting.")
     serve.add_argument("--host", help="bind address (AMPWATCH_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (AMPWATCH_PORT, default 8000)")
     serve.add_argument("--database-url",
-                       help="sqlite:///PATH or postgresql+psycopg://... (AMPWATCH_DATABASE_URL)")
+                       help="sqlite:///PATH or postgresql+psycopg://... (AMPWATCH_DATABASE_URL, "
+                            "default SQLite in $XDG_DATA_HOME/ampwatch, i.e. "
+                            "~/.local/share/ampwatch)")
     serve.add_argument("--log-level", default="info",
-                       choices=["critical", "error", "warning", "info", "debug"])
+                       choices=["critical", "error", "warning", "info", "debug"],
+                       help="uvicorn's log level (default %(default)s)")
     serve.set_defaults(func=_serve)
 
-    db = commands.add_parser("db", help="database schema commands")
-    db_commands = db.add_subparsers(dest="db_command", required=True)
-    up = db_commands.add_parser("upgrade", help="apply pending migrations and exit")
+    db = commands.add_parser("db", help="database schema commands",
+                             description="Database schema commands (Alembic migrations).")
+    db_commands = db.add_subparsers(dest="db_command", required=True, metavar="COMMAND")
+    up = db_commands.add_parser(
+        "upgrade", help="apply pending migrations and exit",
+        description="Apply the pending schema migrations to the database and exit "
+                    "(`ampwatch serve` does this on start too).")
     up.add_argument("--database-url", help="as for serve (AMPWATCH_DATABASE_URL)")
     up.set_defaults(func=_db_upgrade)
 

@@ -14,12 +14,13 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
     parser = commands.add_parser(
         "export", parents=[common], help="write a run's steps and layers to a file",
         description="One row per (rank, step): the step's fields, each layer's grad norm "
-                    "and, on sampled steps, its activation stats (client/export.py).")
+                    "and, on sampled steps, its activation stats. Parquet needs the "
+                    "ampwatch[parquet] extra (pyarrow).")
     parser.add_argument("run", metavar="RUN", help="run id")
     parser.add_argument("--out", "-o", type=Path, required=True, metavar="FILE",
                         help="the file to write (replaced if it exists)")
     parser.add_argument("--format", "-f", choices=export.FORMATS,
-                        help="default: from the file's suffix (parquet needs pyarrow)")
+                        help="default: from the file's suffix (.csv, .jsonl, .parquet)")
     parser.add_argument("--rank", type=int, help="only this rank (default: all)")
     parser.add_argument("--start", type=int, help="first step (inclusive)")
     parser.add_argument("--end", type=int, help="last step (inclusive)")
@@ -32,6 +33,7 @@ def export_run(args: argparse.Namespace) -> int:
         fmt = export.format_for(args.out, args.format)
     except ValueError as exc:
         raise BadUsage(str(exc)) from None
+    export.check_format_available(fmt)
     if not args.out.parent.is_dir():
         raise FileNotFoundError(f"no directory {str(args.out.parent)!r} to write "
                                 f"{args.out.name!r} in")

@@ -99,3 +99,17 @@ def test_busy_port_is_a_one_line_error(tmp_path: Path) -> None:
     assert result.returncode == 2
     assert f"port {port} on 127.0.0.1 is in use" in result.stderr
     assert not (tmp_path / "demo.db").exists()
+
+
+def test_a_rerun_keeps_the_earlier_runs_and_adds_new_ones(demo, reopened: Client) -> None:
+    """Runs last in this module: it adds runs to the database the other tests read."""
+    before = {run.id: run.last_step for run in reopened.runs(project="ampwatch-demo")}
+    result = run_demo("--server", reopened.base_url, "--steps", str(STEPS),
+                      data_home=Path(demo[1].removeprefix("sqlite:///")).parent)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "keeps the 4 runs of earlier demos; this is demo 2" in result.stdout
+    assert f"{reopened.base_url}/runs/demo-fp16-overflow-2" in result.stdout
+    after = {run.id: run.last_step for run in reopened.runs(project="ampwatch-demo")}
+    assert {k: v for k, v in after.items() if k in before} == before  # untouched
+    assert set(after) - set(before) == {f"{run_id}-2" for run_id in before}
+    assert all(after[f"{run_id}-2"] == STEPS - 1 for run_id in before)
