@@ -5,6 +5,8 @@ from __future__ import annotations
 import csv
 import json
 import math
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -117,3 +119,18 @@ def test_export_replaces_the_file_whole(ampwatch, tmp_path: Path) -> None:
     assert ampwatch("export", "healthy", "--out", out).code == 0
     assert out.read_text().startswith("rank,step,")
     assert [p.name for p in tmp_path.iterdir()] == ["steps.csv"]
+
+
+def test_parquet_without_pyarrow_names_the_extra_before_fetching(tmp_path) -> None:
+    """pyarrow made unimportable in a child process; no server runs at all, so an answer
+    naming the extra proves it was checked before anything was fetched."""
+    script = ("import sys; sys.modules['pyarrow'] = None\n"
+              "from ampwatch.client.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run(
+        [sys.executable, "-c", script, "export", "some-run", "--out", "run.parquet",
+         "--server", "http://127.0.0.1:9"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60)
+    assert done.returncode == 2
+    assert "pip install 'ampwatch[parquet]'" in done.stderr, done.stderr
+    assert not (tmp_path / "run.parquet").exists()
