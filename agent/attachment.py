@@ -16,12 +16,13 @@ from ampwatch.agent import guard
 from ampwatch.agent.collectors import default_collectors
 from ampwatch.agent.collectors.forward import ForwardCollector
 from ampwatch.agent.collectors.fp8 import Fp8Collector
+from ampwatch.agent.distributed import shared_run_id
 from ampwatch.agent.environment import distributed_rank, environment, run_body
 from ampwatch.agent.fp8 import find_fp8_layers
 from ampwatch.agent.layers import discover_layers
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
 from ampwatch.agent.session import CLOSE_FAILED, Session, StepItem
-from ampwatch.agent.settings import AgentSettings
+from ampwatch.agent.settings import AgentSettings, make_run_id
 from ampwatch.agent.transport.worker import Worker
 from ampwatch.client.wire import encode_float, encode_tree
 
@@ -148,6 +149,8 @@ class Attachment:
         forward = next(c for c in session.collectors if isinstance(c, ForwardCollector))
         env = environment(session.device, session.scaler, forward.training_autocast,
                           session.settings.world_size)
+        env["parallelism"] = session.parallelism
+        env["grad_layout"] = session.grad_layout
         return run_body(env=env, layers=session.layers, **self._describe)
 
     def _decode(self, item: StepItem) -> dict | None:
@@ -202,10 +205,14 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         return Attachment(run)
     try:
         rank, world_size = distributed_rank()
+        generated = run is None
+        if generated and world_size > 1:  # one run, one stream per rank
+            run = shared_run_id(make_run_id(name), rank, world_size)
         settings = AgentSettings.build(
             run, name, server, rank=rank, world_size=world_size, sample_every=sample_every,
             sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
-            flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume)
+            flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
+            run_id_generated=generated or None)
     except Exception as exc:  # noqa: BLE001
         guard.report("attach", exc)
         return Attachment(run)
@@ -225,6 +232,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         attachment._worker = worker
         session.sink = worker.submit
         session.on_run_change = guard.guarded("attachment.run_change")(attachment._run_changed)
+        session.on_event = attachment.event
         session.install()
         worker._start()
     except Exception as exc:  # noqa: BLE001

@@ -18,7 +18,7 @@ import torch.optim.optimizer as optim_hooks
 from torch import nn
 from torch.amp.grad_scaler import OptState
 
-from ampwatch.agent import grad_clip, guard, patches
+from ampwatch.agent import distributed, grad_clip, guard, patches
 from ampwatch.agent.buffer import StepBuffer
 from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
@@ -66,6 +66,9 @@ class Session:
         self.device = first.device if first is not None else torch.device("cpu")
         self.device_type = self.device.type
         self.host_reduce = self.device_type in self.HOST_REDUCE_DEVICES
+        self.rank, self.world_size = settings.rank, settings.world_size
+        self.parallelism = distributed.parallelism(model, self.params)
+        self.grad_layout = distributed.grad_layout(self.parallelism, self.world_size)
         self.buffer = StepBuffer(self.device)
         self.clock: HostClock | CudaClock = (
             CudaClock() if self.device_type == "cuda" else HostClock())
@@ -88,6 +91,7 @@ class Session:
         self._take_grads_guarded = guard.guarded("session.clip_snapshot")(self._take_grads)
         self._step_end_guarded = guard.guarded("session.step_end")(self._step_end)
         self.on_run_change: Callable[[], None] = lambda: None
+        self.on_event: Callable[[str, dict[str, Any]], Any] = lambda kind, detail: None
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
@@ -215,6 +219,11 @@ class Session:
             self.dropped_steps += 1
             if snap is not None:
                 self.buffer.release(snap[0])
+
+    def note_unsupported(self, signal: str, layers: list[str]) -> None:
+        """Say once that `signal` cannot be recorded for `layers` (an `unsupported` event)."""
+        self.on_event("unsupported", {"signal": signal, "layers": layers,
+                                      "parallelism": self.parallelism})
 
     def note_anomaly(self, step: int) -> None:
         """Sample activations every step for the next K steps (any thread)."""

@@ -13,15 +13,22 @@ Underflow, measured: on sampled steps (those whose activations are sampled) each
 non-zero elements are counted (`count_nonzero`, one op per grad) and summed per layer the
 same way; the worker turns them into each layer's share of exactly-zero grad elements
 (as Megatron-LM counts zeros in the grads). An fp16 gradient that underflowed is zero.
+
+Over several ranks (agent/distributed.py): DTensor grads are read through their local
+parts, each weighted so that the server's sum of squares over the ranks is the whole
+norm (zero shares are of the rank's own part); under DDP only rank 0 sends the per-layer
+values (every rank holds the same grads).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
 
+from ampwatch.agent import distributed
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.client.wire import encode_array
 
@@ -30,6 +37,16 @@ def clipped_norm(total: float, max_norm: float) -> float:
     """The norm of the grads after `clip_grad_norm_(max_norm)` scaled them (host)."""
     with np.errstate(all="ignore"):  # inf * 0 is NaN, as on the device
         return float(np.float64(total) * min(1.0, max_norm / (total + 1e-6)))
+
+
+@dataclass(frozen=True)
+class _Indices:
+    grad_idx: torch.Tensor | None
+    layer_idx: torch.Tensor
+    mask: np.ndarray  # layers that have a grad
+    elements: np.ndarray  # per layer, its grad elements on this rank
+    weight: torch.Tensor | None  # per grad, its weight in the sum over ranks
+    total_known: bool
 
 
 class GradNormCollector(Collector):
@@ -42,12 +59,12 @@ class GradNormCollector(Collector):
         super().__init__()
         self.n_layers = n_layers
         self.slots = 2 * n_layers + 1  # norms, total, non-zero counts
-        self._cache: dict[tuple[int, ...], tuple[Any, torch.Tensor, np.ndarray,
-                                                 np.ndarray]] = {}
+        self._cache: dict[tuple[int, ...], _Indices] = {}
         self._taken = False
+        self._blind_named = False
+        self._index: _Indices | None = None
         self._max_norm: float | None = None
-        # host_reduce: this step's grad norms with their grad and layer indices
-        self._norms: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None
+        self._norms: torch.Tensor | None = None  # host_reduce: this step's grad norms
         # sampled steps: elements per layer; host_reduce: the non-zero counts themselves
         self._zeros_of: tuple[np.ndarray, Any] | None = None
 
@@ -63,29 +80,46 @@ class GradNormCollector(Collector):
         self._zeros = torch.zeros(self.n_layers, dtype=session.buffer.dtype,
                                   device=session.device)
 
-    def _indices(self, present: tuple[int, ...]
-                 ) -> tuple[torch.Tensor | None, torch.Tensor, np.ndarray, np.ndarray]:
+    def _indices(self, present: tuple[int, ...]) -> _Indices:
         """For this set of params with grads: which grad goes to which layer (the grad
-        index is None when it is each grad once, in order), the layers that have one and
-        their grad elements. Built once per pattern (the first step pays a small
-        host-to-device copy)."""
+        index is None when it is each grad once, in order), the layers that have one,
+        their grad elements, and each grad's weight in the sum over ranks (None: all 1).
+        Built once per pattern (the first step pays a small host-to-device copy)."""
         cached = self._cache.get(present)
         if cached is None:
-            rank = {param: i for i, param in enumerate(present)}
-            pairs = [(rank[p], layer) for p, layer in self._pairs if p in rank]
-            device = self.session.device
-            grads = [p for p, _ in pairs]
-            grad_idx = (None if grads == list(range(len(present))) else
-                        torch.tensor(grads, dtype=torch.long, device=device))
-            layer_idx = torch.tensor([lay for _, lay in pairs], dtype=torch.long, device=device)
-            mask = np.zeros(self.n_layers, dtype=bool)
-            mask[[lay for _, lay in pairs]] = True
-            params = self.session.params
-            elements = np.zeros(self.n_layers)
-            for p, lay in pairs:
-                elements[lay] += params[present[p]].numel()
-            cached = self._cache[present] = (grad_idx, layer_idx, mask, elements)
+            cached = self._cache[present] = self._build_indices(present)
         return cached
+
+    def _build_indices(self, present: tuple[int, ...]) -> _Indices:
+        session = self.session
+        params = session.params
+        weights = [distributed.shard_weight(params[i], session.parallelism,
+                                            session.world_size) for i in present]
+        # a Partial grad has no norm this rank can take: its layers and the total are left out
+        unknown = {present[i] for i, w in enumerate(weights) if w is None}
+        rank = {param: i for i, param in enumerate(present)}
+        blind = {layer for p, layer in self._pairs if p in unknown}
+        pairs = [(rank[p], layer) for p, layer in self._pairs
+                 if p in rank and layer not in blind]
+        device = session.device
+        grads = [g for g, _ in pairs]
+        grad_idx = (None if grads == list(range(len(present))) else
+                    torch.tensor(grads, dtype=torch.long, device=device))
+        layer_idx = torch.tensor([lay for _, lay in pairs], dtype=torch.long, device=device)
+        mask = np.zeros(self.n_layers, dtype=bool)
+        mask[[lay for _, lay in pairs]] = True
+        elements = np.zeros(self.n_layers)
+        for g, lay in pairs:
+            elements[lay] += distributed.local(params[present[g]]).numel()
+        weight = None
+        if any(w != 1.0 for w in weights):
+            weight = torch.tensor([0.0 if w is None else w for w in weights],
+                                  dtype=session.buffer.dtype, device=device)
+        if unknown and not self._blind_named:
+            self._blind_named = True
+            session.note_unsupported("grad_norm", sorted(
+                session.layers[layer].name for layer in blind))
+        return _Indices(grad_idx, layer_idx, mask, elements, weight, total_known=not unknown)
 
     def _sampled(self) -> bool:
         session = self.session
@@ -109,18 +143,24 @@ class GradNormCollector(Collector):
         self._taken = bool(grads)
         if not grads:
             return
-        grad_idx, layer_idx, self._mask, elements = self._indices(present)
+        index = self._index = self._indices(present)
+        grad_idx, layer_idx = index.grad_idx, index.layer_idx
+        if self.session.parallelism is not None:  # this rank's parts (no communication)
+            grads = [distributed.local(g) for g in grads]
+            norms = None if norms is None else distributed.local(norms)
         if self._sampled():
-            self._count_nonzero(grads, grad_idx, layer_idx, elements)
+            self._count_nonzero(grads, grad_idx, layer_idx, index.elements)
         if norms is None:
             norms = torch.stack(torch._foreach_norm(grads))
         if self.session.host_reduce and divisor is None:
-            self._norms = (norms, grad_idx, layer_idx)  # the worker reduces them
+            self._norms = norms  # the worker reduces them
             return
         squares = norms.to(self._zeros.dtype)
         if divisor is not None:
             squares = squares / divisor
         squares = squares.square()
+        if index.weight is not None:
+            squares = squares * index.weight
         torch.sum(squares, dim=0, out=self._total_slot)
         if grad_idx is not None:
             squares = squares.index_select(0, grad_idx)
@@ -131,34 +171,42 @@ class GradNormCollector(Collector):
             self._max_norm = float(max_norm)
 
     def seal(self) -> Any:
-        sealed = (self._mask if self._taken else None, self._max_norm, self._norms,
+        sealed = (self._index if self._taken else None, self._max_norm, self._norms,
                   self._zeros_of if self._taken else None)
         self._taken, self._max_norm, self._norms, self._zeros_of = False, None, None, None
+        self._index = None
         return sealed
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
         n = self.n_layers
-        mask, max_norm, norms, zeros_of = meta
+        index, max_norm, norms, zeros_of = meta
         if zeros_of is not None:
-            record["layer_grad_zero_share"] = self._zero_share(host, mask, *zeros_of)
+            record["layer_grad_zero_share"] = self._zero_share(host, index.mask, *zeros_of)
         if norms is not None:  # host_reduce: the same sums as on_grads, here
-            norms, grad_idx, layer_idx = norms
             squares = np.square(norms.numpy().astype(np.float64))
+            if index.weight is not None:
+                squares = squares * index.weight.numpy()
             host = np.empty(n + 1)
             host[n] = squares.sum()
-            if grad_idx is not None:
-                squares = squares[grad_idx.numpy()]
-            host[:n] = np.bincount(layer_idx.numpy(), weights=squares, minlength=n)
-        if mask is not None:
-            total = float(np.sqrt(host[n]))
+            if index.grad_idx is not None:
+                squares = squares[index.grad_idx.numpy()]
+            host[:n] = np.bincount(index.layer_idx.numpy(), weights=squares, minlength=n)
+        session = self.session
+        if index is not None:
+            total = float(np.sqrt(host[n])) if index.total_known else None
             record["grad_norm"] = total
-            record["layer_grad_norm"] = encode_array(np.sqrt(host[:n]), missing=~mask)
+            record["layer_grad_norm"] = encode_array(np.sqrt(host[:n]), missing=~index.mask)
         else:
             total = None
             record["grad_norm"] = None
             record["layer_grad_norm"] = [None] * n
-        record["grad_norm_clipped"] = (clipped_norm(total, max_norm)
-                                       if max_norm is not None and total is not None else None)
+        if session.grad_layout == distributed.REPLICATED and session.rank != 0:
+            record["layer_grad_norm"] = None  # DDP: rank 0 sends the one copy
+            record.pop("layer_grad_zero_share", None)
+        # sharded: this rank's part of the total; the clipped norm needs the whole one
+        sharded = session.grad_layout == distributed.SHARDED
+        record["grad_norm_clipped"] = (clipped_norm(total, max_norm) if max_norm is not None
+                                       and total is not None and not sharded else None)
 
     def _zero_share(self, host: np.ndarray, mask: np.ndarray, elements: np.ndarray,
                     counts: Any) -> list:

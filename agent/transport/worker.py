@@ -61,6 +61,8 @@ class Worker:
         self._retry_at = 0.0
         self._leftovers_at = 0.0
         self.delivered_batches = 0
+        self.failed_steps = 0  # steps the agent itself failed to turn into records
+        self._failed_seen = 0  # failed_steps at the previous flush
         self.step_offset = 0  # added to this process's step numbers (see _open)
 
     # ------------------------------------------------------------------ any thread
@@ -85,7 +87,7 @@ class Worker:
     def flush(self, timeout: float) -> bool:
         """Cut a batch of everything submitted so far, spool it and try to deliver the
         spool; may block up to `timeout`. True when the spool is empty (or, offline,
-        written)."""
+        written) and no step since the previous flush was lost to an agent error."""
         done = threading.Event()
         box: dict[str, bool] = {}
         if not self.submit(("flush", done, time.monotonic() + timeout, box)):
@@ -159,11 +161,17 @@ class Worker:
             _, done, deadline, box = item
             try:
                 self._cut()
-                box["delivered"] = self._deliver(deadline, True)
+                failed = self.failed_steps
+                box["delivered"] = self._deliver(deadline, True) and failed == self._failed_seen
+                self._failed_seen = failed
             finally:
                 done.set()
         else:
-            record = self._decode(item)
+            try:
+                record = self._decode(item)
+            except Exception:
+                self.failed_steps += 1  # lost: flush() must not report success
+                raise
             if record is not None:
                 record["step"] += self.step_offset
                 self._note_pending()
@@ -186,7 +194,8 @@ class Worker:
         s = self.settings
         batch = {"rank": s.rank, "seq": None,
                  "dropped_batches": self.spool.dropped_batches,
-                 "dropped_steps": self.spool.dropped_steps + self._extra_dropped(),
+                 "dropped_steps": (self.spool.dropped_steps + self._extra_dropped()
+                                   + self.failed_steps),
                  "events": self._events}
         steps, self._steps, self._events = self._steps, [], []
         path = self.spool.append(s.run_id, s.rank, self.run_body, batch, steps,
