@@ -88,7 +88,7 @@ class Client:
     def runs(self, *, project: str | None = None, name: str | None = None,
              status: str | None = None, limit: int | None = None) -> Records[Run]:
         """Runs, newest first, fetching page after page; filtered by project, a name
-        substring, and health status (healthy, warning, critical); at most `limit`."""
+        substring, and health status (healthy, warning, critical, no_data); at most `limit`."""
         return Records(self._pages("/runs", Run, self.RUNS_PAGE, limit,
                                    project=project, name=name, status=status), of=Run)
 

@@ -90,8 +90,8 @@ class RankTotals(Model):
 @dataclasses.dataclass(frozen=True)
 class Run(Model):
     """A training run with its totals over all ranks. `status` is its health
-    (healthy, warning, critical); `live` says a batch arrived recently and the run has not
-    `finished` (every rank's agent detached)."""
+    (healthy, warning, critical; no_data before any step arrived); `live` says a batch
+    arrived recently and the run has not `finished` (every rank's agent detached)."""
 
     id: str
     name: str

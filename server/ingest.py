@@ -93,6 +93,7 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
                            skipped=0, dropped_batches=0, dropped_steps=0)
         session.add(rank_row)
     rank_last_step = rank_row.last_step
+    others = _other_ranks_last_steps(session, run_id, batch.rank)
     _fold_totals(rank_row, batch, series)
     rank_row.last_seen_at = now
     _note_finished(rank_row, batch, now)
@@ -103,6 +104,9 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
         run = session.get(Run, run_id)
         analysis.on_ingest(session, run, batch.rank, series, settings.analysis,
                            rank_last_step=rank_last_step)
+        through = _all_ranks_through(run, others, rank_last_step, rank_row.last_step)
+        if through is not None:
+            analysis.on_ranks_advanced(session, run, through, settings.analysis)
     stored_fp8 = store_fp8_samples(session, run_id, batch.rank, batch.steps, n_layers)
     last_step = int(series.steps[-1]) if len(series) else -1
     if stored_fp8 and (rank_last_step is None or last_step >= rank_last_step):
@@ -121,6 +125,27 @@ def _note_finished(rank_row: RunRank, batch: BatchIn, now) -> None:
         rank_row.finished_at = now
     elif batch.steps:
         rank_row.finished_at = None
+
+
+def _other_ranks_last_steps(session: Session, run_id: str, rank: int) -> list[int | None]:
+    return list(session.scalars(select(RunRank.last_step).where(
+        RunRank.run_id == run_id, RunRank.rank != rank)))
+
+
+def _all_ranks_through(run: Run, others: list[int | None], before: int | None,
+                       after: int | None) -> int | None:
+    """The last step every rank of the run has sent, when this batch moved it forward
+    (else None): the ranks are compared once per such advance. Needs every rank of the
+    run's world size to have sent steps."""
+    world = (run.environment or {}).get("world_size")
+    if not isinstance(world, int) or world < 2 or len(others) + 1 < world:
+        return None
+    if after is None or any(step is None for step in others):
+        return None
+    floor = min(others)  # type: ignore[type-var]
+    through = min(floor, after)
+    previous = -1 if before is None else min(floor, before)
+    return through if through > previous else None
 
 
 def _fold_totals(rank_row: RunRank, batch: BatchIn, series) -> None:

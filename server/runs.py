@@ -87,7 +87,11 @@ def list_runs(
     if name:
         query = query.where(func.lower(Run.name).contains(name.lower(), autoescape=True))
     if status is not None:
-        query = query.where(Run.status == status)
+        with_steps = select(RunRank.run_id).where(RunRank.steps > 0)
+        if status == "no_data":
+            query = query.where(Run.id.not_in(with_steps))
+        else:
+            query = query.where(Run.status == status, Run.id.in_(with_steps))
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
     runs = list(
         session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset))
@@ -138,7 +142,7 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
         tags=run.tags,
         config=run.config,
         environment=run.environment,
-        status=run.status,
+        status=run.status if steps else "no_data",  # a run with no data is never healthy
         live=live,
         finished=finished,
         open_findings=run.open_findings,

@@ -14,7 +14,7 @@ from ampwatch.server.series import DTYPES
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
 Severity = Literal["info", "warning", "critical"]
-Health = Literal["healthy", "warning", "critical"]
+Health = Literal["healthy", "warning", "critical", "no_data"]  # no_data: no step stored yet
 MAX_STEP = 2**53  # steps are stored in float64 columns
 MAX_LAYERS = 100_000
 MAX_STEPS_PER_BATCH = 100_000
@@ -330,3 +330,36 @@ class HealthPublic(BaseModel):
     status: Literal["ok"]
     version: str
     database: str
+
+
+class CombinedGradNormsPublic(BaseModel):
+    """A run's grad norms combined over its ranks (docs/ranks.md)."""
+
+    run_id: str
+    grad_layout: Literal["local", "replicated", "sharded"]
+    ranks: int = Field(description="ranks a combined step needs (the run's world size)")
+    ranks_reporting: int = Field(description="ranks that sent anything so far")
+    steps: list[int]
+    grad_norm: list[float | str | None] = Field(
+        description="per step, the whole model's grad norm; null when a rank sent none")
+    layer_grad_norm: list[list[float | str | None]] | None = Field(
+        description="with layers=true: per step, per layer (index order); null: no grad")
+    next_start: int | None = Field(description="the start of the next page, when `limit` cut")
+
+
+class RankPanelPublic(BaseModel):
+    rank: int
+    steps: int
+    skipped: int
+    last_step: int | None
+    loss_scale: float | None
+    step_ms_median: float | None
+    dropped_steps: int
+    lost_batches: int
+
+
+class RanksPublic(BaseModel):
+    run_id: str
+    world_size: int
+    grad_layout: str
+    items: list[RankPanelPublic]

@@ -8,7 +8,7 @@ from ampwatch.client import render
 from ampwatch.client.commands import connect, print_json, retention
 from ampwatch.client.models import Finding, Incident, Run
 
-HEALTH = ("healthy", "warning", "critical")
+HEALTH = ("healthy", "warning", "critical", "no_data")
 
 
 def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:

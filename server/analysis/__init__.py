@@ -7,7 +7,12 @@ Detectors are pure functions `detect_*(series, run_context, settings) -> Detecti
 
 from ampwatch.server.analysis.context import LayerInfo, RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft
-from ampwatch.server.analysis.service import on_ingest, on_register, run_detectors
+from ampwatch.server.analysis.service import (
+    on_ingest,
+    on_ranks_advanced,
+    on_register,
+    run_detectors,
+)
 from ampwatch.server.analysis.settings import AnalysisSettings
 
 __all__ = [
@@ -17,6 +22,7 @@ __all__ = [
     "LayerInfo",
     "RunContext",
     "on_ingest",
+    "on_ranks_advanced",
     "on_register",
     "run_detectors",
 ]

@@ -22,6 +22,7 @@ FindingKind = Literal[
     "fp8_underflow",
     "fp8_saturation",
     "fp8_stale_scale",
+    "ranks",
 ]
 
 

@@ -17,6 +17,7 @@ from ampwatch.server.analysis.nonfinite import detect_nonfinite
 from ampwatch.server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
 from ampwatch.server.analysis.precision import detect_precision_map
 from ampwatch.server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
+from ampwatch.server.analysis.ranks import detect_rank_findings
 from ampwatch.server.analysis.scaler import detect_scaler_divergence
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.speed import detect_speed
@@ -145,6 +146,29 @@ def on_ingest(session: Session, run: Run, rank: int, batch: StepSeries,
     change = apply_detections(session, run.id, rank, detections, settings, since=since,
                               current=current)
     update_run_health(session, run, change)
+
+
+def on_ranks_advanced(session: Session, run: Run, through: int,
+                      settings: AnalysisSettings) -> None:
+    """Compare the ranks over their last `rank_window_steps` through `through`, a step
+    every rank has now sent (the caller calls this when that step advanced, so the pass
+    runs about once per round of batches, not once per batch). Reads every rank's recent
+    steps with activations, without per-layer grads."""
+    if not settings.enabled:
+        return
+    ranks = [r.rank for r in session.scalars(
+        select(RunRank).where(RunRank.run_id == run.id).order_by(RunRank.rank))]
+    if len(ranks) < 2:
+        return
+    start = max(through - settings.rank_window_steps + 1, 0)
+    table = layer_tables.get(session, run)
+    parts = {r: load_series(session, run.id, r, start=start, end=through,
+                            n_layers=run.n_layers, with_layers=False) for r in ranks}
+    contexts = {r: RunContext.build(table, run.environment, r) for r in ranks}
+    parallelism = (run.environment or {}).get("parallelism")
+    for rank, detection in detect_rank_findings(parts, contexts, parallelism, settings).items():
+        change = apply_detections(session, run.id, rank, [detection], settings, since=start)
+        update_run_health(session, run, change)
 
 
 def on_register(session: Session, run: Run, settings: AnalysisSettings) -> None:

@@ -69,6 +69,16 @@ class AnalysisSettings(BaseModel):
     speedup_stay_fp32: float = Field(1.1, gt=0, description="below: stay in fp32")
     speedup_use_amp: float = Field(1.5, gt=0, description="above: use AMP")
 
+    # comparing ranks
+    straggler_factor: float = Field(
+        1.5, ge=1, description="a rank's own step time over the others' median by this factor")
+    straggler_min_ms: float = Field(10.0, ge=0, description="... and by at least this much")
+    straggler_share: float = Field(
+        0.6, gt=0, le=1, description="... and the slowest rank on this share of the steps")
+    straggler_min_steps: int = Field(4, ge=1, description="steps compared before judging")
+    rank_window_steps: int = Field(
+        200, ge=10, description="steps of every rank re-read when the ranks are compared")
+
     # incremental analysis on ingest
     history_steps: int = Field(500, ge=10, description="stored steps re-read before each batch")
     merge_gap_steps: int = Field(

@@ -9,13 +9,22 @@ from fastapi import APIRouter, Path, Query
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.queries import layer_series_query, layers_query, matrix_query, steps_query
+from ampwatch.server.ranks import (
+    MAX_COMBINED_STEPS,
+    combined_grad_norms,
+    expected_ranks,
+    grad_layout,
+    ranks_panel,
+)
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.runs import get_run
 from ampwatch.server.schemas import (
     MAX_STEP,
+    CombinedGradNormsPublic,
     LayerSeriesPublic,
     LayersPublic,
     MatrixPublic,
+    RanksPublic,
     StepsPublic,
 )
 
@@ -84,3 +93,29 @@ def get_layer_series(
     run = get_run(session, run_id)
     return WireJSONResponse(layer_series_query(session, run, index, rank=rank, start=start,
                                                end=end, max_points=max_points), encoded=True)
+
+
+@router.get("/{run_id}/grad_norms", response_model=CombinedGradNormsPublic)
+def get_combined_grad_norms(
+    run_id: RunIdPath,
+    session: SessionDep,
+    start: Start = None,
+    end: End = None,
+    layers: bool = False,
+    limit: Annotated[int, Query(ge=1, le=MAX_COMBINED_STEPS)] = MAX_COMBINED_STEPS,
+) -> WireJSONResponse:
+    """Grad norms of the whole model combined over the ranks: under FSDP the square root
+    of the ranks' summed squares (a step only once every rank sent it), under DDP rank 0's."""
+    run = get_run(session, run_id)
+    return WireJSONResponse(combined_grad_norms(session, run, start=start, end=end,
+                                                with_layers=layers, limit=limit),
+                            encoded=True)
+
+
+@router.get("/{run_id}/ranks", response_model=RanksPublic)
+def get_ranks(run_id: RunIdPath, session: SessionDep) -> RanksPublic:
+    """Each rank side by side: steps, skipped, loss scale, median step time, lost data."""
+    run = get_run(session, run_id)
+    items = ranks_panel(session, run)
+    return RanksPublic(run_id=run.id, world_size=expected_ranks(run, [r["rank"] for r in items]),
+                       grad_layout=grad_layout(run), items=items)

@@ -59,7 +59,13 @@ def test_list_filters_and_paginates_newest_first(api):
     assert {r["id"] for r in alpha["items"]} == {"run-1", "run-3"}
     assert api.get("/api/v1/runs?name=RUN-4").json()["total"] == 1
     assert api.get("/api/v1/runs?name=%25").json()["total"] == 0  # % is literal
-    assert api.get("/api/v1/runs?status=healthy").json()["total"] == 5
+    # registered, no step stored: never shown as healthy
+    assert api.get("/api/v1/runs?status=no_data").json()["total"] == 5
+    assert api.get("/api/v1/runs?status=healthy").json()["total"] == 0
+    post_batch(api, "run-1", 0, make_steps(0, 3, 4))
+    assert api.get("/api/v1/runs?status=healthy").json()["total"] == 1
+    assert api.get("/api/v1/runs/run-1").json()["status"] == "healthy"
+    assert api.get("/api/v1/runs/run-2").json()["status"] == "no_data"
     assert api.get("/api/v1/runs?status=critical").json()["total"] == 0
     assert api.get("/api/v1/runs?status=bogus").status_code == 422
 

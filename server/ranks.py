@@ -1,0 +1,131 @@
+"""A multi-rank run read as one: grad norms combined over the ranks, and each rank's
+totals side by side (the ranks panel).
+
+How each rank's grad norms combine depends on the run's `grad_layout` (the agent sends
+it in the environment; docs/ranks.md):
+- "sharded" (FSDP, DTensor): each rank sent the norms of its own parts, so the norm is
+  the square root of the sum of the ranks' squares; a step is combined only once every
+  rank of the run sent it (before that its values are null: never a partial sum).
+- "replicated" (DDP): every rank holds the same grads and rank 0 alone sends the
+  per-layer norms; rank 0's values are the run's.
+- "local" or unknown: one rank, its own values.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from sqlalchemy.orm import Session
+
+from ampwatch.client.wire import encode_array
+from ampwatch.server.models import Run
+from ampwatch.server.runs import run_ranks
+from ampwatch.server.series import MISSING, StepSeries
+from ampwatch.server.storage import load_series
+
+SHARDED, REPLICATED = "sharded", "replicated"
+MAX_COMBINED_STEPS = 10_000
+PANEL_STEPS = 200  # recent steps the ranks panel takes its median step time over
+
+
+def grad_layout(run: Run) -> str:
+    layout = (run.environment or {}).get("grad_layout")
+    return layout if layout in (SHARDED, REPLICATED) else "local"
+
+
+def expected_ranks(run: Run, present: list[int]) -> int:
+    """How many ranks a combined step needs: the run's world size when the agent sent
+    one, else the ranks that sent anything."""
+    world = (run.environment or {}).get("world_size")
+    return world if isinstance(world, int) and world >= 1 else max(len(present), 1)
+
+
+def combine_sharded(parts: dict[int, StepSeries], n_ranks: int, n_layers: int,
+                    with_layers: bool
+                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Steps every one of `n_ranks` ranks sent, their total norm, whether every rank
+    sent a total for the step, and (with_layers) the per-layer norms: sqrt of the sum
+    over ranks of the squares, in float64. A layer none of the ranks had a grad for is
+    MISSING; one rank without it adds nothing."""
+    if len(parts) < n_ranks or not parts:
+        return np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=bool), None
+    steps = None
+    for series in parts.values():
+        steps = series.steps if steps is None else np.intersect1d(steps, series.steps)
+    total_sq = np.zeros(steps.size)
+    layer_sq = np.zeros((steps.size, n_layers)) if with_layers else None
+    seen = np.zeros((steps.size, n_layers), dtype=bool) if with_layers else None
+    total_known = np.ones(steps.size, dtype=bool)
+    for series in parts.values():
+        rows = np.searchsorted(series.steps, steps)
+        has = series.has("grad_norm")[rows]
+        total_known &= has
+        total_sq += np.square(np.where(has, series.column("grad_norm")[rows], 0.0))
+        if with_layers and series.layer_grad is not None:
+            block = series.layer_grad[rows].astype(np.float64)
+            present = block != MISSING
+            seen |= present
+            layer_sq += np.where(present, np.square(block), 0.0)
+    total = np.sqrt(total_sq)
+    layers = None
+    if with_layers:
+        layers = np.where(seen, np.sqrt(layer_sq), float(MISSING))
+    return steps, total, total_known, layers
+
+
+def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
+                        end: int | None = None, with_layers: bool = False,
+                        limit: int = MAX_COMBINED_STEPS) -> dict:
+    """The run's grad norms over [start, end], combined over its ranks (see the module
+    docstring); at most `limit` steps from `start`. Reads every rank's batches in the
+    range: cost grows with ranks x steps (x layers with `with_layers`)."""
+    ranks = [r.rank for r in run_ranks(session, run.id)]
+    layout = grad_layout(run)
+    n_ranks = expected_ranks(run, ranks)
+    n_layers = run.n_layers
+    if layout == SHARDED:
+        parts = {r: load_series(session, run.id, r, start, end, n_layers=n_layers,
+                                with_layers=with_layers, with_acts=False) for r in ranks}
+        steps, total, known, layers = combine_sharded(parts, n_ranks, n_layers, with_layers)
+    else:
+        lead = min(ranks, default=0)
+        series = load_series(session, run.id, lead, start, end, n_layers=n_layers,
+                             with_layers=with_layers, with_acts=False)
+        steps, total, known = series.steps, series.column("grad_norm"), series.has("grad_norm")
+        layers = series.layer_grad if with_layers else None
+        if with_layers and layers is None:
+            layers = np.full((len(series), n_layers), MISSING, dtype=np.float32)
+    cut = steps.size > limit
+    steps, total, known = steps[:limit], total[:limit], known[:limit]
+    return {
+        "run_id": run.id,
+        "grad_layout": layout,
+        "ranks": n_ranks,
+        "ranks_reporting": len(ranks),
+        "steps": steps.tolist(),
+        "grad_norm": encode_array(total, missing=~known),
+        "layer_grad_norm": None if layers is None else encode_array(
+            layers[:limit], missing=layers[:limit] == MISSING),
+        "next_start": int(steps[-1]) + 1 if cut else None,
+    }
+
+
+def ranks_panel(session: Session, run: Run) -> list[dict]:
+    """Per rank: steps, skipped, the latest loss scale, the median step time of its last
+    PANEL_STEPS steps, dropped and lost data. One batch read per rank (no layers)."""
+    rows = []
+    for rank_row in run_ranks(session, run.id):
+        recent = load_series(session, run.id, rank_row.rank, last_n=PANEL_STEPS,
+                             n_layers=run.n_layers, with_layers=False, with_acts=False)
+        step_ms = recent.column("t_step_ms")
+        step_ms = step_ms[~np.isnan(step_ms)]
+        rows.append({
+            "rank": rank_row.rank,
+            "steps": rank_row.steps,
+            "skipped": rank_row.skipped,
+            "last_step": rank_row.last_step,
+            "loss_scale": rank_row.loss_scale,
+            "step_ms_median": float(np.median(step_ms)) if step_ms.size else None,
+            "dropped_steps": rank_row.dropped_steps,
+            "lost_batches": rank_row.lost_batches,
+        })
+    return rows
