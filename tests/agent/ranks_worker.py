@@ -63,7 +63,8 @@ def wrap(scenario: str, model: nn.Module, world: int) -> nn.Module:
     if scenario == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        return FullyShardedDataParallel(model, use_orig_params=True)
+        return FullyShardedDataParallel(model, use_orig_params=True,
+                                        device_id=torch.device("cpu"))
     if scenario == "tp":
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.parallel import (
@@ -102,7 +103,8 @@ def train(scenario: str, rank: int, world: int, server: str, run_id: str) -> dic
     run = agent.attach(model, scaler, run=run_id, server=server, sample_every=1,
                        flush_interval=0.2)
     truth: list[dict] = []
-    gen = torch.Generator().manual_seed(100 + rank)
+    # tensor parallel ranks compute one batch together; data parallel ranks read their own
+    gen = torch.Generator().manual_seed(100 if scenario == "tp" else 100 + rank)
     straggler = scenario == "ddp" and rank == world - 1
     for step in range(STEPS):
         if straggler:
