@@ -18,6 +18,7 @@ from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.queries import layers_query, matrix_query, steps_query
+from ampwatch.server.ranks import ranks_panel
 from ampwatch.server.runs import get_run, list_runs, public_run
 from ampwatch.server.settings import Settings
 
@@ -69,9 +70,11 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
     """/runs/{id}: the run, its downsampled steps (all ranks unless one is picked), its
     findings and its incidents (the findings grouped by root cause)."""
     run = get_run(session, run_id)
+    public = _run(session, run_id, settings)
     return {
-        "run": _run(session, run_id, settings),
+        "run": public,
         "rank": rank,
+        "ranks": ranks_panel(session, run) if len(public["ranks"]) > 1 else [],
         "steps": steps_query(session, run, rank=rank, max_points=MAX_POINTS, **steps.query()),
         "findings": findings_of(session, run_id),
         "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
