@@ -140,7 +140,8 @@ def run_page(
     context = {"twin": twin, "run": twin["run"], "cards": views.incident_panel(twin),
                "start": start, "end": end}
     return _run_tab(request, output, "run.html", "overview", figures, context,
-                    {"findings": "_findings.html", "ranks-panel": "_ranks_panel.html"})
+                    {"findings": "_findings.html",
+                     **({"ranks-panel": "_ranks_panel.html"} if twin["ranks"] else {})})
 
 
 @pages.get("/runs/{run_id}/layers", response_class=HTMLResponse)
