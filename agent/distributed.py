@@ -21,6 +21,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed
 from torch import nn
 
 try:  # torch.distributed may be built without DTensor support
@@ -43,6 +44,8 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
 def parallelism(model: nn.Module, params: list[torch.Tensor]) -> str | None:
     """"ddp", "fsdp2", "fsdp1", "dtensor" (tensor parallel or other DTensor params),
     or None (a single process, or a wrapper the agent does not know)."""
+    if not torch.distributed.is_available():
+        return None
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.nn.parallel import DistributedDataParallel
 

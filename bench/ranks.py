@@ -10,6 +10,7 @@ fell behind their schedule, page latency while ingesting and after, bytes stored
 step, and checks in the database that every step of every rank arrived exactly once.
 
     python bench/ranks.py --postgres postgresql+psycopg://postgres@127.0.0.1:5432/test
+    python bench/ranks.py --postgres ... --no-detect      # the same with detectors off
 """
 
 from __future__ import annotations
@@ -39,9 +40,10 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(database_url: str) -> tuple[subprocess.Popen, str]:
+def start_server(database_url: str, detect: bool = True) -> tuple[subprocess.Popen, str]:
     port = free_port()
-    env = {**os.environ, "AMPWATCH_DATABASE_URL": database_url}
+    env = {**os.environ, "AMPWATCH_DATABASE_URL": database_url,
+           "AMPWATCH_ANALYSIS__ENABLED": "true" if detect else "false"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "uvicorn", "--factory", "ampwatch.server.app:create_app",
          "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"], env=env)
@@ -102,13 +104,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=60.0)
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--layout", choices=("replicated", "sharded"), default="replicated")
+    parser.add_argument("--no-detect", action="store_true", help="detectors off (their cost)")
     args = parser.parse_args()
 
     url = fresh_database(args.postgres)
-    first_proc, first_url = start_server(url)  # migrates the fresh database
+    first_proc, first_url = start_server(url, not args.no_detect)  # migrates the database
     procs, urls = [first_proc], [first_url]
     for _ in range(args.servers - 1):
-        proc, server_url = start_server(url)
+        proc, server_url = start_server(url, not args.no_detect)
         procs.append(proc)
         urls.append(server_url)
     run_id = f"ranks-{uuid.uuid4().hex[:6]}"
@@ -192,7 +195,8 @@ def report(args: argparse.Namespace, db_url: str, urls: list[str], run_id: str) 
     lat = sorted(latencies)
     p = lambda q: lat[min(len(lat) - 1, int(q * len(lat)))] * 1000  # noqa: E731
     print(f"{args.ranks} ranks x {args.layers} layers, {args.rate:g} steps/s each, "
-          f"{args.seconds:g} s, {len(urls)} servers, layout {args.layout}; load "
+          f"{args.seconds:g} s, {len(urls)} servers, layout {args.layout}, detectors "
+          f"{'off' if args.no_detect else 'on'}; load "
           f"{load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print(f"offered {args.ranks * args.rate:g} steps/s; committed {total_steps} steps in "
           f"{elapsed:.1f} s = {total_steps / elapsed:,.0f} steps/s; failures {len(failures)}")
