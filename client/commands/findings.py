@@ -63,6 +63,12 @@ def check_run(args: argparse.Namespace) -> int:
     with connect(args) as client:
         run = client.run(args.run)
         failing = at_or_above(client, run.id, args.fail_on, status="open")
+    if run.status == "no_data":  # a monitor that recorded nothing must not pass a gate
+        if args.json:
+            print_json({"run_id": run.id, "status": run.status, "fail_on": args.fail_on,
+                        "passed": False, "findings": failing})
+        print(f"run {run.id} has no steps stored: nothing to check", file=sys.stderr)
+        return 2
     passed = not failing
     if args.json:
         print_json({"run_id": run.id, "status": run.status, "fail_on": args.fail_on,

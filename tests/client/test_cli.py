@@ -134,6 +134,14 @@ def test_check_json(ampwatch) -> None:
     assert json.loads(ampwatch("check", "healthy", "--json").out)["passed"] is True
 
 
+def test_check_of_a_run_without_steps_does_not_pass(ampwatch, server_api) -> None:
+    assert server_api.put("/api/v1/runs/empty-run", json={"name": "empty"}).status_code == 200
+    result = ampwatch("check", "empty-run")
+    assert result.code == ERROR_EXIT and result.out == ""
+    assert result.err == "run empty-run has no steps stored: nothing to check\n"
+    assert json.loads(ampwatch("check", "empty-run", "--json").out)["passed"] is False
+
+
 @pytest.mark.parametrize("args", [
     ["runs"], ["show", "healthy"], ["findings"], ["check", "healthy"], ["sync", "."],
 ])
