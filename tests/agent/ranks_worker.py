@@ -100,8 +100,9 @@ def train(scenario: str, rank: int, world: int, server: str, run_id: str) -> dic
     scaler = make_scaler(scenario, rank)
     stepped: list[bool] = []
     optimizer.register_step_post_hook(lambda *_: stepped.append(True))
-    run = agent.attach(model, scaler, run=run_id, server=server, sample_every=1,
-                       flush_interval=0.2)
+    # ddp_scalers leaves the run id to the agent: every rank must still write into one run
+    run = agent.attach(model, scaler, run=None if scenario == "ddp_scalers" else run_id,
+                       server=server, sample_every=1, flush_interval=0.2)
     truth: list[dict] = []
     # tensor parallel ranks compute one batch together; data parallel ranks read their own
     gen = torch.Generator().manual_seed(100 if scenario == "tp" else 100 + rank)
