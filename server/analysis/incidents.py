@@ -20,6 +20,9 @@ from ampwatch.server.analysis.localize import fix_for_cause
 STAGES = {
     ("overflow_risk", None): (0, "outputs close to fp16's maximum"),
     ("nonfinite", None): (1, "first non-finite step"),
+    ("ranks", "first_nonfinite_rank"): (1, "this rank went non-finite first"),
+    ("ranks", "scaler_disagreement"): (2, "this rank's scaler disagrees"),
+    ("ranks", "straggler"): (5, "this rank is a straggler"),
     ("scaler_divergence", "scale_decline"): (2, "loss scale falling"),
     ("scaler_divergence", "skip_ratio"): (2, "many steps skipped"),
     ("scaler_divergence", "skip_streak"): (3, "steps skipped in a row"),
@@ -82,7 +85,7 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
         return "forward_overflow", layer
     if kind == "misaligned_layer":  # one fix for all of them: pad to the table's sizes
         return "misaligned", "-"
-    if kind in ("nonfinite", "scaler_divergence") and evidence.get("cause"):
+    if kind in ("nonfinite", "scaler_divergence", "ranks") and evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
         if cause in ("forward_overflow", "absorbed_overflow", "grad_overflow") and not culprit:

@@ -77,7 +77,7 @@ def detect_scaler_disagreement(parts: dict[int, StepSeries], steps: np.ndarray
                      f"scaler the same settings and call scaler.step/update exactly once per "
                      f"optimizer step on every rank."),
             step=step, last_step=int(steps[bad[-1]]),
-            evidence={"reference_rank": reference, "loss_scale": float(scale[first]),
+            evidence={"check": "scaler_disagreement", "reference_rank": reference, "loss_scale": float(scale[first]),
                       "reference_loss_scale": float(ref_scale[first]),
                       "skipped": bool(skip[first]), "reference_skipped": bool(ref_skip[first]),
                       "steps": recent_steps(steps[bad], 20)},
@@ -94,7 +94,7 @@ def detect_first_nonfinite_rank(parts: dict[int, StepSeries], steps: np.ndarray,
     drafts: dict[int, list[FindingDraft]] = {}
     if len(parts) < 2 or not steps.size:
         return drafts
-    bad_by_rank, layer_by_rank = {}, {}
+    bad_by_rank, layer_by_rank, input_by_rank = {}, {}, {}
     for rank, series in parts.items():
         rows = _on(series, steps)
         loc = localize(series, contexts[rank])
@@ -102,6 +102,7 @@ def detect_first_nonfinite_rank(parts: dict[int, StepSeries], steps: np.ndarray,
                        | (loc.forward_layer != NO_LAYER))[rows]
         bad_by_rank[rank] = forward_bad
         layer_by_rank[rank] = loc.forward_layer[rows]
+        input_by_rank[rank] = loc.input_nonfinite[rows]
     stacked = np.array([bad_by_rank[r] for r in sorted(parts)])
     some_clean = ~stacked.all(axis=0)
     last = int(steps[-1])
@@ -114,6 +115,9 @@ def detect_first_nonfinite_rank(parts: dict[int, StepSeries], steps: np.ndarray,
         layer_index = int(layer_by_rank[rank][first])
         layer = None if layer_index == NO_LAYER else contexts[rank].layer_name(layer_index)
         clean = [r for r in sorted(parts) if not bad_by_rank[r][first]]
+        # the cause as the nonfinite finding names it: both group into one incident
+        cause = ("nonfinite_input" if input_by_rank[rank][first] else
+                 "forward_overflow" if layer else "nonfinite_loss")
         where = (f"layer {layer!r} is the first whose output is inf/NaN" if layer else
                  "its input or loss is inf/NaN")
         drafts[rank] = [FindingDraft(
@@ -124,7 +128,8 @@ def detect_first_nonfinite_rank(parts: dict[int, StepSeries], steps: np.ndarray,
                      f"stayed finite: the batch or data shard rank {rank} read is the likely "
                      f"cause; check that rank's input (torch.isfinite) before the forward."),
             step=step, last_step=int(steps[alone[-1]]),
-            evidence={"rank": rank, "layer": layer, "clean_ranks": clean,
+            evidence={"check": "first_nonfinite_rank", "rank": rank, "layer": layer,
+                      "cause": cause, "clean_ranks": clean,
                       "steps": recent_steps(steps[alone], settings.evidence_steps)},
             occurrences=steps[alone],
             active=last - int(steps[alone[-1]]) < settings.nonfinite_resolve_steps)]
@@ -174,7 +179,7 @@ def detect_straggler(parts: dict[int, StepSeries], steps: np.ndarray, parallelis
                      f"for it. Look at that rank's data loading and host work, or its "
                      f"device."),
             step=int(timed_steps[0]), last_step=int(timed_steps[-1]),
-            evidence={"own_ms_median": mine, "others_ms_median": theirs,
+            evidence={"check": "straggler", "own_ms_median": mine, "others_ms_median": theirs,
                       "slowest_share": share, "steps": int(timed_steps.size)},
             occurrences=timed_steps[slowest == i])]
     return drafts

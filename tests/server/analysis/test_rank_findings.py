@@ -42,6 +42,10 @@ def test_the_rank_whose_forward_went_nonfinite_first_is_named(api):
     assert [(f["code"], f["rank"], f["step"], f["layer"]) for f in found] == [
         ("first_nonfinite_rank", 2, 5, "blocks.1.fc")]
     assert found[0]["evidence"]["clean_ranks"] == [0, 1]
+    # one incident on rank 2: its forward overflow in that layer, seen first on that rank
+    incidents = api.get("/api/v1/runs/nf/incidents").json()["items"]
+    rank2 = [i for i in incidents if i["rank"] == 2 and i["layer"] == "blocks.1.fc"]
+    assert len(rank2) == 1 and found[0]["id"] in rank2[0]["findings"]
 
 
 def test_a_straggler_is_the_rank_slow_in_its_own_work(api):
