@@ -77,7 +77,8 @@ def detect_scaler_disagreement(parts: dict[int, StepSeries], steps: np.ndarray
                      f"scaler the same settings and call scaler.step/update exactly once per "
                      f"optimizer step on every rank."),
             step=step, last_step=int(steps[bad[-1]]),
-            evidence={"check": "scaler_disagreement", "reference_rank": reference, "loss_scale": float(scale[first]),
+            evidence={"check": "scaler_disagreement", "reference_rank": reference,
+                      "loss_scale": float(scale[first]),
                       "reference_loss_scale": float(ref_scale[first]),
                       "skipped": bool(skip[first]), "reference_skipped": bool(ref_skip[first]),
                       "steps": recent_steps(steps[bad], 20)},
