@@ -95,6 +95,7 @@ def train(scenario: str, rank: int, world: int, server: str, run_id: str) -> dic
     from ampwatch import agent
     from ampwatch.agent import guard
 
+    errors_before = guard.error_counts()  # a forked rank inherits the parent's counts
     model = wrap(scenario, tiny_model(), world)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = make_scaler(scenario, rank)
@@ -139,8 +140,9 @@ def train(scenario: str, rank: int, world: int, server: str, run_id: str) -> dic
                       "skipped": len(stepped) == before})
     delivered = run.flush(timeout=30)
     run.detach(timeout=30)
-    return {"run_id": run.run_id, "steps": truth, "delivered": delivered,
-            "errors": guard.error_counts()}
+    errors = {site: n - errors_before.get(site, 0) for site, n in guard.error_counts().items()
+              if n != errors_before.get(site, 0)}
+    return {"run_id": run.run_id, "steps": truth, "delivered": delivered, "errors": errors}
 
 
 def main(rank: int, world: int, port: int, server: str, out: str, scenarios: list[str],
