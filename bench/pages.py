@@ -25,7 +25,7 @@ PAGES = (
     ("runs list", "/"),
     ("run overview", f"/runs/{RUN}"),
     ("run layers", f"/runs/{RUN}/layers"),
-    ("compare", f"/compare?runs={RUN}"),
+    ("compare", f"/compare?run={RUN}"),
 )
 FORMATS = (("html", ""), ("json twin", "format=json"), ("live update", "format=update"))
 
