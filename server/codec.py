@@ -10,14 +10,28 @@ lossless codec can do. Decoding returns the exact bytes that were encoded.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
 import zstandard
 
 from ampwatch.server.series import COMPRESSED_FORMAT
 
 LEVEL = 3  # higher levels gain < 0.5% on these columns at 3x the CPU
-_compressor = zstandard.ZstdCompressor(level=LEVEL)
-_decompressor = zstandard.ZstdDecompressor()
+# zstd contexts are not thread-safe and FastAPI runs endpoints on a thread pool: one each
+_contexts = threading.local()
+
+
+def _compressor() -> zstandard.ZstdCompressor:
+    if not hasattr(_contexts, "compressor"):
+        _contexts.compressor = zstandard.ZstdCompressor(level=LEVEL)
+    return _contexts.compressor
+
+
+def _decompressor() -> zstandard.ZstdDecompressor:
+    if not hasattr(_contexts, "decompressor"):
+        _contexts.decompressor = zstandard.ZstdDecompressor()
+    return _contexts.decompressor
 
 # bytes per element of each packed column of `models.Batch`
 ITEMSIZE = {"scalars": 8, "present": 1, "layer_grad": 4, "act_step": 8, "act_absmax": 4,
@@ -28,12 +42,12 @@ def encode_column(data: bytes, itemsize: int) -> bytes:
     """Byte-shuffled, zstd-compressed `data` (a whole number of `itemsize` elements)."""
     if itemsize > 1:
         data = np.frombuffer(data, dtype=np.uint8).reshape(-1, itemsize).T.tobytes()
-    return _compressor.compress(data)
+    return _compressor().compress(data)
 
 
 def decode_column(data: bytes, itemsize: int) -> bytes:
     """Inverse of `encode_column`."""
-    raw = _decompressor.decompress(data)
+    raw = _decompressor().decompress(data)
     if itemsize > 1:
         raw = np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, -1).T.tobytes()
     return raw

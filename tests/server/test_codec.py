@@ -61,3 +61,20 @@ def test_compressed_and_raw_rows_read_the_same():
         assert np.array_equal(getattr(a, field), getattr(b, field), equal_nan=True), field
     one = unpack_row(SimpleNamespace(**stored), 64, True, True, layer=5)
     assert np.array_equal(one.layer_grad[:, 0], a.layer_grad[:, 5])
+
+
+def test_columns_round_trip_from_many_threads_at_once():
+    """The server encodes and decodes on FastAPI's thread pool: zstd contexts are not
+    thread-safe, so each thread must use its own (a shared one corrupted reads)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    blocks = [realistic_norms(200, 1000, seed).tobytes() for seed in range(8)]
+    encoded = [encode_column(b, 4) for b in blocks]
+
+    def churn(i: int) -> bool:
+        return all(decode_column(encoded[i], 4) == blocks[i]
+                   and decode_column(encode_column(blocks[i], 4), 4) == blocks[i]
+                   for _ in range(20))
+
+    with ThreadPoolExecutor(8) as pool:
+        assert all(pool.map(churn, range(8)))
