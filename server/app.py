@@ -9,8 +9,9 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi_offline import FastAPIOffline
 from sqlalchemy.orm import sessionmaker
 
-from ampwatch.server import __version__, pages
-from ampwatch.server.api import batches, findings, fp8, health, retention, runs, series
+from ampwatch.server import __version__, metrics, pages
+from ampwatch.server.alerts import AlertService
+from ampwatch.server.api import alerts, batches, findings, fp8, health, retention, runs, series
 from ampwatch.server.db import make_engine, session_info, upgrade
 from ampwatch.server.deps import require_token
 from ampwatch.server.errors import AmpwatchServerError
@@ -25,10 +26,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     `migrate_on_start` is off, applies pending migrations before serving."""
     settings = settings or Settings()
     engine = make_engine(settings.database_url)
+    maker = sessionmaker(engine, expire_on_commit=False, info=session_info(engine))
+    alert_service = AlertService(maker, settings.alerts, settings.public_url)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        alert_service.start()
         yield
+        alert_service.stop()
         engine.dispose()
 
     if settings.migrate_on_start:
@@ -48,10 +53,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     )
     app.state.settings = settings
     app.state.engine = engine
-    app.state.sessionmaker = sessionmaker(engine, expire_on_commit=False,
-                                          info=session_info(engine))
+    app.state.sessionmaker = maker
+    app.state.alerts = alert_service
+    app.state.metrics = metrics.ServerMetrics(maker, settings)
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
     app.add_middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc"))
+    app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
 
     @app.exception_handler(AmpwatchServerError)
     async def _domain_error(_request: Request, exc: AmpwatchServerError) -> WireJSONResponse:
@@ -60,10 +67,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api = APIRouter(prefix="/api/v1")
     api.include_router(health.router)
     protected = APIRouter(dependencies=[Depends(require_token)])
-    for module in (runs, batches, series, findings, fp8, retention):
+    for module in (runs, batches, series, findings, fp8, retention, alerts):
         protected.include_router(module.router)
     api.include_router(protected)
     app.include_router(api)
+    app.include_router(metrics.router)
     app.include_router(pages.router)
     _document_batch_body(app)
     return app

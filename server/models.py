@@ -13,6 +13,7 @@ from typing import Any
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -209,3 +210,56 @@ class Finding(Base):
         Index("ix_findings_run_key", "run_id", "key"),
         Index("ix_findings_severity_status", "severity", "status"),
     )
+
+
+class AlertNotification(Base):
+    """The alert outbox: one notification of one target about one finding event, written
+    in the transaction that changed the finding and sent later by a dispatcher
+    (server/alerts/dispatcher.py). `payload` is what is sent, frozen at that moment.
+
+    A dispatcher claims a due row by setting `claim` and `claimed_until` in one
+    conditional UPDATE, so two replicas never send the same row at once; a claim whose
+    lease ran out (its server died) can be taken again.
+    """
+
+    __tablename__ = "alert_notifications"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    # opened, escalated, resolved, test
+    event: Mapped[str] = mapped_column(String(16))
+    rule: Mapped[str] = mapped_column(String(64))
+    target: Mapped[str] = mapped_column(String(64))
+    finding_id: Mapped[int | None] = mapped_column(Integer, index=True)
+    run_id: Mapped[str | None] = mapped_column(String(128))
+    severity: Mapped[str | None] = mapped_column(String(16))
+    payload: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    # pending, delivered, failed (gave up after the last attempt)
+    status: Mapped[str] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    claim: Mapped[str | None] = mapped_column(String(64))
+    claimed_until: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    last_error: Mapped[str | None] = mapped_column(Text)
+
+    __table_args__ = (
+        Index("ix_alert_notifications_status_due", "status", "next_attempt_at"),
+    )
+
+
+class AlertAttempt(Base):
+    """One try at sending a notification, kept for GET /api/v1/alerts/deliveries."""
+
+    __tablename__ = "alert_attempts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    notification_id: Mapped[int] = mapped_column(
+        ForeignKey("alert_notifications.id", ondelete="CASCADE"), index=True
+    )
+    attempt: Mapped[int] = mapped_column(Integer)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    duration_ms: Mapped[float] = mapped_column(Float)
+    ok: Mapped[bool] = mapped_column(Boolean)
+    status_code: Mapped[int | None] = mapped_column(Integer)
+    error: Mapped[str | None] = mapped_column(Text)

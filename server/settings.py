@@ -9,6 +9,7 @@ from pathlib import Path
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from ampwatch.server.alerts.settings import AlertSettings
 from ampwatch.server.analysis.settings import AnalysisSettings
 
 
@@ -34,6 +35,10 @@ class Settings(BaseSettings):
     migrate_on_start: bool = True
     # detector thresholds; env vars like AMPWATCH_ANALYSIS__SKIP_STREAK_WARNING
     analysis: AnalysisSettings = Field(default_factory=AnalysisSettings)
+    # alert rules and targets (docs/alerts.md); AMPWATCH_ALERTS__FILE=alerts.toml
+    alerts: AlertSettings = Field(default_factory=AlertSettings)
+    # GET /metrics wants this bearer token when set, else `token` when that is set
+    metrics_token: SecretStr | None = None
 
     @field_validator("database_url")
     @classmethod
@@ -44,7 +49,15 @@ class Settings(BaseSettings):
             url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
         return url
 
-    @field_validator("token")
+    @field_validator("token", "metrics_token")
     @classmethod
     def _empty_token_is_none(cls, token: SecretStr | None) -> SecretStr | None:
         return token if token and token.get_secret_value() else None
+
+    @property
+    def public_url(self) -> str:
+        """Base of the links in notifications: `alerts.public_url`, else this server."""
+        if self.alerts.public_url:
+            return self.alerts.public_url.rstrip("/")
+        host = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self.port}"

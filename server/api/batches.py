@@ -37,10 +37,12 @@ async def batch_body(request: Request) -> BatchIn:
         "schema": {"$ref": "#/components/schemas/BatchIn"}}}}},
 )
 def post_batch(run_id: RunIdPath, batch: Annotated[BatchIn, Depends(batch_body)],
-               session: SessionDep, settings: SettingsDep) -> BatchAck:
+               session: SessionDep, settings: SettingsDep, request: Request) -> BatchAck:
     """Store one batch of steps from one rank (gzip bodies welcome).
 
     Committed whole or not at all; a repeated (run, rank, seq) is acknowledged with
     `duplicate: true` and ignored; a gap in seq is counted as lost batches.
     """
-    return ingest_batch(session, run_id, batch, settings)
+    ack = ingest_batch(session, run_id, batch, settings)
+    request.app.state.metrics.batch_acknowledged(ack)
+    return ack

@@ -1,0 +1,231 @@
+"""Writing the alert outbox: every change of a finding's status or severity, made by any
+session of the app, is matched against the rules in the same flush, and the
+notifications it calls for are inserted in the same transaction. A finding change that
+commits has its notifications; one that rolls back has none.
+
+When a finding notifies, per rule:
+- it opens (or is found already over, within one batch) at or above the rule's severity:
+  "opened", once;
+- while open it rises above the severity it was last announced at: "escalated";
+- it resolves after an announcement and the rule has `on_resolve`: "resolved" (a later
+  reopening announces it again). Without `on_resolve` a reopened finding stays quiet.
+A finding that persists for 10,000 steps changes neither status nor severity, so it
+notifies once. What was announced is read back from the outbox itself.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import event, insert, inspect, select
+from sqlalchemy.engine import Connection
+from sqlalchemy.orm import Session, sessionmaker
+
+from ampwatch.server.alerts.settings import SEVERITY_RANK, AlertRule, AlertSettings
+from ampwatch.server.models import AlertNotification, Finding, Run, utcnow
+
+log = logging.getLogger("ampwatch.alerts")
+
+OPEN, RESOLVED = "open", "resolved"
+TEST_RULE = "test"
+# set on a session whose transaction wrote notifications: wake the dispatcher on commit
+_WROTE = "alerts_wrote"
+
+Transition = tuple[Finding, tuple[str, str] | None, tuple[str, str]]
+
+
+class AlertOutbox:
+    """Turns finding changes into outbox rows; `install` hooks it into a sessionmaker.
+
+    Costs nothing per flush that changes no finding; a changed finding that matches a rule
+    costs one indexed read of its earlier notifications.
+    """
+
+    def __init__(self, settings: AlertSettings, public_url: str,
+                 on_commit: Callable[[], None] | None = None) -> None:
+        self.settings = settings
+        self.public_url = public_url.rstrip("/")
+        self.on_commit = on_commit
+
+    def install(self, maker: sessionmaker) -> None:
+        event.listen(maker, "after_flush", self._after_flush)
+        event.listen(maker, "after_commit", self._after_commit)
+
+    def _after_commit(self, session: Session) -> None:
+        if session.info.pop(_WROTE, False) and self.on_commit is not None:
+            self.on_commit()
+
+    def _after_flush(self, session: Session, _flush_context: Any) -> None:
+        # after the flush the new findings have ids, and the attribute history still
+        # holds each finding's state before it
+        transitions = list(_finding_transitions(session))
+        if not transitions or not self.settings.rules:
+            return
+        connection = session.connection()
+        rows = []
+        runs: dict[str, dict[str, str]] = {}
+        for finding, before, after in transitions:
+            run = runs.get(finding.run_id)
+            if run is None:
+                run = runs[finding.run_id] = _run_info(connection, finding.run_id)
+            rows += self._notifications(connection, finding, before, after, run)
+        if rows:
+            connection.execute(insert(AlertNotification), rows)
+            session.info[_WROTE] = True
+
+    def _notifications(self, connection: Connection, finding: Finding,
+                       before: tuple[str, str] | None, after: tuple[str, str],
+                       run: dict[str, str]) -> list[dict[str, Any]]:
+        rules = [r for r in self.settings.rules
+                 if (not r.projects or run["project"] in r.projects)
+                 and (not r.kinds or finding.kind in r.kinds)]
+        if not rules:
+            return []
+        announced = {} if before is None else _announced(connection, finding)
+        rows = []
+        for rule in rules:
+            what = _event(rule, before, after, announced.get(rule.name))
+            if what is None:
+                continue
+            payload = notification_payload(what, rule.name, _finding_json(finding), run,
+                                           self.public_url)
+            rows += [_row(what, rule.name, target, payload, finding) for target in rule.targets]
+        return rows
+
+    def enqueue_test(self, session: Session, targets: Iterable[str]) -> list[int]:
+        """Queue a test notification to each of `targets`; the caller commits. Returns
+        the new notification ids."""
+        payload = notification_payload(
+            "test", TEST_RULE,
+            {"kind": "test", "severity": "info", "status": OPEN,
+             "message": "ampwatch test notification: this target is reachable"},
+            {"id": None, "name": None, "project": None}, self.public_url)
+        ids = []
+        for target in targets:
+            row = AlertNotification(event="test", rule=TEST_RULE, target=target,
+                                    severity="info", payload=payload)
+            session.add(row)
+            session.flush()
+            ids.append(row.id)
+        session.info[_WROTE] = True
+        return ids
+
+
+def _finding_transitions(session: Session) -> Iterable[Transition]:
+    """(finding, (status, severity) before or None when new, (status, severity) now)."""
+    for obj in session.new:
+        if isinstance(obj, Finding):
+            yield obj, None, (obj.status, obj.severity)
+    for obj in session.dirty:
+        if not isinstance(obj, Finding):
+            continue
+        state = inspect(obj)
+        before = (_previous(state, "status"), _previous(state, "severity"))
+        after = (obj.status, obj.severity)
+        if before != after:
+            yield obj, before, after
+
+
+def _previous(state: Any, name: str) -> Any:
+    history = state.attrs[name].history
+    if history.deleted:
+        return history.deleted[0]
+    return getattr(state.object, name)
+
+
+def _event(rule: AlertRule, before: tuple[str, str] | None, after: tuple[str, str],
+           announced: str | None) -> str | None:
+    """The event this change is for `rule`, given the severity the finding was last
+    announced at under it (None: not announced, or its resolution was)."""
+    status, severity = after
+    if status == OPEN or (before is None and status == RESOLVED):
+        if SEVERITY_RANK[severity] < SEVERITY_RANK[rule.severity]:
+            return None
+        if announced is None:
+            return "opened"
+        return "escalated" if SEVERITY_RANK[severity] > SEVERITY_RANK[announced] else None
+    was_open = before is not None and before[0] == OPEN
+    if status == RESOLVED and was_open and announced is not None and rule.on_resolve:
+        return "resolved"
+    return None
+
+
+def _announced(connection: Connection, finding: Finding) -> dict[str, str]:
+    """Per rule, the highest severity this finding was announced at since its last
+    announced resolution. Rows of an older finding whose id was reused (SQLite reuses
+    the largest id after a delete) are told apart by the finding's creation time."""
+    created = _iso(finding.created_at)
+    rows = connection.execute(
+        select(AlertNotification.rule, AlertNotification.event, AlertNotification.severity,
+               AlertNotification.payload)
+        .where(AlertNotification.finding_id == finding.id,
+               AlertNotification.run_id == finding.run_id)
+        .order_by(AlertNotification.id)
+    ).all()
+    announced: dict[str, str] = {}
+    for rule, what, severity, payload in rows:
+        if (payload or {}).get("finding", {}).get("created_at") != created:
+            continue
+        if what == "resolved":
+            announced.pop(rule, None)
+        elif SEVERITY_RANK.get(severity, 0) >= SEVERITY_RANK.get(announced.get(rule), -1):
+            announced[rule] = severity
+    return announced
+
+
+def _run_info(connection: Connection, run_id: str) -> dict[str, str]:
+    row = connection.execute(select(Run.name, Run.project).where(Run.id == run_id)).first()
+    name, project = row if row is not None else (run_id, "")
+    return {"id": run_id, "name": name, "project": project}
+
+
+def _iso(moment: datetime | None) -> str | None:
+    """UTC ISO 8601 with a Z; SQLite hands back naive UTC, Postgres the session's zone."""
+    if moment is None:
+        return None
+    if moment.tzinfo is not None:
+        moment = moment.astimezone(UTC).replace(tzinfo=None)
+    return moment.isoformat() + "Z"
+
+
+def _finding_json(finding: Finding) -> dict[str, Any]:
+    return {
+        "id": finding.id, "kind": finding.kind, "code": finding.code,
+        "severity": finding.severity, "status": finding.status, "rank": finding.rank,
+        "step": finding.step, "last_step": finding.last_step, "layer": finding.layer,
+        "message": finding.message, "count": finding.count,
+        "evidence": finding.evidence or {}, "created_at": _iso(finding.created_at),
+    }
+
+
+def notification_payload(what: str, rule: str, finding: dict[str, Any],
+                         run: dict[str, Any], public_url: str) -> dict[str, Any]:
+    """The JSON a webhook receives (the `notification_id` is added when it is sent).
+    Documented in docs/alerts.md."""
+    link = f"{public_url}/runs/{run['id']}" if run.get("id") else f"{public_url}/"
+    return {
+        "source": "ampwatch", "event": what, "rule": rule,
+        "title": notification_title(what, finding, run),
+        "finding": finding, "run": {**run, "url": link},
+        "created_at": _iso(utcnow()),
+    }
+
+
+def notification_title(what: str, finding: dict[str, Any], run: dict[str, Any]) -> str:
+    if what == "test":
+        return "ampwatch: test notification"
+    where = f"run {run['name']}" + (f" ({run['project']})" if run.get("project") else "")
+    at = f" at step {finding['step']}" if finding.get("step") is not None else ""
+    layer = f" in {finding['layer']}" if finding.get("layer") else ""
+    return f"ampwatch {what}: {finding['severity']} {finding['kind']}{layer} in {where}{at}"
+
+
+def _row(what: str, rule: str, target: str, payload: dict[str, Any],
+         finding: Finding) -> dict[str, Any]:
+    now = utcnow()
+    return {"event": what, "rule": rule, "target": target, "finding_id": finding.id,
+            "run_id": finding.run_id, "severity": finding.severity, "payload": payload,
+            "status": "pending", "attempts": 0, "next_attempt_at": now, "created_at": now}

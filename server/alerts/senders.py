@@ -1,0 +1,93 @@
+"""Sending one notification to one target: a JSON webhook POST (httpx), or any apprise
+URL. Errors come back as `SendResult`s whose text never holds the target's secrets."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qsl, urlsplit
+
+import httpx
+
+from ampwatch.server import __version__
+from ampwatch.server.alerts.settings import AlertTarget
+
+ERROR_CHARS = 500
+
+
+@dataclass(frozen=True)
+class SendResult:
+    ok: bool
+    status_code: int | None = None
+    error: str | None = None
+
+
+def send(target: AlertTarget, payload: dict[str, Any], http: httpx.Client) -> SendResult:
+    """Deliver `payload` to `target`; blocks up to the client's timeout (webhook) or
+    apprise's own (apprise). Never raises for a failed delivery."""
+    url = target.url.get_secret_value()
+    try:
+        if target.type == "webhook":
+            return _webhook(url, payload, http)
+        return _apprise(url, payload)
+    except Exception as exc:  # a target's failure must not stop the dispatcher
+        return SendResult(False, error=scrub(f"{type(exc).__name__}: {exc}", url))
+
+
+def _webhook(url: str, payload: dict[str, Any], http: httpx.Client) -> SendResult:
+    headers = {"User-Agent": f"ampwatch/{__version__}",
+               "Idempotency-Key": f"ampwatch-{payload.get('notification_id')}"}
+    try:
+        response = http.post(url, json=payload, headers=headers)
+    except httpx.HTTPError as exc:
+        return SendResult(False, error=scrub(f"{type(exc).__name__}: {exc}", url))
+    if response.is_success:
+        return SendResult(True, response.status_code)
+    return SendResult(False, response.status_code,
+                      scrub(f"HTTP {response.status_code}: {response.text[:200]}", url))
+
+
+APPRISE_TYPES = {"critical": "failure", "warning": "warning", "info": "info"}
+
+
+def _apprise(url: str, payload: dict[str, Any]) -> SendResult:
+    import apprise
+
+    notifier = apprise.Apprise()
+    if not notifier.add(url):
+        return SendResult(False, error="apprise does not understand this target's URL")
+    finding = payload.get("finding", {})
+    kind = "success" if payload.get("event") == "resolved" else \
+        APPRISE_TYPES.get(finding.get("severity"), "info")
+    with apprise.LogCapture(level=logging.WARNING) as captured:
+        ok = notifier.notify(title=payload["title"], body=notification_body(payload),
+                             notify_type=kind)
+        text = captured.getvalue().strip()
+    if ok:
+        return SendResult(True)
+    return SendResult(False, error=scrub(text or "apprise reported a failed delivery", url))
+
+
+def notification_body(payload: dict[str, Any]) -> str:
+    """The plain-text body of a chat or mail notification."""
+    finding, run = payload.get("finding", {}), payload.get("run", {})
+    lines = [finding.get("message", "")]
+    if finding.get("last_step") is not None and finding.get("step") is not None:
+        lines.append(f"steps {finding['step']}..{finding['last_step']}, "
+                     f"seen {finding.get('count', 1)} times, rank {finding.get('rank', 0)}")
+    lines.append(run.get("url", ""))
+    return "\n".join(line for line in lines if line)
+
+
+def scrub(text: str, url: str) -> str:
+    """`text` (an error message) with every part of `url` that can be a secret replaced
+    by "***": credentials, path segments, query values, and for non-web URLs the host."""
+    parts = urlsplit(url)
+    secrets = {url, parts.password or "", parts.username or "", parts.path, parts.query,
+               *parts.path.split("/"), *(v for _, v in parse_qsl(parts.query))}
+    if parts.scheme.lower() not in ("http", "https"):
+        secrets |= {parts.netloc, parts.hostname or ""}
+    for secret in sorted((s for s in secrets if len(s) >= 4), key=len, reverse=True):
+        text = text.replace(secret, "***")
+    return text[:ERROR_CHARS]

@@ -1,0 +1,243 @@
+"""GET /metrics: training health and server load in the Prometheus text format.
+
+Per live run (data within `live_seconds`), labelled project and run: the loss scale, steps
+and skipped steps (counters: `rate()` of their ratio is the recent skip rate), the last
+step, seconds since data, open findings by severity. Read from the database by a custom
+collector at scrape time, so a finished run drops out by itself and every replica reports
+the same runs (no per-run gauges to forget). Server counters and latency histograms are
+per process, in a registry of the app's own (no global state).
+"""
+
+from __future__ import annotations
+
+import hmac
+import re
+import time
+from collections.abc import Iterator
+from datetime import timedelta
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi.responses import Response
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from sqlalchemy import func, select
+from sqlalchemy.orm import sessionmaker
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from ampwatch.server.deps import SettingsDep
+from ampwatch.server.models import AlertNotification, Finding, Run, RunRank, utcnow
+from ampwatch.server.runs import as_utc
+from ampwatch.server.schemas import BatchAck
+from ampwatch.server.settings import Settings
+
+SEVERITIES = ("info", "warning", "critical")
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+INGEST_PATH = re.compile(r"^/api/v1/runs/[^/]+/batches$")
+# dashboard pages by route, so the page label has a handful of values
+PAGES = (
+    ("runs", re.compile(r"^/$")),
+    ("run", re.compile(r"^/runs/[^/]+/?$")),
+    ("layers", re.compile(r"^/runs/[^/]+/layers/?$")),
+    ("compare", re.compile(r"^/compare/?$")),
+)
+
+
+class ServerMetrics:
+    """This process's metrics: ingest counters and latencies, page latencies, and the
+    run-health collector that reads the database at scrape time."""
+
+    def __init__(self, maker: sessionmaker, settings: Settings) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.ingest_requests = Counter("ampwatch_ingest_requests",
+                                       "Batch POST requests by HTTP status", ["code"],
+                                       registry=r)
+        self.ingest_batches = Counter("ampwatch_ingest_batches",
+                                      "Batches stored (duplicates not counted)", registry=r)
+        self.ingest_duplicates = Counter("ampwatch_ingest_duplicate_batches",
+                                         "Batches acknowledged as replays", registry=r)
+        self.ingest_steps = Counter("ampwatch_ingest_steps", "Steps stored", registry=r)
+        self.ingest_bytes = Counter("ampwatch_ingest_bytes",
+                                    "Batch request bytes as received (gzip bodies compressed)",
+                                    registry=r)
+        self.ingest_seconds = Histogram("ampwatch_ingest_duration_seconds",
+                                        "Batch POST latency, analysis included",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.page_seconds = Histogram("ampwatch_page_duration_seconds",
+                                      "Dashboard page latency by page", ["page"],
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.analysis_backlog = Gauge(
+            "ampwatch_analysis_backlog_batches",
+            "Batches received and not yet stored and analysed (analysis runs inside the "
+            "ingest request, so this is the ingest requests in flight)", registry=r)
+        ProcessCollector(registry=r)
+        r.register(RunHealthCollector(maker, settings.live_seconds))
+
+    def batch_acknowledged(self, ack: BatchAck) -> None:
+        if ack.duplicate:
+            self.ingest_duplicates.inc()
+        else:
+            self.ingest_batches.inc()
+            self.ingest_steps.inc(ack.stored_steps)
+
+    def scrape(self) -> bytes:
+        """The text exposition; costs four grouped queries (live runs only)."""
+        return generate_latest(self.registry)
+
+
+class RunHealthCollector:
+    """Per live run gauges and counters, read from `runs`, `run_ranks` and `findings`
+    when Prometheus scrapes (bounded: only runs with data in the last `live_seconds`)."""
+
+    def __init__(self, maker: sessionmaker, live_seconds: float) -> None:
+        self.maker = maker
+        self.live = timedelta(seconds=live_seconds)
+
+    def describe(self) -> list[Metric]:
+        return []  # families depend on the database; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        now = utcnow()
+        labels = ["project", "run"]
+        families = {
+            "scale": GaugeMetricFamily("ampwatch_run_loss_scale",
+                                       "GradScaler loss scale (lowest over ranks)", labels=labels),
+            "steps": CounterMetricFamily("ampwatch_run_steps",
+                                         "Optimizer steps received (all ranks)", labels=labels),
+            "skipped": CounterMetricFamily("ampwatch_run_skipped_steps",
+                                           "Steps the scaler skipped (all ranks)", labels=labels),
+            "ratio": GaugeMetricFamily("ampwatch_run_skip_ratio",
+                                       "Skipped share of all steps so far; for the recent "
+                                       "rate use rate() of the two counters", labels=labels),
+            "last": GaugeMetricFamily("ampwatch_run_last_step", "Latest step of any rank",
+                                      labels=labels),
+            "age": GaugeMetricFamily("ampwatch_run_seconds_since_data",
+                                     "Seconds since the run's last batch arrived", labels=labels),
+            "open": GaugeMetricFamily("ampwatch_run_open_findings",
+                                      "Open findings by severity",
+                                      labels=[*labels, "severity"]),
+        }
+        with self.maker() as session:
+            runs = session.execute(
+                select(Run.id, Run.project, Run.last_seen_at)
+                .where(Run.last_seen_at >= now - self.live)).all()
+            ids = [run.id for run in runs]
+            totals = {row.run_id: row for row in session.execute(
+                select(RunRank.run_id, func.min(RunRank.loss_scale).label("scale"),
+                       func.sum(RunRank.steps).label("steps"),
+                       func.sum(RunRank.skipped).label("skipped"),
+                       func.max(RunRank.last_step).label("last_step"))
+                .where(RunRank.run_id.in_(ids)).group_by(RunRank.run_id))} if ids else {}
+            open_counts = {(r, s): n for r, s, n in session.execute(
+                select(Finding.run_id, Finding.severity, func.count())
+                .where(Finding.run_id.in_(ids), Finding.status == "open")
+                .group_by(Finding.run_id, Finding.severity))} if ids else {}
+            pending = session.scalar(select(func.count()).select_from(AlertNotification)
+                                     .where(AlertNotification.status == "pending"))
+        for run in runs:
+            values = [run.project, run.id]
+            total = totals.get(run.id)
+            if total is not None:
+                if total.scale is not None:
+                    families["scale"].add_metric(values, total.scale)
+                steps, skipped = int(total.steps or 0), int(total.skipped or 0)
+                families["steps"].add_metric(values, steps)
+                families["skipped"].add_metric(values, skipped)
+                families["ratio"].add_metric(values, skipped / steps if steps else 0.0)
+                if total.last_step is not None:
+                    families["last"].add_metric(values, total.last_step)
+            families["age"].add_metric(
+                values, max((now - as_utc(run.last_seen_at)).total_seconds(), 0.0))
+            for severity in SEVERITIES:
+                families["open"].add_metric([*values, severity],
+                                            open_counts.get((run.id, severity), 0))
+        yield from families.values()
+        yield GaugeMetricFamily("ampwatch_live_runs", "Runs with data within live_seconds",
+                                value=len(runs))
+        yield GaugeMetricFamily("ampwatch_alert_notifications_pending",
+                                "Alert notifications in the outbox not yet delivered",
+                                value=pending or 0)
+
+
+class MetricsMiddleware:
+    """Times batch POSTs (and counts their bytes as received) and dashboard pages.
+    Outermost, so the bytes are those on the wire and the time includes the body."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path, method = scope["path"], scope["method"]
+        if method == "POST" and INGEST_PATH.match(path):
+            await self._ingest(scope, receive, send)
+            return
+        page = next((name for name, pattern in PAGES if pattern.match(path)), None) \
+            if method == "GET" else None
+        if page is None:
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.metrics.page_seconds.labels(page).observe(time.perf_counter() - start)
+
+    async def _ingest(self, scope: Scope, receive: Receive, send: Send) -> None:
+        metrics = self.metrics
+        status = [500]
+
+        async def counting_receive() -> Message:
+            message = await receive()
+            if message["type"] == "http.request":
+                metrics.ingest_bytes.inc(len(message.get("body", b"")))
+            return message
+
+        async def status_send(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status[0] = message["status"]
+            await send(message)
+
+        start = time.perf_counter()
+        metrics.analysis_backlog.inc()
+        try:
+            await self.app(scope, counting_receive, status_send)
+        finally:
+            metrics.analysis_backlog.dec()
+            metrics.ingest_seconds.observe(time.perf_counter() - start)
+            metrics.ingest_requests.labels(str(status[0])).inc()
+
+
+def require_scrape_token(request: Request, settings: SettingsDep) -> None:
+    """401 unless no token is set, or the request carries `metrics_token` (when set) or
+    the API `token` as a bearer token. Prometheus: `authorization: {credentials: ...}`."""
+    accepted = [t.get_secret_value().encode() for t in (settings.metrics_token, settings.token)
+                if t is not None]
+    if not accepted:
+        return
+    scheme, _, supplied = request.headers.get("authorization", "").partition(" ")
+    given = supplied.strip().encode() if scheme.lower() == "bearer" else b""
+    if not any(hmac.compare_digest(given, token) for token in accepted):
+        raise HTTPException(status_code=401, detail="missing or wrong scrape token: send "
+                            "'Authorization: Bearer <AMPWATCH_METRICS_TOKEN or AMPWATCH_TOKEN>'",
+                            headers={"WWW-Authenticate": "Bearer"})
+
+
+router = APIRouter(include_in_schema=False)
+
+
+@router.get("/metrics", dependencies=[Depends(require_scrape_token)])
+def scrape(request: Request) -> Response:
+    return Response(request.app.state.metrics.scrape(), media_type=CONTENT_TYPE_LATEST)
+
