@@ -19,7 +19,12 @@ from ampwatch.client.errors import (
     Unauthorized,
 )
 from ampwatch.client.models import (
+    AlertAttempt,
+    AlertRule,
+    Alerts,
+    AlertTarget,
     BatchAck,
+    Delivery,
     Finding,
     Health,
     Incident,
@@ -46,7 +51,12 @@ __all__ = [
     "ServerError",
     "Unauthorized",
     # results
+    "AlertAttempt",
+    "AlertRule",
+    "AlertTarget",
+    "Alerts",
     "BatchAck",
+    "Delivery",
     "Finding",
     "Health",
     "Incident",

@@ -12,7 +12,9 @@ import httpx
 
 from ampwatch.client.errors import ConnectionFailed, NotFound, ServerError, error_for_response
 from ampwatch.client.models import (
+    Alerts,
     BatchAck,
+    Delivery,
     Finding,
     Health,
     Incident,
@@ -216,6 +218,28 @@ class Client:
         body = self._request("GET", f"/runs/{run_id}/incidents",
                              params={"status": status, "severity": severity})
         return Records((Incident.from_json(item) for item in body["items"]), of=Incident)
+
+    # alerts
+
+    def alerts(self) -> Alerts:
+        """The server's alert rules and targets (target URLs redacted)."""
+        return Alerts.from_json(self._request("GET", "/alerts"))
+
+    def deliveries(self, *, status: str | None = None, run_id: str | None = None,
+                   event: str | None = None, limit: int | None = None) -> Records[Delivery]:
+        """Alert notifications, newest first, with their attempts; filtered by status
+        (pending, delivered, failed), run and event (opened, escalated, resolved, test)."""
+        return Records(self._pages("/alerts/deliveries", Delivery, self.FINDINGS_PAGE, limit,
+                                   status=status, run_id=run_id, event=event), of=Delivery)
+
+    def delivery(self, notification_id: int) -> Delivery:
+        """One notification by id; NotFound when there is none."""
+        return Delivery.from_json(self._request("GET", f"/alerts/deliveries/{notification_id}"))
+
+    def send_test_alert(self, target: str | None = None) -> list[int]:
+        """Queue a test notification to every alert target (or `target`); returns their
+        ids, to follow with `delivery(id)`."""
+        return self._request("POST", "/alerts/test", params={"target": target})["ids"]
 
     # plumbing
 

@@ -294,6 +294,68 @@ class BatchAck(Model):
     stored_steps: int
 
 
+@dataclasses.dataclass(frozen=True)
+class AlertTarget(Model):
+    """Where notifications go; `url` comes redacted (no tokens or passwords)."""
+
+    name: str
+    type: str
+    url: str
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertRule(Model):
+    name: str
+    severity: str
+    targets: list[str]
+    projects: list[str] = dataclasses.field(default_factory=list)
+    kinds: list[str] = dataclasses.field(default_factory=list)
+    on_resolve: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Alerts(Model):
+    """The server's alert rules and targets (docs/alerts.md)."""
+
+    enabled: bool
+    public_url: str
+    rules: list[AlertRule]
+    targets: list[AlertTarget]
+
+
+@dataclasses.dataclass(frozen=True)
+class AlertAttempt(Model):
+    attempt: int
+    started_at: datetime
+    duration_ms: float
+    ok: bool
+    status_code: int | None = None
+    error: str | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Delivery(Model):
+    """One notification to one target: `status` pending, delivered or failed, with
+    every attempt in `history`."""
+
+    id: int
+    event: str
+    rule: str
+    target: str
+    status: str
+    title: str
+    attempts: int
+    created_at: datetime
+    finding_id: int | None = None
+    run_id: str | None = None
+    severity: str | None = None
+    next_attempt_at: datetime | None = None
+    finished_at: datetime | None = None
+    last_error: str | None = None
+    history: list[AlertAttempt] = dataclasses.field(default_factory=list)
+    payload: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 def to_json(value: Any) -> Any:
     """A result (or list of results) as JSON-ready data in the API v1 encoding."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):

@@ -21,12 +21,12 @@ class BadUsage(Exception):
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    """Add runs, show, findings, check, export and sync to the `ampwatch` parser."""
+    """Add runs, show, findings, check, export, sync and alerts to the `ampwatch` parser."""
     # imported here: those modules import this package's helpers below
-    from ampwatch.client.commands import export, findings, runs, sync
+    from ampwatch.client.commands import alerts, export, findings, runs, sync
 
     common = common_options()
-    for module in (runs, findings, export, sync):
+    for module in (runs, findings, export, sync, alerts):
         module.register(commands, common)
 
 

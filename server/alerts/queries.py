@@ -17,7 +17,7 @@ from ampwatch.server.alerts.schemas import (
 )
 from ampwatch.server.alerts.settings import AlertSettings
 from ampwatch.server.models import AlertAttempt, AlertNotification
-from ampwatch.server.runs import as_utc
+from ampwatch.server.models import as_utc
 
 
 def describe_alerts(settings: AlertSettings, public_url: str) -> AlertsPublic:
@@ -31,9 +31,11 @@ def describe_alerts(settings: AlertSettings, public_url: str) -> AlertsPublic:
 
 def list_deliveries(session: Session, *, status: str | None = None,
                     run_id: str | None = None, event: str | None = None, limit: int = 100,
-                    offset: int = 0) -> DeliveriesPublic:
+                    offset: int = 0, notification_id: int | None = None) -> DeliveriesPublic:
     """Notifications, newest first, each with its attempts (two queries)."""
     filters = []
+    if notification_id is not None:
+        filters.append(AlertNotification.id == notification_id)
     if status is not None:
         filters.append(AlertNotification.status == status)
     if run_id is not None:

@@ -4,6 +4,7 @@ URL. Errors come back as `SendResult`s whose text never holds the target's secre
 from __future__ import annotations
 
 import logging
+import warnings
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
@@ -11,7 +12,7 @@ from urllib.parse import parse_qsl, urlsplit
 import httpx
 
 from ampwatch.server import __version__
-from ampwatch.server.alerts.settings import AlertTarget
+from ampwatch.server.alerts.settings import AlertTarget, redact_url
 
 ERROR_CHARS = 500
 
@@ -52,6 +53,13 @@ APPRISE_TYPES = {"critical": "failure", "warning": "warning", "info": "info"}
 
 
 def _apprise(url: str, payload: dict[str, Any]) -> SendResult:
+    with warnings.catch_warnings():
+        # apprise imports imghdr on first use: its DeprecationWarning is apprise's matter
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return _notify_apprise(url, payload)
+
+
+def _notify_apprise(url: str, payload: dict[str, Any]) -> SendResult:
     import apprise
 
     notifier = apprise.Apprise()
@@ -82,9 +90,11 @@ def notification_body(payload: dict[str, Any]) -> str:
 
 def scrub(text: str, url: str) -> str:
     """`text` (an error message) with every part of `url` that can be a secret replaced
-    by "***": credentials, path segments, query values, and for non-web URLs the host."""
+    by "***": credentials, path segments, query values, and for non-web URLs the host;
+    the whole URL by its redacted form."""
+    text = text.replace(url, redact_url(url))
     parts = urlsplit(url)
-    secrets = {url, parts.password or "", parts.username or "", parts.path, parts.query,
+    secrets = {parts.password or "", parts.username or "", parts.path, parts.query,
                *parts.path.split("/"), *(v for _, v in parse_qsl(parts.query))}
     if parts.scheme.lower() not in ("http", "https"):
         secrets |= {parts.netloc, parts.hostname or ""}

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Query, Request
+from fastapi import APIRouter, Path, Query, Request
 
 from ampwatch.server.alerts.queries import describe_alerts, list_deliveries
 from ampwatch.server.alerts.schemas import (
     AlertsPublic,
     DeliveriesPublic,
+    DeliveryPublic,
     NotificationStatus,
     TestNotificationsPublic,
 )
@@ -43,6 +44,16 @@ def get_deliveries(
     show when they are tried next; failed ones gave up after the last attempt)."""
     return list_deliveries(session, status=status, run_id=run_id, event=event, limit=limit,
                            offset=offset)
+
+
+@router.get("/deliveries/{notification_id}", response_model=DeliveryPublic)
+def get_delivery(session: SessionDep,
+                 notification_id: Annotated[int, Path(ge=1, le=2**62)]) -> DeliveryPublic:
+    """One notification with its attempts; 404 when there is none."""
+    found = list_deliveries(session, notification_id=notification_id, limit=1).items
+    if not found:
+        raise NotFound(f"no alert notification with id {notification_id}")
+    return found[0]
 
 
 @router.post("/test", response_model=TestNotificationsPublic)
