@@ -1,0 +1,147 @@
+"""GET /metrics scraped with prometheus_client's parser while a real agent streams a real
+fp16 run (GradScaler on the CPU) into a real server process; the run's numbers are checked
+against the training loop's own scaler, and the run drops out once it stops sending."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import httpx
+import pytest
+import torch
+from prometheus_client.parser import text_string_to_metric_families
+
+from ampwatch import agent
+from tests.agent.factories import batches, fp16_loop, mlp
+from tests.conftest import LiveServer
+from tests.server.alerts.receiver import wait_until
+
+STEPS = 60
+POISONED = {20, 21, 40}  # inf in the input batch: the scaler skips these steps
+LIVE_SECONDS = 4
+
+
+def scrape(url: str, token: str | None = None) -> dict[str, list]:
+    """Samples by name, each as (labels, value)."""
+    headers = {"Authorization": f"Bearer {token}"} if token else {}
+    reply = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
+    assert reply.status_code == 200, reply.text
+    assert reply.headers["content-type"].startswith("text/plain")
+    samples: dict[str, list] = {}
+    for family in text_string_to_metric_families(reply.text):
+        for sample in family.samples:
+            samples.setdefault(sample.name, []).append((sample.labels, sample.value))
+    return samples
+
+
+def value(samples: dict, name: str, **labels: str) -> float | None:
+    found = [v for lab, v in samples.get(name, []) if labels.items() <= lab.items()]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
+
+
+def train(model, scaler, data, skipped: list[int]) -> None:
+    """The fp16 loop, a step at a time; a step whose update lowered the scale was skipped
+    (the scaler's own verdict, read by the test, not by the agent)."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for step, batch in enumerate(data):
+        before = scaler.get_scale()
+        fp16_loop(model, optimizer, scaler, [batch])
+        if scaler.get_scale() < before:
+            skipped.append(step)
+        time.sleep(0.02)
+
+
+def test_metrics_follow_a_streaming_run_and_drop_it_when_it_stops(tmp_path):
+    torch.set_num_threads(1)
+    server = LiveServer(f"sqlite:///{tmp_path / 'live.db'}", tmp_path / "server.log",
+                        env={"AMPWATCH_LIVE_SECONDS": str(LIVE_SECONDS)})
+    server.start()
+    try:
+        model = mlp()
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+        data = batches(STEPS, bad=lambda i: "inf" if i in POISONED else None)
+        labels = {"project": "metrics", "run": "streaming"}
+        seen_steps: list[float] = []
+        skipped: list[int] = []
+        with agent.attach(model, scaler, run="streaming", project="metrics",
+                          server=server.url, flush_interval=0.05, max_batch_steps=5) as watch:
+            trainer = threading.Thread(target=train, args=(model, scaler, data, skipped))
+            trainer.start()
+            while trainer.is_alive():  # scrape while the run streams
+                last = value(scrape(server.url), "ampwatch_run_last_step", **labels)
+                if last is not None:
+                    seen_steps.append(last)
+                time.sleep(0.2)
+            trainer.join()
+            assert watch.flush(15)
+        assert len(set(seen_steps)) >= 2 and seen_steps == sorted(seen_steps), seen_steps
+
+        samples = scrape(server.url)
+        assert value(samples, "ampwatch_run_last_step", **labels) == STEPS - 1
+        assert value(samples, "ampwatch_run_steps_total", **labels) == STEPS
+        assert value(samples, "ampwatch_run_skipped_steps_total", **labels) == len(skipped)
+        assert set(POISONED) <= set(skipped)
+        assert value(samples, "ampwatch_run_skip_ratio", **labels) == \
+            pytest.approx(len(skipped) / STEPS)
+        assert value(samples, "ampwatch_run_loss_scale", **labels) == scaler.get_scale()
+        assert 0 <= value(samples, "ampwatch_run_seconds_since_data", **labels) < LIVE_SECONDS
+        findings = httpx.get(f"{server.url}/api/v1/runs/streaming/findings",
+                             params={"status": "open"}, timeout=10).json()["items"]
+        for severity in ("info", "warning", "critical"):
+            assert value(samples, "ampwatch_run_open_findings", severity=severity, **labels) \
+                == sum(f["severity"] == severity for f in findings)
+        assert value(samples, "ampwatch_live_runs") == 1
+
+        # the server's own counters, against the run's totals
+        rank = httpx.get(f"{server.url}/api/v1/runs/streaming", timeout=10).json()["ranks"][0]
+        assert value(samples, "ampwatch_ingest_batches_total") == rank["batches"] > 1
+        assert value(samples, "ampwatch_ingest_steps_total") == STEPS
+        assert value(samples, "ampwatch_ingest_requests_total", code="200") == rank["batches"]
+        assert value(samples, "ampwatch_ingest_bytes_total") > 0
+        assert value(samples, "ampwatch_ingest_duration_seconds_count") == rank["batches"]
+        assert value(samples, "ampwatch_analysis_backlog_batches") == 0
+        assert value(samples, "ampwatch_alert_notifications_pending") == 0
+
+        httpx.get(f"{server.url}/", timeout=30).raise_for_status()
+        httpx.get(f"{server.url}/runs/streaming", timeout=30).raise_for_status()
+        samples = scrape(server.url)
+        for page in ("runs", "run"):
+            assert value(samples, "ampwatch_page_duration_seconds_count", page=page) == 1
+
+        # finished: once no data came for live_seconds, its series are gone
+        wait_until(lambda: value(scrape(server.url), "ampwatch_live_runs") == 0,
+                   LIVE_SECONDS + 10, lambda: "the run stayed live")
+        samples = scrape(server.url)
+        assert not any(lab.get("run") == "streaming" for series in samples.values()
+                       for lab, _ in series)
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize(("token", "metrics_token", "accepted", "refused"), [
+    (None, None, [None], []),
+    ("api-token", None, ["api-token"], [None, "wrong"]),
+    ("api-token", "scrape-token", ["api-token", "scrape-token"], [None, "wrong"]),
+    (None, "scrape-token", ["scrape-token"], [None, "wrong"]),
+])
+def test_metrics_want_a_token_when_one_is_set(tmp_path, token, metrics_token, accepted,
+                                              refused):
+    from fastapi.testclient import TestClient
+
+    from ampwatch.server.app import create_app
+    from ampwatch.server.settings import Settings
+
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}", token=token,
+                              metrics_token=metrics_token))
+    with TestClient(app) as client:
+        for supplied in accepted:
+            headers = {"Authorization": f"Bearer {supplied}"} if supplied else {}
+            reply = client.get("/metrics", headers=headers)
+            assert reply.status_code == 200, reply.text
+            assert "ampwatch_live_runs 0.0" in reply.text
+        for supplied in refused:
+            headers = {"Authorization": f"Bearer {supplied}"} if supplied else {}
+            assert client.get("/metrics", headers=headers).status_code == 401
+    app.state.engine.dispose()
