@@ -24,6 +24,7 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
+from ampwatch.agent import demo_alerts
 from ampwatch.client.api import DEFAULT_SERVER, Client
 from ampwatch.client.errors import AmpwatchError
 from ampwatch.client.models import Finding
@@ -75,8 +76,10 @@ class ServerProcess:
     """`ampwatch serve` in a child process (its own session, so Ctrl-C reaches only the
     demo, which then stops it by PID)."""
 
-    def __init__(self, port: int, database_url: str, log_path: Path) -> None:
+    def __init__(self, port: int, database_url: str, log_path: Path,
+                 env: dict[str, str] | None = None) -> None:
         self.port = port
+        self.env = {**os.environ, **(env or {})}
         self.database_url = database_url
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -90,7 +93,7 @@ class ServerProcess:
                  "--port", str(self.port), "--database-url", self.database_url,
                  "--log-level", "warning"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                start_new_session=True)
+                env=self.env, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -157,10 +160,10 @@ def _sqlite_path(database_url: str) -> Path | None:
     return Path(database_url[len(prefix):]) if database_url.startswith(prefix) else None
 
 
-def _server(args: argparse.Namespace, workdir: Path,
-            stack: contextlib.ExitStack) -> tuple[str, ServerProcess | None]:
-    """The base URL to use and the server process the demo started (None when it uses a
-    running one)."""
+def _server(args: argparse.Namespace, workdir: Path, stack: contextlib.ExitStack,
+            env: dict[str, str]) -> tuple[str, ServerProcess | None]:
+    """The base URL to use and the server process the demo started with `env` (None when
+    it uses a running one)."""
     if args.server:
         url = args.server.rstrip("/")
         if not healthy(url):
@@ -178,7 +181,7 @@ def _server(args: argparse.Namespace, workdir: Path,
     database_url = args.database_url or default_database_url()
     if args.database_url is None:
         _sqlite_path(database_url).parent.mkdir(parents=True, exist_ok=True)
-    server = ServerProcess(port, database_url, workdir / "server.log")
+    server = ServerProcess(port, database_url, workdir / "server.log", env)
     print(f"ampwatch demo: starting the server on {server.url} "
           f"(database {_display_url(database_url)})", flush=True)
     stack.callback(server.stop)
@@ -198,8 +201,10 @@ def _demo(args: argparse.Namespace) -> int:
         signal.signal(signal.SIGTERM, _interrupt)
     with contextlib.ExitStack() as stack:
         workdir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="ampwatch-demo-")))
+        webhook = demo_alerts.DemoWebhook().start()
+        stack.callback(webhook.stop)
         try:
-            url, server = _server(args, workdir, stack)
+            url, server = _server(args, workdir, stack, webhook.server_env())
         except DemoFailed as exc:
             return _fail(str(exc))
         client = stack.enter_context(Client(url))
@@ -208,6 +213,8 @@ def _demo(args: argparse.Namespace) -> int:
         _summary(client, url, demo_runs.SCENARIOS, round_)
         if server is None:
             return 0
+        demo_alerts.settle(client)
+        print(demo_alerts.summary(webhook), flush=True)
         if args.keep_serving:
             print(f"Serving on {url} until Ctrl-C.", flush=True)
             with contextlib.suppress(KeyboardInterrupt):

@@ -59,6 +59,20 @@ def test_prints_progress_urls_and_where_the_database_is(demo) -> None:
     assert f"ampwatch serve --database-url {database_url}" in out
 
 
+def test_prints_what_the_alert_webhook_received(demo, reopened: Client) -> None:
+    out = demo[0].stdout
+    assert "Alerts: the server notified the webhook at http://127.0.0.1:" in out
+    delivered = reopened.deliveries(status="delivered")
+    # every warning or critical finding of the demo runs was announced, each once
+    serious = {f.id for run in reopened.runs(project="ampwatch-demo")
+               for f in reopened.findings(run.id) if f.severity_rank >= 1}
+    assert serious and sorted(d.finding_id for d in delivered if d.event == "opened") == \
+        sorted(serious)
+    for d in delivered:
+        assert f"  {d.event:<9} {d.title}" in out
+    assert "critical scaler_divergence in fc2 in run demo-fp16-overflow" in out
+
+
 def test_all_four_runs_are_stored(reopened: Client) -> None:
     runs = {run.id: run for run in reopened.runs(project="ampwatch-demo")}
     assert set(runs) == {"demo-fp16-healthy", "demo-fp16-overflow", "demo-fp16-misaligned",
