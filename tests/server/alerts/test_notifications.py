@@ -168,3 +168,33 @@ def test_a_slow_target_does_not_hold_up_ingest(alert_api, receiver):
     elapsed = time.perf_counter() - start
     assert len(deliveries(alert_api)) > 1, "the finding queued no notification"
     assert elapsed < 1.5, f"ingest took {elapsed:.2f} s"
+
+
+def test_alert_routes_need_the_token(database_url, receiver):
+    from fastapi.testclient import TestClient
+
+    from ampwatch.server.app import create_app
+    from ampwatch.server.settings import Settings
+    from tests.server.alerts.conftest import alert_config
+
+    app = create_app(Settings(database_url=database_url, token="t0ken",
+                              alerts=alert_config(receiver.url)))
+    with TestClient(app) as api:
+        for method, path in [("get", "/api/v1/alerts"), ("get", "/api/v1/alerts/deliveries"),
+                             ("get", "/api/v1/alerts/deliveries/1"),
+                             ("post", "/api/v1/alerts/test")]:
+            assert api.request(method, path).status_code == 401, path
+        auth = {"Authorization": "Bearer t0ken"}
+        shown = api.get("/api/v1/alerts", headers=auth).json()
+        assert shown["targets"][0]["url"] == f"http://127.0.0.1:{receiver.port}/..."
+        assert api.post("/api/v1/alerts/test", params={"target": "nope"},
+                        headers=auth).status_code == 404
+        assert api.get("/api/v1/alerts/deliveries/99", headers=auth).status_code == 404
+    app.state.engine.dispose()
+
+
+def test_without_targets_a_test_is_refused(api):
+    reply = api.post("/api/v1/alerts/test")
+    assert reply.status_code == 422 and "no alert targets" in reply.json()["detail"]
+    assert api.get("/api/v1/alerts").json() == {
+        "enabled": False, "public_url": "http://127.0.0.1:8000", "rules": [], "targets": []}
