@@ -33,8 +33,7 @@ from sqlalchemy.orm import sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ampwatch.server.deps import SettingsDep
-from ampwatch.server.models import AlertNotification, Finding, Run, RunRank, utcnow
-from ampwatch.server.runs import as_utc
+from ampwatch.server.models import AlertNotification, Finding, Run, RunRank, as_utc, utcnow
 from ampwatch.server.schemas import BatchAck
 from ampwatch.server.settings import Settings
 

@@ -16,8 +16,7 @@ from ampwatch.server.alerts.schemas import (
     DeliveryPublic,
 )
 from ampwatch.server.alerts.settings import AlertSettings
-from ampwatch.server.models import AlertAttempt, AlertNotification
-from ampwatch.server.models import as_utc
+from ampwatch.server.models import AlertAttempt, AlertNotification, as_utc
 
 
 def describe_alerts(settings: AlertSettings, public_url: str) -> AlertsPublic:
