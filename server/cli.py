@@ -58,6 +58,11 @@ def _serve(args: argparse.Namespace) -> int:
     app = create_app(settings)
     print(f"ampwatch: serving on http://{settings.host}:{settings.port} "
           f"(database {_display_url(settings.database_url)})", flush=True)
+    if settings.alerts.targets:
+        targets = ", ".join(f"{name} {target.redacted_url}"
+                            for name, target in settings.alerts.targets.items())
+        print(f"ampwatch: alerts: {len(settings.alerts.rules)} rules; targets {targets}",
+              flush=True)
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
     return 0
 

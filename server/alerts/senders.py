@@ -68,10 +68,17 @@ def _notify_apprise(url: str, payload: dict[str, Any]) -> SendResult:
     finding = payload.get("finding", {})
     kind = "success" if payload.get("event") == "resolved" else \
         APPRISE_TYPES.get(finding.get("severity"), "info")
-    with apprise.LogCapture(level=logging.WARNING) as captured:
-        ok = notifier.notify(title=payload["title"], body=notification_body(payload),
-                             notify_type=kind)
-        text = captured.getvalue().strip()
+    # apprise's messages may quote the target URL: keep them out of the server's log
+    # (only the dispatcher thread sends through apprise) and record them scrubbed
+    apprise_log = logging.getLogger("apprise")
+    propagate, apprise_log.propagate = apprise_log.propagate, False
+    try:
+        with apprise.LogCapture(level=logging.WARNING) as captured:
+            ok = notifier.notify(title=payload["title"], body=notification_body(payload),
+                                 notify_type=kind)
+            text = captured.getvalue().strip()
+    finally:
+        apprise_log.propagate = propagate
     if ok:
         return SendResult(True)
     return SendResult(False, error=scrub(text or "apprise reported a failed delivery", url))

@@ -90,6 +90,7 @@ def test_a_restart_between_finding_and_delivery_loses_and_repeats_nothing(tmp_pa
         receiver.stop()
     log = server.log_path.read_text()
     assert "failed (attempt 1" in log and SECRET not in log
+    assert f"alerts: 1 rules; targets hook http://127.0.0.1:{receiver.port}/..." in log
 
 
 @pytest.fixture
@@ -141,7 +142,7 @@ def test_two_dispatchers_on_one_database_send_each_notification_once(outbox_data
         maker.kw["bind"].dispose()
 
 
-def test_apprise_targets_send_through_apprise(outbox_database, receiver):
+def test_apprise_targets_send_through_apprise(outbox_database, receiver, caplog):
     """apprise's json:// service posts to the receiver: the apprise path, for real."""
     from sqlalchemy.orm import sessionmaker
 
@@ -167,6 +168,7 @@ def test_apprise_targets_send_through_apprise(outbox_database, receiver):
     with maker() as session:
         last = session.scalars(select(AlertAttempt).order_by(AlertAttempt.id.desc())).first()
     assert not last.ok and last.error and SECRET not in last.error
+    assert "failed (attempt 1" in caplog.text and SECRET not in caplog.text
     dispatcher.stop()
     engine.dispose()
 
