@@ -32,12 +32,12 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.deps import SettingsDep
 from ampwatch.server.models import AlertNotification, Finding, Run, RunRank, as_utc, utcnow
 from ampwatch.server.schemas import BatchAck
 from ampwatch.server.settings import Settings
 
-SEVERITIES = ("info", "warning", "critical")
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 INGEST_PATH = re.compile(r"^/api/v1/runs/[^/]+/batches$")
 # dashboard pages by route, so the page label has a handful of values
@@ -155,7 +155,7 @@ class RunHealthCollector:
                     families["last"].add_metric(values, total.last_step)
             families["age"].add_metric(
                 values, max((now - as_utc(run.last_seen_at)).total_seconds(), 0.0))
-            for severity in SEVERITIES:
+            for severity in SEVERITY_RANK:
                 families["open"].add_metric([*values, severity],
                                             open_counts.get((run.id, severity), 0))
         yield from families.values()

@@ -15,7 +15,6 @@ notifies once. What was announced is read back from the outbox itself.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from typing import Any
@@ -24,10 +23,9 @@ from sqlalchemy import event, insert, inspect, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server.alerts.settings import SEVERITY_RANK, AlertRule, AlertSettings
+from ampwatch.server.alerts.settings import AlertRule, AlertSettings
+from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.models import AlertNotification, Finding, Run, utcnow
-
-log = logging.getLogger("ampwatch.alerts")
 
 OPEN, RESOLVED = "open", "resolved"
 TEST_RULE = "test"

@@ -16,9 +16,9 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
+from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.schemas import Severity
 
-SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 WEB_SCHEMES = ("http", "https")
 
