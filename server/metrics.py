@@ -1,11 +1,11 @@
 """GET /metrics: training health and server load in the Prometheus text format.
 
-Per live run (data within `live_seconds`), labelled project and run: the loss scale, steps
-and skipped steps (counters: `rate()` of their ratio is the recent skip rate), the last
-step, seconds since data, open findings by severity. Read from the database by a custom
-collector at scrape time, so a finished run drops out by itself and every replica reports
-the same runs (no per-run gauges to forget). Server counters and latency histograms are
-per process, in a registry of the app's own (no global state).
+Per live run (data within `live_seconds`, not finished), labelled project and run: the
+loss scale, steps and skipped steps (counters: `rate()` of their ratio is the recent skip
+rate), the last step, seconds since data, open findings by severity. Read from the
+database by a custom collector at scrape time, so a finished run drops out by itself and
+every replica reports the same runs (no per-run gauges to forget). Server counters and
+latency histograms are per process, in a registry of the app's own (no global state).
 """
 
 from __future__ import annotations
@@ -94,7 +94,8 @@ class ServerMetrics:
 
 class RunHealthCollector:
     """Per live run gauges and counters, read from `runs`, `run_ranks` and `findings`
-    when Prometheus scrapes (bounded: only runs with data in the last `live_seconds`)."""
+    when Prometheus scrapes (bounded: only runs with data in the last `live_seconds`
+    whose agents have not all detached)."""
 
     def __init__(self, maker: sessionmaker, live_seconds: float) -> None:
         self.maker = maker
@@ -130,7 +131,9 @@ class RunHealthCollector:
                 .where(Run.last_seen_at >= now - self.live)).all()
             ids = [run.id for run in runs]
             totals = {row.run_id: row for row in session.execute(
-                select(RunRank.run_id, func.min(RunRank.loss_scale).label("scale"),
+                select(RunRank.run_id, func.count().label("ranks"),
+                       func.count(RunRank.finished_at).label("finished"),
+                       func.min(RunRank.loss_scale).label("scale"),
                        func.sum(RunRank.steps).label("steps"),
                        func.sum(RunRank.skipped).label("skipped"),
                        func.max(RunRank.last_step).label("last_step"))
@@ -141,6 +144,9 @@ class RunHealthCollector:
                 .group_by(Finding.run_id, Finding.severity))} if ids else {}
             pending = session.scalar(select(func.count()).select_from(AlertNotification)
                                      .where(AlertNotification.status == "pending"))
+        # a run whose every rank detached (the agent's "finished" event) is over
+        runs = [run for run in runs if run.id not in totals
+                or totals[run.id].finished < totals[run.id].ranks]
         for run in runs:
             values = [run.project, run.id]
             total = totals.get(run.id)
@@ -159,7 +165,8 @@ class RunHealthCollector:
                 families["open"].add_metric([*values, severity],
                                             open_counts.get((run.id, severity), 0))
         yield from families.values()
-        yield GaugeMetricFamily("ampwatch_live_runs", "Runs with data within live_seconds",
+        yield GaugeMetricFamily("ampwatch_live_runs", "Runs training now: data within "
+                                "live_seconds and not every rank finished",
                                 value=len(runs))
         yield GaugeMetricFamily("ampwatch_alert_notifications_pending",
                                 "Alert notifications in the outbox not yet delivered",

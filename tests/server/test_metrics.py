@@ -1,6 +1,6 @@
 """GET /metrics scraped with prometheus_client's parser while a real agent streams a real
 fp16 run (GradScaler on the CPU) into a real server process; the run's numbers are checked
-against the training loop's own scaler, and the run drops out once it stops sending."""
+against the training loop's own scaler, and the run drops out once its agent detaches."""
 
 from __future__ import annotations
 
@@ -19,7 +19,6 @@ from tests.server.alerts.receiver import wait_until
 
 STEPS = 60
 POISONED = {20, 21, 40}  # inf in the input batch: the scaler skips these steps
-LIVE_SECONDS = 4
 
 
 def scrape(url: str, token: str | None = None) -> dict[str, list]:
@@ -53,10 +52,43 @@ def train(model, scaler, data, skipped: list[int]) -> None:
         time.sleep(0.02)
 
 
-def test_metrics_follow_a_streaming_run_and_drop_it_when_it_stops(tmp_path):
+def check_run_and_server(url: str, labels: dict, scaler, skipped: list[int]) -> None:
+    samples = scrape(url)
+    assert value(samples, "ampwatch_run_last_step", **labels) == STEPS - 1
+    assert value(samples, "ampwatch_run_steps_total", **labels) == STEPS
+    assert value(samples, "ampwatch_run_skipped_steps_total", **labels) == len(skipped)
+    assert set(POISONED) <= set(skipped)
+    assert value(samples, "ampwatch_run_skip_ratio", **labels) == \
+        pytest.approx(len(skipped) / STEPS)
+    assert value(samples, "ampwatch_run_loss_scale", **labels) == scaler.get_scale()
+    assert 0 <= value(samples, "ampwatch_run_seconds_since_data", **labels) < 60
+    findings = httpx.get(f"{url}/api/v1/runs/streaming/findings",
+                         params={"status": "open"}, timeout=10).json()["items"]
+    for severity in ("info", "warning", "critical"):
+        assert value(samples, "ampwatch_run_open_findings", severity=severity, **labels) \
+            == sum(f["severity"] == severity for f in findings)
+    assert value(samples, "ampwatch_live_runs") == 1
+
+    # the server's own counters, against the run's totals
+    rank = httpx.get(f"{url}/api/v1/runs/streaming", timeout=10).json()["ranks"][0]
+    assert value(samples, "ampwatch_ingest_batches_total") == rank["batches"] > 1
+    assert value(samples, "ampwatch_ingest_steps_total") == STEPS
+    assert value(samples, "ampwatch_ingest_requests_total", code="200") == rank["batches"]
+    assert value(samples, "ampwatch_ingest_bytes_total") > 0
+    assert value(samples, "ampwatch_ingest_duration_seconds_count") == rank["batches"]
+    assert value(samples, "ampwatch_analysis_backlog_batches") == 0
+    assert value(samples, "ampwatch_alert_notifications_pending") == 0
+
+    httpx.get(f"{url}/", timeout=30).raise_for_status()
+    httpx.get(f"{url}/runs/streaming", timeout=30).raise_for_status()
+    samples = scrape(url)
+    for page in ("runs", "run"):
+        assert value(samples, "ampwatch_page_duration_seconds_count", page=page) == 1
+
+
+def test_metrics_follow_a_streaming_run_and_drop_it_when_it_finishes(tmp_path):
     torch.set_num_threads(1)
-    server = LiveServer(f"sqlite:///{tmp_path / 'live.db'}", tmp_path / "server.log",
-                        env={"AMPWATCH_LIVE_SECONDS": str(LIVE_SECONDS)})
+    server = LiveServer(f"sqlite:///{tmp_path / 'live.db'}", tmp_path / "server.log")
     server.start()
     try:
         model = mlp()
@@ -76,46 +108,16 @@ def test_metrics_follow_a_streaming_run_and_drop_it_when_it_stops(tmp_path):
                 time.sleep(0.2)
             trainer.join()
             assert watch.flush(15)
-        assert len(set(seen_steps)) >= 2 and seen_steps == sorted(seen_steps), seen_steps
+            assert len(set(seen_steps)) >= 2 and seen_steps == sorted(seen_steps), seen_steps
+            check_run_and_server(server.url, labels, scaler, skipped)
 
-        samples = scrape(server.url)
-        assert value(samples, "ampwatch_run_last_step", **labels) == STEPS - 1
-        assert value(samples, "ampwatch_run_steps_total", **labels) == STEPS
-        assert value(samples, "ampwatch_run_skipped_steps_total", **labels) == len(skipped)
-        assert set(POISONED) <= set(skipped)
-        assert value(samples, "ampwatch_run_skip_ratio", **labels) == \
-            pytest.approx(len(skipped) / STEPS)
-        assert value(samples, "ampwatch_run_loss_scale", **labels) == scaler.get_scale()
-        assert 0 <= value(samples, "ampwatch_run_seconds_since_data", **labels) < LIVE_SECONDS
-        findings = httpx.get(f"{server.url}/api/v1/runs/streaming/findings",
-                             params={"status": "open"}, timeout=10).json()["items"]
-        for severity in ("info", "warning", "critical"):
-            assert value(samples, "ampwatch_run_open_findings", severity=severity, **labels) \
-                == sum(f["severity"] == severity for f in findings)
-        assert value(samples, "ampwatch_live_runs") == 1
-
-        # the server's own counters, against the run's totals
-        rank = httpx.get(f"{server.url}/api/v1/runs/streaming", timeout=10).json()["ranks"][0]
-        assert value(samples, "ampwatch_ingest_batches_total") == rank["batches"] > 1
-        assert value(samples, "ampwatch_ingest_steps_total") == STEPS
-        assert value(samples, "ampwatch_ingest_requests_total", code="200") == rank["batches"]
-        assert value(samples, "ampwatch_ingest_bytes_total") > 0
-        assert value(samples, "ampwatch_ingest_duration_seconds_count") == rank["batches"]
-        assert value(samples, "ampwatch_analysis_backlog_batches") == 0
-        assert value(samples, "ampwatch_alert_notifications_pending") == 0
-
-        httpx.get(f"{server.url}/", timeout=30).raise_for_status()
-        httpx.get(f"{server.url}/runs/streaming", timeout=30).raise_for_status()
-        samples = scrape(server.url)
-        for page in ("runs", "run"):
-            assert value(samples, "ampwatch_page_duration_seconds_count", page=page) == 1
-
-        # finished: once no data came for live_seconds, its series are gone
-        wait_until(lambda: value(scrape(server.url), "ampwatch_live_runs") == 0,
-                   LIVE_SECONDS + 10, lambda: "the run stayed live")
+        # detached: the agent's "finished" event takes the run out at once
+        wait_until(lambda: value(scrape(server.url), "ampwatch_live_runs") == 0, 10,
+                   lambda: "the run stayed live")
         samples = scrape(server.url)
         assert not any(lab.get("run") == "streaming" for series in samples.values()
                        for lab, _ in series)
+        assert value(samples, "ampwatch_ingest_steps_total") == STEPS  # the server's stay
     finally:
         server.stop()
 
@@ -144,4 +146,23 @@ def test_metrics_want_a_token_when_one_is_set(tmp_path, token, metrics_token, ac
         for supplied in refused:
             headers = {"Authorization": f"Bearer {supplied}"} if supplied else {}
             assert client.get("/metrics", headers=headers).status_code == 401
+    app.state.engine.dispose()
+
+
+def test_a_run_that_stops_sending_drops_out_after_live_seconds(tmp_path):
+    from fastapi.testclient import TestClient
+
+    from ampwatch.server.app import create_app
+    from ampwatch.server.settings import Settings
+    from tests.utils import make_steps, post_batch, register_run
+
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}", live_seconds=3))
+    with TestClient(app) as api:
+        register_run(api, "quiet", n_layers=2)
+        assert post_batch(api, "quiet", 0, make_steps(0, 10, 2)).status_code == 200
+        live = api.get("/metrics").text
+        assert 'ampwatch_run_last_step{project="tests",run="quiet"} 9.0' in live
+        time.sleep(3.2)
+        quiet = api.get("/metrics").text
+        assert 'run="quiet"' not in quiet and "ampwatch_live_runs 0.0" in quiet
     app.state.engine.dispose()
