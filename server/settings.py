@@ -37,7 +37,7 @@ class Settings(BaseSettings):
     analysis: AnalysisSettings = Field(default_factory=AnalysisSettings)
     # alert rules and targets (docs/alerts.md); AMPWATCH_ALERTS__FILE=alerts.toml
     alerts: AlertSettings = Field(default_factory=AlertSettings)
-    # GET /metrics wants this bearer token when set, else `token` when that is set
+    # GET /metrics accepts this bearer token (for scrapers) or `token`; open without both
     metrics_token: SecretStr | None = None
 
     @field_validator("database_url")
