@@ -99,7 +99,7 @@ def send_test(args: argparse.Namespace) -> int:
 
 def deliveries_table(deliveries: list[Delivery]) -> str:
     rows = [[str(d.id), d.status, d.event, d.target, d.rule, str(d.attempts),
-             render.shorten(d.title, 70), render.shorten(d.last_error or "", 60) or "-"]
+             d.title + (f" (last error: {d.last_error})" if d.last_error else "")]
             for d in deliveries]
-    return render.table(["id", "status", "event", "target", "rule", "attempts", "title",
-                         "error"], rows, right=(0, 5))
+    return render.table(["id", "status", "event", "target", "rule", "attempts", "title"],
+                        rows, right=(0, 5), wrap_width=render.terminal_width())
