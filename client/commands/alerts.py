@@ -22,9 +22,12 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
     alerts.set_defaults(func=show_alerts)
     sub = alerts.add_subparsers(dest="alerts_command", metavar="COMMAND")
 
-    deliveries = sub.add_parser("deliveries", parents=[common],
-                                help="notifications sent, pending or failed, newest first")
-    deliveries.add_argument("--status", choices=("pending", "delivered", "failed"))
+    deliveries = sub.add_parser(
+        "deliveries", parents=[common], help="notifications sent, pending or failed",
+        description="Alert notifications, newest first, with their status, attempts and "
+                    "the last error of each.")
+    deliveries.add_argument("--status", choices=("pending", "delivered", "failed"),
+                            help="only notifications with this status")
     deliveries.add_argument("--run", help="only this run's")
     deliveries.add_argument("--limit", type=int, default=50,
                             help="at most this many (%(default)s)")
