@@ -69,7 +69,8 @@ def test_resumed_run_continues_the_servers_sequence(live_server, tmp_path) -> No
             bf16_loop(model, optimizer, batches(3))
             assert attachment.flush(10)
     rank = _rank(live_server.url, "resumed-run")
-    assert rank["next_seq"] == 2 and rank["batches"] == 2 and rank["lost_batches"] == 0
+    # per machine: its steps, then on detach the batch that says the run finished
+    assert rank["next_seq"] == 4 and rank["batches"] == 4 and rank["lost_batches"] == 0
     # machine b continued the step numbers after the server's last step
     assert _server_steps(live_server.url, "resumed-run") == list(range(6))
 
@@ -149,7 +150,8 @@ def test_resumed_run_that_numbered_from_zero_offline_is_renumbered(live_server,
     finally:
         second.detach()
     rank = _rank(live_server.url, "resumed-late")
-    assert (rank["batches"], rank["steps"], rank["lost_batches"]) == (4, 8, 0)
+    # 1 + 3 batches of steps, and each detach's "finished" batch
+    assert (rank["batches"], rank["steps"], rank["lost_batches"]) == (6, 8, 0)
     # it could not learn the server's last step, so its steps 0..4 replace the first ones
     assert _server_steps(live_server.url, "resumed-late") == list(range(5))
     assert not list((tmp_path / "b").rglob("*.json.gz"))  # nothing left behind or rejected
