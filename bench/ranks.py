@@ -152,14 +152,22 @@ def report(args: argparse.Namespace, db_url: str, urls: list[str], run_id: str) 
                 if wait > 0:
                     time.sleep(wait)
                 sent = time.monotonic()
-                reply = client.post(f"/api/v1/runs/{run_id}/batches", content=body,
-                                    headers=headers)
+                for attempt in range(10):  # as the agent does: retry what did not commit
+                    try:
+                        reply = client.post(f"/api/v1/runs/{run_id}/batches", content=body,
+                                            headers=headers)
+                        status = reply.status_code
+                    except httpx.TransportError as exc:
+                        status = type(exc).__name__
+                    if status == 200:
+                        break
+                    with lock:
+                        failures.append(f"rank {rank} seq {seq} try {attempt}: {status}")
+                    time.sleep(0.5)
                 took = time.monotonic() - sent
                 with lock:
                     latencies.append(took)
                     late.append(max(0.0, sent - due))
-                    if reply.status_code != 200:
-                        failures.append(f"rank {rank} seq {seq}: {reply.status_code}")
 
     page_times: dict[str, list[float]] = {}
     stop = threading.Event()
@@ -199,7 +207,8 @@ def report(args: argparse.Namespace, db_url: str, urls: list[str], run_id: str) 
           f"{'off' if args.no_detect else 'on'}; load "
           f"{load_before[0]:.1f} before, {load_after[0]:.1f} after")
     print(f"offered {args.ranks * args.rate:g} steps/s; committed {total_steps} steps in "
-          f"{elapsed:.1f} s = {total_steps / elapsed:,.0f} steps/s; failures {len(failures)}")
+          f"{elapsed:.1f} s = {total_steps / elapsed:,.0f} steps/s; failed attempts "
+          f"{len(failures)} (retried)")
     print(f"request latency p50 {p(0.5):.0f} ms, p99 {p(0.99):.0f} ms, max {lat[-1]*1000:.0f} ms;"
           f" senders behind schedule: median {statistics.median(late)*1000:.0f} ms, "
           f"max {max(late)*1000:.0f} ms")
