@@ -30,7 +30,7 @@ from ampwatch.server.settings import Settings
 LAYERS = 50
 STEPS_PER_BATCH = 50
 BATCHES = 40
-ROUNDS = 3
+ROUNDS = 6
 
 
 class SlowHook(BaseHTTPRequestHandler):
@@ -97,9 +97,10 @@ def main() -> int:
         for diverging in (False, True):
             off: list[float] = []
             on: list[float] = []
-            for r in range(ROUNDS):
-                off += run_arm(Path(tmp), None, diverging, f"off-{diverging}-{r}")
-                on += run_arm(Path(tmp), alerts, diverging, f"on-{diverging}-{r}")
+            for r in range(ROUNDS):  # ABBA: neither arm always runs first
+                arms = [(off, None, "off"), (on, alerts, "on")]
+                for times, config, tag in arms if r % 2 else arms[::-1]:
+                    times += run_arm(Path(tmp), config, diverging, f"{tag}-{diverging}-{r}")
             p50_off, p50_on = statistics.median(off) * 1e3, statistics.median(on) * 1e3
             p99 = [statistics.quantiles(x, n=100)[98] * 1e3 for x in (off, on)]
             print(f"| {'diverging' if diverging else 'healthy'} | {p50_off:.1f} | "
