@@ -150,8 +150,8 @@ class GradNormCollector(Collector):
             norms = None if norms is None else distributed.local(norms)
         if self._sampled():
             self._count_nonzero(grads, grad_idx, layer_idx, index.elements)
-        if norms is None:
-            norms = torch.stack(torch._foreach_norm(grads))
+        if norms is None:  # in float64: finite grads above ~1e19 have no fp32 norm
+            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self._zeros.dtype))
         if self.session.host_reduce and divisor is None:
             self._norms = norms  # the worker reduces them
             return

@@ -1,0 +1,64 @@
+"""The ground-truth fault suite (tests/diagnosis/scenarios.py): for each scenario, the
+exact set of warning and critical findings the truth calls for, and nothing else."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampwatch.agent import guard
+from ampwatch.client.cli import main
+from tests.conftest import LiveServer
+from tests.diagnosis.scenarios import (
+    SCENARIOS,
+    Scenario,
+    calibration_end,
+    expected,
+    observed,
+    train,
+)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    root = tmp_path_factory.mktemp("faults")
+    live = LiveServer(f"sqlite:///{root / 'faults.db'}", root / "server.log")
+    live.start()
+    yield live
+    live.stop()
+
+
+@pytest.fixture(autouse=True)
+def _agent_errors_fail_the_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+    torch.set_num_threads(1)
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "spool"))
+    swallowed: list = []
+    guard.set_error_handler(lambda site, exc: swallowed.append((site, exc)))
+    yield
+    guard.set_error_handler(None)
+    if swallowed:
+        site, exc = swallowed[0]
+        raise AssertionError(f"agent swallowed an error in {site}") from exc
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
+def test_findings_are_exactly_what_the_truth_calls_for(server, scenario: Scenario) -> None:
+    run_id, truth = train(scenario, server.url)
+    want = expected(scenario, truth)
+    got, items = observed(server.url, run_id)
+    assert got == want, "\n".join(f"{f['severity']} {f['kind']} {f['message']}" for f in items)
+    infos = {(f["kind"] if f["kind"] != "pitfall" else f"pitfall:{f['code']}", f["layer"])
+             for f in items if f["severity"] == "info"}
+    assert set(scenario.infos) <= infos
+    if scenario.name.startswith("healthy"):
+        assert main(["check", run_id, "--fail-on", "warning", "--server", server.url]) == 0
+    if scenario.name == "healthy_probing_scaler":  # it did probe: skips after calibration
+        assert sum(s.skipped for s in truth.steps[calibration_end(truth):]) >= 2
+
+
+def test_the_suite_covers_every_fault_the_issue_names() -> None:
+    assert len(SCENARIOS) >= 15
+    assert sum(s.name.startswith("healthy") for s in SCENARIOS) == 3
