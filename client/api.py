@@ -155,10 +155,20 @@ class Client:
     def steps(self, run_id: str, *, start: int | None = None, end: int | None = None,
               rank: int | None = None, max_points: int | None = None) -> Records[Step]:
         """Step records in [start, end] (inclusive), all ranks unless `rank`, ordered by
-        (step, rank). With `max_points`: one downsampled request that keeps extremes and
-        every skipped or non-finite step; without: every step, fetched page by page."""
+        (step, rank). With `max_points`: one downsampled request, at most `max_points`
+        steps that keep each bucket's extremes (the skipped and non-finite ones:
+        `step_events`); without: every step, fetched page by page."""
         return Records(self.iter_steps(run_id, start=start, end=end, rank=rank,
                                        max_points=max_points), of=Step)
+
+    def step_events(self, run_id: str, *, start: int | None = None, end: int | None = None,
+                    rank: int | None = None) -> Records[Step]:
+        """Every skipped or non-finite step in [start, end], all ranks unless `rank`, in
+        (step, rank) order: the `events` of one downsampled request."""
+        page = self._request("GET", f"/runs/{_segment(run_id)}/steps",
+                             params={"start": start, "end": end, "rank": rank,
+                                     "max_points": 10})
+        return Records((Step.from_json(item) for item in page.get("events", ())), of=Step)
 
     def iter_steps(self, run_id: str, *, start: int | None = None, end: int | None = None,
                    rank: int | None = None, max_points: int | None = None) -> Iterator[Step]:

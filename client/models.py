@@ -189,7 +189,9 @@ class LayerPoint(Model):
 
 @dataclasses.dataclass(frozen=True)
 class LayerSeries(Model):
-    """One layer's grad norm per step (`grad`) and its sampled activations."""
+    """One layer's grad norm per step (`grad`) and its sampled activations; downsampled
+    (`max_points`), each holds at most that many points and `events` every non-finite
+    grad norm and activation abs-max."""
 
     run_id: str
     rank: int
@@ -199,6 +201,7 @@ class LayerSeries(Model):
     downsampled: bool = False
     grad: Records[LayerPoint] = dataclasses.field(default_factory=Records)
     activations: Records[LayerPoint] = dataclasses.field(default_factory=Records)
+    events: Records[LayerPoint] = dataclasses.field(default_factory=Records)
 
 
 @dataclasses.dataclass(frozen=True)

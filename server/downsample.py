@@ -1,9 +1,10 @@
 """Server-side downsampling that never hides a problem.
 
 Steps: equal-width buckets keep, per bucket, the steps where each watched series is
-at its minimum and maximum, and every skipped or non-finite step is kept whatever the
-budget. Matrices (layers x steps): each bucket keeps its largest finite value, or the
-non-finite value when the bucket had one. Both are O(n) numpy passes.
+at its minimum and maximum, never more than the budget; every skipped or non-finite
+step is returned apart from them (`events`). Matrices (layers x steps): each bucket
+keeps its largest finite value, or the non-finite value when the bucket had one. Both
+are O(n) numpy passes.
 """
 
 from __future__ import annotations
@@ -26,23 +27,21 @@ def _padded(values: np.ndarray, width: int, count: int, fill: float) -> np.ndarr
     return np.concatenate([values, np.full(pad, fill)]).reshape(count, width)
 
 
-def keep_extremes(
-    columns: list[np.ndarray], always: np.ndarray, max_points: int
-) -> np.ndarray:
-    """Sorted positions to keep from n points.
+def keep_extremes(columns: list[np.ndarray], max_points: int) -> np.ndarray:
+    """Sorted positions of at most `max_points` of n points: per equal-width bucket its
+    first point and the points where each column is at its minimum and maximum.
 
     columns: series whose per-bucket min and max must survive (NaN = missing or
-    non-finite; non-finite points should be in `always`). always: bool mask of points
-    kept unconditionally (skipped or non-finite steps). The result has about
-    `max_points` positions plus the `always` ones.
+    non-finite: never an extreme; callers return skipped and non-finite points apart,
+    as `events`).
     """
-    n = len(always)
+    n = len(columns[0]) if columns else 0
     if n <= max_points:
         return np.arange(n)
-    per_bucket = max(1, 2 * len(columns))
+    per_bucket = 1 + 2 * len(columns)
     width, count = _buckets(n, max(1, max_points // per_bucket))
     starts = np.arange(count) * width
-    keep = [np.flatnonzero(always), starts]
+    keep = [starts]
     for col in columns:
         finite = np.isfinite(col)
         if not finite.any():
@@ -53,7 +52,10 @@ def keep_extremes(
         keep.append((starts + hi.argmax(axis=1))[has])
         keep.append((starts + lo.argmin(axis=1))[has])
     index = np.unique(np.concatenate(keep))
-    return index[index < n]
+    index = index[index < n]
+    if len(index) > max_points:  # fewer than one bucket's worth asked: thin evenly
+        index = index[np.linspace(0, len(index) - 1, max_points).round().astype(np.int64)]
+    return index
 
 
 def bucket_matrix(

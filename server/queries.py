@@ -104,11 +104,13 @@ def steps_query(
     max_points: int | None = None,
     limit: int = 10_000,
 ) -> dict:
-    """Step records in [start, end]. With max_points: downsampled per rank so that the
-    extremes of loss_scale, grad_norm and loss and every skipped or non-finite step
-    survive. Without: the first `limit` steps, with `next_start` for the rest."""
+    """Step records in [start, end]. With max_points: at most that many `items`, chosen
+    per rank so that the extremes of loss_scale, grad_norm and loss survive, and every
+    skipped or non-finite step of the range in `events`. Without: the first `limit`
+    steps, with `next_start` for the rest, and no `events`."""
     ranks = _ranks(session, run, rank)
     items: list[dict] = []
+    events: list[dict] = []
     total = 0
     downsampled = False
     next_start = None
@@ -125,10 +127,11 @@ def steps_query(
                                  with_layers=False, with_acts=False)
             total += len(series)
         if max_points is not None:
+            events.extend(_step_rows(series.take(np.flatnonzero(always_kept(series))), r))
             if len(series) > budget:
                 downsampled = True
                 columns = [series.column(n) for n in ("loss_scale", "grad_norm", "loss")]
-                series = series.take(keep_extremes(columns, always_kept(series), budget))
+                series = series.take(keep_extremes(columns, budget))
         elif len(series) > limit:
             cut = series.steps[limit]
             next_start = int(cut) if next_start is None else min(next_start, int(cut))
@@ -137,6 +140,10 @@ def steps_query(
     if next_start is not None:  # ranks cut at different steps: the page ends at the first cut
         items = [row for row in items if row["step"] < next_start]
     items.sort(key=lambda row: (row["step"], row["rank"]))
+    if max_points is not None and len(items) > max_points:  # more ranks than points
+        items = [items[i] for i in np.linspace(0, len(items) - 1, max_points).round()
+                 .astype(np.int64).tolist()]
+    events.sort(key=lambda row: (row["step"], row["rank"]))
     return {
         "run_id": run.id,
         "total": total,
@@ -144,7 +151,16 @@ def steps_query(
         "downsampled": downsampled,
         "next_start": next_start,
         "items": items,
+        "events": events,
     }
+
+
+def with_events(steps: dict) -> list[dict]:
+    """A `steps_query` answer's items and events as one list in (step, rank) order, each
+    step once: what a chart draws (lines through the extremes, every skip marked)."""
+    rows = {(row["step"], row["rank"]): row for row in steps["items"]}
+    rows.update({(row["step"], row["rank"]): row for row in steps.get("events", ())})
+    return [rows[key] for key in sorted(rows)]
 
 
 def _float_or_none(x: float) -> float | str | None:
@@ -184,18 +200,27 @@ def layers_query(session: Session, run: Run, *, rank: int = 0) -> dict:
 
 
 def _points(steps: np.ndarray, values: np.ndarray, max_points: int | None,
-            extra: dict[str, list] | None = None) -> tuple[list[dict], bool]:
+            extra: dict[str, list] | None = None) -> tuple[list[dict], bool, list[dict]]:
+    """(at most `max_points` points keeping the extremes, whether some were left out,
+    the non-finite points: every one of them, when max_points is given)."""
     index = np.arange(len(steps))
-    if max_points is not None and len(steps) > max_points:
-        col = np.where(values == MISSING, np.nan, values.astype(np.float64))
-        index = keep_extremes([col], ~np.isfinite(values), max_points)
-    encoded = encode_array(values[index], missing=values[index] == MISSING)
-    points = [{"step": int(s), "value": v} for s, v in zip(steps[index].tolist(), encoded,
-                                                            strict=True)]
-    for name, col in (extra or {}).items():
-        for p, i in zip(points, index.tolist(), strict=True):
-            p[name] = col[i]
-    return points, len(index) < len(steps)
+    events = np.zeros(0, np.int64)
+    if max_points is not None:
+        events = np.flatnonzero(~np.isfinite(values))
+        if len(steps) > max_points:
+            col = np.where(values == MISSING, np.nan, values.astype(np.float64))
+            index = keep_extremes([col], max_points)
+
+    def points_at(at: np.ndarray) -> list[dict]:
+        encoded = encode_array(values[at], missing=values[at] == MISSING)
+        points = [{"step": int(s), "value": v}
+                  for s, v in zip(steps[at].tolist(), encoded, strict=True)]
+        for name, col in (extra or {}).items():
+            for p, i in zip(points, at.tolist(), strict=True):
+                p[name] = col[i]
+        return points
+
+    return points_at(index), len(index) < len(steps), points_at(events)
 
 
 def layer_series_query(
@@ -218,23 +243,26 @@ def layer_series_query(
     series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers, layer=index)
     grad_values = (series.layer_grad[:, 0] if series.layer_grad is not None
                    else np.full(len(series), MISSING, np.float32))
-    grad, grad_cut = _points(series.steps, grad_values, max_points)
-    for p in grad:
+    grad, grad_cut, grad_events = _points(series.steps, grad_values, max_points)
+    for p in grad + grad_events:
         p["grad_norm"] = p.pop("value")
     acts: list[dict] = []
+    act_events: list[dict] = []
     act_cut = False
     if series.act_absmax is not None:
         dtype_names = [DTYPES[c] or None for c in series.act_dtype[:, 0].tolist()]
         times = encode_array(series.act_time[:, 0], missing=series.act_time[:, 0] == MISSING)
-        acts, act_cut = _points(series.act_step, series.act_absmax[:, 0], max_points,
-                                {"act_dtype": dtype_names, "act_time_ms": times})
-        for p in acts:
+        acts, act_cut, act_events = _points(series.act_step, series.act_absmax[:, 0],
+                                            max_points,
+                                            {"act_dtype": dtype_names, "act_time_ms": times})
+        for p in acts + act_events:
             p["act_absmax"] = p.pop("value")
             p["grad_norm"] = None
     return {
         "run_id": run.id, "rank": rank, "layer": index, "name": layer.name,
         "total": len(series), "downsampled": grad_cut or act_cut,
         "grad": grad, "activations": acts,
+        "events": sorted(grad_events + act_events, key=lambda p: p["step"]),
     }
 
 

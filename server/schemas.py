@@ -18,6 +18,9 @@ Health = Literal["healthy", "warning", "critical", "no_data"]  # no_data: no ste
 MAX_STEP = 2**53  # steps are stored in float64 columns
 MAX_LAYERS = 100_000
 MAX_STEPS_PER_BATCH = 100_000
+# every list of runs or findings: `limit` items per answer unless asked (docs/wire-format.md)
+PAGE_LIMIT = 100
+MAX_PAGE_LIMIT = 1000
 ShortText = Annotated[str, StringConstraints(max_length=256)]
 Scalar = str | int | float | bool | None
 # a run's name, project or tag: what the agent's `attach` checks too (client/wire.py)
@@ -258,7 +261,10 @@ class StepsPublic(BaseModel):
     next_start: int | None = Field(
         description="without max_points: the start of the next page, when `limit` cut it"
     )
-    items: list[StepPublic]
+    items: list[StepPublic] = Field(description="with max_points: at most that many")
+    events: list[StepPublic] = Field(
+        [], description="with max_points: every skipped or non-finite step of the range "
+        "(also in `items` when downsampling kept it)")
 
 
 class LayerSummary(BaseModel):
@@ -311,6 +317,9 @@ class LayerSeriesPublic(BaseModel):
     downsampled: bool
     grad: list[LayerPointPublic]
     activations: list[LayerPointPublic]
+    events: list[LayerPointPublic] = Field(
+        [], description="with max_points: every non-finite grad norm and activation "
+        "abs-max of the range")
 
 
 class MatrixPublic(BaseModel):

@@ -19,8 +19,9 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
     findings.add_argument("--severity", choices=SEVERITIES, default="info",
                           help="only findings at or above this severity")
     findings.add_argument("--kind", help="only findings of this kind (e.g. scaler_divergence)")
-    findings.add_argument("--status", choices=("open", "resolved", "all"), default="open",
-                          help="open (default), resolved or all")
+    findings.add_argument("--status", choices=("open", "resolved", "all"), default="all",
+                          help="only open or only resolved findings (default: all, as the "
+                               "API; open first)")
     findings.set_defaults(func=list_findings)
 
     check = commands.add_parser(
@@ -40,7 +41,8 @@ def at_or_above(client: Client, run_id: str | None, severity: str, *, status: st
     found: Records[Finding] = Records(of=Finding)
     for level in reversed(SEVERITIES[SEVERITIES.index(severity):]):
         found += client.findings(run_id, severity=level, status=status, kind=kind)
-    found.sort(key=lambda f: (-f.severity_rank, f.run_id, f.step or 0, f.id))
+    found.sort(key=lambda f: (f.status != "open", -f.severity_rank, f.run_id, f.step or 0,
+                              f.id))
     return found
 
 
@@ -87,9 +89,12 @@ def check_run(args: argparse.Namespace) -> int:
 
 
 def findings_table(findings: list[Finding], *, with_run: bool) -> str:
-    headers = ["severity", *(["run"] if with_run else []), "kind", "rank", "steps", "layer",
-               "message"]
-    rows = [[f.severity, *([f.run_id] if with_run else []), f.kind, str(f.rank),
+    """One row per finding; a status column when some are resolved."""
+    with_status = any(f.status != "open" for f in findings)
+    headers = ["severity", *(["status"] if with_status else []), *(["run"] if with_run else []),
+               "kind", "rank", "steps", "layer", "message"]
+    rows = [[f.severity, *([f.status] if with_status else []),
+             *([f.run_id] if with_run else []), f.kind, str(f.rank),
              render.step_range(f.step, f.last_step), f.layer or "-",
              " ".join(f.message.split())] for f in findings]
     return render.table(headers, rows, wrap_width=render.terminal_width())

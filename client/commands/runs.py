@@ -17,7 +17,7 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
     runs.add_argument("--project", help="only this project")
     runs.add_argument("--name", help="only runs whose name contains this")
     runs.add_argument("--status", choices=HEALTH, help="only runs with this health")
-    runs.add_argument("--limit", type=int, default=100, help="at most this many (%(default)s)")
+    runs.add_argument("--limit", type=int, help="at most this many (default: all)")
     runs.set_defaults(func=list_runs)
     retention.register(runs.add_subparsers(dest="action", metavar="ACTION",
                                            title="retention (optional)"), common)

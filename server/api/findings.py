@@ -15,13 +15,13 @@ from ampwatch.server.analysis.schemas import (
 )
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.runs import get_run
-from ampwatch.server.schemas import RUN_ID_PATTERN, Severity
+from ampwatch.server.schemas import MAX_PAGE_LIMIT, PAGE_LIMIT, RUN_ID_PATTERN, Severity
 
 router = APIRouter(tags=["findings"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
 Code = Annotated[str | None, Query(max_length=64, description="pitfall code, e.g. "
                                    "clip_before_unscale")]
-Limit = Annotated[int, Query(ge=1, le=1000)]
+Limit = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)]
 Offset = Annotated[int, Query(ge=0, le=10**9)]
 
 
@@ -34,7 +34,7 @@ def get_run_findings(
     severity: Severity | None = None,
     status: FindingStatus | None = None,
     rank: Annotated[int | None, Query(ge=0)] = None,
-    limit: Limit = 500,
+    limit: Limit = PAGE_LIMIT,
     offset: Offset = 0,
 ) -> FindingsPublic:
     """A run's findings: open first, most severe first; 404 for an unknown run."""
@@ -65,7 +65,7 @@ def get_findings(
     code: Code = None,
     severity: Severity | None = None,
     status: FindingStatus | None = None,
-    limit: Limit = 100,
+    limit: Limit = PAGE_LIMIT,
     offset: Offset = 0,
 ) -> FindingsPublic:
     """Findings across runs, most recently updated first."""

@@ -8,7 +8,15 @@ from fastapi import APIRouter, Path, Query, Response
 
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.runs import delete_run, get_run, list_runs, public_run, upsert_run
-from ampwatch.server.schemas import RUN_ID_PATTERN, Health, RunPublic, RunsPublic, RunUpsert
+from ampwatch.server.schemas import (
+    MAX_PAGE_LIMIT,
+    PAGE_LIMIT,
+    RUN_ID_PATTERN,
+    Health,
+    RunPublic,
+    RunsPublic,
+    RunUpsert,
+)
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
@@ -29,7 +37,7 @@ def get_runs(
     project: Annotated[str | None, Query(max_length=256)] = None,
     name: Annotated[str | None, Query(max_length=256, description="substring")] = None,
     status: Health | None = None,
-    limit: Annotated[int, Query(ge=1, le=500)] = 50,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)] = PAGE_LIMIT,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
 ) -> RunsPublic:
     """Runs, newest first, filtered by project, name substring and health status."""

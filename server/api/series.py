@@ -34,8 +34,8 @@ End = Annotated[int | None, Query(ge=0, le=MAX_STEP, description="last step (inc
 Rank = Annotated[int, Query(ge=0, le=1_000_000)]
 MaxPoints = Annotated[
     int | None,
-    Query(ge=10, le=100_000, description="downsample to about this many points; skipped "
-          "and non-finite steps are always kept in addition"),
+    Query(ge=10, le=100_000, description="at most this many points, keeping each bucket's "
+          "extremes; every skipped or non-finite step comes apart, in `events`"),
 ]
 
 

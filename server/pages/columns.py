@@ -14,6 +14,7 @@ import numpy as np
 import orjson
 
 from ampwatch.client.wire import decode_float
+from ampwatch.server.queries import with_events
 
 
 def decode_values(values: list) -> tuple[np.ndarray, np.ndarray]:
@@ -61,7 +62,7 @@ class StepColumns:
 
     @classmethod
     def from_items(cls, label: str, items: list[dict]) -> StepColumns:
-        """From `steps_query(...)["items"]` of one rank."""
+        """From the rows of one rank of `with_events(steps_query(...))`."""
         steps = np.array([item["step"] for item in items], dtype=np.int64)
         columns = cls(label=label, steps=steps)
         for name in cls.FIELDS:
@@ -90,7 +91,7 @@ class StepColumns:
 def by_rank(steps: dict) -> list[StepColumns]:
     """Split a `steps_query` answer into one StepColumns per rank, lowest rank first."""
     ranks: dict[int, list[dict]] = {}
-    for item in steps["items"]:
+    for item in with_events(steps):
         ranks.setdefault(item["rank"], []).append(item)
     return [StepColumns.from_items(f"rank {rank}", items)
             for rank, items in sorted(ranks.items())]

@@ -17,7 +17,7 @@ from ampwatch.server.fp8_samples import has_fp8_samples
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
-from ampwatch.server.queries import layers_query, matrix_query, steps_query
+from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import ranks_panel
 from ampwatch.server.runs import get_run, list_runs, public_run
 from ampwatch.server.settings import Settings
@@ -267,7 +267,7 @@ def compare_lines(twin: dict) -> list[StepColumns]:
     names = [run["name"] for run in twin["runs"]]
     return [StepColumns.from_items(run["name"] if names.count(run["name"]) == 1
                                    else f"{run['name']} ({run['id']})",
-                                   twin["steps"][run["id"]]["items"])
+                                   with_events(twin["steps"][run["id"]]))
             for run in twin["runs"]]
 
 

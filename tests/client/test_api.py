@@ -84,11 +84,14 @@ def test_steps_pages_are_seamless_across_ranks(api, client: Client) -> None:
     assert [s.step for s in client.steps("multi", rank=1)] == list(range(5, 14))
 
 
-def test_downsampled_steps_keep_every_skipped_step(api, client: Client) -> None:
+def test_downsampled_steps_are_at_most_max_points_and_events_are_every_skip(
+        api, client: Client) -> None:
     seed_diverging(api, "d")
     steps = client.steps("d", max_points=20)
-    assert len(steps) < 260
-    assert {s.step for s in steps if s.skipped} == set(range(200, 260))
+    assert 0 < len(steps) <= 20
+    events = client.step_events("d")
+    assert [s.step for s in events] == list(range(200, 260))
+    assert all(s.skipped for s in events)
 
 
 def test_layers_series_and_matrix(api, client: Client) -> None:
@@ -220,3 +223,12 @@ def test_a_run_id_cannot_reach_another_route(api, client: Client, run_id: str) -
     with pytest.raises((NotFound, BadRequest)):
         client.delete_run(run_id)
     assert [r.id for r in client.runs()] == ["a-healthy"]
+
+
+def test_downsampled_layer_series_keeps_its_nonfinite_points_apart(api, client: Client) -> None:
+    seed_diverging(api, "d")
+    every = client.layer_series("d", 0)
+    series = client.layer_series("d", 0, max_points=10)
+    assert series.downsampled and len(series.grad) <= 10
+    nonfinite = [p.step for p in every.grad if not math.isfinite(p.grad_norm)]
+    assert nonfinite and [p.step for p in series.events] == nonfinite

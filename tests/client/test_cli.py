@@ -13,8 +13,9 @@ import pytest
 
 from ampwatch.client import Client
 from ampwatch.client.cli import ERROR_EXIT
-from tests.client.conftest import seed_healthy
+from tests.client.conftest import N_LAYERS, seed_diverging, seed_healthy
 from tests.conftest import LiveServer, free_port
+from tests.utils import make_steps, post_batch, register_run
 
 
 def test_runs_table_is_aligned(ampwatch) -> None:
@@ -219,3 +220,36 @@ def test_entry_point_lists_every_command() -> None:
     assert result.returncode == 0
     for command in ("runs", "show", "findings", "check", "export", "sync", "serve"):
         assert f"    {command} " in result.stdout
+
+
+def test_api_client_and_cli_share_the_findings_and_limit_defaults(ampwatch, server,
+                                                                   server_api) -> None:
+    """docs/wire-format.md: findings are open and resolved unless `status` narrows them;
+    an API answer holds 100 items unless `limit` says otherwise, and the client and the
+    CLI fetch every page."""
+    seed_diverging(server_api, "recovered")  # a skip streak, then clean steps resolve it
+    assert post_batch(server_api, "recovered", 1,
+                      make_steps(260, 200, N_LAYERS)).status_code == 200
+    api = server_api.get("/api/v1/runs/recovered/findings").json()
+    statuses = {f["status"] for f in api["items"]}
+    assert statuses == {"open", "resolved"}
+    with Client(server.url) as client:
+        assert {f.id for f in client.findings("recovered")} == {f["id"] for f in api["items"]}
+    cli = json.loads(ampwatch("findings", "recovered", "--json").out)
+    assert {f["id"] for f in cli} == {f["id"] for f in api["items"]}
+    assert [f["status"] for f in cli] == sorted((f["status"] for f in cli),
+                                                key=lambda s: s != "open")  # open first
+    table = ampwatch("findings", "recovered").out
+    assert table.splitlines()[0].split()[:2] == ["SEVERITY", "STATUS"] and "resolved" in table
+
+    for index in range(105):
+        register_run(server_api, f"many-{index:03d}", project="many")
+    for path in ("/api/v1/runs", "/api/v1/findings", "/api/v1/runs/recovered/findings"):
+        assert server_api.get(path).json()["limit"] == 100
+        assert server_api.get(path, params={"limit": 1001}).status_code == 422
+    assert len(server_api.get("/api/v1/runs", params={"project": "many"}).json()["items"]) == 100
+    with Client(server.url) as client:
+        assert len(client.runs(project="many")) == 105
+    assert len(json.loads(ampwatch("runs", "--project", "many", "--json").out)) == 105
+    assert len(json.loads(ampwatch("runs", "--project", "many", "--limit", "7",
+                                   "--json").out)) == 7

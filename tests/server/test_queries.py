@@ -25,21 +25,25 @@ def test_range_and_limit_pagination(api):
     assert rest["next_start"] is None and rest["items"][-1]["step"] == 1199
 
 
-def test_downsampling_keeps_every_skipped_step_and_the_extremes(api):
+def test_downsampling_returns_at_most_max_points_and_every_event_apart(api):
     skipped = {7, 1234, 1235, 2999}
     load(api, total=3000, skipped=skipped)
     steps = make_steps(3000, 1, 4)
     steps[0]["grad_norm"] = 1e6  # a single spike
     steps[0]["loss"] = "NaN"
     post_batch(api, "r1", 99, steps)
-    page = api.get("/api/v1/runs/r1/steps?max_points=100").json()
-    kept = {s["step"] for s in page["items"]}
-    assert page["downsampled"] and page["total"] == 3001
-    assert skipped <= kept and 3000 in kept
-    assert len(kept) <= 100 + len(skipped) + 1
-    by_step = {s["step"]: s for s in page["items"]}
-    assert by_step[3000]["grad_norm"] == 1e6 and by_step[3000]["loss"] == "NaN"
-    assert all(by_step[s]["skipped"] for s in skipped)
+    for max_points in (10, 100):
+        page = api.get(f"/api/v1/runs/r1/steps?max_points={max_points}").json()
+        assert page["downsampled"] and page["total"] == 3001
+        assert page["count"] == len(page["items"]) <= max_points
+        events = {s["step"]: s for s in page["events"]}
+        assert set(events) == skipped | {3000}  # every skipped or non-finite step
+        assert all(events[s]["skipped"] for s in skipped)
+        assert events[3000]["grad_norm"] == 1e6 and events[3000]["loss"] == "NaN"
+    kept = {s["step"]: s for s in page["items"]}
+    assert 0 in kept  # the first bucket's start; the spike at 3000 is an event (NaN loss)
+    everything = api.get("/api/v1/runs/r1/steps?limit=5000").json()
+    assert everything["events"] == [] and everything["count"] == 3001
 
 
 def test_matrix_buckets_keep_nonfinite_cells(api):
@@ -59,9 +63,8 @@ def test_matrix_buckets_keep_nonfinite_cells(api):
 def test_layer_series_downsampling_keeps_nonfinite(api):
     load(api, total=3000, skipped={1500})
     series = api.get("/api/v1/runs/r1/layers/0/series?max_points=50").json()
-    assert series["downsampled"]
-    kept = {p["step"]: p["grad_norm"] for p in series["grad"]}
-    assert kept[1500] == "Infinity" and len(kept) <= 51
+    assert series["downsampled"] and len(series["grad"]) <= 50
+    assert [(p["step"], p["grad_norm"]) for p in series["events"]] == [(1500, "Infinity")]
     assert api.get("/api/v1/runs/r1/layers/9/series").status_code == 404
 
 
