@@ -7,6 +7,7 @@ numpy passes and one `json.dumps`.
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import numpy as np
@@ -239,7 +240,7 @@ def layer_series_query(
     layer = load_layers(session, run.id)[index]
     summary = _summarised(session, run, rank, start, end) if max_points is not None else None
     if summary is not None:
-        return _layer_envelope(run, rank, index, layer.name, summary)
+        return _layer_envelope(run, rank, index, layer.name, summary, max_points)
     series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers, layer=index)
     grad_values = (series.layer_grad[:, 0] if series.layer_grad is not None
                    else np.full(len(series), MISSING, np.float32))
@@ -267,22 +268,39 @@ def layer_series_query(
 
 
 def _layer_envelope(run: Run, rank: int, index: int, name: str,
-                    summary: SimpleNamespace) -> dict:
-    """A long range of one layer from the step summaries: per bucket of SUMMARY_STEPS, the
-    largest and smallest grad norm and the largest activation abs-max."""
-    grad_max, grad_min = summary.grad_max[:, index], summary.grad_min[:, index]
-    acts_max = summary.act_max[:, index]
-    starts = summary.bucket_start.tolist()
+                    summary: SimpleNamespace, max_points: int) -> dict:
+    """A long range of one layer from the step summaries: per bucket of SUMMARY_STEPS
+    (several merged when there are more than `max_points`), the largest and smallest grad
+    norm and the largest activation abs-max; buckets whose largest is non-finite are also
+    `events`."""
+    starts, grad_max = summary.bucket_start, summary.grad_max[:, index:index + 1]
+    grad_min, acts_max = summary.grad_min[:, index], summary.act_max[:, index:index + 1]
+    if len(starts) > max_points:  # merge neighbouring buckets: max of maxima, min of minima
+        width = math.ceil(len(starts) / max_points)
+        groups = np.arange(len(starts)) // width
+        lows = np.where((grad_min == MISSING) | ~np.isfinite(grad_min), np.inf, grad_min)
+        grad_min = np.full(groups[-1] + 1, np.inf)
+        np.minimum.at(grad_min, groups, lows)
+        grad_min[np.isinf(grad_min)] = MISSING
+        merged, _, grad_max, empty = bucket_matrix(starts, grad_max, max_points)
+        grad_max = np.where(empty.T, MISSING, grad_max.T)
+        _, _, acts_max, acts_empty = bucket_matrix(starts, acts_max, max_points)
+        acts_max = np.where(acts_empty.T, MISSING, acts_max.T)
+        starts = merged
+    grad_max, acts_max = grad_max[:, 0], acts_max[:, 0]
     highs = encode_array(grad_max, missing=grad_max == MISSING)
     lows = encode_array(grad_min, missing=grad_min == MISSING)
     grad = [{"step": s, "grad_norm": hi, "grad_norm_min": lo}
-            for s, hi, lo in zip(starts, highs, lows, strict=True)]
+            for s, hi, lo in zip(starts.tolist(), highs, lows, strict=True)]
     sampled = acts_max != MISSING
     acts = [{"step": s, "grad_norm": None, "act_absmax": v}
-            for s, v in zip(summary.bucket_start[sampled].tolist(),
-                            encode_array(acts_max[sampled]), strict=True)]
+            for s, v in zip(starts[sampled].tolist(), encode_array(acts_max[sampled]),
+                            strict=True)]
+    events = [point for point in grad if isinstance(point["grad_norm"], str)]
+    events += [point for point in acts if isinstance(point["act_absmax"], str)]
     return {"run_id": run.id, "rank": rank, "layer": index, "name": name,
-            "total": summary.n_steps, "downsampled": True, "grad": grad, "activations": acts}
+            "total": summary.n_steps, "downsampled": True, "grad": grad, "activations": acts,
+            "events": sorted(events, key=lambda point: point["step"])}
 
 
 def matrix_query(

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from ampwatch.server import queries
+from ampwatch.server.models import Run
 from ampwatch.server.summaries import SUMMARY_STEPS
 from tests.utils import post_batch, register_run
 
@@ -150,3 +151,23 @@ def test_archive_keeps_summaries_and_findings_and_compact_hands_space_back(api, 
     assert compacted["bytes_after"] <= compacted["bytes_before"]
     if compacted["dialect"] == "sqlite":
         assert compacted["bytes_after"] < compacted["bytes_before"] / 2
+
+
+def test_zoomed_out_layer_series_merges_buckets_down_to_max_points(app, api, long_run):
+    """More summary buckets (6) than points asked (4): neighbours merge, max of maxima and
+    min of minima, and the NaN bucket is an event."""
+    run_id, values = long_run
+    with app.state.sessionmaker() as session:
+        series = queries.layer_series_query(session, session.get(Run, run_id), NAN_LAYER,
+                                            max_points=4)
+    assert len(series["grad"]) <= 4 and len(series["activations"]) <= 4
+    starts = [point["step"] for point in series["grad"]]
+    ends = [*starts[1:], STEPS]
+    for point, first, end in zip(series["grad"], starts, ends, strict=True):
+        block = values[first:end, NAN_LAYER]
+        expected_max = np.nan if np.isnan(block).any() else block.max()
+        assert np.array_equal(decode([point["grad_norm"]]).astype(np.float32), [expected_max],
+                              equal_nan=True)
+        assert np.float32(decode([point["grad_norm_min"]])[0]) == np.nanmin(block)
+    assert [(p["step"], p["grad_norm"]) for p in series["events"]] == [
+        (max(s for s in starts if s <= NAN_STEP), "NaN")]
