@@ -9,7 +9,7 @@ way `clip_grad_norm_` scales the grads: total * min(1, max_norm / (total + 1e-6)
 Four device ops a step; on the CPU (`session.host_reduce`) none: the worker sums the
 norms. Does not synchronise the device.
 
-Underflow, measured: on sampled steps (those whose activations are sampled) each grad's
+Underflow, measured: every `sample_every` steps (at most every 10th step) each grad's
 non-zero elements are counted (`count_nonzero`, one op per grad) and summed per layer the
 same way; the worker turns them into each layer's share of exactly-zero grad elements
 (as Megatron-LM counts zeros in the grads). An fp16 gradient that underflowed is zero.
@@ -54,6 +54,7 @@ class GradNormCollector(Collector):
     `layer_grad_zero_share` on sampled steps."""
 
     name = "grads"
+    ZERO_EVERY_MIN = 10  # steps between zero counts, at the least
 
     def __init__(self, n_layers: int) -> None:
         super().__init__()
@@ -121,10 +122,11 @@ class GradNormCollector(Collector):
                 session.layers[layer].name for layer in blind))
         return _Indices(grad_idx, layer_idx, mask, elements, weight, total_known=not unknown)
 
-    def _sampled(self) -> bool:
-        session = self.session
-        every = session.settings.sample_every
-        return (every > 0 and session.step % every == 0) or session.step <= session.anomaly_until
+    def _counts_zeros(self) -> bool:
+        """Every `sample_every` steps, at most every ZERO_EVERY_MIN: underflow is a slow
+        trend, and a count reads every grad element (sampling every step stays cheap)."""
+        every = self.session.settings.sample_every
+        return every > 0 and self.session.step % max(every, self.ZERO_EVERY_MIN) == 0
 
     def _count_nonzero(self, grads: list[torch.Tensor], grad_idx: torch.Tensor | None,
                        layer_idx: torch.Tensor, elements: np.ndarray) -> None:
@@ -148,7 +150,7 @@ class GradNormCollector(Collector):
         if self.session.parallelism is not None:  # this rank's parts (no communication)
             grads = [distributed.local(g) for g in grads]
             norms = None if norms is None else distributed.local(norms)
-        if self._sampled():
+        if self._counts_zeros():
             self._count_nonzero(grads, grad_idx, layer_idx, index.elements)
         if norms is None:  # in float64: finite grads above ~1e19 have no fp32 norm
             norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self._zeros.dtype))
