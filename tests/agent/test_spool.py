@@ -80,7 +80,8 @@ def test_dropped_counts_reach_the_batches(tmp_path: Path, monkeypatch) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     attachment = agent.attach(model, spool_dir=tmp_path, max_batch_steps=1)
     bf16_loop(model, optimizer, batches(4))
-    attachment.detach()
+    attachment.flush(5)  # before detach, whose "finished" batch would then be the newest
     (entry,) = spooled(tmp_path, attachment.run_id)
+    attachment.detach()
     assert entry["batch"]["steps"][0]["step"] == 3
     assert entry["batch"]["dropped_batches"] == 2 and entry["batch"]["dropped_steps"] == 2

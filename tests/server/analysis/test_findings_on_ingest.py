@@ -154,7 +154,7 @@ def test_findings_api_filters_and_pages(api):
     sample = everything["items"][0]
     assert set(sample) == {"id", "run_id", "kind", "code", "severity", "status", "rank", "step",
                            "last_step", "layer", "message", "evidence", "count", "created_at",
-                           "updated_at"}
+                           "updated_at", "incident"}
 
 
 def test_a_runs_findings_list_open_ones_first(api):
