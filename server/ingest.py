@@ -100,7 +100,9 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
     update_layer_stats(rank_row, series)
     fold_batch(session, run_id, batch.rank, series)
     session.flush()
-    if len(series) or series.events:
+    # a batch holding only the detach's "finished" event has nothing to analyse (an empty
+    # window would look like every condition had ended)
+    if len(series) or any(event.kind != FINISHED_EVENT for event in batch.events):
         run = session.get(Run, run_id)
         analysis.on_ingest(session, run, batch.rank, series, settings.analysis,
                            rank_last_step=rank_last_step)

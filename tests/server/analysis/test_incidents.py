@@ -127,3 +127,8 @@ def test_api_groups_a_runs_findings_and_counts_incidents(api):
     listed = next(r for r in api.get("/api/v1/runs").json()["items"] if r["id"] == "grouped")
     assert listed["open_problems"] == run["open_problems"]
     assert api.get("/api/v1/runs/nope/incidents").status_code == 404
+    # the detach's batch holds no steps: it ends the run, not the problems
+    finished = [{"step": None, "kind": "finished", "detail": {}}]
+    assert post_batch(api, "grouped", 4, [], events=finished).status_code == 200
+    after = api.get("/api/v1/runs/grouped/findings?status=open").json()["items"]
+    assert [f["id"] for f in after] == [f["id"] for f in findings]
