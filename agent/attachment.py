@@ -17,7 +17,7 @@ from ampwatch.agent.collectors import default_collectors
 from ampwatch.agent.collectors.forward import ForwardCollector
 from ampwatch.agent.collectors.fp8 import Fp8Collector
 from ampwatch.agent.distributed import shared_run_id
-from ampwatch.agent.environment import distributed_rank, environment, run_body
+from ampwatch.agent.environment import describe_run, distributed_rank, environment, run_body
 from ampwatch.agent.fp8 import find_fp8_layers
 from ampwatch.agent.layers import discover_layers
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
@@ -225,7 +225,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             collectors.append(Fp8Collector(fp8_layers, layers))
         session = Session(model, scaler, optimizer, layers, collectors,
                           sink=lambda item: False, settings=settings)
-        describe = {"name": name, "project": project, "tags": tags, "config": config}
+        describe = describe_run(name, project, tags, config)
         attachment = Attachment(settings.run_id, session, None, describe)
         worker = Worker(settings, attachment._body(), attachment._decode,
                         lambda: session.dropped_steps)

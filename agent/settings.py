@@ -37,6 +37,7 @@ class AgentSettings:
     run_id_generated: bool
     resume: bool = False  # continue a run id that already has steps (see run_identity)
     server: str = DEFAULT_SERVER
+    token: str = field(default="", repr=False)  # never printed with the settings
     offline: bool = False
     spool_dir: Path = field(default_factory=default_spool_dir)
     spool_max_bytes: int = DEFAULT_SPOOL_BYTES
@@ -57,6 +58,7 @@ class AgentSettings:
             "run_id_generated": run is None,
             "server": (server or env.get("AMPWATCH_SERVER") or DEFAULT_SERVER).rstrip("/"),
             "offline": env.get("AMPWATCH_MODE", "").lower() == "offline",
+            "token": env.get("AMPWATCH_TOKEN", ""),
         }
         if env.get("AMPWATCH_SPOOL_DIR"):
             values["spool_dir"] = Path(env["AMPWATCH_SPOOL_DIR"])

@@ -17,6 +17,7 @@ class Outcome(Enum):
     RETRY = "retry"      # unreachable, 5xx, 408, 429: keep it, back off
     MISSING = "missing"  # 404: the run is not registered there (yet)
     CONFLICT = "conflict"  # 409: the seq is taken by other steps; renumber and resend
+    UNAUTHORIZED = "unauthorized"  # 401/403: no or wrong token; keep it for `sync --token`
     REJECT = "reject"    # any other 4xx: sending it again cannot succeed
 
 
@@ -36,17 +37,23 @@ def classify(status: int) -> Outcome:
         return Outcome.MISSING
     if status == 409:
         return Outcome.CONFLICT
+    if status in (401, 403):
+        return Outcome.UNAUTHORIZED
     return Outcome.REJECT
 
 
 class Sender:
-    """Keep-alive HTTP client for one server."""
+    """Keep-alive HTTP client for one server; `token` (when not empty) is sent as
+    `Authorization: Bearer <token>`, as the server's AMPWATCH_TOKEN wants."""
 
     CONNECT_TIMEOUT_S = 2.0
     REQUEST_TIMEOUT_S = 10.0
 
-    def __init__(self, base_url: str) -> None:
-        self._client = httpx.Client(base_url=base_url, headers={"User-Agent": "ampwatch-agent"})
+    def __init__(self, base_url: str, token: str | None = None) -> None:
+        headers = {"User-Agent": "ampwatch-agent"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._client = httpx.Client(base_url=base_url, headers=headers)
 
     def _timeout(self, limit: float | None) -> httpx.Timeout:
         total = self.REQUEST_TIMEOUT_S if limit is None else max(0.05, min(

@@ -16,13 +16,17 @@ import fcntl
 import gzip
 import json
 import os
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from ampwatch.agent.transport.bound import SpoolBound
 from ampwatch.client.wire import check_run_id
 
 FORMAT = "ampwatch-spool/1"
 SUFFIX = ".json.gz"
+REJECTED = "rejected"
 
 
 def batch_text(batch: dict, steps: list[str] | None = None) -> str:
@@ -36,12 +40,15 @@ def batch_text(batch: dict, steps: list[str] | None = None) -> str:
     return f'{head[:-1]}{comma}"steps": [{", ".join(steps)}]}}'
 
 
-def encode_entry(run_id: str, rank: int, seq: int, run: dict, batch: dict | str) -> bytes:
-    """A spool file: gzip of one JSON object; `batch` may be its JSON text already."""
-    head = json.dumps({"format": FORMAT, "run_id": run_id, "rank": rank, "seq": seq,
-                       "run": run}, allow_nan=False)
+def encode_entry(run_id: str, rank: int, seq: int, run: dict | str,
+                 batch: dict | str) -> bytes:
+    """A spool file: gzip of one JSON object; `run` and `batch` may be JSON text already."""
+    head = json.dumps({"format": FORMAT, "run_id": run_id, "rank": rank, "seq": seq},
+                      allow_nan=False)
+    run_text = run if isinstance(run, str) else json.dumps(run, allow_nan=False)
     text = batch if isinstance(batch, str) else json.dumps(batch, allow_nan=False)
-    return gzip.compress(f'{head[:-1]}, "batch": {text}}}'.encode(), compresslevel=5)
+    return gzip.compress(f'{head[:-1]}, "run": {run_text}, "batch": {text}}}'.encode(),
+                         compresslevel=5)
 
 
 def read_entry(path: Path) -> dict[str, Any]:
@@ -55,12 +62,17 @@ def _atomic_write(path: Path, data: bytes) -> None:
 
 
 class Spool:
-    """One (run, rank) directory of the spool, locked by this process while open."""
+    """One (run, rank) directory of the spool, locked (flock) by this process while open.
+
+    Thread-safe: the spooler thread appends while the sender thread sends and removes.
+    The bound `max_bytes` holds for the whole spool root (every run's batch files, sent
+    or refused), not per run: see `SpoolBound` for what is dropped first.
+    """
 
     BODIES_KEPT = 8  # POST bodies of the newest batches kept in memory (bounded if the
     # server is down for long: older batches are read back from their files)
 
-    def __init__(self, directory: Path, max_bytes: int) -> None:
+    def __init__(self, directory: Path, max_bytes: int, root: Path | None = None) -> None:
         self.dir = directory
         self.max_bytes = max_bytes
         directory.mkdir(parents=True, exist_ok=True)
@@ -70,19 +82,23 @@ class Spool:
             self.locked = True
         except OSError:
             self.locked = False
+        self._mutex = threading.RLock()
+        self._in_flight: Path | None = None  # the batch the sender is posting: kept
         state = self._read_state()
         self._sizes = {p: p.stat().st_size for p in self.pending()}
         self._steps: dict[Path, int] = {}
-        self._bodies: dict[Path, bytes] = {}  # the newest appended batches' POST bodies
+        self._recent: dict[Path, tuple[bytes, str]] = {}  # newest batches: body, run key
         last = max((int(p.name[: -len(SUFFIX)]) for p in self._sizes), default=-1)
         self.next_seq = max(int(state.get("next_seq", 0)), last + 1)
         self.dropped_batches = int(state.get("dropped_batches", 0))
         self.last_step = int(state.get("last_step", -1))  # the last step ever spooled here
         self.dropped_steps = int(state.get("dropped_steps", 0))
+        self.bound = SpoolBound(root, max_bytes) if root is not None else None
 
     @classmethod
     def for_run(cls, root: Path, run_id: str, rank: int, max_bytes: int) -> Spool:
-        return cls(run_dir(root, run_id, rank), max_bytes)
+        """The spool of one (run, rank) under `root`, bounded with everything in `root`."""
+        return cls(run_dir(root, run_id, rank), max_bytes, root)
 
     def _read_state(self) -> dict[str, Any]:
         try:
@@ -101,80 +117,147 @@ class Spool:
 
     @property
     def size_bytes(self) -> int:
-        return sum(self._sizes.values())
+        with self._mutex:
+            return sum(self._sizes.values())
 
-    def append(self, run_id: str, rank: int, run: dict, batch: dict,
-               steps: list[str] | None = None, last_step: int | None = None) -> Path:
-        """Write the next batch (its `seq` is assigned here) and enforce the size bound.
+    def append(self, run_id: str, rank: int, run: dict | str, batch: dict,
+               steps: list[str] | None = None, last_step: int | None = None,
+               extra_dropped_steps: int = 0, run_key: str | None = None) -> Path:
+        """Write the next batch (its `seq` and drop counts are set here) within the bound.
+
         `steps`/`last_step`: the batch's step records pre-encoded (see `batch_text`) and
-        the last one's step number. The POST body stays in memory for a few batches
-        (`body()`), so sending a fresh batch does not decode and re-encode its file."""
-        seq = self.next_seq
-        batch["seq"] = seq
-        if last_step is None and batch.get("steps"):
-            last_step = int(batch["steps"][-1]["step"])
-        if last_step is not None:
-            self.last_step = max(self.last_step, last_step)
-        text = batch_text(batch, steps)
-        data = encode_entry(run_id, rank, seq, run, text)
-        path = self.dir / f"{seq:012d}{SUFFIX}"
-        _atomic_write(path, data)
-        self._bodies[path] = text.encode()
-        while len(self._bodies) > self.BODIES_KEPT:
-            self._bodies.pop(next(iter(self._bodies)))
-        self._sizes[path] = len(data)
-        self._steps[path] = len(steps) if steps is not None else len(batch.get("steps", ()))
-        self.next_seq = seq + 1
-        self._enforce_limit()
-        self._write_state()
-        return path
+        the last one's step number; `run`: the PUT body, or its JSON text. The batch
+        carries the spool's drop counts plus `extra_dropped_steps` (steps the caller
+        dropped before they reached the spool), taken after room was made for it, so the
+        last batch always carries every drop. The POST body and `run_key` stay in memory
+        for a few batches (`recent()`): sending a fresh batch does not re-read its file.
+        Costs a gzip of the batch and, when the bound is hit, a scan of the spool root.
+        """
+        with self._mutex:
+            if last_step is None and batch.get("steps"):
+                last_step = int(batch["steps"][-1]["step"])
+            if last_step is not None:
+                self.last_step = max(self.last_step, last_step)
+            n_steps = len(steps) if steps is not None else len(batch.get("steps", ()))
+            run_text = run if isinstance(run, str) else json.dumps(run, allow_nan=False)
+            seq = self.next_seq
+            data = b""
+            for _ in range(8):  # again while making room changed the counts it carries
+                counts = (self.dropped_batches, self.dropped_steps)
+                batch.update(seq=seq, dropped_batches=counts[0],
+                             dropped_steps=counts[1] + extra_dropped_steps)
+                text = batch_text(batch, steps)
+                data = encode_entry(run_id, rank, seq, run_text, text)
+                self._make_room(len(data))
+                if counts == (self.dropped_batches, self.dropped_steps):
+                    break
+            path = self.dir / f"{seq:012d}{SUFFIX}"
+            _atomic_write(path, data)
+            self._recent[path] = (text.encode(), run_key or "")
+            while len(self._recent) > self.BODIES_KEPT:
+                self._recent.pop(next(iter(self._recent)))
+            self._sizes[path] = len(data)
+            self._steps[path] = n_steps
+            self.next_seq = seq + 1
+            self._write_state()
+            return path
 
     def renumber(self, path: Path, entry: dict[str, Any], next_seq: int) -> Path:
         """Move a batch to the next free seq (at least `next_seq`, what the server said):
         its seq was taken on the server by a run this spool did not know about."""
-        seq = max(self.next_seq, next_seq)
-        entry["batch"]["seq"] = seq
-        new_path = self.dir / f"{seq:012d}{SUFFIX}"
-        data = encode_entry(entry["run_id"], entry["rank"], seq, entry["run"], entry["batch"])
-        _atomic_write(new_path, data)
-        self._sizes[new_path] = len(data)
-        self._steps[new_path] = len(entry["batch"].get("steps", ()))
-        self.remove(path)
-        self.next_seq = seq + 1
-        self._write_state()
-        return new_path
+        with self._mutex:
+            seq = max(self.next_seq, next_seq)
+            entry["batch"]["seq"] = seq
+            new_path = self.dir / f"{seq:012d}{SUFFIX}"
+            data = encode_entry(entry["run_id"], entry["rank"], seq, entry["run"],
+                                entry["batch"])
+            _atomic_write(new_path, data)
+            self._sizes[new_path] = len(data)
+            self._steps[new_path] = len(entry["batch"].get("steps", ()))
+            self._forget(path)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            self.next_seq = seq + 1
+            self._write_state()
+            return new_path
 
-    def _enforce_limit(self) -> None:
-        while self.size_bytes > self.max_bytes and len(self._sizes) > 1:
-            oldest = min(self._sizes)
-            steps = self._steps.get(oldest)
+    def _make_room(self, incoming: int) -> None:
+        """Drop batches until `incoming` more bytes fit the bound: other runs' first (see
+        `SpoolBound`), then this spool's oldest (never the one being sent)."""
+        if self.bound is not None:
+            over = self.bound.others_bytes(self.dir) + self.size_bytes + incoming - self.max_bytes
+            if over > 0:
+                self.bound.trim_others(self.dir, over)
+            room = self.max_bytes - self.bound.others_bytes(self.dir) - incoming
+        else:
+            room = self.max_bytes - incoming
+        while self.size_bytes > room:
+            victims = [p for p in sorted(self._sizes) if p != self._in_flight]
+            if not victims:
+                return
+            self.drop(victims[0])
+
+    def drop(self, path: Path) -> int:
+        """Delete an undelivered batch because of the bound and count it (state.json, and
+        from there the next batches' `dropped_*` fields). Returns the bytes freed."""
+        with self._mutex:
+            steps = self._steps.get(path)
             if steps is None:
                 with contextlib.suppress(OSError, ValueError):
-                    steps = len(read_entry(oldest)["batch"].get("steps", ()))
-            self.remove(oldest)
+                    steps = len(read_entry(path)["batch"].get("steps", ()))
+            freed = self._sizes.get(path, 0)
+            self._forget(path)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
             self.dropped_batches += 1
             self.dropped_steps += steps or 0
+            self._write_state()
+            if self.bound is not None:
+                self.bound.note_drop(self.dir, steps or 0)
+            return freed
+
+    def recent(self, path: Path) -> tuple[bytes, str] | None:
+        """(POST body JSON, run key) of a batch this process appended recently, else None."""
+        with self._mutex:
+            return self._recent.get(path)
 
     def body(self, path: Path) -> bytes | None:
         """The POST body (JSON) of a batch this process appended recently, else None."""
-        return self._bodies.get(path)
+        recent = self.recent(path)
+        return recent[0] if recent is not None else None
 
-    def remove(self, path: Path) -> None:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
+    @contextlib.contextmanager
+    def sending(self, path: Path) -> Iterator[None]:
+        """While the sender posts `path`, the bound never drops it (it might be counted
+        dropped and still arrive)."""
+        with self._mutex:
+            self._in_flight = path
+        try:
+            yield
+        finally:
+            with self._mutex:
+                self._in_flight = None
+
+    def _forget(self, path: Path) -> None:
         self._sizes.pop(path, None)
         self._steps.pop(path, None)
-        self._bodies.pop(path, None)
+        self._recent.pop(path, None)
+
+    def remove(self, path: Path) -> None:
+        """The server committed `path`: delete it."""
+        with self._mutex:
+            self._forget(path)
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
 
     def reject(self, path: Path) -> None:
         """Keep a batch the server refused (4xx) aside, out of the replay order."""
-        rejected = self.dir / "rejected"
-        rejected.mkdir(exist_ok=True)
-        with contextlib.suppress(FileNotFoundError):
-            os.replace(path, rejected / path.name)
-        self._sizes.pop(path, None)
-        self._steps.pop(path, None)
-        self._bodies.pop(path, None)
+        with self._mutex:
+            rejected = self.dir / REJECTED
+            rejected.mkdir(exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):
+                os.replace(path, rejected / path.name)
+            self._forget(path)
 
     def close(self) -> None:
         if self._lock_fd is not None:
