@@ -184,7 +184,8 @@ class Attachment:
 def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            run: str | None = None, project: str | None = None, name: str | None = None,
            tags: list[str] | None = None, config: dict[str, Any] | None = None,
-           server: str | None = None, enabled: bool = True, sample_every: int = 10,
+           server: str | None = None, token: str | None = None, enabled: bool = True,
+           sample_every: int = 10,
            sample_after_anomaly: int = 20, spool_dir: str | os.PathLike | None = None,
            offline: bool | None = None, flush_interval: float | None = None,
            max_batch_steps: int | None = None, resume: bool | None = None) -> Attachment:
@@ -197,7 +198,8 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     a chosen run id without `resume` costs one request to the server here. Raises
     ValueError for a run id, name, project or tag the server would refuse, and for a
     reused run id without `resume`; never raises because of the agent's own failures: it
-    logs them and returns a disabled attachment.
+    logs them and returns a disabled attachment. `token` (default `AMPWATCH_TOKEN`) is
+    sent to the server as a bearer token.
     """
     run, resume = resolve_run(run, resume)
     check_labels(name, project, tags)
@@ -212,7 +214,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             run, name, server, rank=rank, world_size=world_size, sample_every=sample_every,
             sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
             flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
-            run_id_generated=generated or None)
+            run_id_generated=generated or None, token=token)
     except Exception as exc:  # noqa: BLE001
         guard.report("attach", exc)
         return Attachment(run)

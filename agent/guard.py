@@ -53,8 +53,9 @@ def report(site: str, exc: BaseException) -> None:
             _counts[site] += 1
             first = _counts[site] == 1
         if first:
-            logger.warning("ampwatch agent error in %s (further ones are counted)", site,
-                           exc_info=exc)
+            # an exception made to report a condition (never raised) needs no traceback
+            logger.warning("ampwatch agent error in %s: %s (further ones are counted)", site,
+                           exc, exc_info=exc if exc.__traceback__ is not None else None)
             for listener in list(_listeners):
                 listener(site, exc)
         if _handler is not None:

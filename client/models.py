@@ -83,6 +83,7 @@ class RankTotals(Model):
     loss_scale: float | None = None
     dropped_batches: int = 0
     dropped_steps: int = 0
+    missing_steps: int = 0
     last_seen_at: datetime | None = None
     finished_at: datetime | None = None  # when its agent detached
 
@@ -116,6 +117,7 @@ class Run(Model):
     lost_batches: int = 0
     dropped_batches: int = 0
     dropped_steps: int = 0
+    missing_steps: int = 0
     last_seen_at: datetime | None = None
     archived_at: datetime | None = None  # per-step data dropped, summaries kept
     ranks: list[RankTotals] = dataclasses.field(default_factory=list)

@@ -31,6 +31,8 @@ except ImportError:  # Windows: no advisory locks, sync trusts the user
 FORMAT = "ampwatch-spool/1"
 SUFFIX = ".json.gz"
 REJECTED = "rejected"
+PROGRESS = "progress"
+STATE = "state.json"
 Progress = Callable[[int, int, Path], None]
 
 
@@ -47,7 +49,8 @@ def default_spool_dir() -> Path:
 class SyncReport:
     """What one sync did. `rejected`: files the server refused (moved to `rejected/`
     beside them); `failed`: files left in place; `busy`: directories a running agent
-    holds; `stopped`: why the sync gave up early (server down, bad token)."""
+    holds; `stopped`: why the sync gave up early (server down, bad token); `crash_lost`:
+    steps agents decoded but were killed before spooling, reported to the server."""
 
     uploaded: int = 0
     duplicates: int = 0
@@ -57,6 +60,7 @@ class SyncReport:
     failed: list[tuple[Path, str]] = field(default_factory=list)
     busy: list[Path] = field(default_factory=list)
     stopped: str | None = None
+    crash_lost: int = 0  # steps an agent killed before spooling them (counted dropped)
 
     @property
     def ok(self) -> bool:
@@ -76,6 +80,82 @@ def pending_batches(root: Path) -> dict[Path, list[Path]]:
     return by_dir
 
 
+def read_state(directory: Path) -> dict[str, Any]:
+    """A rank directory's `state.json` ({} when missing or unreadable)."""
+    try:
+        return json.loads((directory / STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_state(directory: Path, state: dict[str, Any]) -> None:
+    _atomic_write(directory / STATE, json.dumps(state).encode())
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def read_progress(directory: Path) -> int | None:
+    """The last step the agent decoded in this directory (None: no progress file)."""
+    try:
+        return int((directory / PROGRESS).read_text().strip() or -1)
+    except (OSError, ValueError):
+        return None
+
+
+def recover_crash_window(directory: Path) -> int:
+    """Count the steps an agent decoded but never cut into a batch (it was killed in
+    between) as dropped: the state's counters grow by them, and a "tally" batch (no
+    steps, `run` null) carries the counts to the server. Returns the steps counted.
+
+    The caller holds the directory's lock. Reads the newest batch file (its last step may
+    be newer than state.json's when the agent died between the two writes)."""
+    seen = read_progress(directory)
+    if seen is None:
+        return 0
+    state = read_state(directory)
+    files = sorted(p for p in directory.glob(f"*{SUFFIX}") if not p.name.startswith("."))
+    last_step = int(state.get("last_step", -1))
+    next_seq = int(state.get("next_seq", 0))
+    if files:
+        next_seq = max(next_seq, int(files[-1].name[: -len(SUFFIX)]) + 1)
+        with contextlib.suppress(OSError, ValueError, KeyError, EOFError):
+            steps = json.loads(gzip.decompress(files[-1].read_bytes()))["batch"]["steps"]
+            last_step = max([last_step, *(int(step["step"]) for step in steps[-1:])])
+    lost = max(0, seen - last_step)
+    if lost:
+        rank = int(directory.name.removeprefix("rank-"))
+        # every drop counted so far (the spool's, and the agent's own the batches carried)
+        dropped = max(int(state.get("dropped_steps", 0)),
+                      int(state.get("batch_dropped_steps", 0))) + lost
+        batch = {"rank": rank, "seq": next_seq,
+                 "dropped_batches": int(state.get("dropped_batches", 0)),
+                 "dropped_steps": dropped, "steps": [], "events": []}
+        entry = {"format": FORMAT, "run_id": directory.parent.name, "rank": rank,
+                 "seq": next_seq, "run": None, "batch": batch}
+        _atomic_write(directory / f"{next_seq:012d}{SUFFIX}",
+                      gzip.compress(json.dumps(entry).encode(), compresslevel=5))
+        write_state(directory, {**state, "next_seq": next_seq + 1, "dropped_steps": dropped,
+                                "batch_dropped_steps": dropped, "last_step": seen})
+    with contextlib.suppress(FileNotFoundError):
+        (directory / PROGRESS).unlink()
+    return lost
+
+
+def rank_dirs(root: Path) -> list[Path]:
+    """The spool's rank directories under `root` (the root itself, a run's directory, or
+    one rank's)."""
+    if root.name.startswith("rank-"):
+        return [root]
+    return sorted({p.parent for p in (*root.glob("rank-*/state.json"),
+                                      *root.glob("*/rank-*/state.json"),
+                                      *root.glob("rank-*/progress"),
+                                      *root.glob("*/rank-*/progress"))})
+
+
 def sync_spool(client: Client, root: Path, progress: Progress | None = None) -> SyncReport:
     """Upload every pending batch under `root`, oldest first per (run, rank), registering
     each run (PUT) before its first batch and whenever its registration changes. A file is
@@ -83,6 +163,10 @@ def sync_spool(client: Client, root: Path, progress: Progress | None = None) -> 
     `rejected/`. Stops at the first error that would fail every request (server down,
     bad token, 5xx). Blocks on the network: up to the client's timeout per request."""
     report = SyncReport()
+    for directory in rank_dirs(root):
+        with _locked(directory) as locked:
+            if locked:
+                report.crash_lost += recover_crash_window(directory)
     batches = pending_batches(root)
     total = sum(len(files) for files in batches.values())
     done = 0

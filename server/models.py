@@ -115,6 +115,14 @@ class RunRank(Base):
     def lost_batches(self) -> int:
         return self.max_seq + 1 - self.batches
 
+    @property
+    def missing_steps(self) -> int:
+        """Steps of this rank the server does not have: what the agent reported dropped
+        (spool bound, full host pool, a crash window), or the holes in the step numbers
+        up to the last step, whichever is larger (a hole the agent could not report)."""
+        holes = (self.last_step + 1 - self.steps) if self.last_step is not None else 0
+        return max(self.dropped_steps, holes, 0)
+
 
 class Batch(Base):
     """One ingested batch: packed columns of its steps (server/series.py)."""

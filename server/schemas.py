@@ -96,6 +96,7 @@ class RankPublic(BaseModel):
     loss_scale: float | None
     dropped_batches: int
     dropped_steps: int
+    missing_steps: int
     last_seen_at: datetime | None
     finished_at: datetime | None = None  # when its agent detached
 
@@ -123,6 +124,7 @@ class RunPublic(BaseModel):
     lost_batches: int
     dropped_batches: int
     dropped_steps: int
+    missing_steps: int
     created_at: datetime
     updated_at: datetime
     last_seen_at: datetime | None

@@ -198,7 +198,7 @@ class Delivery:
             return self.sender.post_batch(self.settings.run_id, recent[0], limit), None
         entry = read_entry(path)
         key = json.dumps(entry["run"], sort_keys=True)
-        if key != self._put_key:
+        if entry["run"] is not None and key != self._put_key:  # a tally has no body
             reply = self.sender.put_run(entry["run_id"], entry["run"], limit)
             if reply.outcome is not Outcome.OK:
                 self._refused(reply)

@@ -50,6 +50,7 @@ class Worker:
         self.delivery: Delivery | None = None
         self._steps: list[str] = []  # step records of the next batch, JSON-encoded
         self._last_step = -1
+        self._progress = -1  # the last step noted in the spool's progress file
         self._run_text = ""  # run_body as JSON, and sorted (the key the sender compares)
         self._run_key = ""
         self._events: list[dict] = []
@@ -135,6 +136,9 @@ class Worker:
                     guard.guarded("worker.handle")(self._handle)(item)
                     guard.guarded("worker.cut")(self._maybe_cut)()
             guard.guarded("worker.cut")(self._maybe_cut)()
+            if self._last_step > self._progress and self.spool is not None:
+                self._progress = self._last_step
+                guard.guarded("worker.progress")(self.spool.note_progress)(self._last_step)
         if self.delivery is not None:
             self.delivery.stop(timeout=1.0)
         if self.spool is not None:

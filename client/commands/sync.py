@@ -44,6 +44,7 @@ def sync_command(args: argparse.Namespace) -> int:
             "rejected": [{"path": str(p), "error": e} for p, e in report.rejected],
             "failed": [{"path": str(p), "error": e} for p, e in report.failed],
             "busy": [str(p) for p in report.busy], "stopped": report.stopped,
+            "crash_lost_steps": report.crash_lost,
         })
     else:
         print_report(root, report)
@@ -59,6 +60,9 @@ def progress_bar(done: int, total: int, path: Path) -> None:
 
 def print_report(root: Path, report: sync.SyncReport) -> None:
     """A one-line summary on stdout; every problem on its own line on stderr."""
+    if report.crash_lost:
+        print(f"ampwatch sync: {report.crash_lost} steps were lost when an agent was killed "
+              f"before spooling them; the server counts them as dropped", file=sys.stderr)
     if not (report.uploaded or report.duplicates or not report.ok):
         print(f"nothing to upload in {root}")
         return
