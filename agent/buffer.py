@@ -16,7 +16,11 @@ import torch
 class StepBuffer:
     """One preallocated float64 tensor on the model's device; collectors own slices."""
 
-    POOL_MAX = 256  # host copies in flight to the worker before steps are dropped
+    # host copies in flight to the worker before steps are dropped: 64 MiB of them, at
+    # least 256 and at most 16,384 (a small model's steps can outrun the worker for a
+    # while on a busy CPU; it catches up when the loop slows or ends)
+    POOL_BYTES = 64 << 20
+    POOL_MIN, POOL_MAX = 256, 16384
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
@@ -25,6 +29,7 @@ class StepBuffer:
         self._free: list[torch.Tensor] = []
         self._allocated = 0
         self._lock = threading.Lock()
+        self.pool_max = self.POOL_MIN  # set by allocate()
         self._pinned = device.type == "cuda"
         # float64 keeps loss scales, norms and losses exact; MPS has no float64
         self.dtype = torch.float32 if device.type == "mps" else torch.float64
@@ -37,6 +42,8 @@ class StepBuffer:
 
     def allocate(self) -> None:
         self.tensor = torch.zeros(max(self._size, 1), dtype=self.dtype, device=self.device)
+        per_copy = self.tensor.numel() * self.tensor.element_size()
+        self.pool_max = max(self.POOL_MIN, min(self.POOL_MAX, self.POOL_BYTES // per_copy))
 
     def view(self, offset: int, n: int) -> torch.Tensor:
         assert self.tensor is not None
@@ -52,7 +59,7 @@ class StepBuffer:
         with self._lock:
             if self._free:
                 host = self._free.pop()
-            elif self._allocated < self.POOL_MAX:
+            elif self._allocated < self.pool_max:
                 self._allocated += 1
                 host = torch.empty(self.tensor.shape, dtype=self.dtype,
                                    pin_memory=self._pinned)

@@ -16,6 +16,7 @@ import contextlib
 import logging
 import time
 from pathlib import Path
+from typing import Any
 
 logger = logging.getLogger("ampwatch.agent")
 
@@ -91,28 +92,42 @@ class SpoolBound:
                 break
             other = Spool(directory, self.max_bytes)
             try:
-                if not other.locked:
-                    continue  # a live agent writes or replays it: its own bound applies
-                for path in other.pending():
-                    if freed >= need:
-                        break
-                    try:
-                        entry = read_entry(path)
-                    except (OSError, ValueError):
-                        entry = None
-                    batch = (entry or {}).get("batch") or {}
-                    if entry is not None and not batch.get("steps") and not batch.get("events"):
-                        continue  # a tally: keeps the counts of what was dropped
-                    freed += other.drop(path)
-                    self.note_drop(directory, len(batch.get("steps") or ()))
-                    if entry is not None and not other.pending():
-                        other.append(entry["run_id"], entry["rank"], entry["run"],
-                                     {"steps": [], "events": []})
-                        freed -= _size(other.pending()[-1])
+                if other.locked:  # else a live agent writes or replays it: not ours to trim
+                    freed += self._trim(other, need - freed, read_entry)
             finally:
                 other.close()
         self._measured_at = float("-inf")
         return freed
+
+    def _trim(self, other: Any, need: int, read_entry: Any) -> int:
+        """Drop `other`'s oldest undelivered batches until `need` bytes are free, then
+        (re)write its tally: an empty batch after the rest that carries the new counts
+        (with the run's body when no batch of it is left to register the run)."""
+        freed, dropped, run, tallies = 0, 0, None, []
+        for path in other.pending():
+            try:
+                entry = read_entry(path)
+            except (OSError, ValueError):
+                entry = {"batch": {"steps": [None]}}  # unreadable: dropped like a batch
+            batch = entry["batch"]
+            run = entry.get("run") or run
+            if not batch.get("steps") and not batch.get("events"):
+                tallies.append(path)
+                continue
+            if freed >= need:
+                break
+            freed += other.drop(path)
+            dropped += 1
+            self.note_drop(other.dir, len(batch.get("steps") or ()))
+        if not dropped:
+            return freed
+        for path in tallies:
+            freed += other.drop_tally(path)
+        left = [p for p in other.pending() if p not in tallies]
+        rank = int(other.dir.name.removeprefix("rank-"))
+        path = other.append(other.dir.parent.name, rank, None if left else run,
+                            {"steps": [], "events": []})
+        return freed - path.stat().st_size
 
     def note_drop(self, directory: Path, steps: int) -> None:
         """Say once per process, in the training log, that the bound is dropping data."""

@@ -228,6 +228,14 @@ class Spool:
                 self.bound.note_drop(self.dir, steps or 0)
             return freed
 
+    def drop_tally(self, path: Path) -> int:
+        """Delete a tally batch (no steps, no events) a newer one replaces; not counted:
+        the counts it carried are cumulative. Returns the bytes freed."""
+        with self._mutex:
+            freed = self._sizes.get(path, 0)
+            self.remove(path)
+            return freed
+
     def recent(self, path: Path) -> tuple[bytes, str] | None:
         """(POST body JSON, run key) of a batch this process appended recently, else None."""
         with self._mutex:

@@ -30,7 +30,7 @@ _STOP = object()
 class Worker:
     """Worker thread for one attachment (one run and rank)."""
 
-    MAX_QUEUE = 4096
+    MAX_QUEUE = 16384  # as many as the host-copy pool can have in flight (buffer.py)
     POLL_S = 0.05
     REGISTER_TIMEOUT_S = 2.0
 

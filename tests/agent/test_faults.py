@@ -5,6 +5,7 @@ counts the steps the server stored against the steps the loop ran."""
 from __future__ import annotations
 
 import enum
+import json
 import logging
 import os
 import signal
@@ -130,9 +131,12 @@ def test_a_server_hung_for_60_s_mid_run_loses_no_step(server, spool_dir) -> None
         hung_at = time.monotonic()
         try:
             bf16_loop(model, optimizer, data[1000:], autocast=False)
+            # while the server hangs, the spooler goes on writing batches (on a loaded
+            # machine it may trail a loop this fast by a few seconds)
             attachment._session.close_pending()
-            time.sleep(2.5)  # one flush interval: the tail is cut into a batch too
-            # while the server hangs, the spooler went on writing batches
+            while (len(spooled_steps(spool_dir, attachment.run_id)) < 2000
+                   and time.monotonic() - hung_at < 50):
+                time.sleep(0.5)
             assert len(spooled_steps(spool_dir, attachment.run_id)) >= 2000
             time.sleep(max(0.0, 60 - (time.monotonic() - hung_at)))
         finally:
@@ -227,3 +231,46 @@ def test_a_config_json_cannot_hold_is_sent_as_text_and_no_step_is_lost(
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "config.opaque" in warned and "config.broken" in warned
     assert "config.out_dir" not in warned  # a Path is plainly text: nothing to say
+
+
+# ---------------------------------------------------------------------- spool bound
+@pytest.mark.parametrize("room", [1.5, 1.02], ids=["half-of-the-old-run", "all-of-it"])
+def test_one_bound_for_the_whole_spool_drops_older_runs_first_and_counts_agree(
+        server, spool_dir, monkeypatch, room) -> None:
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+
+    def offline_run() -> str:
+        with agent.attach(model, flush_interval=60, max_batch_steps=10) as attachment:
+            bf16_loop(model, optimizer, batches(60))
+        return attachment.run_id
+
+    def spool_bytes() -> int:
+        return sum(p.stat().st_size for p in spool_dir.rglob("*.json.gz"))
+
+    old = offline_run()
+    bound = int(spool_bytes() * room)
+    monkeypatch.setenv("AMPWATCH_SPOOL_MAX_BYTES", str(bound))
+    new = offline_run()
+    assert spool_bytes() <= bound
+    state = json.loads((spool_dir / old / "rank-0" / "state.json").read_text())
+    assert state["dropped_steps"] >= 20  # the older run paid first
+    if room > 1.2:
+        assert [s["step"] for s in spooled_steps(spool_dir, new)] == list(range(60))
+
+    done = sync(spool_dir, server.url)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for run_id in (old, new):
+        stored, totals = stored_steps(server.url, run_id), run_totals(server.url, run_id)
+        assert len(stored) + totals["dropped_steps"] == 60  # every step stored or counted
+        assert stored == list(range(60 - len(stored), 60))  # the oldest went first
+        assert totals["missing_steps"] == totals["dropped_steps"]
+    assert run_totals(server.url, old)["dropped_steps"] == state["dropped_steps"]
+
+    page = httpx.get(f"{server.url}/runs/{old}", timeout=30)
+    assert 'id="missing-steps"' in page.text and f"{state['dropped_steps']} steps" in page.text
+    twin = httpx.get(f"{server.url}/runs/{old}", params={"format": "json"}, timeout=30).json()
+    assert twin["run"]["missing_steps"] == state["dropped_steps"]
+    if room > 1.2:
+        assert 'id="missing-steps"' not in httpx.get(f"{server.url}/runs/{new}", timeout=30).text
