@@ -177,7 +177,9 @@ class Delivery:
                     self._backoff()
                     return False
                 pending.append(moved)
-            elif reply.outcome is Outcome.REJECT:
+            elif reply.outcome is Outcome.REJECT or (
+                    reply.outcome is Outcome.MISSING and entry is not None
+                    and entry["run"] is None):  # a tally for a run the server lost
                 spool.reject(path)
                 guard.report("sender.rejected", RuntimeError(
                     f"server refused batch {path.name}: HTTP {reply.status} {reply.body}"))
