@@ -88,25 +88,19 @@ def run_body(*, name: str | None, project: str | None, tags: list[str] | None,
     return body
 
 
-def describe_run(name: Any, project: Any, tags: Any, config: Any) -> dict[str, Any]:
-    """attach()'s name, project, tags and config as JSON can hold them: what it cannot
-    (a `Path`, a numpy scalar, an object) is sent as text or dropped, with a warning
-    naming the key (`plain_json`), so a run is never lost to its config. Once, at attach."""
-    if tags is not None and not isinstance(tags, (list, tuple, set, frozenset)):
-        logger.warning("ampwatch: tags is a %s, not a list: sent as one tag",
-                       type(tags).__name__)
-        tags = [tags]
+def describe_run(name: str | None, project: str | None, tags: list[str] | None,
+                 config: Any) -> dict[str, Any]:
+    """attach()'s labels (already checked: strings) and its config as JSON can hold it:
+    what it cannot (a `Path`, a numpy scalar, an object) is sent as text or dropped, with
+    a warning naming the key (`plain_json`), so a run is never lost to its config. Once,
+    at attach."""
     if config is not None and not isinstance(config, dict):
         logger.warning("ampwatch: config is a %s, not a dict: sent as {'config': ...}",
                        type(config).__name__)
         config = {"config": config}
-    plain = plain_json({"name": name, "project": project, "tags": tags, "config": config}, "")
-    for key in ("name", "project"):
-        if plain[key] is not None and not isinstance(plain[key], str):
-            plain[key] = str(plain[key])
-    if plain["tags"] is not None:
-        plain["tags"] = [t if isinstance(t, str) else str(t) for t in plain["tags"]]
-    return plain
+    return {"name": name, "project": project,
+            "tags": list(tags) if tags is not None else None,
+            "config": plain_json(config, "config") if config is not None else None}
 
 
 def plain_json(value: Any, key: str, depth: int = 0) -> Any:
@@ -129,7 +123,7 @@ def plain_json(value: Any, key: str, depth: int = 0) -> Any:
         out = {}
         for k, v in value.items():
             name = k if isinstance(k, str) else str(k)
-            item = plain_json(v, f"{key}.{name}" if key else name, depth + 1)
+            item = plain_json(v, f"{key}.{name}", depth + 1)
             if item is not _DROPPED:
                 out[name] = item
         return out

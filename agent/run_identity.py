@@ -67,7 +67,8 @@ def refuse_reused_run(settings: Any) -> None:
     if spooled is not None:
         where.append(f"in the spool {settings.spool_dir} (up to step {spooled})")
     if not settings.offline:
-        on_server = _server_last_step(settings.server, settings.run_id, settings.rank)
+        on_server = _server_last_step(settings.server, settings.run_id, settings.rank,
+                                      settings.token)
         if on_server is not None:
             where.append(f"on the server {settings.server} (up to step {on_server})")
     if where:
@@ -77,11 +78,14 @@ def refuse_reused_run(settings: Any) -> None:
             "it, or another run id (run=None makes a new one)")
 
 
-def _server_last_step(server: str, run_id: str, rank: int) -> int | None:
+def _server_last_step(server: str, run_id: str, rank: int, token: str = "") -> int | None:
     """The rank's last step on the server; None when it has none or cannot be asked."""
+    headers = {"User-Agent": "ampwatch-agent"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
     try:
         reply = httpx.get(f"{server}/api/v1/runs/{run_id}", timeout=SERVER_CHECK_TIMEOUT_S,
-                          headers={"User-Agent": "ampwatch-agent"})
+                          headers=headers)
     except httpx.HTTPError:
         return None
     if reply.status_code != 200:

@@ -84,7 +84,8 @@ def _child(run_id: str, url: str, spool: Path, steps: int | None = None) -> subp
         from ampwatch import agent
         from tests.agent.factories import batches, bf16_loop, mlp
         model = mlp(); opt = torch.optim.SGD(model.parameters(), lr=0.01)
-        attachment = agent.attach(model, run={run_id!r}, server={url!r}, flush_interval=0.3)
+        attachment = agent.attach(model, run={run_id!r}, server={url!r}, flush_interval=0.3,
+                                  resume={steps is not None!r})
         step, limit = 0, {steps!r}
         while limit is None or step < limit:
             bf16_loop(model, opt, batches(1))

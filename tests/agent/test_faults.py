@@ -218,7 +218,7 @@ def test_a_config_json_cannot_hold_is_sent_as_text_and_no_step_is_lost(
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     caplog.set_level(logging.WARNING, logger="ampwatch.agent")
     with agent.attach(model, server=server.url, config=config, flush_interval=0.1,
-                      tags=["ok", Path("tag-path")], name="config-run") as attachment:
+                      name="config-run") as attachment:
         bf16_loop(model, optimizer, batches(20))
         assert attachment.flush(15)
     assert stored_steps(server.url, attachment.run_id) == list(range(20))
@@ -227,7 +227,6 @@ def test_a_config_json_cannot_hold_is_sent_as_text_and_no_step_is_lost(
                              "betas": [0.9, 0.95], "precision": "bf16",
                              "dtype": "torch.bfloat16", "opaque": "opaque-thing",
                              "nested": {"paths": ["a", "b"], "3": "int key"}}
-    assert run["tags"] == ["ok", "tag-path"]
     warned = " ".join(r.getMessage() for r in caplog.records)
     assert "config.opaque" in warned and "config.broken" in warned
     assert "config.out_dir" not in warned  # a Path is plainly text: nothing to say
