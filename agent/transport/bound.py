@@ -13,6 +13,8 @@ an empty "tally" batch takes its place so the counts still reach the server.
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 import logging
 import time
 from pathlib import Path
@@ -21,6 +23,7 @@ from typing import Any
 logger = logging.getLogger("ampwatch.agent")
 
 SUFFIX = ".json.gz"
+TALLY_BYTES = 512  # room kept for a tally batch without the run's body (about 160 bytes)
 
 
 def _files(directory: Path) -> list[Path]:
@@ -100,10 +103,11 @@ class SpoolBound:
         return freed
 
     def _trim(self, other: Any, need: int, read_entry: Any) -> int:
-        """Drop `other`'s oldest undelivered batches until `need` bytes are free, then
-        (re)write its tally: an empty batch after the rest that carries the new counts
-        (with the run's body when no batch of it is left to register the run)."""
-        freed, dropped, run, tallies = 0, 0, None, []
+        """Drop `other`'s oldest undelivered batches until `need` bytes are free net of
+        the tally that replaces its old ones: an empty batch after the rest that carries
+        the new counts (with the run's body when no batch of it is left to register the
+        run). Returns the bytes freed."""
+        data, tallies, run = [], [], None
         for path in other.pending():
             try:
                 entry = read_entry(path)
@@ -113,17 +117,21 @@ class SpoolBound:
             run = entry.get("run") or run
             if not batch.get("steps") and not batch.get("events"):
                 tallies.append(path)
-                continue
-            if freed >= need:
+            else:
+                data.append((path, len(batch.get("steps") or ())))
+        if not data:
+            return 0  # only tallies: they keep the counts, never dropped
+        freed = sum(other.drop_tally(path) for path in tallies)
+        allowance = TALLY_BYTES
+        left = len(data)
+        for path, steps in data:
+            if left == 1:  # the last one goes: the tally must carry the run's body
+                allowance += len(gzip.compress(json.dumps(run).encode()))
+            if freed >= need + allowance:
                 break
             freed += other.drop(path)
-            dropped += 1
-            self.note_drop(other.dir, len(batch.get("steps") or ()))
-        if not dropped:
-            return freed
-        for path in tallies:
-            freed += other.drop_tally(path)
-        left = [p for p in other.pending() if p not in tallies]
+            left -= 1
+            self.note_drop(other.dir, steps)
         rank = int(other.dir.name.removeprefix("rank-"))
         path = other.append(other.dir.parent.name, rank, None if left else run,
                             {"steps": [], "events": []})
