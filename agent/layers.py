@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampwatch.agent.compiled import clean_name, is_compiled_wrapper
+
 _HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
 _EMBED_ATTRS = ("embed_dim", "n_embd", "d_model", "hidden_size", "embed_size")
 _SCALAR = (bool, int, float, str)
@@ -82,10 +84,14 @@ def layer_attrs(module: nn.Module) -> dict[str, Any]:
 
 
 def discover_layers(model: nn.Module) -> list[Layer]:
-    """Layers in registration order; host only, no device work."""
+    """Layers in registration order; host only, no device work. `torch.compile`
+    wrappers are not layers and their `_orig_mod.` is not part of the names."""
     layers: list[Layer] = []
     holder: dict[int, str] = {}  # parameter id -> the first layer that holds it
-    for name, module in model.named_modules():
+    for path, module in model.named_modules():
+        if is_compiled_wrapper(module):
+            continue
+        name = clean_name(path)
         own = list(module.parameters(recurse=False))
         has_children = next(module.children(), None) is not None
         if own or not has_children or _is_attention(module):

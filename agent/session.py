@@ -22,10 +22,12 @@ from ampwatch.agent import distributed, grad_clip, guard, patches
 from ampwatch.agent.buffer import StepBuffer
 from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
+from ampwatch.agent.compiled import CompileCounter, is_compiled, is_compiled_wrapper, unwrap
 from ampwatch.agent.layers import Layer
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
+_compiling = torch.compiler.is_compiling  # dynamo folds it to True while tracing a hook
 
 
 @dataclass
@@ -54,6 +56,9 @@ class Session:
                  collectors: list[Collector], sink: Callable[[StepItem], bool],
                  settings: Any) -> None:
         self.model = model
+        self.inner = unwrap(model)  # the user's model inside torch.compile wrappers
+        self.compiled = is_compiled(model)  # no per-layer hooks (see agent/compiled.py)
+        self.compiles = CompileCounter()
         self.scaler = scaler
         self.optimizer = optimizer
         self.layers = layers
@@ -82,6 +87,8 @@ class Session:
         self._in_scaler_step = False
         self._opt_stepped = False
         self._pending: tuple[int, bool, dict[str, Any]] | None = None
+        self._forward_owner: nn.Module | None = None  # the module whose hooks run this forward
+        self._inplace_compiled: list[tuple[nn.Module, Callable]] = []
         self._handles: list[Any] = []
         self._patch_tokens: list[tuple[patches.GlobalPatch, object]] = []
         self._scaler_wrapped: list[str] = []
@@ -100,10 +107,7 @@ class Session:
         self.buffer.allocate()
         for collector in self.collectors:
             collector.bind(self)
-        self._handles.append(self.model.register_forward_pre_hook(
-            self._forward_pre, with_kwargs=True))
-        self._handles.append(self.model.register_forward_hook(
-            self._forward_post, with_kwargs=True))
+        self._hook_forward(self.model)
         self._handles.append(optim_hooks.register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(optim_hooks.register_optimizer_step_post_hook(self._opt_post))
         self._patch_tokens = [
@@ -111,6 +115,8 @@ class Session:
             (patches.CLIP_GRAD_NORM, patches.CLIP_GRAD_NORM.add(
                 self._clip_before, self._clip_after, replace=self._clip_replace)),
             (patches.SCHEDULER_STEP, patches.SCHEDULER_STEP.add(self._scheduler_before)),
+            (patches.COMPILE, patches.COMPILE.add(after=self._compile_after)),
+            (patches.MODULE_COMPILE, patches.MODULE_COMPILE.add(after=self._module_compile_after)),
         ]
         if self.scaler is not None:
             for name in _SCALER_METHODS:
@@ -118,7 +124,17 @@ class Session:
                 setattr(self.scaler, name, getattr(self, f"_wrap_{name.rstrip('_')}")(original))
                 self._scaler_wrapped.append(name)
         self.active = True
-        self.dispatch("on_next_step", 0)
+        if self.compiled:
+            self.compiles.start()
+            if not is_compiled_wrapper(self.model):
+                self._wrap_inplace_compiled(self.inner)
+        self.dispatch("on_next_step", self.step)
+
+    def _hook_forward(self, module: nn.Module) -> None:
+        self._handles.append(module.register_forward_pre_hook(
+            self._forward_pre, with_kwargs=True))
+        self._handles.append(module.register_forward_hook(
+            self._forward_post, with_kwargs=True, always_call=True))
 
     def uninstall(self) -> None:
         """Remove every hook, wrapper and patch; idempotent."""
@@ -132,6 +148,11 @@ class Session:
         for name in self._scaler_wrapped:
             self.scaler.__dict__.pop(name, None)
         self._scaler_wrapped.clear()
+        for module, compiled in self._inplace_compiled:
+            if getattr(module, "_compiled_call_impl", None) is not compiled:
+                module._compiled_call_impl = compiled
+        self._inplace_compiled.clear()
+        self.compiles.stop()
         for collector in self.collectors:
             collector.unbind()
 
@@ -149,6 +170,11 @@ class Session:
     @property
     def scaler_enabled(self) -> bool:
         return self.scaler is not None and bool(getattr(self.scaler, "_enabled", True))
+
+    def set_step(self, step: int) -> None:
+        """Number the next step `step` (the trainer's own step count)."""
+        self.step = int(step)
+        self.dispatch("on_next_step", self.step)
 
     def _adopt(self, optimizer: Any) -> bool:
         """Is `optimizer` the one training this model? Adopts the first that matches."""
@@ -230,15 +256,68 @@ class Session:
         self.anomaly_until = max(self.anomaly_until, step + self.settings.sample_after_anomaly)
 
     # ------------------------------------------------------------------ hooks
+    # Traced by dynamo (a model compiled after attach), a hook returns at once: nothing is
+    # added to the graph. The compile wrapper's hooks run eagerly around the compiled call;
+    # the owner check keeps one forward from counting twice when dynamo falls back to eager.
     def _forward_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        if self.live:
-            self.in_training_forward = module.training
-            self.dispatch("on_forward_begin", module.training, args, kwargs)
+        if _compiling() or not self.live or self._forward_owner is not None:
+            return
+        self._forward_owner = module
+        training = self.inner.training
+        self.in_training_forward = training
+        self.dispatch("on_forward_begin", training, args, kwargs)
 
     def _forward_post(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        if _compiling() or module is not self._forward_owner:
+            return
+        self._forward_owner = None
+        self.in_training_forward = False
         if self.live:
-            self.dispatch("on_forward_end", module.training, output)
-            self.in_training_forward = False
+            self.dispatch("on_forward_end", self.inner.training, output)
+
+    # ------------------------------------------------------------------ torch.compile
+    def _compile_after(self, result: Any, args: tuple, kwargs: dict, token: Any) -> None:
+        target = args[0] if args else kwargs.get("model")
+        if not self.active or not isinstance(target, nn.Module) or not self._owns(target):
+            return
+        if (target is self.inner or target is self.model) and is_compiled_wrapper(result):
+            self._hook_forward(result)  # its hooks run eagerly around the compiled call
+        self._note_compiled()
+
+    def _module_compile_after(self, result: Any, args: tuple, kwargs: dict, token: Any) -> None:
+        module = args[0]
+        if self.active and self._owns(module):
+            if module is self.inner:
+                self._wrap_inplace_compiled(module)
+            self._note_compiled()
+
+    def _owns(self, module: nn.Module) -> bool:
+        return module is self.model or any(m is module for m in self.inner.modules())
+
+    def _note_compiled(self) -> None:
+        self.compiled = True
+        self.compiles.start()
+        self.dispatch("on_next_step", self.step)  # drops the per-layer hooks
+
+    def _wrap_inplace_compiled(self, module: nn.Module) -> None:
+        """`module.compile()` compiles its `_call_impl`, hooks included: run ours eagerly
+        around the compiled call instead."""
+        compiled = getattr(module, "_compiled_call_impl", None)
+        if compiled is None or any(m is module for m, _ in self._inplace_compiled):
+            return
+        pre, post = self._forward_pre, self._forward_post
+
+        def call_with_hooks(*args: Any, **kwargs: Any) -> Any:
+            pre(module, args, kwargs)
+            output = None
+            try:
+                output = compiled(*args, **kwargs)
+            finally:
+                post(module, args, kwargs, output)
+            return output
+
+        module._compiled_call_impl = call_with_hooks
+        self._inplace_compiled.append((module, compiled))
 
     def _backward_before(self, args: tuple, kwargs: dict) -> None:
         if self.live:
@@ -294,14 +373,42 @@ class Session:
         if self.live and getattr(scheduler, "_step_count", 1) != 0:  # 0: its __init__ step
             self.dispatch("on_scheduler_step", getattr(scheduler, "optimizer", None))
 
-    def _opt_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
+    def _opt_pre(self, optimizer: Any, args: tuple, kwargs: dict) -> Any:
+        """Step begin; the grads are read now, or, for `step(closure)`, after the closure
+        has computed them (a closure's forward and backward belong to this step)."""
         try:
             if not self.live or self._in_scaler_step or not self._adopt(optimizer):
-                return
+                return None
             self._step_begin()
+            if args and callable(args[0]):
+                return (self._closure_then_grads(args[0]), *args[1:]), kwargs
+            if callable(kwargs.get("closure")):
+                return args, {**kwargs, "closure": self._closure_then_grads(kwargs["closure"])}
             self._take_grads()
         except Exception as exc:  # noqa: BLE001
             guard.report("session.optimizer_pre", exc)
+        return None
+
+    def _closure_then_grads(self, closure: Callable) -> Callable:
+        """The closure, then the grad snapshot (unless a clip inside it took one). Later
+        calls (LBFGS re-evaluates) are not recorded: their losses and forwards are the
+        optimizer's line search, not more training data."""
+        calls = 0
+
+        def closure_then_grads(*args: Any, **kwargs: Any) -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                suspended, self.suspended = self.suspended, True
+                try:
+                    return closure(*args, **kwargs)
+                finally:
+                    self.suspended = suspended
+            result = closure(*args, **kwargs)
+            self._take_grads_guarded()
+            return result
+
+        return closure_then_grads
 
     def _opt_post(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         try:

@@ -32,6 +32,8 @@ from ampwatch.agent.collectors.base import Collector
 from ampwatch.agent.layers import dtype_name
 from ampwatch.client.wire import encode_array
 
+compiling = torch.compiler.is_compiling  # traced hooks return at once: no graph break
+
 # one hooked call: (layer index, output dtype or None, aminmax or None, start, end)
 Call = tuple[int, torch.dtype | None, Any, Any, Any]
 
@@ -164,8 +166,11 @@ class ActivationCollector(Collector):
         return bool(self._pre_hooks)
 
     def on_next_step(self, step: int) -> None:
-        every = self.session.settings.sample_every
-        sample = (every > 0 and step % every == 0) or step <= self.session.anomaly_until
+        session = self.session
+        every = session.settings.sample_every
+        # a compiled model: (un)registering hooks would recompile it (see agent/compiled.py)
+        sample = not session.compiled and (
+            (every > 0 and step % every == 0) or step <= session.anomaly_until)
         if sample != self.sampling:
             self._set_sampling(sample)
 
@@ -193,6 +198,8 @@ class ActivationCollector(Collector):
         counts_tokens = isinstance(in_features, int) and in_features > 0
 
         def hook(module: torch.nn.Module, args: tuple) -> None:
+            if compiling():
+                return
             try:
                 if session.in_training_forward:
                     starts[index] = mark()
@@ -209,6 +216,8 @@ class ActivationCollector(Collector):
         aminmax = torch.aminmax
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if compiling():
+                return
             try:
                 if not session.in_training_forward:
                     return

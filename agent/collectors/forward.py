@@ -1,5 +1,12 @@
 """Facts about the model's top-level forwards: time, autocast dtype, train versus eval,
-and whether the training input batch held inf/NaN."""
+and whether the training input batch held inf/NaN.
+
+The autocast dtype is the one in effect inside the forward: when autocast is off as the
+forward begins, a one-shot global module pre-hook reads it at the first submodule call
+(accelerate and the HF Trainer enter autocast inside the wrapped `model.forward`). A
+forward during which dynamo compiled something is not timed (compiling is not forward
+time).
+"""
 
 from __future__ import annotations
 
@@ -7,6 +14,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.nn.modules.module import register_module_forward_pre_hook
 
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.agent.layers import dtype_name
@@ -32,6 +40,9 @@ class ForwardCollector(Collector):
     def __init__(self) -> None:
         super().__init__()
         self.training_autocast: str | None = None  # autocast dtype training forwards use
+        self._current: str | None = None  # autocast dtype of the forward under way
+        self._probe: Any = None  # the one-shot global pre-hook looking inside the forward
+        self._compiles = 0
         self._reset()
 
     def _reset(self) -> None:
@@ -43,30 +54,53 @@ class ForwardCollector(Collector):
         self._eval = 0
         self._eval_no_autocast = 0
 
+    def _autocast(self) -> str | None:
+        device_type = self.session.device_type
+        return (dtype_name(torch.get_autocast_dtype(device_type))
+                if torch.is_autocast_enabled(device_type) else None)
+
+    def _look_inside(self, module: torch.nn.Module, args: tuple) -> None:
+        self._remove_probe()
+        self._current = self._autocast()
+
+    def _remove_probe(self) -> None:
+        if self._probe is not None:
+            self._probe.remove()
+            self._probe = None
+
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
         session = self.session
-        device_type = session.device_type
-        autocast = (dtype_name(torch.get_autocast_dtype(device_type))
-                    if torch.is_autocast_enabled(device_type) else None)
+        self._current = self._autocast()
+        if self._current is None and not session.compiled:
+            self._probe = register_module_forward_pre_hook(self._look_inside)
+        if not training:
+            return
+        self._training_forwards += 1
+        for tensor in _float_tensors(args, kwargs):
+            if tensor.numel():
+                self._input_maxes.extend(torch.aminmax(tensor.detach()))
+        self._compiles = session.compiles.count
+        self._start = session.clock.mark()
+
+    def on_forward_end(self, training: bool, output: Any) -> None:
+        self._remove_probe()
+        autocast = self._current
         if not training:
             self._eval += 1
             if autocast is None and self.training_autocast is not None:
                 self._eval_no_autocast += 1
             return
-        self._training_forwards += 1
+        if self._start is not None:
+            if self.session.compiles.count == self._compiles:
+                self._intervals.append((self._start, self.session.clock.mark()))
+            self._start = None
         self._dtypes.add(autocast)
         if autocast is not None and autocast != self.training_autocast:
             self.training_autocast = autocast
-            session.on_run_change()
-        for tensor in _float_tensors(args, kwargs):
-            if tensor.numel():
-                self._input_maxes.extend(torch.aminmax(tensor.detach()))
-        self._start = session.clock.mark()
+            self.session.on_run_change()
 
-    def on_forward_end(self, training: bool, output: Any) -> None:
-        if training and self._start is not None:
-            self._intervals.append((self._start, self.session.clock.mark()))
-            self._start = None
+    def unbind(self) -> None:
+        self._remove_probe()
 
     def seal(self) -> Any:
         dtypes = self._dtypes

@@ -1,6 +1,7 @@
 """The loss of each step, as the agent sees it: the input of `scaler.scale()` (so the
-unscaled loss), or without a scaler the scalar that `backward()` was called on. With
-gradient accumulation the step's loss is the sum of its micro-batch losses."""
+unscaled loss), or without a scaler (or with a disabled one) the scalar that `backward()`
+was called on. With gradient accumulation the step's loss is the sum of its micro-batch
+losses."""
 
 from __future__ import annotations
 
@@ -31,7 +32,8 @@ class LossCollector(Collector):
             self._losses.append(tensor.detach())
 
     def on_scale(self, outputs: Any) -> None:
-        self._take(outputs)
+        if self.session is not None and self.session.scaler_enabled:
+            self._take(outputs)  # a disabled scaler returns it as is: backward() takes it
 
     def on_backward_begin(self, tensor: torch.Tensor) -> None:
         if self.session is not None and not self.session.scaler_enabled:
