@@ -59,6 +59,19 @@ class Attachment:
         """Index of the next optimizer step the agent will record."""
         return self._session.step if self._session is not None else 0
 
+    @step.setter
+    def step(self, value: int) -> None:
+        """Number the next optimizer step `value` (the trainer's own step, e.g. its
+        global_step before the step). Steps then carry the loop's numbers as given: a
+        resumed run is not offset, and steps sent again supersede the stored ones."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"step must be a non-negative int, got {value!r}")
+        if self._detached or self._session is None:
+            return
+        if self._worker is not None:
+            self._worker.explicit_steps = True
+        self._session.set_step(value)
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Hand over the last step, spool everything and try to deliver it.
 
@@ -188,7 +201,8 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            sample_every: int = 10,
            sample_after_anomaly: int = 20, spool_dir: str | os.PathLike | None = None,
            offline: bool | None = None, flush_interval: float | None = None,
-           max_batch_steps: int | None = None, resume: bool | None = None) -> Attachment:
+           max_batch_steps: int | None = None, resume: bool | None = None,
+           step: int | None = None) -> Attachment:
     """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
 
     The optimizer is found at its first step when not given (the first whose parameters
@@ -196,11 +210,17 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     this rank unless `resume` (default `AMPWATCH_RESUME`) is true. Costs a few host-side
     hooks per step and a handful of small device kernels; does not synchronise the device;
     a chosen run id without `resume` costs one request to the server here. Raises
-    ValueError for a run id, name, project or tag the server would refuse, and for a
-    reused run id without `resume`; never raises because of the agent's own failures: it
-    logs them and returns a disabled attachment. `token` (default `AMPWATCH_TOKEN`) is
-    sent to the server as a bearer token.
+    ValueError for a run id, name, project or tag the server would refuse, for a reused
+    run id without `resume`, and for a `step` that is not a non-negative int; never raises
+    because of the agent's own failures: it logs them and returns a disabled attachment.
+    `token` (default `AMPWATCH_TOKEN`) is sent to the server as a bearer token.
+
+    `step`: the number of the first step recorded (the trainer's step; set it per step with
+    `attachment.step = n`). Without it steps count from 0, or, for a resumed run, on from
+    the last step stored.
     """
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
+        raise ValueError(f"step must be a non-negative int, got {step!r}")
     run, resume = resolve_run(run, resume)
     check_labels(name, project, tags)
     if not enabled:
@@ -235,6 +255,9 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         session.sink = worker.submit
         session.on_run_change = guard.guarded("attachment.run_change")(attachment._run_changed)
         session.on_event = attachment.event
+        if step is not None:
+            worker.explicit_steps = True
+            session.step = step
         session.install()
         worker._start()
     except Exception as exc:  # noqa: BLE001

@@ -59,6 +59,7 @@ class Worker:
         self.failed_steps = 0  # steps the agent itself failed to turn into records
         self._failed_seen = 0  # failed_steps at the previous flush
         self.step_offset = 0  # added to this process's step numbers (see _open)
+        self.explicit_steps = False  # the loop numbers the steps itself: no offset
 
     # ------------------------------------------------------------------ any thread
     def submit(self, item: Any) -> bool:
@@ -163,7 +164,7 @@ class Worker:
         if isinstance(item, tuple) and item and item[0] == "event":
             self._note_pending()
             event = item[1]
-            if self.step_offset and event.get("step") is not None:
+            if self.step_offset and not self.explicit_steps and event.get("step") is not None:
                 event["step"] += self.step_offset
             self._events.append(event)
         elif isinstance(item, tuple) and item and item[0] == "run":
@@ -183,7 +184,8 @@ class Worker:
                 self.failed_steps += 1  # lost: counted dropped, and flush() is not True
                 raise
             if record is not None:
-                record["step"] += self.step_offset
+                if not self.explicit_steps:
+                    record["step"] += self.step_offset
                 self._note_pending()
                 self._steps.append(json.dumps(record, allow_nan=False))
                 self._last_step = record["step"]

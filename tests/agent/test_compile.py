@@ -1,0 +1,118 @@
+"""torch.compile: the agent adds no graph break and no recompile, in either order of
+attach and compile, names layers without `_orig_mod.`, does not time compiling as a
+forward, and still records exact grad norms and losses (ground truth: the loop's own
+clip_grad_norm_ and loss)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import torch._dynamo
+from torch import nn
+from torch._dynamo.utils import counters
+
+from tests.agent.factories import same, spooled, spooled_steps
+
+BACKEND = "aot_eager"  # dynamo + AOT autograd without inductor's C++ build: fast on CPU
+
+
+def five_layers() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(32, 32), nn.GELU())])
+
+
+def train(model: nn.Module, compiled: nn.Module, steps: int = 6) -> list[tuple[float, float]]:
+    """bf16 autocast steps; returns the loop's own (loss, clip_grad_norm_) per step."""
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    truth = []
+    for _ in range(steps):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(x).float().pow(2).mean()
+        loss.backward()
+        norm = nn.utils.clip_grad_norm_(model.parameters(), 1e9)
+        truth.append((loss.item(), norm.item()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return truth
+
+
+def compile_stats() -> tuple[int, int, int]:
+    return (sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"],
+            counters["stats"]["calls_captured"])
+
+
+def attach_compiled(attach, order: str) -> tuple[nn.Module, nn.Module, object]:
+    """(model, what the loop calls, attachment) for each way users combine the two."""
+    model = five_layers()
+    if order == "attach_then_compile":
+        attachment = attach(model, sample_every=2)
+        return model, torch.compile(model, backend=BACKEND), attachment
+    if order == "attach_compiled":
+        compiled = torch.compile(model, backend=BACKEND)
+        return model, compiled, attach(compiled, sample_every=2)
+    attachment = attach(model, sample_every=2)
+    model.compile(backend=BACKEND)
+    return model, model, attachment
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("order", ["attach_then_compile", "attach_compiled", "module_compile"])
+def test_no_graph_break_no_recompile_exact_values(attach, offline: Path, order: str) -> None:
+    model = five_layers()
+    train(model, torch.compile(model, backend=BACKEND))
+    without_agent = compile_stats()
+    torch._dynamo.reset()
+    counters.clear()
+
+    model, compiled, attachment = attach_compiled(attach, order)
+    truth = train(model, compiled)  # steps 0, 2, 4 would be sampled in eager mode
+    attachment.flush()
+    assert compile_stats() == without_agent
+    assert without_agent[0] == 0
+
+    steps = spooled_steps(offline, attachment.run_id)
+    assert [s["step"] for s in steps] == list(range(6))
+    for record, (loss, norm) in zip(steps, truth, strict=True):
+        assert same(record["loss"], loss) and same(record["grad_norm"], norm)
+        assert record["autocast_dtype"] == "bfloat16"
+        assert "activations" not in record  # per-layer hooks would recompile the model
+    assert steps[0]["t_forward_ms"] is None  # that forward compiled the model
+    assert all(s["t_forward_ms"] is not None for s in steps[1:])
+    layers = spooled(offline, attachment.run_id)[-1]["run"]["layers"]
+    assert [layer["name"] for layer in layers][:3] == ["0", "1", "2"]
+
+
+def test_explain_counts_no_break_from_the_agent_hooks(attach) -> None:
+    model = five_layers()
+    x = torch.randn(4, 32)
+    plain = torch._dynamo.explain(model)(x)
+    attach(model, sample_every=1)  # the per-layer hooks are registered for step 0
+    hooked = torch._dynamo.explain(model)(x)
+    assert (hooked.graph_break_count, hooked.graph_count) == (
+        plain.graph_break_count, plain.graph_count) == (0, 1)
+
+
+# dynamo itself reads .grad of the non-leaf input it traces (torch 2.13)
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_eager_model_still_sampled_after_a_compiled_function(attach, offline: Path) -> None:
+    """Compiling something that is not the model (a loss function) leaves the model
+    eager: its layers are still sampled."""
+    model = five_layers()
+    attachment = attach(model, sample_every=1)
+    loss_fn = torch.compile(lambda out: out.pow(2).mean(), backend=BACKEND)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    loss_fn(model(torch.randn(4, 32))).backward()
+    optimizer.step()
+    attachment.flush()
+    (record,) = spooled_steps(offline, attachment.run_id)
+    assert record["activations"]["absmax"][0] is not None
