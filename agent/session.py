@@ -380,8 +380,10 @@ class Session:
             if not self.live or self._in_scaler_step or not self._adopt(optimizer):
                 return None
             self._step_begin()
-            if args and callable(args[0]):
-                return (self._closure_then_grads(args[0]), *args[1:]), kwargs
+            own = 1 if args and args[0] is optimizer else 0  # the hook's args hold self
+            if len(args) > own and callable(args[own]):
+                wrapped = self._closure_then_grads(args[own])
+                return (*args[:own], wrapped, *args[own + 1:]), kwargs
             if callable(kwargs.get("closure")):
                 return args, {**kwargs, "closure": self._closure_then_grads(kwargs["closure"])}
             self._take_grads()
