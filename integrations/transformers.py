@@ -1,0 +1,54 @@
+"""`AmpwatchCallback` for the Hugging Face `Trainer`.
+
+    trainer = Trainer(..., callbacks=[AmpwatchCallback()])
+
+On train begin it attaches to the trainer's model and the GradScaler of its Accelerator
+(reached through the prepared optimizer), names the run after `args.run_name`, and numbers
+each step with the Trainer's `state.global_step` after that step (the step the Trainer's
+logs show); on train end it detaches. Works for fp16 (scaler), bf16 and fp32, with
+gradient accumulation: each record is one optimizer step. Costs what `attach` costs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from transformers import TrainerCallback
+
+from ampwatch import agent
+
+
+class AmpwatchCallback(TrainerCallback):
+    """Attach the ampwatch agent for the length of `trainer.train()`.
+
+    `server`, `run`, `project`, `name`, `tags`, `config` and any other keyword are passed
+    to `agent.attach` (a `name` given here wins over `args.run_name`).
+    """
+
+    def __init__(self, *, server: str | None = None, run: str | None = None,
+                 project: str | None = None, **attach_kwargs: Any) -> None:
+        self.attach_kwargs = {"server": server, "run": run, "project": project,
+                              **attach_kwargs}
+        self.attachment: agent.Attachment | None = None
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
+                       optimizer: Any = None, **kwargs: Any) -> None:
+        if self.attachment is not None or model is None:
+            return
+        kwargs = dict(self.attach_kwargs)
+        if kwargs.get("name") is None and getattr(args, "run_name", None):
+            kwargs["name"] = str(args.run_name)
+        # accelerate's prepared optimizer holds the scaler and the torch optimizer
+        scaler = getattr(optimizer, "scaler", None)
+        inner = getattr(optimizer, "optimizer", optimizer)
+        self.attachment = agent.attach(model, scaler, optimizer=inner,
+                                       step=state.global_step + 1, **kwargs)
+
+    def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.attachment is not None:
+            self.attachment.step = state.global_step + 1  # the Trainer logs it after the step
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.attachment is not None:
+            self.attachment.detach()
+            self.attachment = None
