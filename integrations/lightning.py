@@ -1,0 +1,57 @@
+"""`AmpwatchCallback` for Lightning (`lightning.pytorch`).
+
+    trainer = L.Trainer(precision="bf16-mixed", callbacks=[AmpwatchCallback()])
+
+On train start it attaches to the LightningModule, the precision plugin's GradScaler
+(`"16-mixed"`; none for `"bf16-mixed"` and fp32) and the trainer's optimizer, and numbers
+each step with `trainer.global_step` as the step begins (the step Lightning logs the
+batch's metrics at); on train end it detaches. With `accumulate_grad_batches` each record
+is one optimizer step; Lightning unscales before `gradient_clip_val` clips, so no false
+`clip_before_unscale`. Without a scaler Lightning runs the last micro-batch inside
+`optimizer.step(closure)`: the agent reads the grads after the closure. Costs what
+`attach` costs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.pytorch import Callback
+
+from ampwatch import agent
+
+
+class AmpwatchCallback(Callback):
+    """Attach the ampwatch agent for the length of `trainer.fit()`.
+
+    `server`, `run`, `project`, `name`, `tags`, `config` and any other keyword are passed
+    to `agent.attach`; the run is named after the module's class unless `name` is given.
+    """
+
+    def __init__(self, *, server: str | None = None, run: str | None = None,
+                 project: str | None = None, **attach_kwargs: Any) -> None:
+        self.attach_kwargs = {"server": server, "run": run, "project": project,
+                              **attach_kwargs}
+        self.attachment: agent.Attachment | None = None
+
+    def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+        if self.attachment is not None:
+            return
+        kwargs = dict(self.attach_kwargs)
+        if kwargs.get("name") is None:
+            kwargs["name"] = type(pl_module).__name__
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        optimizers = trainer.optimizers
+        self.attachment = agent.attach(
+            pl_module, scaler, optimizer=optimizers[0] if len(optimizers) == 1 else None,
+            step=trainer.global_step, **kwargs)
+
+    def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
+                             batch_idx: int) -> None:
+        if self.attachment is not None:
+            self.attachment.step = trainer.global_step
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        if self.attachment is not None:
+            self.attachment.detach()
+            self.attachment = None
