@@ -53,8 +53,11 @@ class Fp8Collector(Collector):
         return bool(self._hooks)
 
     def on_next_step(self, step: int) -> None:
-        every = self.session.settings.sample_every
-        sample = (every > 0 and step % every == 0) or step <= self.session.anomaly_until
+        session = self.session
+        every = session.settings.sample_every
+        # a compiled model: (un)registering hooks would recompile it (see agent/compiled.py)
+        sample = not session.compiled and (
+            (every > 0 and step % every == 0) or step <= session.anomaly_until)
         if sample != self.sampling:
             self._set_sampling(sample)
 
@@ -79,6 +82,8 @@ class Fp8Collector(Collector):
         session = self.session
 
         def hook(module: torch.nn.Module, args: tuple) -> None:
+            if torch.compiler.is_compiling():
+                return
             try:
                 if not session.in_training_forward or not args:
                     return
@@ -106,6 +111,8 @@ class Fp8Collector(Collector):
                 guard.report("fp8.grad", exc)
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
+            if torch.compiler.is_compiling():
+                return
             try:
                 if (session.in_training_forward and isinstance(output, torch.Tensor)
                         and output.requires_grad and (position, grad_role) not in self._stats):
