@@ -150,6 +150,9 @@ class Batch(Base):
     # per sampled step and layer: share of exactly-zero grad elements (MISSING: not counted)
     act_grad_zero: Mapped[bytes | None] = mapped_column(LargeBinary)
     events: Mapped[list[Any] | None] = mapped_column(JSON)
+    # a restart sent steps from here on again (a later seq): this batch's copies of them
+    # are kept but no longer read (server/restarts.py)
+    superseded_from: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (Index("ix_batches_run_rank_steps", "run_id", "rank", "first_step"),)
 

@@ -32,7 +32,7 @@ from ampwatch.server.series import (
 
 _MISSING_F = float(MISSING)
 _CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars, Batch.present,
-                 Batch.events)
+                 Batch.events, Batch.superseded_from)
 _LAYER_COLUMNS = (Batch.layer_grad,)
 _ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time,
                 Batch.act_grad_zero)
@@ -149,7 +149,8 @@ def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool,
                layer: int | None = None) -> StepSeries:
     """One stored batch as a StepSeries; with `layer`, per-layer blocks keep only that
     layer's column (so reading one layer of a long run copies n values, not n x L).
-    Rows of storage format 2 have their columns compressed (server/codec.py)."""
+    Rows of storage format 2 have their columns compressed (server/codec.py). Steps a
+    restart sent again (`superseded_from` on) are left out."""
     if getattr(row, "format", RAW_FORMAT) == COMPRESSED_FORMAT:
         row = _decoded(row, with_layers, with_acts)
     n = row.n_steps
@@ -185,7 +186,7 @@ def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool,
         act_time = block(row.act_time, np.float32, m, MISSING)
         if row.act_grad_zero is not None:
             act_grad_zero = block(row.act_grad_zero, np.float32, m, MISSING)
-    return StepSeries(
+    series = StepSeries(
         scalars=scalars,
         present=present,
         layer_grad=layer_grad,
@@ -197,6 +198,16 @@ def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool,
         n_layers=n_layers if layer is None else 1,
         events=list(row.events or []),
     )
+    cut = getattr(row, "superseded_from", None)
+    return series if cut is None else steps_before(series, cut)
+
+
+def steps_before(series: StepSeries, cut: int) -> StepSeries:
+    """`series` without its steps (and their events) from `cut` on."""
+    events = [e for e in series.events if e.get("step") is None or e["step"] < cut]
+    kept = series.take(np.flatnonzero(series.steps < cut))
+    kept.events = events
+    return kept
 
 
 def _decoded(row, with_layers: bool, with_acts: bool) -> SimpleNamespace:
@@ -207,7 +218,7 @@ def _decoded(row, with_layers: bool, with_acts: bool) -> SimpleNamespace:
     if with_acts:
         wanted += ["act_step", "act_absmax", "act_dtype", "act_time", "act_grad_zero"]
     fields = {name: getattr(row, name, None) for name in
-              ("n_steps", "n_layers", "events", *ITEMSIZE)}
+              ("n_steps", "n_layers", "events", "superseded_from", *ITEMSIZE)}
     for name in wanted:
         if fields[name] is not None:
             fields[name] = decode_column(fields[name], ITEMSIZE[name])

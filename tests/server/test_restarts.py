@@ -1,0 +1,64 @@
+"""A rank restarted from a checkpoint sends steps it already sent: the re-done steps
+supersede the stored ones (no duplicates, no gap), the rank's totals count each step
+once, and the stored history carries a `restart` event. SQLite and Postgres."""
+
+from __future__ import annotations
+
+from ampwatch.server.storage import load_series
+from tests.utils import make_steps, post_batch, register_run
+
+N_LAYERS = 2
+
+
+def redone(first: int, count: int) -> list[dict]:
+    """Steps of the restarted job: told apart from the first copies by their loss."""
+    steps = make_steps(first, count, N_LAYERS)
+    for step in steps:
+        step["loss"] = 9.0
+    return steps
+
+
+def stored(api, run_id: str) -> list[dict]:
+    reply = api.get(f"/api/v1/runs/{run_id}/steps")
+    assert reply.status_code == 200, reply.text
+    return reply.json()["items"]
+
+
+def test_restart_supersedes_the_redone_steps(api, app) -> None:
+    register_run(api, "crashed", n_layers=N_LAYERS)
+    for seq in range(3):  # steps 0..29, step 25 skipped
+        assert post_batch(api, "crashed", seq,
+                          make_steps(10 * seq, 10, N_LAYERS, skipped={25})).status_code == 200
+
+    assert post_batch(api, "crashed", 3, redone(15, 10)).status_code == 200  # back to 15
+    items = stored(api, "crashed")
+    assert [s["step"] for s in items] == list(range(25))  # 25..29 of the crashed job: gone
+    assert [s["loss"] == 9.0 for s in items] == [False] * 15 + [True] * 10
+
+    assert post_batch(api, "crashed", 4, redone(25, 10)).status_code == 200
+    items = stored(api, "crashed")
+    assert [s["step"] for s in items] == list(range(35))
+    assert all(s["loss"] == 9.0 for s in items[15:]) and not any(s["skipped"] for s in items)
+    (rank,) = api.get("/api/v1/runs/crashed").json()["ranks"]
+    assert (rank["steps"], rank["skipped"], rank["last_step"]) == (35, 0, 34)
+
+    with app.state.sessionmaker() as session:
+        history = load_series(session, "crashed", 0, n_layers=N_LAYERS)
+    restarts = [e for e in history.events if e["kind"] == "restart"]
+    assert restarts == [{"step": 15, "kind": "restart",
+                         "detail": {"previous_last_step": 29, "superseded_steps": 15}}]
+
+    assert post_batch(api, "crashed", 3, redone(15, 10)).json()["duplicate"]  # a replay
+    assert [s["step"] for s in stored(api, "crashed")] == list(range(35))
+
+
+def test_a_second_restart_further_back(api) -> None:
+    register_run(api, "twice", n_layers=N_LAYERS)
+    post_batch(api, "twice", 0, make_steps(0, 20, N_LAYERS))
+    post_batch(api, "twice", 1, redone(10, 5))  # back to 10, crashed again at 14
+    post_batch(api, "twice", 2, make_steps(5, 20, N_LAYERS))  # back to 5
+    items = stored(api, "twice")
+    assert [s["step"] for s in items] == list(range(25))
+    assert not any(s["loss"] == 9.0 for s in items)
+    (rank,) = api.get("/api/v1/runs/twice").json()["ranks"]
+    assert rank["steps"] == 25
