@@ -17,6 +17,11 @@ Peers (wandb.watch, transformers' DebugUnderflowOverflow) run only when installe
 
     python bench/agent_overhead.py --mode rounds --rounds 3 --steps 40
     python bench/agent_overhead.py --mode ab --steps 100
+    python bench/agent_overhead.py --mode ab --steps 100 --compile   # torch.compile'd model
+
+With --compile both copies are `torch.compile`d (inductor) and the agent is attached to the
+compiled model, as nanoGPT users write it; the table also gives dynamo's graph-break and
+graph counts for each copy.
 """
 
 from __future__ import annotations
@@ -91,9 +96,10 @@ class GPT(nn.Module):
 class Trainer:
     """One model, its AdamW and GradScaler; `step()` is the timed unit."""
 
-    def __init__(self, seed: int = 0) -> None:
+    def __init__(self, seed: int = 0, compiled: bool = False) -> None:
         torch.manual_seed(seed)
         self.model = GPT()
+        self.call = torch.compile(self.model) if compiled else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4)
         self.scaler = torch.amp.GradScaler("cpu")
         self.gen = torch.Generator().manual_seed(seed)
@@ -102,7 +108,7 @@ class Trainer:
         idx = torch.randint(0, VOCAB, (BATCH, SEQ + 1), generator=self.gen)
         start = time.perf_counter()
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = self.model(idx[:, :-1])
+            logits = self.call(idx[:, :-1])
             loss = F.cross_entropy(logits.float().view(-1, VOCAB), idx[:, 1:].reshape(-1))
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
@@ -211,17 +217,32 @@ def mode_rounds(args: argparse.Namespace, server: str) -> None:
         print(f"{config}: not installed, not measured")
 
 
+def compile_counts() -> tuple[int, int]:
+    """(graph breaks, graphs) dynamo counted in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
+
+
 def mode_ab(args: argparse.Namespace, server: str) -> None:
     from ampwatch import agent
 
     torch.set_num_threads(1)
-    for every in (10, 1):
-        plain, watched = Trainer(), Trainer()
-        attachment = agent.attach(watched.model, watched.scaler, server=server,
+    for every in (10,) if args.compile else (10, 1):
+        plain, watched = Trainer(compiled=args.compile), Trainer(compiled=args.compile)
+        attachment = agent.attach(watched.call, watched.scaler, server=server,
                                   sample_every=every, name="bench-ab")
         for _ in range(args.warmup):
             plain.step()
+        if args.compile:
+            plain_counts = compile_counts()
+        for _ in range(args.warmup):
             watched.step()
+        if args.compile:
+            total = compile_counts()
+            watched_counts = (total[0] - plain_counts[0], total[1] - plain_counts[1])
+            print(f"compiled: no agent {plain_counts[0]} graph breaks, {plain_counts[1]} "
+                  f"graphs; agent {watched_counts[0]} graph breaks, {watched_counts[1]} graphs")
         a, b = [], []
         for i in range(args.steps):
             pair = (watched, plain) if i % 2 else (plain, watched)
@@ -230,6 +251,8 @@ def mode_ab(args: argparse.Namespace, server: str) -> None:
             b.append(t0 if i % 2 == 0 else t1)
         attachment.detach()
         label = "agent defaults" if every == 10 else "agent activations every step"
+        if args.compile:
+            label = "agent, compiled model"
         rows = summarize({"no agent": b, label: a}, "no agent")
         paired = statistics.median(x / y for x, y in zip(a, b, strict=True))
         print_table(rows, f"same-process A/B, {args.steps} alternating pairs")
@@ -304,6 +327,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true",
+                        help="ab mode: torch.compile both copies (the agent on the compiled one)")
     parser.add_argument("--server", default=None, help="use this server instead of a local one")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
