@@ -35,9 +35,11 @@ def unwrap(module: nn.Module) -> nn.Module:
 
 
 def is_compiled(module: nn.Module) -> bool:
-    """Compiled by `torch.compile(module)` (a wrapper) or in place by `module.compile()`."""
-    return is_compiled_wrapper(module) or getattr(
-        unwrap(module), "_compiled_call_impl", None) is not None
+    """Is `module`, or a module inside it, compiled: by `torch.compile` (a wrapper) or in
+    place by `.compile()`? Walks the modules once (host only)."""
+    return is_compiled_wrapper(module) or any(
+        is_compiled_wrapper(m) or getattr(m, "_compiled_call_impl", None) is not None
+        for m in unwrap(module).modules())
 
 
 def clean_name(name: str) -> str:

@@ -19,7 +19,7 @@ from ampwatch.server.db import writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import Batch, Run, RunRank, utcnow
-from ampwatch.server.restarts import RESTART_EVENT, restart_from, stored_last_step, supersede
+from ampwatch.server.restarts import RESTART_EVENT, restart_from, stored_extent, supersede
 from ampwatch.server.schemas import BatchAck, BatchIn
 from ampwatch.server.series import FIELD_INDEX
 from ampwatch.server.settings import Settings
@@ -65,11 +65,12 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
         raise InvalidInput("; ".join(errors))
 
     events = encode_tree([e.model_dump() for e in batch.events])
-    previous_last = stored_last_step(session, run_id, batch.rank)
-    restart = restart_from(previous_last, batch.steps[0].step) if batch.steps else None
+    previous_last, max_seq = stored_extent(session, run_id, batch.rank)
+    restart = (restart_from(previous_last, max_seq, batch.seq, batch.steps[0].step)
+               if batch.steps else None)
     superseded = (0, 0)
     if restart is not None:
-        superseded = supersede(session, run_id, batch.rank, batch.seq, restart)
+        superseded = supersede(session, run_id, batch.rank, restart)
         events.append({"step": restart, "kind": RESTART_EVENT,
                        "detail": {"previous_last_step": previous_last,
                                   "superseded_steps": superseded[0]}})

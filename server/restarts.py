@@ -4,9 +4,12 @@ copies from that step on. The earlier batches keep their bytes, marked with
 `superseded_from`, and reads leave those steps out (storage.unpack_row); the rank's
 totals drop them; the restart batch carries a `restart` event, so the history shows it.
 
-The rule, per (run, rank): a batch whose first step is not after the last step stored
-for the rank is a restart at that step; batches are sent in seq order, so every stored
-batch with a lower seq is older.
+The rule, per (run, rank): a new batch (a seq above every stored one) whose first step
+is not after the last step stored for the rank is a restart at that step. Every batch
+already stored arrived before it, so their copies of the steps from there on are the
+older ones. (An agent that got 409 for a used seq resends under the next free seq, so seq
+order is not always arrival order; a batch replayed late from an old spool carries a seq
+below the stored ones and restarts nothing.)
 """
 
 from __future__ import annotations
@@ -23,24 +26,27 @@ from ampwatch.server.storage import unpack_row
 RESTART_EVENT = "restart"
 
 
-def stored_last_step(session: Session, run_id: str, rank: int) -> int | None:
-    return session.scalar(select(RunRank.last_step).where(RunRank.run_id == run_id,
-                                                          RunRank.rank == rank))
+def stored_extent(session: Session, run_id: str, rank: int) -> tuple[int | None, int]:
+    """(last step, highest seq) stored for the rank; (None, -1) when it has none."""
+    row = session.execute(select(RunRank.last_step, RunRank.max_seq).where(
+        RunRank.run_id == run_id, RunRank.rank == rank)).first()
+    return (None, -1) if row is None else (row.last_step, row.max_seq)
 
 
-def restart_from(last_step: int | None, first_step: int) -> int | None:
-    """The step a batch starting at `first_step` restarts from, or None when it continues
-    after `last_step`, the last one the rank has stored."""
-    return first_step if last_step is not None and 0 <= first_step <= last_step else None
+def restart_from(last_step: int | None, max_seq: int, seq: int, first_step: int
+                 ) -> int | None:
+    """The step a batch (`seq`, starting at `first_step`) restarts from, or None when it
+    continues after `last_step`, the last one the rank has stored, or is not new."""
+    if last_step is None or seq <= max_seq or not 0 <= first_step <= last_step:
+        return None
+    return first_step
 
 
-def supersede(session: Session, run_id: str, rank: int, seq: int, from_step: int
-              ) -> tuple[int, int]:
-    """Mark the steps from `from_step` on of the rank's batches before `seq` as
-    superseded. Returns (steps, skipped steps) that left the stored history. Reads the
-    step columns of the batches concerned once (a restart is rare)."""
-    overlapping = (Batch.run_id == run_id, Batch.rank == rank, Batch.seq < seq,
-                   Batch.last_step >= from_step,
+def supersede(session: Session, run_id: str, rank: int, from_step: int) -> tuple[int, int]:
+    """Mark the steps from `from_step` on of the rank's stored batches as superseded.
+    Returns (steps, skipped steps) that left the stored history. Reads the step columns
+    of the batches concerned once (a restart is rare)."""
+    overlapping = (Batch.run_id == run_id, Batch.rank == rank, Batch.last_step >= from_step,
                    or_(Batch.superseded_from.is_(None), Batch.superseded_from > from_step))
     rows = session.execute(select(Batch.n_steps, Batch.n_layers, Batch.scalars, Batch.present,
                                   Batch.superseded_from).where(*overlapping)).all()

@@ -15,6 +15,9 @@ from torch._dynamo.utils import counters
 
 from tests.agent.factories import same, spooled, spooled_steps
 
+# dynamo itself reads .grad of a non-leaf input it traces (torch 2.13)
+NON_LEAF_INPUT = pytest.mark.filterwarnings(
+    "ignore:The .grad attribute of a Tensor that is not a leaf")
 BACKEND = "aot_eager"  # dynamo + AOT autograd without inductor's C++ build: fast on CPU
 
 
@@ -102,8 +105,7 @@ def test_explain_counts_no_break_from_the_agent_hooks(attach) -> None:
         plain.graph_break_count, plain.graph_count) == (0, 1)
 
 
-# dynamo itself reads .grad of the non-leaf input it traces (torch 2.13)
-@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@NON_LEAF_INPUT
 def test_eager_model_still_sampled_after_a_compiled_function(attach, offline: Path) -> None:
     """Compiling something that is not the model (a loss function) leaves the model
     eager: its layers are still sampled."""
@@ -116,3 +118,30 @@ def test_eager_model_still_sampled_after_a_compiled_function(attach, offline: Pa
     attachment.flush()
     (record,) = spooled_steps(offline, attachment.run_id)
     assert record["activations"]["absmax"][0] is not None
+
+
+@NON_LEAF_INPUT
+def test_blocks_compiled_before_attach(attach, offline: Path) -> None:
+    """Blocks compiled one by one (the torchtitan way) before attach: the model counts as
+    compiled, so no hook toggling recompiles a block."""
+
+    def blockwise() -> nn.Module:
+        model = five_layers()
+        for i in range(0, len(model), 2):
+            model[i] = torch.compile(model[i], backend=BACKEND)
+        return model
+
+    model = blockwise()
+    train(model, model)
+    without_agent = compile_stats()
+    torch._dynamo.reset()
+    counters.clear()
+    model = blockwise()
+    attachment = attach(model, sample_every=2)
+    truth = train(model, model)
+    attachment.flush()
+    assert compile_stats() == without_agent
+    steps = spooled_steps(offline, attachment.run_id)
+    assert all(same(s["grad_norm"], norm) for s, (_, norm) in zip(steps, truth, strict=True))
+    layers = spooled(offline, attachment.run_id)[-1]["run"]["layers"]
+    assert [layer["name"] for layer in layers] == [str(i) for i in range(10)]
