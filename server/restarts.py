@@ -2,7 +2,8 @@
 crashed at step 5,300 and resumed from its checkpoint at 5,000) supersedes the stored
 copies from that step on. The earlier batches keep their bytes, marked with
 `superseded_from`, and reads leave those steps out (storage.unpack_row); the rank's
-totals drop them; the restart batch carries a `restart` event, so the history shows it.
+totals and its step-bucket summaries drop them; the restart batch carries a `restart`
+event, so the history shows it.
 
 The rule, per (run, rank): a new batch (a seq above every stored one) whose first step
 is not after the last step stored for the rank is a restart at that step. Every batch
@@ -17,11 +18,12 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import or_, select, update
+from sqlalchemy import delete, or_, select, update
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Batch, RunRank
-from ampwatch.server.storage import unpack_row
+from ampwatch.server.models import Batch, Run, RunRank, StepSummary
+from ampwatch.server.storage import load_series, unpack_row
+from ampwatch.server.summaries import SUMMARY_STEPS, fold_batch
 
 RESTART_EVENT = "restart"
 
@@ -48,8 +50,9 @@ def supersede(session: Session, run_id: str, rank: int, from_step: int) -> tuple
     of the batches concerned once (a restart is rare)."""
     overlapping = (Batch.run_id == run_id, Batch.rank == rank, Batch.last_step >= from_step,
                    or_(Batch.superseded_from.is_(None), Batch.superseded_from > from_step))
-    rows = session.execute(select(Batch.n_steps, Batch.n_layers, Batch.scalars, Batch.present,
-                                  Batch.superseded_from).where(*overlapping)).all()
+    rows = session.execute(select(Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars,
+                                  Batch.present, Batch.superseded_from)
+                           .where(*overlapping)).all()
     steps = skipped = 0
     for row in rows:
         whole = SimpleNamespace(**{**row._asdict(), "events": None, "superseded_from": None})
@@ -61,4 +64,19 @@ def supersede(session: Session, run_id: str, rank: int, from_step: int) -> tuple
         skipped += int(np.asarray(series.skipped)[leaving].sum())
     if rows:
         session.execute(update(Batch).where(*overlapping).values(superseded_from=from_step))
+        _rebuild_summaries(session, run_id, rank, from_step)
     return steps, skipped
+
+
+def _rebuild_summaries(session: Session, run_id: str, rank: int, from_step: int) -> None:
+    """Step-bucket summaries from `from_step`'s bucket on held superseded steps: drop them
+    and fold that bucket's remaining steps (before `from_step`) in again."""
+    bucket = from_step // SUMMARY_STEPS
+    session.execute(delete(StepSummary).where(StepSummary.run_id == run_id,
+                                              StepSummary.rank == rank,
+                                              StepSummary.bucket >= bucket))
+    start = bucket * SUMMARY_STEPS
+    if start < from_step:
+        n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
+        fold_batch(session, run_id, rank, load_series(session, run_id, rank, start,
+                                                      from_step - 1, n_layers=n_layers))

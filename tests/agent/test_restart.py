@@ -36,7 +36,7 @@ def test_restart_from_a_checkpoint_supersedes_the_redone_steps(live_server,
         truth = train(model, first, 0, 6)  # crashes after step 5
         assert first.flush(10)
     with agent.attach(model, run="checkpointed", server=live_server.url,
-                      spool_dir=tmp_path / "second", step=3) as second:
+                      spool_dir=tmp_path / "second", resume=True, step=3) as second:
         truth.update(train(model, second, 3, 5))  # resumed from the checkpoint at 3
         assert second.flush(10)
     items = httpx.get(f"{live_server.url}/api/v1/runs/checkpointed/steps").json()["items"]

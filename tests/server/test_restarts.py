@@ -5,6 +5,7 @@ once, and the stored history carries a `restart` event. SQLite and Postgres."""
 from __future__ import annotations
 
 from ampwatch.server.storage import load_series
+from ampwatch.server.summaries import load_summaries
 from tests.utils import make_steps, post_batch, register_run
 
 N_LAYERS = 2
@@ -44,6 +45,9 @@ def test_restart_supersedes_the_redone_steps(api, app) -> None:
 
     with app.state.sessionmaker() as session:
         history = load_series(session, "crashed", 0, n_layers=N_LAYERS)
+        envelope = load_summaries(session, "crashed", 0, None, None, N_LAYERS).envelope
+    # the zoomed-out summaries forgot the crashed job's skipped step 25 too
+    assert not envelope.skipped.any() and envelope.column("loss").max() == 9.0
     restarts = [e for e in history.events if e["kind"] == "restart"]
     assert restarts == [{"step": 15, "kind": "restart",
                          "detail": {"previous_last_step": 29, "superseded_steps": 15}}]
