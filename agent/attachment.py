@@ -265,6 +265,9 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         return Attachment(run)
     guard.add_listener(attachment._on_error)
     _live.add(attachment)
+    if step is not None and settings.resume:
+        # a checkpoint restart: the server lets these steps supersede its stored copies
+        attachment.event("restart", {})
     return attachment
 
 

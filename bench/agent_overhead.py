@@ -240,9 +240,12 @@ def mode_ab(args: argparse.Namespace, server: str) -> None:
             watched.step()
         if args.compile:
             total = compile_counts()
-            watched_counts = (total[0] - plain_counts[0], total[1] - plain_counts[1])
-            print(f"compiled: no agent {plain_counts[0]} graph breaks, {plain_counts[1]} "
-                  f"graphs; agent {watched_counts[0]} graph breaks, {watched_counts[1]} graphs")
+            print(f"dynamo: after the plain copy {plain_counts[0]} graph breaks, "
+                  f"{plain_counts[1]} graphs; after the watched copy too {total[0]} graph "
+                  f"breaks, {total[1]} graphs (the same count: it reused the plain copy's graph)"
+                  if total == plain_counts else
+                  f"dynamo: plain copy {plain_counts}, with the watched copy {total} "
+                  f"(graph breaks, graphs)")
         a, b = [], []
         for i in range(args.steps):
             pair = (watched, plain) if i % 2 else (plain, watched)

@@ -19,7 +19,7 @@ from ampwatch.server.db import writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import Batch, Run, RunRank, utcnow
-from ampwatch.server.restarts import RESTART_EVENT, restart_from, stored_extent, supersede
+from ampwatch.server.restarts import restart_from, stored_last_step, supersede
 from ampwatch.server.schemas import BatchAck, BatchIn
 from ampwatch.server.series import FIELD_INDEX
 from ampwatch.server.settings import Settings
@@ -65,15 +65,15 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
         raise InvalidInput("; ".join(errors))
 
     events = encode_tree([e.model_dump() for e in batch.events])
-    previous_last, max_seq = stored_extent(session, run_id, batch.rank)
-    restart = (restart_from(previous_last, max_seq, batch.seq, batch.steps[0].step)
-               if batch.steps else None)
+    restart_event = restart_from(events)
+    restart = None if restart_event is None else restart_event["step"]
     superseded = (0, 0)
     if restart is not None:
+        previous_last = stored_last_step(session, run_id, batch.rank)
         superseded = supersede(session, run_id, batch.rank, restart)
-        events.append({"step": restart, "kind": RESTART_EVENT,
-                       "detail": {"previous_last_step": previous_last,
-                                  "superseded_steps": superseded[0]}})
+        restart_event["detail"] = {**restart_event.get("detail", {}),
+                                   "previous_last_step": previous_last,
+                                   "superseded_steps": superseded[0]}
     row = new_batch_row(run_id, batch.rank, batch.seq, batch.steps, n_layers, events)
     insert = _INSERTS[session.get_bind().dialect.name]
     stored = session.execute(
@@ -105,9 +105,11 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
     # a restart's steps are the rank's newest, whatever their numbers
     rank_last_step = rank_row.last_step if restart is None else restart - 1
     others = _other_ranks_last_steps(session, run_id, batch.rank)
-    rank_row.steps -= superseded[0]
-    rank_row.skipped -= superseded[1]
-    _fold_totals(rank_row, batch, series, restarted=restart is not None)
+    if restart is not None:
+        rank_row.steps -= superseded[0]
+        rank_row.skipped -= superseded[1]
+        rank_row.last_step = restart - 1 if restart > 0 else None
+    _fold_totals(rank_row, batch, series)
     rank_row.last_seen_at = now
     _note_finished(rank_row, batch, now)
     update_layer_stats(rank_row, series)
@@ -163,7 +165,7 @@ def _all_ranks_through(run: Run, others: list[int | None], before: int | None,
     return through if through > previous else None
 
 
-def _fold_totals(rank_row: RunRank, batch: BatchIn, series, restarted: bool = False) -> None:
+def _fold_totals(rank_row: RunRank, batch: BatchIn, series) -> None:
     rank_row.batches += 1
     rank_row.max_seq = max(rank_row.max_seq, batch.seq)
     rank_row.steps += len(series)
@@ -173,7 +175,7 @@ def _fold_totals(rank_row: RunRank, batch: BatchIn, series, restarted: bool = Fa
     if not len(series):
         return
     last = int(series.steps[-1])
-    if restarted or rank_row.last_step is None or last >= rank_row.last_step:
+    if rank_row.last_step is None or last >= rank_row.last_step:
         rank_row.last_step = last
         scale = _last_finite(series, "scale_after")
         if scale is None:

@@ -1,16 +1,14 @@
-"""Restarts from a checkpoint: a rank that sends again steps it already sent (a job that
-crashed at step 5,300 and resumed from its checkpoint at 5,000) supersedes the stored
-copies from that step on. The earlier batches keep their bytes, marked with
-`superseded_from`, and reads leave those steps out (storage.unpack_row); the rank's
-totals and its step-bucket summaries drop them; the restart batch carries a `restart`
-event, so the history shows it.
+"""Restarts from a checkpoint: a job that crashed at step 5,300 and resumed from its
+checkpoint at 5,000 sends steps 5,000 on again; they supersede the stored copies. The
+earlier batches keep their bytes, marked with `superseded_from`, and reads leave those
+steps out (storage.unpack_row); the rank's totals and its step-bucket summaries drop them.
 
-The rule, per (run, rank): a new batch (a seq above every stored one) whose first step
-is not after the last step stored for the rank is a restart at that step. Every batch
-already stored arrived before it, so their copies of the steps from there on are the
-older ones. (An agent that got 409 for a used seq resends under the next free seq, so seq
-order is not always arrival order; a batch replayed late from an old spool carries a seq
-below the stored ones and restarts nothing.)
+The rule, per (run, rank): a batch carrying a `restart` event at step S (the agent sends
+one in its first batch when it resumes a run with the trainer's step, `attach(...,
+resume=True, step=S)`) supersedes every stored copy of steps S and later: each stored
+batch arrived before it. The event stays in the history, with what it superseded. Only
+that explicit event restarts: steps that merely arrive out of order (an agent moving a
+batch after a 409, a late replay from an old spool) supersede nothing.
 """
 
 from __future__ import annotations
@@ -28,20 +26,16 @@ from ampwatch.server.summaries import SUMMARY_STEPS, fold_batch
 RESTART_EVENT = "restart"
 
 
-def stored_extent(session: Session, run_id: str, rank: int) -> tuple[int | None, int]:
-    """(last step, highest seq) stored for the rank; (None, -1) when it has none."""
-    row = session.execute(select(RunRank.last_step, RunRank.max_seq).where(
-        RunRank.run_id == run_id, RunRank.rank == rank)).first()
-    return (None, -1) if row is None else (row.last_step, row.max_seq)
+def restart_from(events: list[dict]) -> dict | None:
+    """The batch's `restart` event (the earliest, if several), or None."""
+    restarts = [e for e in events if e.get("kind") == RESTART_EVENT
+                and isinstance(e.get("step"), int)]
+    return min(restarts, key=lambda e: e["step"]) if restarts else None
 
 
-def restart_from(last_step: int | None, max_seq: int, seq: int, first_step: int
-                 ) -> int | None:
-    """The step a batch (`seq`, starting at `first_step`) restarts from, or None when it
-    continues after `last_step`, the last one the rank has stored, or is not new."""
-    if last_step is None or seq <= max_seq or not 0 <= first_step <= last_step:
-        return None
-    return first_step
+def stored_last_step(session: Session, run_id: str, rank: int) -> int | None:
+    return session.scalar(select(RunRank.last_step).where(RunRank.run_id == run_id,
+                                                          RunRank.rank == rank))
 
 
 def supersede(session: Session, run_id: str, rank: int, from_step: int) -> tuple[int, int]:

@@ -1,6 +1,7 @@
-"""A rank restarted from a checkpoint sends steps it already sent: the re-done steps
-supersede the stored ones (no duplicates, no gap), the rank's totals count each step
-once, and the stored history carries a `restart` event. SQLite and Postgres."""
+"""A rank restarted from a checkpoint sends steps it already sent, its first batch with a
+`restart` event: the re-done steps supersede the stored ones (no duplicates, no gap), the
+rank's totals and summaries count each step once, and the history keeps the event with
+what it superseded. SQLite and Postgres."""
 
 from __future__ import annotations
 
@@ -19,6 +20,10 @@ def redone(first: int, count: int) -> list[dict]:
     return steps
 
 
+def restart(step: int) -> dict:
+    return {"step": step, "kind": "restart", "detail": {}}
+
+
 def stored(api, run_id: str) -> list[dict]:
     reply = api.get(f"/api/v1/runs/{run_id}/steps")
     assert reply.status_code == 200, reply.text
@@ -31,7 +36,7 @@ def test_restart_supersedes_the_redone_steps(api, app) -> None:
         assert post_batch(api, "crashed", seq,
                           make_steps(10 * seq, 10, N_LAYERS, skipped={25})).status_code == 200
 
-    assert post_batch(api, "crashed", 3, redone(15, 10)).status_code == 200  # back to 15
+    assert post_batch(api, "crashed", 3, redone(15, 10), events=[restart(15)]).status_code == 200
     items = stored(api, "crashed")
     assert [s["step"] for s in items] == list(range(25))  # 25..29 of the crashed job: gone
     assert [s["loss"] == 9.0 for s in items] == [False] * 15 + [True] * 10
@@ -52,15 +57,16 @@ def test_restart_supersedes_the_redone_steps(api, app) -> None:
     assert restarts == [{"step": 15, "kind": "restart",
                          "detail": {"previous_last_step": 29, "superseded_steps": 15}}]
 
-    assert post_batch(api, "crashed", 3, redone(15, 10)).json()["duplicate"]  # a replay
+    replay = post_batch(api, "crashed", 3, redone(15, 10), events=[restart(15)])
+    assert replay.json()["duplicate"]
     assert [s["step"] for s in stored(api, "crashed")] == list(range(35))
 
 
 def test_a_second_restart_further_back(api) -> None:
     register_run(api, "twice", n_layers=N_LAYERS)
     post_batch(api, "twice", 0, make_steps(0, 20, N_LAYERS))
-    post_batch(api, "twice", 1, redone(10, 5))  # back to 10, crashed again at 14
-    post_batch(api, "twice", 2, make_steps(5, 20, N_LAYERS))  # back to 5
+    post_batch(api, "twice", 1, redone(10, 5), events=[restart(10)])  # crashed again at 14
+    post_batch(api, "twice", 2, make_steps(5, 20, N_LAYERS), events=[restart(5)])
     items = stored(api, "twice")
     assert [s["step"] for s in items] == list(range(25))
     assert not any(s["loss"] == 9.0 for s in items)
