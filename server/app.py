@@ -6,7 +6,10 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import sessionmaker
 
 from ampwatch.server import __version__, metrics, pages
@@ -14,8 +17,13 @@ from ampwatch.server.alerts import AlertService
 from ampwatch.server.api import alerts, batches, findings, fp8, health, retention, runs, series
 from ampwatch.server.db import make_engine, session_info, upgrade
 from ampwatch.server.deps import require_token
-from ampwatch.server.errors import AmpwatchServerError
-from ampwatch.server.middleware import RequestBodyMiddleware, SameOriginPolicyMiddleware
+from ampwatch.server.errors import AmpwatchServerError, short_errors
+from ampwatch.server.faults import DatabaseHealth, database_error
+from ampwatch.server.middleware import (
+    GuardMiddleware,
+    RequestBodyMiddleware,
+    SameOriginPolicyMiddleware,
+)
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import BatchIn
 from ampwatch.server.settings import Settings
@@ -26,7 +34,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     `migrate_on_start` is off, applies pending migrations before serving."""
     settings = settings or Settings()
     engine = make_engine(settings.database_url)
-    maker = sessionmaker(engine, expire_on_commit=False, info=session_info(engine))
+    db_health = DatabaseHealth()
+    maker = sessionmaker(engine, expire_on_commit=False, info=session_info(engine, db_health))
     alert_service = AlertService(maker, settings.alerts, settings.public_url)
 
     @asynccontextmanager
@@ -54,15 +63,30 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessionmaker = maker
+    app.state.db_health = db_health
     app.state.alerts = alert_service
     app.state.metrics = metrics.ServerMetrics(maker, settings)
-    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes)
+    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes,
+                       max_inflight_bytes=settings.max_inflight_body_bytes,
+                       body_timeout_s=settings.body_timeout_s)
     app.add_middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc"))
     app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
+    app.add_middleware(GuardMiddleware, max_requests=settings.max_concurrent_requests)
 
     @app.exception_handler(AmpwatchServerError)
     async def _domain_error(_request: Request, exc: AmpwatchServerError) -> WireJSONResponse:
         return WireJSONResponse({"detail": exc.message}, status_code=exc.status_code)
+
+    @app.exception_handler(OperationalError)
+    @app.exception_handler(PoolTimeout)
+    async def _database_fault(_request: Request, exc: Exception) -> WireJSONResponse:
+        error = database_error(exc)
+        app.state.db_health.failed(error.message)
+        return await _domain_error(_request, error)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> WireJSONResponse:
+        return WireJSONResponse({"detail": short_errors(exc.errors())}, status_code=422)
 
     api = APIRouter(prefix="/api/v1")
     api.include_router(health.router)

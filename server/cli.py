@@ -4,7 +4,9 @@ through the `ampwatch.cli` entry point (client/ never imports server/)."""
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
+from collections.abc import Iterator
 
 from pydantic import ValidationError
 
@@ -53,9 +55,11 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ampwatch.server.app import create_app
+    from ampwatch.server.serving import uvicorn_options
 
     settings = _settings(args)
-    app = create_app(settings)
+    with _clear_database_errors(settings):
+        app = create_app(settings)
     print(f"ampwatch: serving on http://{settings.host}:{settings.port} "
           f"(database {_display_url(settings.database_url)})", flush=True)
     if settings.alerts.targets:
@@ -63,7 +67,12 @@ def _serve(args: argparse.Namespace) -> int:
                             for name, target in settings.alerts.targets.items())
         print(f"ampwatch: alerts: {len(settings.alerts.rules)} rules; targets {targets}",
               flush=True)
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level)
+    # connections beyond this get uvicorn's 503: room for idle keep-alive connections on
+    # top of the requests the app itself admits (GuardMiddleware)
+    options = uvicorn_options(settings.header_timeout_s,
+                              max_connections=settings.max_concurrent_requests * 8 + 64)
+    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
+                **options)
     return 0
 
 
@@ -71,11 +80,29 @@ def _db_upgrade(args: argparse.Namespace) -> int:
     from ampwatch.server.db import make_engine, upgrade
 
     settings = _settings(args)
-    engine = make_engine(settings.database_url)
-    upgrade(engine)
-    engine.dispose()
+    with _clear_database_errors(settings):
+        engine = make_engine(settings.database_url)
+        upgrade(engine)
+        engine.dispose()
     print(f"ampwatch: database at {_display_url(settings.database_url)} is up to date")
     return 0
+
+
+@contextlib.contextmanager
+def _clear_database_errors(settings) -> Iterator[None]:
+    """A database that cannot be opened or migrated ends the command with one line (what
+    and why), not a traceback."""
+    from alembic.util import CommandError
+    from sqlalchemy.exc import SQLAlchemyError
+
+    try:
+        yield
+    except (SQLAlchemyError, CommandError, OSError) as exc:
+        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
+        if isinstance(exc, CommandError) and "revision" in reason:
+            reason += " (a newer ampwatch wrote this database: upgrade ampwatch)"
+        sys.exit(f"ampwatch: cannot use the database at "
+                 f"{_display_url(settings.database_url)}: {reason}")
 
 
 def _display_url(url: str) -> str:

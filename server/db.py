@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from contextlib import AbstractContextManager
+from collections.abc import Iterator
 from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
+from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session
+
+from ampwatch.server.faults import DatabaseHealth, SqliteFileWatch
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -40,20 +43,41 @@ def make_engine(database_url: str) -> Engine:
     return create_engine(url, pool_size=10, max_overflow=10, pool_pre_ping=True)
 
 
-def session_info(engine: Engine) -> dict:
-    """What every session of `engine` carries: on SQLite a process-wide `write_lock` that
-    ingest takes, so concurrent writers queue in order instead of polling SQLite's busy
-    handler (whose sleeps gave p99 latencies of seconds with 8 senders)."""
+def session_info(engine: Engine, health: DatabaseHealth) -> dict:
+    """What every session of `engine` carries: the process's `DatabaseHealth`; on SQLite
+    also a process-wide `write_lock` that ingest takes, so concurrent writers queue in
+    order instead of polling SQLite's busy handler (whose sleeps gave p99 latencies of
+    seconds with 8 senders), and a watch on the database file."""
+    info: dict = {"health": health}
     if engine.dialect.name == "sqlite":
-        return {"write_lock": threading.Lock()}
-    return {}
+        info["write_lock"] = threading.Lock()
+        if engine.url.database and engine.url.database != ":memory:":
+            info["file_watch"] = SqliteFileWatch(engine.url.database)
+    return info
 
 
-def writing(session: Session) -> AbstractContextManager:
+@contextlib.contextmanager
+def writing(session: Session) -> Iterator[None]:
     """Hold while a transaction writes: the SQLite write lock of `session_info`, nothing
     on Postgres. Every write path (ingest, register, delete) takes it, so this process's
-    writers queue in order instead of polling SQLite's busy handler."""
-    return session.info.get("write_lock") or contextlib.nullcontext()
+    writers queue in order instead of polling SQLite's busy handler. On SQLite, raises
+    DatabaseUnavailable before and after the write when the database file is gone, so
+    a write to a deleted file is never acknowledged."""
+    watch = session.info.get("file_watch")
+    with session.info.get("write_lock") or contextlib.nullcontext():
+        if watch is not None:
+            watch.check()
+        yield
+        if watch is not None:
+            watch.check()
+    if "health" in session.info:
+        session.info["health"].wrote()
+
+
+def upsert_insert(session: Session, table):
+    """The dialect's INSERT, which has `on_conflict_do_nothing` (SQLite and Postgres)."""
+    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
+    return insert(table)
 
 
 def alembic_config(database_url: str) -> Config:

@@ -9,6 +9,7 @@ from typing import Annotated
 from fastapi import Depends, HTTPException, Request
 from sqlalchemy.orm import Session
 
+from ampwatch.server.middleware import UNSAFE_METHODS
 from ampwatch.server.settings import Settings
 
 
@@ -29,7 +30,9 @@ def require_token(request: Request, settings: SettingsDep) -> None:
     """401 unless AMPWATCH_TOKEN is unset or the request carries it (constant-time check).
 
     Accepted as `Authorization: Bearer <token>`, or as the `ampwatch_token` cookie that
-    the dashboard's login form sets for browsers.
+    the dashboard's login form sets for browsers. A write authenticated by the cookie must
+    carry an Origin header (browsers send it; `GuardMiddleware` refuses another site's):
+    a cookie alone never authorises a write (CSRF).
     """
     if settings.token is None:
         return
@@ -44,3 +47,8 @@ def require_token(request: Request, settings: SettingsDep) -> None:
             detail="missing or wrong token: send 'Authorization: Bearer <AMPWATCH_TOKEN>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
+    if (scheme.lower() != "bearer" and request.method in UNSAFE_METHODS
+            and "origin" not in request.headers):
+        raise HTTPException(status_code=403, detail="a write authenticated by the login "
+                            "cookie must carry an Origin header; scripts send "
+                            "'Authorization: Bearer <AMPWATCH_TOKEN>'")

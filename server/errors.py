@@ -25,3 +25,20 @@ class SeqConflict(AmpwatchServerError):
     """A (run, rank, seq) already used by a batch with other steps."""
 
     status_code = 409
+
+
+MAX_REPORTED_ERRORS = 10
+MAX_MESSAGE_CHARS = 300
+
+
+def short_errors(errors: list[dict]) -> list[dict]:
+    """Validation errors as `loc`, `msg`, `type`: never the input (it can be a 1 MB string
+    or a whole body), at most MAX_REPORTED_ERRORS of them, each message cut short."""
+    short = [{"loc": [str(p)[:100] if isinstance(p, str) else p for p in e.get("loc", ())],
+              "msg": str(e.get("msg", ""))[:MAX_MESSAGE_CHARS],
+              "type": str(e.get("type", "value_error"))[:64]}
+             for e in errors[:MAX_REPORTED_ERRORS]]
+    if len(errors) > MAX_REPORTED_ERRORS:
+        short.append({"loc": [], "msg": f"and {len(errors) - MAX_REPORTED_ERRORS} more errors",
+                      "type": "value_error"})
+    return short

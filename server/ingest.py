@@ -7,7 +7,6 @@ from types import SimpleNamespace
 
 import numpy as np
 from sqlalchemy import select, update
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ampwatch.client.wire import encode_tree
@@ -15,15 +14,16 @@ from ampwatch.server import analysis
 from ampwatch.server.analysis.fp8 import on_fp8_ingest
 from ampwatch.server.analysis.service import layer_tables
 from ampwatch.server.codec import encode_columns
-from ampwatch.server.db import writing
+from ampwatch.server.db import upsert_insert, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import Batch, Run, RunRank, utcnow
 from ampwatch.server.restarts import restart_from, stored_last_step, supersede
-from ampwatch.server.schemas import BatchAck, BatchIn
-from ampwatch.server.series import FIELD_INDEX
+from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
+from ampwatch.server.series import FIELD_INDEX, concat
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import (
+    clip_steps,
     new_batch_row,
     unpack_row,
     update_layer_stats,
@@ -32,7 +32,6 @@ from ampwatch.server.storage import (
 from ampwatch.server.summaries import fold_batch
 
 FINISHED_EVENT = "finished"  # agent/attachment.py sends it on detach
-_INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
 
 
 def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings) -> BatchAck:
@@ -64,6 +63,13 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
         session.rollback()
         raise InvalidInput("; ".join(errors))
 
+    rank_row = session.get(RunRank, (run_id, batch.rank), with_for_update=True)
+    next_seq = 0 if rank_row is None else rank_row.max_seq + 1
+    if batch.seq > next_seq + MAX_SEQ_GAP:
+        session.rollback()
+        raise SeqConflict(
+            f"seq {batch.seq} of rank {batch.rank} is more than {MAX_SEQ_GAP} past the "
+            f"next seq {next_seq}: register the run again (PUT) and continue from next_seq")
     events = encode_tree([e.model_dump() for e in batch.events])
     restart_event = restart_from(events)
     restart = None if restart_event is None else restart_event["step"]
@@ -74,30 +80,29 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
         restart_event["detail"] = {**restart_event.get("detail", {}),
                                    "previous_last_step": previous_last,
                                    "superseded_steps": superseded[0]}
-    row = new_batch_row(run_id, batch.rank, batch.seq, batch.steps, n_layers, events)
-    insert = _INSERTS[session.get_bind().dialect.name]
+    try:
+        row = new_batch_row(run_id, batch.rank, batch.seq, batch.steps, n_layers, events)
+    except InvalidInput:
+        session.rollback()
+        raise
     stored = session.execute(
-        insert(Batch).values(**encode_columns(row)).on_conflict_do_nothing()
+        upsert_insert(session, Batch).values(**encode_columns(row)).on_conflict_do_nothing()
         .returning(Batch.seq)
     ).first() is not None
     ack = BatchAck(run_id=run_id, rank=batch.rank, seq=batch.seq, duplicate=not stored,
                    stored_steps=len(batch.steps) if stored else 0)
     if not stored:
-        kept = session.execute(
-            select(Batch.first_step, Batch.last_step, Batch.n_steps).where(
-                Batch.run_id == run_id, Batch.rank == batch.rank, Batch.seq == batch.seq)
-        ).one()
+        kept = session.execute(select(*_CONTENT).where(
+            Batch.run_id == run_id, Batch.rank == batch.rank, Batch.seq == batch.seq)).one()
         session.rollback()
-        if tuple(kept) != (row["first_step"], row["last_step"], row["n_steps"]):
+        if not _same_content(kept, encode_columns(row)):
             raise SeqConflict(
                 f"seq {batch.seq} of rank {batch.rank} already holds steps "
-                f"{kept.first_step}..{kept.last_step}, this batch has steps "
-                f"{row['first_step']}..{row['last_step']}: it is not a replay. Register the "
-                f"run again (PUT) and continue from the returned next_seq")
+                f"{kept.first_step}..{kept.last_step} with other content: this batch is not "
+                f"a replay. Register the run again (PUT) and continue from next_seq")
         return ack
 
     series = unpack_row(SimpleNamespace(**row), n_layers, with_layers=True, with_acts=True)
-    rank_row = session.get(RunRank, (run_id, batch.rank), with_for_update=True)
     if rank_row is None:
         rank_row = RunRank(run_id=run_id, rank=batch.rank, batches=0, max_seq=-1, steps=0,
                            skipped=0, dropped_batches=0, dropped_steps=0)
@@ -105,11 +110,16 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
     # a restart's steps are the rank's newest, whatever their numbers
     rank_last_step = rank_row.last_step if restart is None else restart - 1
     others = _other_ranks_last_steps(session, run_id, batch.rank)
+    new_steps, new_skipped = len(series), int(series.skipped.sum())
     if restart is not None:
         rank_row.steps -= superseded[0]
         rank_row.skipped -= superseded[1]
         rank_row.last_step = restart - 1 if restart > 0 else None
-    _fold_totals(rank_row, batch, series)
+    elif len(series) and rank_last_step is not None and row["first_step"] <= rank_last_step:
+        session.flush()
+        new_steps, new_skipped = _unique_step_delta(session, run_id, batch.rank, batch.seq,
+                                                    row["first_step"], row["last_step"])
+    _fold_totals(rank_row, batch, series, new_steps, new_skipped)
     rank_row.last_seen_at = now
     _note_finished(rank_row, batch, now)
     update_layer_stats(rank_row, series)
@@ -165,11 +175,52 @@ def _all_ranks_through(run: Run, others: list[int | None], before: int | None,
     return through if through > previous else None
 
 
-def _fold_totals(rank_row: RunRank, batch: BatchIn, series) -> None:
+# what makes two batches under one seq the same batch (a replay)
+_CONTENT = (Batch.first_step, Batch.last_step, Batch.n_steps, Batch.n_layers, Batch.scalars,
+            Batch.present, Batch.layer_grad, Batch.act_step, Batch.act_absmax,
+            Batch.act_dtype, Batch.act_time, Batch.act_grad_zero, Batch.events)
+
+
+def _same_content(kept, row: dict) -> bool:
+    """Byte-for-byte the same steps (a resent spool file is); events compare as JSON. The
+    per-layer blocks are only comparable when the layer table kept its length."""
+    columns = ["first_step", "last_step", "n_steps", "scalars", "present", "events"]
+    if kept.n_layers == row["n_layers"]:
+        columns += ["layer_grad", "act_step", "act_absmax", "act_dtype", "act_time",
+                    "act_grad_zero"]
+    return all(_plain(getattr(kept, c)) == _plain(row[c]) for c in columns)
+
+
+def _plain(value):
+    return bytes(value) if isinstance(value, memoryview) else value
+
+
+def _unique_step_delta(session: Session, run_id: str, rank: int, seq: int, first: int,
+                       last: int) -> tuple[int, int]:
+    """Steps and skipped steps that the batch `seq` (already flushed) adds to the rank,
+    counting a step sent twice once: the rank's steps in [first, last] as reads see them
+    (`concat`, in `load_batches` order), with the new batch and without. Reads only the
+    batches that overlap it, and only on the rare overlapping batch (a resumed run)."""
+    rows = session.execute(
+        select(Batch.seq, Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars,
+               Batch.present, Batch.events, Batch.superseded_from)
+        .where(Batch.run_id == run_id, Batch.rank == rank, Batch.last_step >= first,
+               Batch.first_step <= last)
+        .order_by(Batch.first_step, Batch.seq)
+    ).all()
+    parts = [(r.seq, unpack_row(r, 0, with_layers=False, with_acts=False)) for r in rows]
+    with_new = clip_steps(concat([p for _, p in parts], 0), first, last)
+    without = clip_steps(concat([p for s, p in parts if s != seq], 0), first, last)
+    return (len(with_new) - len(without),
+            int(with_new.skipped.sum()) - int(without.skipped.sum()))
+
+
+def _fold_totals(rank_row: RunRank, batch: BatchIn, series, new_steps: int,
+                 new_skipped: int) -> None:
     rank_row.batches += 1
     rank_row.max_seq = max(rank_row.max_seq, batch.seq)
-    rank_row.steps += len(series)
-    rank_row.skipped += int(series.skipped.sum())
+    rank_row.steps += new_steps
+    rank_row.skipped += new_skipped
     rank_row.dropped_batches = max(rank_row.dropped_batches, batch.dropped_batches)
     rank_row.dropped_steps = max(rank_row.dropped_steps, batch.dropped_steps)
     if not len(series):

@@ -1,24 +1,46 @@
-"""Pure ASGI middleware: request body size limit and gzip request bodies."""
+"""Pure ASGI middleware: request body limits and gzip request bodies; a cap on requests
+in flight, cross-origin write refusal and security headers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import zlib
+from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
+HEALTH_PATH = "/api/v1/health"
+SECURITY_HEADERS = [
+    (b"x-content-type-options", b"nosniff"),
+    (b"referrer-policy", b"same-origin"),
+    (b"x-frame-options", b"DENY"),
+]
 
 
 class RequestBodyMiddleware:
     """Rejects bodies over `max_bytes` (413) before any route runs, and inflates
     `Content-Encoding: gzip` bodies (the limit applies after inflation, so a small
-    gzip bomb is refused too). Other content encodings get 415."""
+    gzip bomb is refused too). Other content encodings get 415; an API write whose
+    Content-Type is not application/json gets 415 too (a cross-site form can only send
+    text/plain, form or multipart bodies without a CORS preflight, which we never grant).
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    Memory: a request holds its body and, while the route parses it, several times that;
+    bodies in flight together are capped at `max_inflight_bytes` (503 + Retry-After
+    beyond), and a body must arrive within `body_timeout_s` (408)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int, max_inflight_bytes: int,
+                 body_timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        # one request holds at most its gzip body and the inflated one
+        self.max_inflight_bytes = max(max_inflight_bytes, 2 * max_bytes)
+        self.body_timeout_s = body_timeout_s
+        self.inflight_bytes = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+        if scope["type"] != "http" or scope["method"] not in UNSAFE_METHODS:
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])
@@ -27,20 +49,53 @@ class RequestBodyMiddleware:
             await _error(send, 415, f"unsupported Content-Encoding {encoding!r}; use gzip")
             return
         length = headers.get(b"content-length")
+        has_body = length not in (None, b"0") or b"transfer-encoding" in headers
+        if scope["path"].startswith("/api/") and has_body:
+            media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
+            if media_type != b"application/json":
+                await _error(send, 415, "Content-Type must be application/json")
+                return
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
             await _error(send, 413, self._too_large())
             return
+        reservation = [0]  # bytes of this request counted in `inflight_bytes`
+        try:
+            await self._with_body(scope, receive, send, encoding, reservation)
+        finally:
+            self.inflight_bytes -= reservation[0]
+
+    def _reserve(self, reservation: list[int], size: int) -> bool:
+        """Count this request as holding `size` body bytes; False when that would take
+        the requests in flight over `max_inflight_bytes`."""
+        extra = size - reservation[0]
+        if extra > 0 and self.inflight_bytes + extra > self.max_inflight_bytes:
+            return False
+        self.inflight_bytes += extra
+        reservation[0] += extra
+        return True
+
+    async def _with_body(self, scope: Scope, receive: Receive, send: Send, encoding: str,
+                         reservation: list[int]) -> None:
         body = bytearray()
         more = True
-        while more:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                return
-            body += message.get("body", b"")
-            more = message.get("more_body", False)
-            if len(body) > self.max_bytes:
-                await _error(send, 413, self._too_large())
-                return
+        try:
+            async with asyncio.timeout(self.body_timeout_s):
+                while more:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    body += message.get("body", b"")
+                    more = message.get("more_body", False)
+                    if len(body) > self.max_bytes:
+                        await _error(send, 413, self._too_large())
+                        return
+                    if not self._reserve(reservation, len(body)):
+                        await _busy(send)
+                        return
+        except TimeoutError:
+            await _error(send, 408, f"the request body did not arrive within "
+                         f"{self.body_timeout_s:g} s")
+            return
         if encoding == "gzip":
             inflater = zlib.decompressobj(wbits=16 + zlib.MAX_WBITS)
             try:
@@ -50,6 +105,9 @@ class RequestBodyMiddleware:
                 return
             if len(inflated) > self.max_bytes or inflater.unconsumed_tail:
                 await _error(send, 413, self._too_large() + " after gzip decompression")
+                return
+            if not self._reserve(reservation, len(body) + len(inflated)):
+                await _busy(send)
                 return
             body = inflated
             scope = dict(scope)
@@ -73,14 +131,71 @@ class RequestBodyMiddleware:
         return f"request body over the limit of {self.max_bytes} bytes (AMPWATCH_MAX_BODY_BYTES)"
 
 
-async def _error(send: Send, status: int, detail: str) -> None:
+class GuardMiddleware:
+    """Outermost layer: caps requests in flight at `max_requests` (503 + Retry-After
+    beyond; /api/v1/health is never counted, so it answers while the server is saturated),
+    refuses writes whose Origin is another site (403), and adds security headers."""
+
+    def __init__(self, app: ASGIApp, max_requests: int) -> None:
+        self.app = app
+        self.max_requests = max_requests
+        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def send_with_headers(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
+            await send(message)
+
+        if scope["method"] in UNSAFE_METHODS and not same_origin(scope):
+            await _error(send_with_headers, 403, "cross-origin write refused: the Origin "
+                         "header names another site")
+            return
+        if scope["path"] == HEALTH_PATH:
+            await self.app(scope, receive, send_with_headers)
+            return
+        if self.in_flight >= self.max_requests:
+            await _error(send_with_headers, 503, f"over {self.max_requests} requests in "
+                         "flight (AMPWATCH_MAX_CONCURRENT_REQUESTS); retry", retry_after=1)
+            return
+        self.in_flight += 1
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            self.in_flight -= 1
+
+
+def same_origin(scope: Scope) -> bool:
+    """True unless the request carries an Origin whose host differs from its Host header
+    (scripts and forms of another site send their Origin; the agent and client send none)."""
+    headers = dict(scope["headers"])
+    origin = headers.get(b"origin")
+    if origin is None:
+        return True
+    host = headers.get(b"host", b"").decode("latin-1").lower()
+    try:
+        return urlsplit(origin.decode("latin-1")).netloc.lower() == host
+    except ValueError:
+        return False
+
+
+async def _busy(send: Send) -> None:
+    await _error(send, 503, "the server is busy with other large requests "
+                 "(AMPWATCH_MAX_INFLIGHT_BODY_BYTES); retry", retry_after=1)
+
+
+async def _error(send: Send, status: int, detail: str, retry_after: int | None = None
+                 ) -> None:
     payload = json.dumps({"detail": detail}).encode()
-    await send({
-        "type": "http.response.start",
-        "status": status,
-        "headers": [(b"content-type", b"application/json"),
-                    (b"content-length", str(len(payload)).encode())],
-    })
+    headers = [(b"content-type", b"application/json"),
+               (b"content-length", str(len(payload)).encode())]
+    if retry_after is not None:
+        headers.append((b"retry-after", str(retry_after).encode()))
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": payload})
 
 

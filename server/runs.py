@@ -9,7 +9,7 @@ from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
 from ampwatch.server.analysis.incidents import Incident
 from ampwatch.server.analysis.queries import incidents_by_run
-from ampwatch.server.db import writing
+from ampwatch.server.db import upsert_insert, writing
 from ampwatch.server.errors import NotFound
 from ampwatch.server.models import Layer, Run, RunRank, as_utc, utcnow
 from ampwatch.server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
@@ -31,12 +31,16 @@ def upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Setting
 
 
 def _upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Settings) -> Run:
-    run = session.get(Run, run_id, with_for_update=True)
+    # Insert-if-absent first, then lock the row: DDP ranks register one run id at once,
+    # and a read-then-insert lost that race (a unique violation on Postgres, a stale
+    # read snapshot on SQLite). The first statement is a write, so SQLite writers queue.
     now = utcnow()
-    if run is None:
-        run = Run(id=run_id, name=body.name or run_id, project=body.project or "default",
-                  tags=[], config={}, environment={}, created_at=now)
-        session.add(run)
+    session.execute(upsert_insert(session, Run).values(
+        id=run_id, name=body.name or run_id, project=body.project or "default", tags=[],
+        config={}, environment={}, status="healthy", open_findings=0, n_layers=0,
+        created_at=now, updated_at=now,
+    ).on_conflict_do_nothing(index_elements=[Run.id]))
+    run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
     if body.name is not None:
         run.name = body.name
     if body.project is not None:

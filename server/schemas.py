@@ -3,14 +3,35 @@ them; non-finite floats travel as "NaN", "Infinity", "-Infinity" in both directi
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StringConstraints, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    field_validator,
+    model_validator,
+)
 
 from ampwatch.client.wire import LABEL_MAX_CHARS, LABEL_PATTERN, RUN_ID_PATTERN
+from ampwatch.server.fields import (
+    INT32_MAX,
+    BigCount,
+    Count,
+    JsonInt,
+    ShortText,
+    WireFloat,
+    WireFloats,
+    storable,
+    text,
+)
 from ampwatch.server.series import DTYPES
 
+NO_NUL = r"^[^\x00]*$"  # query filters: Postgres text cannot hold NUL
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
 Severity = Literal["info", "warning", "critical"]
@@ -21,22 +42,40 @@ MAX_STEPS_PER_BATCH = 100_000
 # every list of runs or findings: `limit` items per answer unless asked (docs/wire-format.md)
 PAGE_LIMIT = 100
 MAX_PAGE_LIMIT = 1000
-ShortText = Annotated[str, StringConstraints(max_length=256)]
-Scalar = str | int | float | bool | None
+MAX_SEQ = INT32_MAX  # run_ranks.max_seq is an INTEGER column
+# A seq this far past the rank's next one is refused (409), so one bad seq cannot turn
+# into billions of lost batches for good; an agent that dropped batches stays far below.
+MAX_SEQ_GAP = 1_000_000
+MAX_CONFIG_BYTES = 64 * 1024  # config and environment, each, as JSON; listed with every run
+Scalar = ShortText | JsonInt | WireFloat | bool | None
 # a run's name, project or tag: what the agent's `attach` checks too (client/wire.py)
 Label = Annotated[str, StringConstraints(min_length=1, max_length=LABEL_MAX_CHARS,
-                                         pattern=LABEL_PATTERN)]
+                                         pattern=LABEL_PATTERN), AfterValidator(storable)]
+PerLayer = Annotated[WireFloats, Field(max_length=MAX_LAYERS)]
 
 
 class Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    """Unknown fields refused; no lax coercion ("12" is not 12, 1 is not true)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+
+def bounded_json(value: Any, field: str) -> Any:
+    """`value` when its JSON fits MAX_CONFIG_BYTES (it is returned with every listed run)."""
+    if value is None:
+        return value
+    dumped = value.model_dump(exclude_none=True) if isinstance(value, BaseModel) else value
+    size = len(json.dumps(dumped, default=str))
+    if size > MAX_CONFIG_BYTES:
+        raise ValueError(f"{field} is {size} bytes as JSON, over the limit of {MAX_CONFIG_BYTES}")
+    return value
 
 
 class ScalerConfig(BaseModel):
-    init_scale: float | None = None
-    growth_factor: float | None = None
-    backoff_factor: float | None = None
-    growth_interval: int | None = None
+    init_scale: WireFloat | None = None
+    growth_factor: WireFloat | None = None
+    backoff_factor: WireFloat | None = None
+    growth_interval: Count | None = None
     enabled: bool | None = None
 
 
@@ -52,29 +91,34 @@ class Environment(BaseModel):
     device_name: ShortText | None = None
     compute_capability: ShortText | None = None
     autocast_dtype: DtypeName | None = None
-    world_size: int = Field(1, ge=1, le=1_000_000)
+    world_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1
     hostname: ShortText | None = None
     scaler: ScalerConfig | None = None
 
 
 class LayerIn(Strict):
-    index: int = Field(ge=0, lt=MAX_LAYERS)
-    name: Annotated[str, StringConstraints(min_length=1, max_length=512)]
-    type: Annotated[str, StringConstraints(min_length=1, max_length=128)]
-    param_count: int = Field(0, ge=0)
-    dtype: ShortText | None = None
-    shapes: dict[ShortText, list[Annotated[int, Field(ge=0)]]] = {}
+    index: Annotated[int, Field(ge=0, lt=MAX_LAYERS)]
+    name: text(1, 512)
+    type: text(1, 128)
+    param_count: BigCount = 0
+    dtype: text(max_length=32) | None = None
+    shapes: dict[ShortText, list[BigCount]] = {}
     attrs: dict[ShortText, Scalar] = {}
-    forward_index: int | None = Field(None, ge=0)
+    forward_index: Count | None = None
 
 
 class RunUpsert(Strict):
     name: Label | None = None
     project: Label | None = None
     tags: list[Label] | None = Field(None, max_length=256)
-    config: dict[str, Any] | None = None
+    config: dict[ShortText, Any] | None = None
     environment: Environment | None = None
     layers: list[LayerIn] | None = Field(None, max_length=MAX_LAYERS)
+
+    @field_validator("config", "environment")
+    @classmethod
+    def _bounded_json(cls, value: Any, info: Any) -> Any:
+        return bounded_json(value, info.field_name)
 
     @model_validator(mode="after")
     def _dense_layer_indices(self) -> RunUpsert:
@@ -141,20 +185,20 @@ class RunsPublic(BaseModel):
 
 
 class ActivationsIn(Strict):
-    absmax: list[float | None]
-    dtype: list[DtypeName | None] | None = None
-    time_ms: list[float | None] | None = None
+    absmax: PerLayer
+    dtype: list[DtypeName | None] | None = Field(None, max_length=MAX_LAYERS)
+    time_ms: PerLayer | None = None
 
 
 class Fp8TensorIn(Strict):
     """Per-layer statistics of one tensor role's FP8 cast (L entries each, null where the
     layer does not cast that tensor to FP8 or was not measured)."""
 
-    amax: list[float | None] = Field(max_length=MAX_LAYERS)
-    scale: list[float | None] = Field(max_length=MAX_LAYERS)
-    rms: list[float | None] = Field(max_length=MAX_LAYERS)
-    saturated: list[float | None] = Field(max_length=MAX_LAYERS)
-    underflow: list[float | None] = Field(max_length=MAX_LAYERS)
+    amax: PerLayer
+    scale: PerLayer
+    rms: PerLayer
+    saturated: PerLayer
+    underflow: PerLayer
 
 
 class Fp8In(Strict):
@@ -166,45 +210,45 @@ class Fp8In(Strict):
 
 
 class StepIn(Strict):
-    step: int = Field(ge=0, le=MAX_STEP)
-    loss_scale: float | None = None
-    scale_after: float | None = None
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)]
+    loss_scale: WireFloat | None = None
+    scale_after: WireFloat | None = None
     skipped: bool | None = None
-    grad_norm: float | None = None
-    grad_norm_clipped: float | None = None
-    loss: float | None = None
-    lr: float | None = None
-    t_forward_ms: float | None = None
-    t_backward_ms: float | None = None
-    t_optimizer_ms: float | None = None
-    t_step_ms: float | None = None
-    peak_mem_bytes: float | None = None
+    grad_norm: WireFloat | None = None
+    grad_norm_clipped: WireFloat | None = None
+    loss: WireFloat | None = None
+    lr: WireFloat | None = None
+    t_forward_ms: WireFloat | None = None
+    t_backward_ms: WireFloat | None = None
+    t_optimizer_ms: WireFloat | None = None
+    t_step_ms: WireFloat | None = None
+    peak_mem_bytes: WireFloat | None = None
     input_nonfinite: bool | None = None
     forward_nonfinite: bool | None = None
-    first_nonfinite_layer: int | None = Field(None, ge=0, le=MAX_LAYERS)
+    first_nonfinite_layer: Annotated[int, Field(ge=0, le=MAX_LAYERS)] | None = None
     autocast_dtype: DtypeName | None = None
-    scheduler_steps: int | None = Field(None, ge=0)
-    scaler_updates: int | None = Field(None, ge=0)
+    scheduler_steps: Count | None = None
+    scaler_updates: Count | None = None
     clip_before_unscale: bool | None = None
-    eval_forwards: int | None = Field(None, ge=0)
-    eval_forwards_no_autocast: int | None = Field(None, ge=0)
-    layer_grad_norm: list[float | None] | None = Field(None, max_length=MAX_LAYERS)
-    layer_grad_zero_share: list[float | None] | None = Field(None, max_length=MAX_LAYERS)
+    eval_forwards: Count | None = None
+    eval_forwards_no_autocast: Count | None = None
+    layer_grad_norm: PerLayer | None = None
+    layer_grad_zero_share: PerLayer | None = None
     activations: ActivationsIn | None = None
     fp8: Fp8In | None = None
 
 
 class EventIn(Strict):
-    step: int | None = Field(None, ge=0, le=MAX_STEP)
-    kind: Annotated[str, StringConstraints(min_length=1, max_length=64)]
-    detail: dict[str, Any] = {}
+    step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+    kind: text(1, 64)
+    detail: dict[ShortText, Any] = {}
 
 
 class BatchIn(Strict):
-    rank: int = Field(0, ge=0, le=1_000_000)
-    seq: int = Field(ge=0, le=2**62)
-    dropped_batches: int = Field(0, ge=0)
-    dropped_steps: int = Field(0, ge=0)
+    rank: Annotated[int, Field(ge=0, le=1_000_000)] = 0
+    seq: Annotated[int, Field(ge=0, le=MAX_SEQ)]
+    dropped_batches: Count = 0
+    dropped_steps: Count = 0
     steps: list[StepIn] = Field(max_length=MAX_STEPS_PER_BATCH)
     events: list[EventIn] = Field([], max_length=10_000)
 
@@ -338,9 +382,10 @@ class MatrixPublic(BaseModel):
 
 
 class HealthPublic(BaseModel):
-    status: Literal["ok"]
+    status: Literal["ok", "degraded"]
     version: str
     database: str
+    reason: str | None = Field(None, description="why the database is degraded")
 
 
 class CombinedGradNormsPublic(BaseModel):
@@ -374,3 +419,8 @@ class RanksPublic(BaseModel):
     world_size: int
     grad_layout: str
     items: list[RankPanelPublic]
+
+
+class ErrorPublic(BaseModel):
+    detail: str | list[dict[str, Any]] = Field(
+        description="what was wrong: a sentence, or validation errors (loc, msg, type)")

@@ -30,6 +30,16 @@ class Settings(BaseSettings):
     token: SecretStr | None = None
     # largest request body accepted, after gzip decompression
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
+    # bodies of all requests in flight together (a request costs several times its body
+    # while it is parsed); beyond, 503 + Retry-After
+    max_inflight_body_bytes: int = Field(96 * 1024 * 1024, ge=1024)
+    # requests in flight beyond this get 503 + Retry-After (/api/v1/health never counts);
+    # below the database pool size, so requests never queue for a connection
+    max_concurrent_requests: int = Field(16, ge=1, le=10_000)
+    # a request body (after its headers) must arrive within this (408)
+    body_timeout_s: float = Field(60.0, gt=0)
+    # a connection must send its request headers within this, or it is closed
+    header_timeout_s: float = Field(15.0, gt=0)
     # a run is live when a batch arrived within this many seconds
     live_seconds: float = Field(60.0, gt=0)
     migrate_on_start: bool = True

@@ -18,6 +18,7 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import ITEMSIZE, decode_column
+from ampwatch.server.errors import InvalidInput
 from ampwatch.server.models import Batch, Layer, RunRank
 from ampwatch.server.schemas import StepIn
 from ampwatch.server.series import (
@@ -30,6 +31,11 @@ from ampwatch.server.series import (
     concat,
 )
 
+# None in a per-layer vector while it is checked: a NaN whose payload no sender's NaN has
+# (JSON "NaN" parses to the canonical one), so missing and sent values never mix.
+_NONE_BITS = 0x7FF8_DEAD_BEEF_0001
+_NONE_MARK = float(np.array(_NONE_BITS, dtype=np.uint64).view(np.float64))
+_FLOAT32_MAX = float(np.finfo(np.float32).max)
 _MISSING_F = float(MISSING)
 _CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars, Batch.present,
                  Batch.events, Batch.superseded_from)
@@ -52,14 +58,40 @@ LAYER_STATS_ROWS = 8
 
 
 def _vector(values: list[float | None]) -> list[float | None]:
-    """None (missing) as MISSING; the list itself when nothing is missing (a C-level scan)."""
+    """None as `_NONE_MARK`; the list itself when nothing is missing (a C-level scan)."""
     if None not in values:
         return values
-    return [_MISSING_F if v is None else v for v in values]
+    return [_NONE_MARK if v is None else v for v in values]
+
+
+def _per_layer_block(rows: list[list[float | None]], steps: list[int], name: str
+                     ) -> np.ndarray:
+    """float32 matrix of per-layer values, None as MISSING. Refuses (InvalidInput) a
+    value float32 would not keep: beyond its range (it would read back as inf) or so small
+    it would read back as 0; and negatives, which norms, abs-maxes and times never are
+    (so no sent value can be taken for MISSING, -1)."""
+    wide = np.array(rows, dtype=np.float64)
+    missing = wide.view(np.uint64) == _NONE_BITS
+    with np.errstate(over="ignore", invalid="ignore"):
+        narrow = wide.astype(np.float32)
+        negative = wide < 0
+        overflow = np.isinf(narrow) & np.isfinite(wide)
+        underflow = (narrow == 0) & (wide != 0) & ~missing
+    for bad, why in ((negative, "is negative: norms, abs-maxes and times never are"),
+                     (overflow, f"is beyond float32's range (+-{_FLOAT32_MAX:.7g}), in which "
+                      "per-layer values are stored"),
+                     (underflow, "is too small for float32 (it would be stored as 0), in "
+                      "which per-layer values are stored")):
+        if bad.any():
+            row, layer = np.argwhere(bad)[0]
+            raise InvalidInput(f"step {steps[row]}: {name}[{layer}] = {wide[row, layer]!r} {why}")
+    narrow[missing] = MISSING
+    return narrow
 
 
 def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
-    """Batch columns for `steps`; assumes per-layer vectors were checked against n_layers."""
+    """Batch columns for `steps`; assumes per-layer vectors were checked against n_layers.
+    Raises InvalidInput for per-layer values float32 cannot keep (`_per_layer_block`)."""
     n = len(steps)
     k = len(SCALAR_FIELDS)
     scalars = np.zeros((n, k), dtype=np.float64)
@@ -85,37 +117,34 @@ def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
         "act_grad_zero": None,
     }
     if any(s.layer_grad_norm is not None for s in steps):
-        missing_row = [_MISSING_F] * n_layers
-        grad = np.array(
-            [missing_row if s.layer_grad_norm is None else _vector(s.layer_grad_norm)
-             for s in steps],
-            dtype=np.float32,
-        )
-        out["layer_grad"] = grad.tobytes()
+        none_row = [None] * n_layers
+        out["layer_grad"] = _per_layer_block(
+            [_vector(none_row if s.layer_grad_norm is None else s.layer_grad_norm)
+             for s in steps], [s.step for s in steps], "layer_grad_norm").tobytes()
     # sampled steps: activations and/or zero-grad shares, one row each
     sampled = [s for s in steps
                if s.activations is not None or s.layer_grad_zero_share is not None]
     if sampled:
         none_row = [None] * n_layers
-        missing_row = [_MISSING_F] * n_layers
         acts = [s.activations for s in sampled]
-        out["act_step"] = np.array([s.step for s in sampled], dtype=np.int64).tobytes()
-        out["act_absmax"] = np.array(
-            [missing_row if a is None else _vector(a.absmax) for a in acts], dtype=np.float32
-        ).tobytes()
+        sampled_steps = [s.step for s in sampled]
+        out["act_step"] = np.array(sampled_steps, dtype=np.int64).tobytes()
+        out["act_absmax"] = _per_layer_block(
+            [_vector(none_row if a is None else a.absmax) for a in acts], sampled_steps,
+            "activations.absmax").tobytes()
         out["act_dtype"] = np.array(
             [[DTYPE_CODE[d] if d else 0 for d in (a is not None and a.dtype or none_row)]
              for a in acts],
             dtype=np.uint8,
         ).tobytes()
-        out["act_time"] = np.array(
-            [_vector(a is not None and a.time_ms or none_row) for a in acts], dtype=np.float32
-        ).tobytes()
+        out["act_time"] = _per_layer_block(
+            [_vector(a is not None and a.time_ms or none_row) for a in acts], sampled_steps,
+            "activations.time_ms").tobytes()
         if any(s.layer_grad_zero_share is not None for s in sampled):
-            out["act_grad_zero"] = np.array(
-                [missing_row if s.layer_grad_zero_share is None
-                 else _vector(s.layer_grad_zero_share) for s in sampled], dtype=np.float32
-            ).tobytes()
+            out["act_grad_zero"] = _per_layer_block(
+                [_vector(none_row if s.layer_grad_zero_share is None
+                         else s.layer_grad_zero_share) for s in sampled], sampled_steps,
+                "layer_grad_zero_share").tobytes()
     return out
 
 
@@ -252,7 +281,9 @@ def _batch_query(with_layers: bool, with_acts: bool, bounded_start: bool, bounde
         query = query.where(Batch.last_step >= bindparam("start"))
     if bounded_end:
         query = query.where(Batch.first_step <= bindparam("end"))
-    return query.order_by(Batch.last_step.desc() if newest_first else Batch.first_step)
+    # seq breaks ties so that a step sent twice reads back the same copy every time
+    return query.order_by(Batch.last_step.desc() if newest_first else Batch.first_step,
+                          Batch.seq)
 
 
 def load_batches(

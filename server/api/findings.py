@@ -15,11 +15,11 @@ from ampwatch.server.analysis.schemas import (
 )
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.runs import get_run
-from ampwatch.server.schemas import MAX_PAGE_LIMIT, PAGE_LIMIT, RUN_ID_PATTERN, Severity
+from ampwatch.server.schemas import MAX_PAGE_LIMIT, NO_NUL, PAGE_LIMIT, RUN_ID_PATTERN, Severity
 
 router = APIRouter(tags=["findings"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
-Code = Annotated[str | None, Query(max_length=64, description="pitfall code, e.g. "
+Code = Annotated[str | None, Query(max_length=64, pattern=NO_NUL, description="pitfall code, e.g. "
                                    "clip_before_unscale")]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)]
 Offset = Annotated[int, Query(ge=0, le=10**9)]

@@ -10,6 +10,7 @@ from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.runs import delete_run, get_run, list_runs, public_run, upsert_run
 from ampwatch.server.schemas import (
     MAX_PAGE_LIMIT,
+    NO_NUL,
     PAGE_LIMIT,
     RUN_ID_PATTERN,
     Health,
@@ -34,8 +35,9 @@ def put_run(run_id: RunIdPath, body: RunUpsert, session: SessionDep,
 def get_runs(
     session: SessionDep,
     settings: SettingsDep,
-    project: Annotated[str | None, Query(max_length=256)] = None,
-    name: Annotated[str | None, Query(max_length=256, description="substring")] = None,
+    project: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
+    name: Annotated[str | None, Query(max_length=256, pattern=NO_NUL,
+                                      description="substring")] = None,
     status: Health | None = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)] = PAGE_LIMIT,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,

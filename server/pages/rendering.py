@@ -101,9 +101,10 @@ def render_fragment(template: str, **context: Any) -> Markup:
 
 def render_page(request: Request, template: str, status_code: int = 200,
                 **context: Any) -> HTMLResponse:
-    """A full page; every page gets the request, the token flag and the CSP header."""
-    html = render_fragment(template, request=request,
-                           auth_enabled=request.app.state.settings.token is not None,
-                           **context)
+    """A full page; every page gets the request, the signed-in flag (the Log out button,
+    not shown on the login form) and the CSP header."""
+    signed_in = (request.app.state.settings.token is not None
+                 and "ampwatch_token" in request.cookies and template != "login.html")
+    html = render_fragment(template, request=request, signed_in=signed_in, **context)
     return HTMLResponse(html, status_code=status_code,
                         headers={"Content-Security-Policy": CONTENT_SECURITY_POLICY})

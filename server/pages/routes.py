@@ -20,7 +20,7 @@ from ampwatch.server.pages import auth, fp8, views
 from ampwatch.server.pages.figures import DASHES, colour
 from ampwatch.server.pages.rendering import render_fragment, render_page, script_json
 from ampwatch.server.responses import WireJSONResponse
-from ampwatch.server.schemas import MAX_STEP, Health
+from ampwatch.server.schemas import MAX_STEP, NO_NUL, Health
 
 STATIC = FilePath(__file__).parent / "static"
 PLOTLY_JS = FilePath(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -87,8 +87,8 @@ def runs_page(
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
-    project: Annotated[str | None, Query(max_length=256)] = None,
-    name: Annotated[str | None, Query(max_length=256)] = None,
+    project: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
+    name: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
     status: Annotated[Health | Literal[""] | None, Query()] = None,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
     output: Format = "html",

@@ -1,0 +1,83 @@
+"""Database faults made visible: a full disk is a 507 with the reason, an unreachable or
+broken database a 503, /api/v1/health says the database is degraded, and on SQLite a
+write is never acknowledged when the database file was deleted or replaced under us."""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+from sqlalchemy.exc import OperationalError, TimeoutError
+
+from ampwatch.server.errors import AmpwatchServerError
+
+DISK_FULL_SQLSTATE = "53100"
+
+
+class DatabaseUnavailable(AmpwatchServerError):
+    status_code = 503
+
+
+class DiskFull(AmpwatchServerError):
+    status_code = 507
+
+
+class DatabaseHealth:
+    """The last write failure of this process, until a write succeeds again (a full disk
+    leaves SELECT 1 working, so probing alone would report it healthy)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.failure: str | None = None
+
+    def failed(self, reason: str) -> None:
+        with self._lock:
+            self.failure = reason
+
+    def wrote(self) -> None:
+        if self.failure is not None:
+            with self._lock:
+                self.failure = None
+
+
+class SqliteFileWatch:
+    """Notices that the SQLite file was deleted or replaced while the server runs: open
+    connections keep writing to the unlinked file, so every later write would be lost.
+    `check` costs one stat()."""
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+        self.identity = self._identity()
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            st = os.stat(self.path)
+        except OSError:
+            return None
+        return st.st_dev, st.st_ino
+
+    def check(self) -> None:
+        if self.identity is None:
+            self.identity = self._identity()
+            return
+        if self._identity() != self.identity:
+            raise DatabaseUnavailable(
+                f"the database file {self.path} was deleted or replaced while the server "
+                "ran; nothing is stored until the server is restarted")
+
+
+def database_error(exc: Exception) -> AmpwatchServerError:
+    """The domain error for a driver failure: DiskFull (507) or DatabaseUnavailable (503),
+    with a one-line reason (never a statement or its parameters)."""
+    if isinstance(exc, TimeoutError):
+        return DatabaseUnavailable("all database connections are busy; retry")
+    original = getattr(exc, "orig", exc)
+    first_line = (str(original).strip().splitlines() or [type(original).__name__])[0][:200]
+    sqlstate = getattr(original, "sqlstate", None)
+    if sqlstate == DISK_FULL_SQLSTATE or "disk is full" in first_line:
+        return DiskFull(f"the database's disk is full: {first_line}")
+    return DatabaseUnavailable(f"database error: {first_line}")
+
+
+DATABASE_ERRORS = (OperationalError, TimeoutError)
