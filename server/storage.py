@@ -282,8 +282,9 @@ def _batch_query(with_layers: bool, with_acts: bool, bounded_start: bool, bounde
     if bounded_end:
         query = query.where(Batch.first_step <= bindparam("end"))
     # seq breaks ties so that a step sent twice reads back the same copy every time
-    return query.order_by(Batch.last_step.desc() if newest_first else Batch.first_step,
-                          Batch.seq)
+    if newest_first:
+        return query.order_by(Batch.last_step.desc(), Batch.seq.desc())
+    return query.order_by(Batch.first_step, Batch.seq)
 
 
 def load_batches(
