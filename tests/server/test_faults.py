@@ -151,23 +151,20 @@ def test_an_unknown_alembic_revision_is_one_line(tmp_path):
 
 @pytest.mark.postgres
 def test_a_read_only_postgres_database_is_one_line(postgres_database, tmp_path):
-    from tests.conftest import _empty_postgres
+    from sqlalchemy.engine import make_url
 
-    _empty_postgres(postgres_database)
-    engine = create_engine(postgres_database, isolation_level="AUTOCOMMIT")
-    with engine.connect() as connection:
-        connection.execute(text("DROP TABLE IF EXISTS alembic_version CASCADE"))
-        for table in ("findings", "batches", "run_ranks", "layers", "runs"):
-            connection.execute(text(f'DROP TABLE IF EXISTS "{table}" CASCADE'))
-        name = connection.execute(text("SELECT current_database()")).scalar()
+    admin = create_engine(postgres_database, isolation_level="AUTOCOMMIT")
+    name = f"{make_url(postgres_database).database}_ro"
+    with admin.connect() as connection:
+        connection.execute(text(f'CREATE DATABASE "{name}"'))
         connection.execute(text(f'ALTER DATABASE "{name}" SET default_transaction_read_only = on'))
     try:
-        result = serve_once(postgres_database, tmp_path)
+        result = serve_once(make_url(postgres_database).set(database=name)
+                            .render_as_string(hide_password=False), tmp_path)
     finally:
-        with engine.connect() as connection:
-            connection.execute(text(
-                f'ALTER DATABASE "{name}" SET default_transaction_read_only = off'))
-        engine.dispose()
+        with admin.connect() as connection:
+            connection.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+        admin.dispose()
     assert result.returncode == 1
     assert result.stderr.strip().count("\n") == 0, result.stderr
     assert "read-only" in result.stderr and "Traceback" not in result.stderr
