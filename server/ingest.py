@@ -182,13 +182,20 @@ _CONTENT = (Batch.first_step, Batch.last_step, Batch.n_steps, Batch.n_layers, Ba
 
 
 def _same_content(kept, row: dict) -> bool:
-    """Byte-for-byte the same steps (a resent spool file is); events compare as JSON. The
+    """Byte-for-byte the same steps (a resent spool file is), and events of the same steps
+    and kinds. The
     per-layer blocks are only comparable when the layer table kept its length."""
-    columns = ["first_step", "last_step", "n_steps", "scalars", "present", "events"]
+    columns = ["first_step", "last_step", "n_steps", "scalars", "present"]
     if kept.n_layers == row["n_layers"]:
         columns += ["layer_grad", "act_step", "act_absmax", "act_dtype", "act_time",
                     "act_grad_zero"]
-    return all(_plain(getattr(kept, c)) == _plain(row[c]) for c in columns)
+    return (_event_keys(kept.events) == _event_keys(row["events"])
+            and all(_plain(getattr(kept, c)) == _plain(row[c]) for c in columns))
+
+
+def _event_keys(events: list[dict] | None) -> list[tuple]:
+    """Events by step and kind: the server adds to a restart's detail when it stores it."""
+    return [(e.get("step"), e.get("kind")) for e in events or []]
 
 
 def _plain(value):
