@@ -255,6 +255,14 @@ class Session:
         """Sample activations every step for the next K steps (any thread)."""
         self.anomaly_until = max(self.anomaly_until, step + self.settings.sample_after_anomaly)
 
+    def samples(self, step: int) -> bool:
+        """Whether `step` is sampled (every `sample_every` steps and through the anomaly
+        window). Never on a compiled model: (un)registering the sampling hooks would
+        recompile it (see agent/compiled.py)."""
+        every = self.settings.sample_every
+        return not self.compiled and (
+            (every > 0 and step % every == 0) or step <= self.anomaly_until)
+
     # ------------------------------------------------------------------ hooks
     # Traced by dynamo (a model compiled after attach), a hook returns at once: nothing is
     # added to the graph. The compile wrapper's hooks run eagerly around the compiled call;

@@ -166,11 +166,7 @@ class ActivationCollector(Collector):
         return bool(self._pre_hooks)
 
     def on_next_step(self, step: int) -> None:
-        session = self.session
-        every = session.settings.sample_every
-        # a compiled model: (un)registering hooks would recompile it (see agent/compiled.py)
-        sample = not session.compiled and (
-            (every > 0 and step % every == 0) or step <= session.anomaly_until)
+        sample = self.session.samples(step)
         if sample != self.sampling:
             self._set_sampling(sample)
 
