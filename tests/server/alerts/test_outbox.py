@@ -18,6 +18,7 @@ from ampwatch.server.alerts.dispatcher import Dispatcher
 from ampwatch.server.alerts.outbox import AlertOutbox
 from ampwatch.server.alerts.settings import AlertSettings
 from ampwatch.server.db import make_engine, session_info, upgrade
+from ampwatch.server.faults import DatabaseHealth
 from ampwatch.server.models import AlertAttempt
 from tests.conftest import LiveServer
 from tests.server.alerts.conftest import FAST_RETRIES, alert_config
@@ -110,7 +111,8 @@ def test_two_dispatchers_on_one_database_send_each_notification_once(outbox_data
     makers = []
     for _ in range(2):
         engine = make_engine(outbox_database)
-        makers.append(sessionmaker(engine, expire_on_commit=False, info=session_info(engine)))
+        makers.append(sessionmaker(engine, expire_on_commit=False,
+                                   info=session_info(engine, DatabaseHealth())))
     outbox = AlertOutbox(settings, "http://ampwatch")
     with makers[0]() as session:
         ids = outbox.enqueue_test(session, ["hook"] * 40)
@@ -150,7 +152,8 @@ def test_apprise_targets_send_through_apprise(outbox_database, receiver, caplog)
     settings = AlertSettings(**{**alert_config(url)})
     assert settings.targets["hook"].type == "apprise"
     engine = make_engine(outbox_database)
-    maker = sessionmaker(engine, expire_on_commit=False, info=session_info(engine))
+    maker = sessionmaker(engine, expire_on_commit=False,
+                         info=session_info(engine, DatabaseHealth()))
     with maker() as session:
         AlertOutbox(settings, "http://ampwatch").enqueue_test(session, ["hook"])
         session.commit()
