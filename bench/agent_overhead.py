@@ -224,6 +224,18 @@ def compile_counts() -> tuple[int, int]:
     return sum(counters["graph_break"].values()), counters["stats"]["unique_graphs"]
 
 
+def alternate(watched: Trainer, plain: Trainer, steps: int) -> tuple[list[float], list[float]]:
+    """Step times of `steps` alternating pairs (the order flips each pair, so drift and
+    cache effects fall on both sides): (watched times, plain times)."""
+    a, b = [], []
+    for i in range(steps):
+        pair = (watched, plain) if i % 2 else (plain, watched)
+        t0, t1 = (t.step() for t in pair)
+        a.append(t1 if i % 2 == 0 else t0)
+        b.append(t0 if i % 2 == 0 else t1)
+    return a, b
+
+
 def mode_ab(args: argparse.Namespace, server: str) -> None:
     from ampwatch import agent
 
@@ -246,12 +258,7 @@ def mode_ab(args: argparse.Namespace, server: str) -> None:
                   if total == plain_counts else
                   f"dynamo: plain copy {plain_counts}, with the watched copy {total} "
                   f"(graph breaks, graphs)")
-        a, b = [], []
-        for i in range(args.steps):
-            pair = (watched, plain) if i % 2 else (plain, watched)
-            t0, t1 = (t.step() for t in pair)
-            a.append(t1 if i % 2 == 0 else t0)
-            b.append(t0 if i % 2 == 0 else t1)
+        a, b = alternate(watched, plain, args.steps)
         attachment.detach()
         label = "agent defaults" if every == 10 else "agent activations every step"
         if args.compile:

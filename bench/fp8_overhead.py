@@ -21,7 +21,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
-from agent_overhead import Trainer, local_server, print_table, summarize  # noqa: E402
+from agent_overhead import (  # noqa: E402
+    Trainer,
+    alternate,
+    local_server,
+    print_table,
+    summarize,
+)
 
 
 def fp8_trainer(recipe: str) -> Trainer:
@@ -55,12 +61,7 @@ def main() -> None:
         for _ in range(args.warmup):
             plain.step()
             watched.step()
-        a, b = [], []
-        for i in range(args.steps):
-            pair = (watched, plain) if i % 2 else (plain, watched)
-            t0, t1 = (t.step() for t in pair)
-            a.append(t1 if i % 2 == 0 else t0)
-            b.append(t0 if i % 2 == 0 else t1)
+        a, b = alternate(watched, plain, args.steps)
         attachment.detach()
         print_table(summarize({"no agent": b, "agent defaults (FP8)": a}, "no agent"),
                     f"same-process A/B, {args.steps} alternating pairs")
