@@ -14,7 +14,6 @@ from torch import nn
 
 from ampwatch.agent import guard
 from ampwatch.agent.collectors import default_collectors
-from ampwatch.agent.collectors.forward import ForwardCollector
 from ampwatch.agent.collectors.fp8 import Fp8Collector
 from ampwatch.agent.distributed import shared_run_id
 from ampwatch.agent.environment import describe_run, distributed_rank, environment, run_body
@@ -159,8 +158,7 @@ class Attachment:
     def _body(self) -> dict[str, Any]:
         session = self._session
         assert session is not None
-        forward = next(c for c in session.collectors if isinstance(c, ForwardCollector))
-        env = environment(session.device, session.scaler, forward.training_autocast,
+        env = environment(session.device, session.scaler, session.training_autocast,
                           session.settings.world_size)
         env["parallelism"] = session.parallelism
         env["grad_layout"] = session.grad_layout

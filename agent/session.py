@@ -81,6 +81,8 @@ class Session:
         self.active = False
         self.suspended = False  # set during check_speedup's private runs
         self.in_training_forward = False
+        self.training_autocast: str | None = None  # autocast dtype of training forwards
+        self.fp16_params = any(p.dtype == torch.float16 for p in self.params)
         self.anomaly_until = -1  # sample activations through this step (worker sets it too)
         self.dropped_steps = 0
         self._grads_taken = False
@@ -202,6 +204,12 @@ class Session:
         with_grad = [params[i] for i in present]
         norms = None if clip is None else clip.norms_for(with_grad)
         self.dispatch("on_grads", [p.grad for p in with_grad], present, divisor, norms)
+
+    @property
+    def computes_in_fp16(self) -> bool:
+        """Whether training runs in float16 (autocast or the weights): the one precision
+        whose narrow range flushes small gradients to zero."""
+        return self.fp16_params or self.training_autocast == "float16"
 
     def _present(self) -> tuple[int, ...]:
         return tuple(i for i, p in enumerate(self.params) if p.grad is not None)

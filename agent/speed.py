@@ -56,8 +56,7 @@ def measure_speedup(session: Any, batch: Any, loss_fn: Any, steps: int,
     """Median forward+backward milliseconds in fp32 and under autocast; synchronises."""
     device = session.device
     if dtype is None:
-        forward = next(c for c in session.collectors if c.name == "forward")
-        chosen = forward.training_autocast
+        chosen = session.training_autocast
         dtype = (getattr(torch, chosen) if chosen and chosen != "mixed" else
                  torch.float16 if device.type == "cuda" else torch.bfloat16)
     twin = _private_copy(session)

@@ -39,7 +39,6 @@ class ForwardCollector(Collector):
 
     def __init__(self) -> None:
         super().__init__()
-        self.training_autocast: str | None = None  # autocast dtype training forwards use
         self._current: str | None = None  # autocast dtype of the forward under way
         self._probe: Any = None  # the one-shot global pre-hook looking inside the forward
         self._compiles = 0
@@ -87,7 +86,7 @@ class ForwardCollector(Collector):
         autocast = self._current
         if not training:
             self._eval += 1
-            if autocast is None and self.training_autocast is not None:
+            if autocast is None and self.session.training_autocast is not None:
                 self._eval_no_autocast += 1
             return
         if self._start is not None:
@@ -95,8 +94,8 @@ class ForwardCollector(Collector):
                 self._intervals.append((self._start, self.session.clock.mark()))
             self._start = None
         self._dtypes.add(autocast)
-        if autocast is not None and autocast != self.training_autocast:
-            self.training_autocast = autocast
+        if autocast is not None and autocast != self.session.training_autocast:
+            self.session.training_autocast = autocast
             self.session.on_run_change()
 
     def unbind(self) -> None:

@@ -123,10 +123,13 @@ class GradNormCollector(Collector):
         return _Indices(grad_idx, layer_idx, mask, elements, weight, total_known=not unknown)
 
     def _counts_zeros(self) -> bool:
-        """Every `sample_every` steps, at most every ZERO_EVERY_MIN: underflow is a slow
-        trend, and a count reads every grad element (sampling every step stays cheap)."""
-        every = self.session.settings.sample_every
-        return every > 0 and self.session.step % max(every, self.ZERO_EVERY_MIN) == 0
+        """Every `sample_every` steps, at most every ZERO_EVERY_MIN, in float16 training
+        only: underflow is a slow trend, a count reads every grad element (sampling every
+        step stays cheap), and bf16 and fp32 grads have float32's range."""
+        session = self.session
+        every = session.settings.sample_every
+        return (every > 0 and session.step % max(every, self.ZERO_EVERY_MIN) == 0
+                and session.computes_in_fp16)
 
     def _count_nonzero(self, grads: list[torch.Tensor], grad_idx: torch.Tensor | None,
                        layer_idx: torch.Tensor, elements: np.ndarray) -> None:

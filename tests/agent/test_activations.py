@@ -216,6 +216,64 @@ def test_first_nonfinite_layer_on_every_step_matches_a_reference_hook(attach, of
     assert [s["step"] for s in steps if "activations" in s] == [0]
 
 
+@pytest.mark.parametrize("autocast", [True, False], ids=["bf16", "fp32"])
+def test_first_nonfinite_layer_in_bf16_and_fp32_between_samples(attach, offline: Path,
+                                                                 autocast: bool) -> None:
+    """bf16 and fp32 outputs between samples (on the CPU, checked by their sum): -inf and
+    NaN are found at the right layer and step; outputs of huge finite values, whose sum
+    overflows, are not flagged. Truth from the test's own hooks."""
+    model = mlp()
+    layers = discover_layers(model)
+    inject = {2: (0, -math.inf), 4: (2, math.nan), 6: (0, "huge")}  # step: (layer, value)
+    step = {"i": 0}
+
+    def injector(index: int, out: torch.Tensor) -> torch.Tensor | None:
+        layer, value = inject.get(step["i"], (None, None))
+        if layer != index:
+            return None
+        out = out.clone()
+        if value == "huge":
+            out.fill_(3e38)  # finite in bf16 and fp32; the sum of 256 of them is not
+        else:
+            out[0, 0] = value
+        return out
+
+    injectors = [layer.module.register_forward_hook(
+        lambda m, a, out, i=layer.index: injector(i, out)) for layer in layers]
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    first_bad: dict[int, int | None] = {}
+    overflowing_sums: set[int] = set()
+
+    def reference(index: int, out: torch.Tensor) -> None:
+        if not bool(torch.isfinite(out).all()):
+            first_bad.setdefault(step["i"], index)
+        elif not bool(torch.isfinite(out.sum())):
+            overflowing_sums.add(step["i"])
+
+    references = [layer.module.register_forward_hook(
+        lambda m, a, out, i=layer.index: reference(i, out)) for layer in layers]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(batches(8)):
+        step["i"] = i
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        if not all(bool(p.grad.isfinite().all()) for p in model.parameters()):
+            optimizer.zero_grad()  # the weights stay finite, as a scaler would keep them
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    for handle in injectors + references:
+        handle.remove()
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert first_bad[2] == 0 and first_bad[4] == 2 and first_bad.get(6) != 0
+    assert 6 in overflowing_sums  # the path under test: finite outputs, inf sums
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == \
+        {i: first_bad.get(i) for i in range(8)}
+    assert [s["forward_nonfinite"] for s in steps] == [i in first_bad for i in range(8)]
+    assert not any("layer_grad_zero_share" in s for s in steps)  # counted in fp16 only
+
+
 def test_zero_grad_share_on_sampled_steps_matches_the_grads(attach, offline: Path) -> None:
     """Each layer's share of exactly-zero grad elements, measured on sampled steps; a tiny
     loss scale makes fp16 backward flush most of them to zero."""
