@@ -6,11 +6,15 @@ activation samples every 10 steps, as the agent sends them) from one sender over
 into a real server (uvicorn, detectors on), with realistic grad norms (a log-normal level
 per layer, drifting noise per step: what the storage codec sees in real runs). Then it
 restarts the server and times the run's pages and API reads, cold (first request) and
-warm (median of 5).
+warm (median of 5). The detectors' time per batch is read from the server's /metrics
+(`ampwatch_analysis_duration_seconds`) over the first 1,000 steps and the last 20 batches:
+it should not grow with the run.
 
-    python bench/long_run.py --steps 100000 --layers 1000          # SQLite
+    python bench/long_run.py --steps 100000 --layers 1000          # SQLite, a temp file
     python bench/long_run.py --steps 100000 --layers 1000 \\
         --postgres postgresql+psycopg://postgres@127.0.0.1:5432/test
+    python bench/long_run.py --steps 1000000 --sqlite /data/long.db   # keep the database
+    python bench/long_run.py --sqlite /data/long.db --reads-only      # time its reads again
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from pathlib import Path
 import httpx
 import numpy as np
 import orjson
+from prometheus_client.parser import text_string_to_metric_families
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ingest import _drop_postgres, _fresh_postgres, start_server  # noqa: E402
@@ -36,6 +41,9 @@ from ingest import _drop_postgres, _fresh_postgres, start_server  # noqa: E402
 STEPS_PER_BATCH = 200
 SAMPLE_EVERY = 10
 TEMPLATES = 16
+EARLY_BATCHES = 5  # the detectors' time "early": over the run's first 1,000 steps
+LATE_BATCHES = 20  # and "late": over its last 20 batches
+RUN_ID = "long-run"
 
 
 def layer_table(layers: int) -> list[dict]:
@@ -72,6 +80,16 @@ def body(template: dict, seq: int, layers: int) -> bytes:
                                       option=orjson.OPT_SERIALIZE_NUMPY), 1)
 
 
+def analysis_seconds(http: httpx.Client) -> tuple[float, float]:
+    """The server's total detector seconds and analysed batches so far."""
+    for family in text_string_to_metric_families(http.get("/metrics").text):
+        if family.name == "ampwatch_analysis_duration_seconds":
+            values = {sample.name: sample.value for sample in family.samples}
+            return (values["ampwatch_analysis_duration_seconds_sum"],
+                    values["ampwatch_analysis_duration_seconds_count"])
+    raise SystemExit("the server reports no ampwatch_analysis_duration_seconds")
+
+
 def ingest(url: str, run_id: str, steps: int, layers: int) -> dict:
     """One sender streams the run; bodies are built on another thread (as the agent
     does) and that time is not counted."""
@@ -86,10 +104,12 @@ def ingest(url: str, run_id: str, steps: int, layers: int) -> dict:
             ready.put(body(templates[seq % TEMPLATES], seq, layers))
 
     threading.Thread(target=produce, daemon=True).start()
-    latencies, sending = [], 0.0
+    latencies, sending, marks = [], 0.0, {}
     headers = {"content-encoding": "gzip", "content-type": "application/json"}
     with httpx.Client(base_url=url, timeout=300) as http:
         for seq in range(batches):
+            if seq in (EARLY_BATCHES, batches - LATE_BATCHES):
+                marks[seq] = analysis_seconds(http)
             payload = ready.get()
             t0 = time.perf_counter()
             http.post(f"/api/v1/runs/{run_id}/batches", content=payload,
@@ -97,11 +117,25 @@ def ingest(url: str, run_id: str, steps: int, layers: int) -> dict:
             latencies.append(time.perf_counter() - t0)
             sending += latencies[-1]
             if seq % max(1, batches // 10) == 0:
-                print(f"  ingested {seq * STEPS_PER_BATCH:,} of {steps:,} steps", flush=True)
+                print(f"  ingested {seq * STEPS_PER_BATCH:,} of {steps:,} steps, load "
+                      f"average {os.getloadavg()[0]:.1f}", flush=True)
+        marks[batches] = analysis_seconds(http)
     head, tail = latencies[:20], latencies[-20:]
     return {"steps": batches * STEPS_PER_BATCH, "seconds": sending,
             "values_per_s": batches * STEPS_PER_BATCH * layers / sending,
-            "first_ms": 1000 * statistics.median(head), "last_ms": 1000 * statistics.median(tail)}
+            "first_ms": 1000 * statistics.median(head), "last_ms": 1000 * statistics.median(tail),
+            "analysis_early_ms": _mean_ms(marks, None, EARLY_BATCHES),
+            "analysis_late_ms": _mean_ms(marks, batches - LATE_BATCHES, batches)}
+
+
+def _mean_ms(marks: dict, start: int | None, end: int) -> float | None:
+    """Mean detector milliseconds per batch between two marks (None: from the start)."""
+    if end not in marks or (start is not None and start not in marks):
+        return None
+    seconds, count = marks[end]
+    if start is not None:
+        seconds, count = seconds - marks[start][0], count - marks[start][1]
+    return 1000 * seconds / count if count else None
 
 
 def disk_bytes(database_url: str) -> int:
@@ -146,9 +180,25 @@ def time_pages(url: str, run_id: str, steps: int) -> list[tuple[str, float, floa
 def run(backend: str, database_url: str, args: argparse.Namespace) -> None:
     print(f"\n## {backend}: {args.steps:,} steps x {args.layers:,} layers, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
+    if not args.reads_only:
+        build(database_url, args)
+    proc, url = start_server(database_url, detect=True)  # a cold process for the reads
+    try:
+        run = httpx.get(f"{url}/api/v1/runs/{RUN_ID}", timeout=60).raise_for_status().json()
+        print(f"{'read (cold server process)':32} {'first ms':>9} {'warm ms':>9}   "
+              f"(load average {os.getloadavg()[0]:.1f})")
+        for label, cold, warm in time_pages(url, RUN_ID, run["last_step"] + 1):
+            print(f"{label:32} {1000 * cold:9.0f} {1000 * warm:9.0f}", flush=True)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    print(f"load average after the reads {os.getloadavg()[0]:.1f}")
+
+
+def build(database_url: str, args: argparse.Namespace) -> None:
     proc, url = start_server(database_url, detect=True)
     try:
-        result = ingest(url, "long-run", args.steps, args.layers)
+        result = ingest(url, RUN_ID, args.steps, args.layers)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -158,19 +208,19 @@ def run(backend: str, database_url: str, args: argparse.Namespace) -> None:
     print(f"ingest: {result['values_per_s']:,.0f} layer values/s "
           f"({result['steps'] / result['seconds']:,.0f} steps/s), request p50 "
           f"{result['first_ms']:.0f} ms over the first 20 batches, "
-          f"{result['last_ms']:.0f} ms over the last 20")
+          f"{result['last_ms']:.0f} ms over the last 20; load average "
+          f"{os.getloadavg()[0]:.1f} at the end")
+    print(f"detectors per batch: {_ms(result['analysis_early_ms'])} over the first "
+          f"{EARLY_BATCHES * STEPS_PER_BATCH:,} steps, {_ms(result['analysis_late_ms'])} over "
+          f"the last {LATE_BATCHES} batches (to step {result['steps']:,})")
     print(f"disk: {size / 2**20:,.1f} MiB for {values:,} layer values (grad norms and "
           f"activation abs-max): {size / values:.2f} bytes per layer value, "
           f"{size / grads:.2f} per grad norm (everything included: per-step scalars, "
-          f"dtypes, summaries, findings, indexes)")
-    proc, url = start_server(database_url, detect=True)  # a cold process for the reads
-    try:
-        print(f"{'read (cold server process)':32} {'first ms':>9} {'warm ms':>9}")
-        for label, cold, warm in time_pages(url, "long-run", result["steps"]):
-            print(f"{label:32} {1000 * cold:9.0f} {1000 * warm:9.0f}", flush=True)
-    finally:
-        proc.terminate()
-        proc.wait(timeout=60)
+          f"dtypes, summaries, findings, indexes)", flush=True)
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f} ms"
 
 
 def main() -> None:
@@ -178,13 +228,25 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=100_000)
     parser.add_argument("--layers", type=int, default=1000)
     parser.add_argument("--postgres", help="run on this Postgres server (a fresh database)")
+    parser.add_argument("--sqlite", type=Path,
+                        help="build into (or with --reads-only, read) this SQLite file and "
+                        "keep it; by default a temporary file")
+    parser.add_argument("--reads-only", action="store_true",
+                        help="time the reads of the run already in --sqlite")
     args = parser.parse_args()
+    if args.reads_only and args.sqlite is None:
+        parser.error("--reads-only needs --sqlite")
     if args.postgres:
         database_url = _fresh_postgres(args.postgres)
         try:
             run("postgres", database_url, args)
         finally:
             _drop_postgres(database_url)
+        return
+    if args.sqlite is not None:
+        if not args.reads_only and args.sqlite.exists():
+            parser.error(f"{args.sqlite} exists: the build needs a new file")
+        run("sqlite", f"sqlite:///{args.sqlite.resolve()}", args)
         return
     with tempfile.TemporaryDirectory(prefix="ampwatch-long-") as tmp:
         run("sqlite", f"sqlite:///{Path(tmp) / 'long.db'}", args)

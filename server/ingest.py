@@ -3,6 +3,8 @@ dedupe on (run, rank, seq), update the rank's totals, run the detectors."""
 
 from __future__ import annotations
 
+import time
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import numpy as np
@@ -34,8 +36,10 @@ from ampwatch.server.summaries import fold_batch
 FINISHED_EVENT = "finished"  # agent/attachment.py sends it on detach
 
 
-def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings) -> BatchAck:
+def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings, *,
+                 on_analysed: Callable[[float], None] | None = None) -> BatchAck:
     """Store `batch` in one transaction; a repeated (run, rank, seq) changes nothing.
+    `on_analysed` gets the seconds the detectors took, when they ran on the batch.
 
     A repeat must carry the same steps (a replay); a different batch under a used seq
     is refused with SeqConflict rather than silently dropped. May block while other
@@ -43,10 +47,11 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
     `write_lock` (server/db.py), on Postgres on the run's row lock.
     """
     with writing(session):
-        return _ingest(session, run_id, batch, settings)
+        return _ingest(session, run_id, batch, settings, on_analysed)
 
 
-def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -> BatchAck:
+def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
+            on_analysed: Callable[[float], None] | None) -> BatchAck:
     # The first statement is a write (touching the run), so a writer from another process
     # queues on SQLite's busy timeout instead of failing on a read-to-write lock upgrade.
     now = utcnow()
@@ -128,12 +133,15 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings) -
     # a batch holding only the detach's "finished" event has nothing to analyse (an empty
     # window would look like every condition had ended)
     if len(series) or any(event.kind != FINISHED_EVENT for event in batch.events):
+        analysis_start = time.perf_counter()
         run = session.get(Run, run_id)
         analysis.on_ingest(session, run, batch.rank, series, settings.analysis,
                            rank_last_step=rank_last_step)
         through = _all_ranks_through(run, others, rank_last_step, rank_row.last_step)
         if through is not None:
             analysis.on_ranks_advanced(session, run, through, settings.analysis)
+        if on_analysed is not None and settings.analysis.enabled:
+            on_analysed(time.perf_counter() - analysis_start)
     stored_fp8 = store_fp8_samples(session, run_id, batch.rank, batch.steps, n_layers)
     last_step = int(series.steps[-1]) if len(series) else -1
     if stored_fp8 and (rank_last_step is None or last_step >= rank_last_step):

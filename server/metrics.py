@@ -70,6 +70,11 @@ class ServerMetrics:
         self.ingest_seconds = Histogram("ampwatch_ingest_duration_seconds",
                                         "Batch POST latency, analysis included",
                                         buckets=LATENCY_BUCKETS, registry=r)
+        self.analysis_seconds = Histogram(
+            "ampwatch_analysis_duration_seconds",
+            "Detector time per stored batch (part of the batch POST latency): it reads a "
+            "fixed window, so it should not grow with the run's length",
+            buckets=LATENCY_BUCKETS, registry=r)
         self.page_seconds = Histogram("ampwatch_page_duration_seconds",
                                       "Dashboard page latency by page", ["page"],
                                       buckets=LATENCY_BUCKETS, registry=r)

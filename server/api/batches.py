@@ -43,6 +43,8 @@ def post_batch(run_id: RunIdPath, batch: Annotated[BatchIn, Depends(batch_body)]
     Committed whole or not at all; a repeated (run, rank, seq) is acknowledged with
     `duplicate: true` and ignored; a gap in seq is counted as lost batches.
     """
-    ack = ingest_batch(session, run_id, batch, settings)
-    request.app.state.metrics.batch_acknowledged(ack)
+    metrics = request.app.state.metrics
+    ack = ingest_batch(session, run_id, batch, settings,
+                       on_analysed=metrics.analysis_seconds.observe)
+    metrics.batch_acknowledged(ack)
     return ack

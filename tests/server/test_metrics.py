@@ -77,6 +77,10 @@ def check_run_and_server(url: str, labels: dict, scaler, skipped: list[int]) -> 
     assert value(samples, "ampwatch_ingest_bytes_total") > 0
     assert value(samples, "ampwatch_ingest_duration_seconds_count") == rank["batches"]
     assert value(samples, "ampwatch_analysis_backlog_batches") == 0
+    # every stored batch with steps was analysed; the detectors' time is part of ingest's
+    assert value(samples, "ampwatch_analysis_duration_seconds_count") == rank["batches"]
+    assert 0 < value(samples, "ampwatch_analysis_duration_seconds_sum") \
+        < value(samples, "ampwatch_ingest_duration_seconds_sum")
     assert value(samples, "ampwatch_alert_notifications_pending") == 0
 
     httpx.get(f"{url}/", timeout=30).raise_for_status()
