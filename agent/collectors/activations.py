@@ -158,6 +158,7 @@ class ActivationCollector(Collector):
         self.order: list[int] = []
         self._hooks: list[Any] = []  # post hooks: every step
         self._sampled = False  # whether this step's forward is sampled (pre hooks are on)
+        self._checked: tuple[Any, int, Any] = (None, 0, None)  # last sum-checked output
         self._pre_hooks: list[Any] = []  # pre hooks: sampled steps only
         self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
         self._calls: list[Call] = []
@@ -246,8 +247,12 @@ class ActivationCollector(Collector):
                 elif tensor.numel() == 0:
                     self._calls.append((index, tensor.dtype, None, start, end))
                 elif host_check and not self._sampled and tensor.dtype in SUM_CHECKED:
-                    self._calls.append((index, tensor.dtype, finite_check(tensor.detach()),
-                                        start, end))
+                    seen, version, stats = self._checked
+                    # a block returning its last layer's output, unchanged: same verdict
+                    if tensor is not seen or version != tensor._version:
+                        stats = finite_check(tensor.detach())
+                    self._checked = (tensor, tensor._version, stats)
+                    self._calls.append((index, tensor.dtype, stats, start, end))
                 else:
                     self._calls.append((index, tensor.dtype, aminmax(tensor.detach()),
                                         start, end))
@@ -258,6 +263,7 @@ class ActivationCollector(Collector):
     def seal(self) -> Any:
         sealed = (self.sampling, self._calls, dict(self._tokens))
         self._calls = []
+        self._checked = (None, 0, None)
         self._starts.clear()
         self._tokens.clear()
         return sealed

@@ -274,6 +274,60 @@ def test_first_nonfinite_layer_in_bf16_and_fp32_between_samples(attach, offline:
     assert not any("layer_grad_zero_share" in s for s in steps)  # counted in fp16 only
 
 
+class Block(nn.Module):
+    """An attention-like block (it names a head count: a layer) returning its last
+    layer's output, which on one step it poisons in place after that layer ran."""
+
+    n_head = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(16, 16)
+        self.proj = nn.Linear(16, 4)
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.proj(torch.relu(self.fc(x)))
+        if self.poison:
+            out[0, 0] = math.inf
+        return out
+
+
+def test_block_returning_its_layers_output_is_checked_again_when_changed(attach,
+                                                                          offline: Path
+                                                                          ) -> None:
+    """Between samples (CPU, fp32), a block's output that is its last layer's output is
+    not summed twice, unless it was changed in place since: then the block is first."""
+    torch.manual_seed(0)
+    model = Block()
+    layers = discover_layers(model)
+    assert [layer.name for layer in layers] == ["model", "fc", "proj"]
+    first_bad: dict[int, int | None] = {}
+    step = {"i": 0}
+
+    def reference(index: int, out: torch.Tensor) -> None:
+        if not bool(torch.isfinite(out).all()):
+            first_bad.setdefault(step["i"], index)
+
+    handles = [layer.module.register_forward_hook(
+        lambda m, a, out, i=layer.index: reference(i, out)) for layer in layers]
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(batches(6, bad=lambda i: "inf" if i == 2 else None)):
+        step["i"], model.poison = i, i == 4
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.zero_grad()  # the weights stay finite: each step is judged alone
+        optimizer.step()
+    for handle in handles:
+        handle.remove()
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert first_bad == {2: 1, 4: 0}
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == \
+        {i: first_bad.get(i) for i in range(6)}
+
+
 def test_zero_grad_share_on_sampled_steps_matches_the_grads(attach, offline: Path) -> None:
     """Each layer's share of exactly-zero grad elements, measured on sampled steps; a tiny
     loss scale makes fp16 backward flush most of them to zero."""
