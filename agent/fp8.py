@@ -67,25 +67,30 @@ def cast_stats(tensor: torch.Tensor, spec: CastSpec,
     `spec.dtype`, as a float32 tensor of 5 on the tensor's device.
 
     With `scale` None the scale is computed as torchao computes it (max / amax, per row
-    along `spec.dim`); a given scale (delayed scaling) is used as is. The scaled values
-    are the float32 products torchao's cast rounds, so the shares equal what the cast does.
-    About a dozen device ops; does not synchronise the device.
+    along `spec.dim`); nothing can saturate then (the largest value scales to the format's
+    maximum or below), so that share is 0 without a pass. A given scale (delayed scaling)
+    is used as is. The scaled values are the float32 products torchao's cast rounds, so
+    the shares equal what the cast does. About eight passes over the tensor; does not
+    synchronise the device.
     """
     fmax, saturates, flushes = _thresholds(spec.dtype)
     magnitude = tensor.detach().to(torch.float32).abs()
+    n = max(magnitude.numel(), 1)
+    amax = magnitude.amax()
+    given = scale is not None
     if scale is None:
-        amax = (magnitude.amax() if spec.dim is None
-                else magnitude.amax(dim=spec.dim, keepdim=True))
-        scale = (fmax / amax.to(torch.float64).clamp(min=EPS)).to(torch.float32)
+        row_amax = amax if spec.dim is None else magnitude.amax(dim=spec.dim, keepdim=True)
+        scale = (fmax / row_amax.to(torch.float64).clamp(min=EPS)).to(torch.float32)
         if spec.pow2:
             scale = torch.exp2(torch.floor(torch.log2(scale)))
     scaled = magnitude * scale
-    n = max(magnitude.numel(), 1)
+    saturated = ((scaled > saturates).sum().div(n).to(torch.float32) if given
+                 else torch.zeros((), dtype=torch.float32, device=tensor.device))
     return torch.stack([
-        magnitude.amax(),
+        amax,
         scale.amin().to(torch.float32),
-        magnitude.square().mean().sqrt(),
-        (scaled > saturates).sum().div(n).to(torch.float32),
+        torch.linalg.vector_norm(magnitude).div(math.sqrt(n)),
+        saturated,
         ((scaled <= flushes) & (magnitude > 0)).sum().div(n).to(torch.float32),
     ])
 
