@@ -11,10 +11,14 @@ from fastapi_offline import FastAPIOffline
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import sessionmaker
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+from starlette.types import Scope
 
 from ampwatch.server import __version__, metrics, pages
 from ampwatch.server.alerts import AlertService
 from ampwatch.server.api import alerts, batches, findings, fp8, health, retention, runs, series
+from ampwatch.server.api.error_responses import PROTECTED
 from ampwatch.server.db import make_engine, session_info, upgrade
 from ampwatch.server.deps import require_token
 from ampwatch.server.errors import AmpwatchServerError, short_errors
@@ -84,13 +88,20 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.state.db_health.failed(error.message)
         return await _domain_error(_request, error)
 
+    @app.exception_handler(405)
+    async def _wrong_method(request: Request, exc: StarletteHTTPException) -> WireJSONResponse:
+        # Starlette's Allow names the methods of the first route matching the path only
+        allow = ", ".join(sorted(allowed_methods(app, request.scope)))
+        return WireJSONResponse({"detail": exc.detail}, status_code=405,
+                                headers={"Allow": allow})
+
     @app.exception_handler(RequestValidationError)
     async def _invalid(_request: Request, exc: RequestValidationError) -> WireJSONResponse:
         return WireJSONResponse({"detail": short_errors(exc.errors())}, status_code=422)
 
     api = APIRouter(prefix="/api/v1")
     api.include_router(health.router)
-    protected = APIRouter(dependencies=[Depends(require_token)])
+    protected = APIRouter(dependencies=[Depends(require_token)], responses=PROTECTED)
     for module in (runs, batches, series, findings, fp8, retention, alerts):
         protected.include_router(module.router)
     api.include_router(protected)
@@ -99,6 +110,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(pages.router)
     _document_batch_body(app)
     return app
+
+
+def allowed_methods(app: FastAPI, scope: Scope) -> set[str]:
+    """The methods of every route whose path matches the request's (a 405's Allow)."""
+    methods: set[str] = set()
+    for route in app.router.routes:
+        match, _ = route.matches(scope)
+        if match is not Match.NONE:
+            methods |= getattr(route, "methods", None) or set()
+    return methods
 
 
 def _document_batch_body(app: FastAPI) -> None:

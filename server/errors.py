@@ -21,10 +21,14 @@ class InvalidInput(AmpwatchServerError):
     status_code = 422
 
 
-class SeqConflict(AmpwatchServerError):
-    """A (run, rank, seq) already used by a batch with other steps."""
+class Conflict(AmpwatchServerError):
+    """A valid request that stored state or the configuration cannot serve."""
 
     status_code = 409
+
+
+class SeqConflict(Conflict):
+    """A (run, rank, seq) already used by a batch with other steps."""
 
 
 MAX_REPORTED_ERRORS = 10

@@ -4,15 +4,19 @@ database or from numpy (a 5xx makes the agent retry the same batch forever)."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, StringConstraints
+from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints, WithJsonSchema
 from pydantic.types import Strict
 
 from ampwatch.client.wire import NONFINITE_STRINGS
 
+NO_NUL = r"^[^\x00]*$"  # Postgres text cannot hold NUL
 INT32_MAX = 2**31 - 1  # Integer columns (run_ranks counters, forward_index)
-INT64_MAX = 2**63 - 1  # BigInteger columns (param_count) and JSON ints read with numpy
+# The largest integer every JSON reader keeps exactly (I-JSON, RFC 7493): beyond it a
+# schema validator reads a bound and a value as the same double, and 2**63 + 100 would
+# pass for 2**63 - 1. It fits BigInteger columns and numpy int64 too.
+JSON_INT_MAX = 2**53 - 1
 MAX_COUNT = INT32_MAX  # per-step counters are stored in float64 columns; any count fits
 
 
@@ -29,15 +33,48 @@ def storable(text: str) -> str:
 
 
 def text(min_length: int = 0, max_length: int = 256) -> type[str]:
-    """A storable string of bounded length."""
+    """A storable string of bounded length. The schema states the NUL rule as a pattern;
+    `storable` checks it (with a message that says what is wrong)."""
     return Annotated[str, StringConstraints(min_length=min_length, max_length=max_length),
-                     AfterValidator(storable)]  # type: ignore[return-value]
+                     AfterValidator(storable),  # type: ignore[return-value]
+                     WithJsonSchema({"type": "string", "minLength": min_length,
+                                     "maxLength": max_length, "pattern": NO_NUL})]
+
+
+def integral(value: object) -> object:
+    """A JSON number without a fraction (252.0) as the integer it is: JSON and the OpenAPI
+    schema's `integer` make no difference between 252 and 252.0. 252.5, "252" and true
+    stay refused (Strict)."""
+    return int(value) if value.__class__ is float and value.is_integer() else value
+
+
+def integer(ge: int, le: int) -> type[int]:
+    """A strict integer in [ge, le]."""
+    return Annotated[int, Strict(), Field(ge=ge, le=le),  # type: ignore[return-value]
+                     BeforeValidator(integral)]
 
 
 ShortText = text(max_length=256)
-Count = Annotated[int, Strict(), Field(ge=0, le=MAX_COUNT)]
-BigCount = Annotated[int, Strict(), Field(ge=0, le=INT64_MAX)]
-JsonInt = Annotated[int, Strict(), Field(ge=-INT64_MAX - 1, le=INT64_MAX)]
+
+
+class _KeysMatchTheirPattern:
+    """Schema of a dict whose keys are `text`: keys outside the pattern (with a NUL) are
+    not allowed (pydantic lists the pattern under patternProperties only, which would let
+    any other key pass)."""
+
+    def __get_pydantic_json_schema__(self, core_schema: Any, handler: Any) -> dict:
+        schema = handler.resolve_ref_schema(handler(core_schema))
+        if "patternProperties" in schema:
+            schema["additionalProperties"] = False
+        return schema
+
+
+def keyed_by_text(values: Any) -> Any:
+    """A dict from storable strings of at most 256 characters to `values`."""
+    return Annotated[dict[ShortText, values], _KeysMatchTheirPattern()]
+Count = integer(0, MAX_COUNT)
+BigCount = integer(0, JSON_INT_MAX)
+JsonInt = integer(-JSON_INT_MAX, JSON_INT_MAX)
 
 _NonFiniteName = Literal["NaN", "Infinity", "-Infinity"]
 # A JSON number (an int is fine, a bool or a numeric string is not) or a non-finite name.

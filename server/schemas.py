@@ -20,23 +20,25 @@ from pydantic import (
 from ampwatch.client.wire import LABEL_MAX_CHARS, LABEL_PATTERN, RUN_ID_PATTERN
 from ampwatch.server.fields import (
     INT32_MAX,
+    JSON_INT_MAX,
     BigCount,
     Count,
     JsonInt,
     ShortText,
     WireFloat,
     WireFloats,
+    integer,
+    keyed_by_text,
     storable,
     text,
 )
 from ampwatch.server.series import DTYPES
 
-NO_NUL = r"^[^\x00]*$"  # query filters: Postgres text cannot hold NUL
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
 Severity = Literal["info", "warning", "critical"]
 Health = Literal["healthy", "warning", "critical", "no_data"]  # no_data: no step stored yet
-MAX_STEP = 2**53  # steps are stored in float64 columns
+MAX_STEP = JSON_INT_MAX  # steps are stored in float64 columns, which hold it exactly
 MAX_LAYERS = 100_000
 MAX_STEPS_PER_BATCH = 100_000
 # every list of runs or findings: `limit` items per answer unless asked (docs/wire-format.md)
@@ -72,6 +74,8 @@ def bounded_json(value: Any, field: str) -> Any:
 
 
 class ScalerConfig(BaseModel):
+    model_config = ConfigDict(strict=True)  # 0 is not false
+
     init_scale: WireFloat | None = None
     growth_factor: WireFloat | None = None
     backoff_factor: WireFloat | None = None
@@ -82,7 +86,7 @@ class ScalerConfig(BaseModel):
 class Environment(BaseModel):
     """What the agent saw at attach; unknown keys are kept as they are."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     torch_version: ShortText | None = None
     python_version: ShortText | None = None
@@ -91,19 +95,19 @@ class Environment(BaseModel):
     device_name: ShortText | None = None
     compute_capability: ShortText | None = None
     autocast_dtype: DtypeName | None = None
-    world_size: Annotated[int, Field(ge=1, le=1_000_000)] = 1
+    world_size: integer(1, 1_000_000) = 1
     hostname: ShortText | None = None
     scaler: ScalerConfig | None = None
 
 
 class LayerIn(Strict):
-    index: Annotated[int, Field(ge=0, lt=MAX_LAYERS)]
+    index: integer(0, MAX_LAYERS - 1)
     name: text(1, 512)
     type: text(1, 128)
     param_count: BigCount = 0
     dtype: text(max_length=32) | None = None
-    shapes: dict[ShortText, list[BigCount]] = {}
-    attrs: dict[ShortText, Scalar] = {}
+    shapes: keyed_by_text(list[BigCount]) = {}
+    attrs: keyed_by_text(Scalar) = {}
     forward_index: Count | None = None
 
 
@@ -111,7 +115,7 @@ class RunUpsert(Strict):
     name: Label | None = None
     project: Label | None = None
     tags: list[Label] | None = Field(None, max_length=256)
-    config: dict[ShortText, Any] | None = None
+    config: keyed_by_text(Any) | None = None
     environment: Environment | None = None
     layers: list[LayerIn] | None = Field(None, max_length=MAX_LAYERS)
 
@@ -210,7 +214,7 @@ class Fp8In(Strict):
 
 
 class StepIn(Strict):
-    step: Annotated[int, Field(ge=0, le=MAX_STEP)]
+    step: integer(0, MAX_STEP)
     loss_scale: WireFloat | None = None
     scale_after: WireFloat | None = None
     skipped: bool | None = None
@@ -225,7 +229,7 @@ class StepIn(Strict):
     peak_mem_bytes: WireFloat | None = None
     input_nonfinite: bool | None = None
     forward_nonfinite: bool | None = None
-    first_nonfinite_layer: Annotated[int, Field(ge=0, le=MAX_LAYERS)] | None = None
+    first_nonfinite_layer: integer(0, MAX_LAYERS) | None = None
     autocast_dtype: DtypeName | None = None
     scheduler_steps: Count | None = None
     scaler_updates: Count | None = None
@@ -239,14 +243,14 @@ class StepIn(Strict):
 
 
 class EventIn(Strict):
-    step: Annotated[int, Field(ge=0, le=MAX_STEP)] | None = None
+    step: integer(0, MAX_STEP) | None = None
     kind: text(1, 64)
-    detail: dict[ShortText, Any] = {}
+    detail: keyed_by_text(Any) = {}
 
 
 class BatchIn(Strict):
-    rank: Annotated[int, Field(ge=0, le=1_000_000)] = 0
-    seq: Annotated[int, Field(ge=0, le=MAX_SEQ)]
+    rank: integer(0, 1_000_000) = 0
+    seq: integer(0, MAX_SEQ)
     dropped_batches: Count = 0
     dropped_steps: Count = 0
     steps: list[StepIn] = Field(max_length=MAX_STEPS_PER_BATCH)
@@ -421,6 +425,16 @@ class RanksPublic(BaseModel):
     items: list[RankPanelPublic]
 
 
+class ValidationErrorPublic(BaseModel):
+    """One invalid field (server/errors.py `short_errors`): never the input itself."""
+
+    loc: list[str | int] = Field(description="where: body, query or path, then the field")
+    msg: str
+    type: str
+
+
 class ErrorPublic(BaseModel):
-    detail: str | list[dict[str, Any]] = Field(
-        description="what was wrong: a sentence, or validation errors (loc, msg, type)")
+    """The body of every error answer."""
+
+    detail: str | list[ValidationErrorPublic] = Field(
+        description="what was wrong: a sentence, or the invalid fields (a 422 from validation)")

@@ -14,9 +14,11 @@ from ampwatch.server.alerts.schemas import (
     NotificationStatus,
     TestNotificationsPublic,
 )
+from ampwatch.server.api.error_responses import CONFLICT, NOT_FOUND, READ, WRITE, errors
 from ampwatch.server.db import writing
 from ampwatch.server.deps import SessionDep
-from ampwatch.server.errors import InvalidInput, NotFound
+from ampwatch.server.errors import Conflict, NotFound
+from ampwatch.server.fields import INT32_MAX
 from ampwatch.server.schemas import RUN_ID_PATTERN
 
 router = APIRouter(prefix="/alerts", tags=["alerts"])
@@ -24,14 +26,14 @@ TargetName = Annotated[str | None, Query(max_length=64, description="one target'
                                          "(default: every target)")]
 
 
-@router.get("", response_model=AlertsPublic)
+@router.get("", response_model=AlertsPublic, responses=errors(503))
 def get_alerts(request: Request) -> AlertsPublic:
     """The alert rules and targets; target URLs are redacted (no tokens or passwords)."""
     service = request.app.state.alerts
     return describe_alerts(service.settings, service.outbox.public_url)
 
 
-@router.get("/deliveries", response_model=DeliveriesPublic)
+@router.get("/deliveries", response_model=DeliveriesPublic, responses=READ)
 def get_deliveries(
     session: SessionDep,
     status: NotificationStatus | None = None,
@@ -46,9 +48,10 @@ def get_deliveries(
                            offset=offset)
 
 
-@router.get("/deliveries/{notification_id}", response_model=DeliveryPublic)
+@router.get("/deliveries/{notification_id}", response_model=DeliveryPublic,
+            responses=READ | NOT_FOUND)
 def get_delivery(session: SessionDep,
-                 notification_id: Annotated[int, Path(ge=1, le=2**62)]) -> DeliveryPublic:
+                 notification_id: Annotated[int, Path(ge=1, le=INT32_MAX)]) -> DeliveryPublic:
     """One notification with its attempts; 404 when there is none."""
     found = list_deliveries(session, notification_id=notification_id, limit=1).items
     if not found:
@@ -56,15 +59,17 @@ def get_delivery(session: SessionDep,
     return found[0]
 
 
-@router.post("/test", response_model=TestNotificationsPublic)
+@router.post("/test", response_model=TestNotificationsPublic,
+             responses=WRITE | NOT_FOUND | CONFLICT)
 def post_test(request: Request, session: SessionDep,
               target: TargetName = None) -> TestNotificationsPublic:
     """Queue a test notification to every target (or to `target`); the dispatcher sends
-    it as any other. 422 when no target is configured, 404 for an unknown one."""
+    it as any other. 409 when no target is configured, 404 for an unknown one."""
     service = request.app.state.alerts
     names = list(service.settings.targets)
     if not names:
-        raise InvalidInput("no alert targets are configured (see docs/alerts.md)")
+        # a valid request the configuration cannot serve: a conflict, not invalid input
+        raise Conflict("no alert targets are configured (see docs/alerts.md)")
     if target is not None:
         if target not in names:
             raise NotFound(f"no alert target named {target!r}; targets: {', '.join(names)}")

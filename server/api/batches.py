@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from ampwatch.server.api.error_responses import CONFLICT, NOT_FOUND, WRITE
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.ingest import ingest_batch
@@ -33,6 +34,7 @@ async def batch_body(request: Request) -> BatchIn:
 @router.post(
     "/{run_id}/batches",
     response_model=BatchAck,
+    responses=WRITE | NOT_FOUND | CONFLICT,
     openapi_extra={"requestBody": {"required": True, "content": {"application/json": {
         "schema": {"$ref": "#/components/schemas/BatchIn"}}}}},
 )

@@ -13,9 +13,11 @@ from ampwatch.server.analysis.schemas import (
     FindingStatus,
     IncidentsPublic,
 )
+from ampwatch.server.api.error_responses import NOT_FOUND, READ
 from ampwatch.server.deps import SessionDep
+from ampwatch.server.fields import NO_NUL
 from ampwatch.server.runs import get_run
-from ampwatch.server.schemas import MAX_PAGE_LIMIT, NO_NUL, PAGE_LIMIT, RUN_ID_PATTERN, Severity
+from ampwatch.server.schemas import MAX_PAGE_LIMIT, PAGE_LIMIT, RUN_ID_PATTERN, Severity
 
 router = APIRouter(tags=["findings"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
@@ -25,7 +27,8 @@ Limit = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)]
 Offset = Annotated[int, Query(ge=0, le=10**9)]
 
 
-@router.get("/runs/{run_id}/findings", response_model=FindingsPublic)
+@router.get("/runs/{run_id}/findings", response_model=FindingsPublic,
+            responses=READ | NOT_FOUND)
 def get_run_findings(
     run_id: RunIdPath,
     session: SessionDep,
@@ -33,7 +36,7 @@ def get_run_findings(
     code: Code = None,
     severity: Severity | None = None,
     status: FindingStatus | None = None,
-    rank: Annotated[int | None, Query(ge=0)] = None,
+    rank: Annotated[int | None, Query(ge=0, le=1_000_000)] = None,
     limit: Limit = PAGE_LIMIT,
     offset: Offset = 0,
 ) -> FindingsPublic:
@@ -43,7 +46,8 @@ def get_run_findings(
                          status=status, rank=rank, limit=limit, offset=offset)
 
 
-@router.get("/runs/{run_id}/incidents", response_model=IncidentsPublic)
+@router.get("/runs/{run_id}/incidents", response_model=IncidentsPublic,
+            responses=READ | NOT_FOUND)
 def get_run_incidents(
     run_id: RunIdPath,
     session: SessionDep,
@@ -57,7 +61,7 @@ def get_run_incidents(
     return list_incidents(session, run_id, status=status, severity=severity)
 
 
-@router.get("/findings", response_model=FindingsPublic)
+@router.get("/findings", response_model=FindingsPublic, responses=READ)
 def get_findings(
     session: SessionDep,
     run_id: Annotated[str | None, Query(pattern=RUN_ID_PATTERN)] = None,

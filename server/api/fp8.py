@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.analysis.fp8 import KINDS
 from ampwatch.server.analysis.queries import list_findings
 from ampwatch.server.analysis.schemas import Fp8Public
+from ampwatch.server.api.error_responses import NOT_FOUND, READ
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.api.series import End, Rank, Start
 from ampwatch.server.deps import SessionDep
@@ -33,7 +34,7 @@ def fp8_twin(session: Session, run_id: str, *, rank: int, start: int | None,
     return {"rank": rank, **report, "findings": findings}
 
 
-@router.get("/{run_id}/fp8", response_model=Fp8Public)
+@router.get("/{run_id}/fp8", response_model=Fp8Public, responses=READ | NOT_FOUND)
 def get_fp8(
     run_id: RunIdPath,
     session: SessionDep,

@@ -5,6 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
+from ampwatch.server.api.error_responses import NOT_FOUND, WRITE, errors
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.retention import archive_run, compact
@@ -20,13 +21,16 @@ class CompactPublic(BaseModel):
     bytes_after: int
 
 
-@router.post("/runs/{run_id}/archive", response_model=RunPublic)
+@router.post("/runs/{run_id}/archive", response_model=RunPublic,
+             responses=WRITE | NOT_FOUND)
 def post_archive(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
     """Drop the run's full-resolution steps, keep its summaries, findings and totals."""
     return public_run(session, archive_run(session, run_id), settings)
 
 
-@router.post("/storage/compact", response_model=CompactPublic)
+# no parameters, so no 422
+@router.post("/storage/compact", response_model=CompactPublic,
+             responses=errors(400, 403, 408, 413, 415, 503, 507))
 def post_compact(request: Request, session: SessionDep) -> CompactPublic:
     """Hand the space of deleted and archived runs back to the file system (SQLite:
     VACUUM, which rewrites the file and can take a while on a large database)."""

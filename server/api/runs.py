@@ -6,11 +6,12 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query, Response
 
+from ampwatch.server.api.error_responses import NOT_FOUND, READ, WRITE
 from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.fields import NO_NUL
 from ampwatch.server.runs import delete_run, get_run, list_runs, public_run, upsert_run
 from ampwatch.server.schemas import (
     MAX_PAGE_LIMIT,
-    NO_NUL,
     PAGE_LIMIT,
     RUN_ID_PATTERN,
     Health,
@@ -23,7 +24,7 @@ router = APIRouter(prefix="/runs", tags=["runs"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
 
 
-@router.put("/{run_id}", response_model=RunPublic)
+@router.put("/{run_id}", response_model=RunPublic, responses=WRITE)
 def put_run(run_id: RunIdPath, body: RunUpsert, session: SessionDep,
             settings: SettingsDep) -> RunPublic:
     """Register a run, or update the fields the body names (idempotent)."""
@@ -31,7 +32,7 @@ def put_run(run_id: RunIdPath, body: RunUpsert, session: SessionDep,
     return public_run(session, run, settings)
 
 
-@router.get("", response_model=RunsPublic)
+@router.get("", response_model=RunsPublic, responses=READ)
 def get_runs(
     session: SessionDep,
     settings: SettingsDep,
@@ -47,13 +48,14 @@ def get_runs(
                      limit=limit, offset=offset)
 
 
-@router.get("/{run_id}", response_model=RunPublic)
+@router.get("/{run_id}", response_model=RunPublic, responses=READ | NOT_FOUND)
 def get_one_run(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
     """One run with its totals per rank."""
     return public_run(session, get_run(session, run_id), settings)
 
 
-@router.delete("/{run_id}", status_code=204, response_class=Response)
+@router.delete("/{run_id}", status_code=204, response_class=Response,
+                responses=WRITE | NOT_FOUND)
 def remove_run(run_id: RunIdPath, session: SessionDep) -> Response:
     """Delete the run and all its data."""
     delete_run(session, run_id)

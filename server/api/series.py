@@ -6,6 +6,7 @@ from typing import Annotated, Literal
 
 from fastapi import APIRouter, Path, Query
 
+from ampwatch.server.api.error_responses import NOT_FOUND, READ
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.queries import layer_series_query, layers_query, matrix_query, steps_query
@@ -39,7 +40,8 @@ MaxPoints = Annotated[
 ]
 
 
-@router.get("/{run_id}/steps", response_model=StepsPublic)
+@router.get("/{run_id}/steps", response_model=StepsPublic,
+            responses=READ | NOT_FOUND)
 def get_steps(
     run_id: RunIdPath,
     session: SessionDep,
@@ -55,14 +57,16 @@ def get_steps(
                                         max_points=max_points, limit=limit), encoded=True)
 
 
-@router.get("/{run_id}/layers", response_model=LayersPublic)
+@router.get("/{run_id}/layers", response_model=LayersPublic,
+            responses=READ | NOT_FOUND)
 def get_layers(run_id: RunIdPath, session: SessionDep, rank: Rank = 0) -> WireJSONResponse:
     """The layer table with per-layer summaries for one rank."""
     return WireJSONResponse(layers_query(session, get_run(session, run_id), rank=rank),
                             encoded=True)
 
 
-@router.get("/{run_id}/layers/matrix", response_model=MatrixPublic)
+@router.get("/{run_id}/layers/matrix", response_model=MatrixPublic,
+            responses=READ | NOT_FOUND)
 def get_matrix(
     run_id: RunIdPath,
     session: SessionDep,
@@ -79,7 +83,8 @@ def get_matrix(
                                          end=end, buckets=buckets), encoded=True)
 
 
-@router.get("/{run_id}/layers/{index}/series", response_model=LayerSeriesPublic)
+@router.get("/{run_id}/layers/{index}/series", response_model=LayerSeriesPublic,
+            responses=READ | NOT_FOUND)
 def get_layer_series(
     run_id: RunIdPath,
     index: Annotated[int, Path(ge=0, le=1_000_000)],
@@ -95,7 +100,8 @@ def get_layer_series(
                                                end=end, max_points=max_points), encoded=True)
 
 
-@router.get("/{run_id}/grad_norms", response_model=CombinedGradNormsPublic)
+@router.get("/{run_id}/grad_norms", response_model=CombinedGradNormsPublic,
+            responses=READ | NOT_FOUND)
 def get_combined_grad_norms(
     run_id: RunIdPath,
     session: SessionDep,
@@ -112,7 +118,8 @@ def get_combined_grad_norms(
                             encoded=True)
 
 
-@router.get("/{run_id}/ranks", response_model=RanksPublic)
+@router.get("/{run_id}/ranks", response_model=RanksPublic,
+            responses=READ | NOT_FOUND)
 def get_ranks(run_id: RunIdPath, session: SessionDep) -> RanksPublic:
     """Each rank side by side: steps, skipped, loss scale, median step time, lost data."""
     run = get_run(session, run_id)

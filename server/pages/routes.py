@@ -16,11 +16,12 @@ from plotly.io.json import to_json_plotly
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.errors import NotFound
+from ampwatch.server.fields import NO_NUL
 from ampwatch.server.pages import auth, fp8, views
 from ampwatch.server.pages.figures import DASHES, colour
 from ampwatch.server.pages.rendering import render_fragment, render_page, script_json
 from ampwatch.server.responses import WireJSONResponse
-from ampwatch.server.schemas import MAX_STEP, NO_NUL, Health
+from ampwatch.server.schemas import MAX_STEP, Health
 
 STATIC = FilePath(__file__).parent / "static"
 PLOTLY_JS = FilePath(plotly.__file__).parent / "package_data" / "plotly.min.js"

@@ -135,6 +135,30 @@ def test_unstorable_strings_are_422(api, app, run_with_data, raw_name, where):
                         headers={"content-type": "application/json"})
 
 
+@pytest.mark.parametrize("body", [
+    {"layers": [{"index": 0, "name": "fc", "type": "Linear", "param_count": 2**53}]},
+    {"layers": [{"index": 0, "name": "fc", "type": "Linear", "shapes": {"w": [2**53]}}]},
+    {"config": {"a\x00b": 1}},
+    {"environment": {"scaler": {"enabled": 0}}},
+    {"environment": {"world_size": "2"}},
+], ids=["param_count", "shape", "nul-key", "0-for-false", "str-for-int"])
+def test_what_the_schema_refuses_is_422(api, app, run_with_data, body):
+    """Integers beyond 2**53 - 1 (JSON readers keep no more exactly), NUL in a key,
+    lax types in the environment: refused as the OpenAPI schema says."""
+    assert_rejected(api, app, "PUT", "/api/v1/runs/r1", json=body)
+
+
+def test_an_integer_written_with_a_zero_fraction_is_that_integer(api, app, run_with_data):
+    steps = make_steps(10, 2, 4)
+    steps[0]["step"], steps[1]["step"] = 10.0, 11.0
+    reply = api.post("/api/v1/runs/r1/batches", json={"rank": 0.0, "seq": 1.0, "steps": steps})
+    assert reply.status_code == 200 and reply.json()["stored_steps"] == 2
+    assert [s["step"] for s in api.get("/api/v1/runs/r1/steps").json()["items"]][-2:] == [10, 11]
+    steps[0]["step"] = 10.5
+    assert_rejected(api, app, "POST", "/api/v1/runs/r1/batches",
+                    json={"rank": 0, "seq": 2, "steps": steps})
+
+
 def test_nul_in_a_query_filter_is_422(api, app, run_with_data):
     assert_rejected(api, app, "GET", "/api/v1/runs", params={"name": "a\x00"})
     assert_rejected(api, app, "GET", "/api/v1/runs", params={"project": "a\x00"})

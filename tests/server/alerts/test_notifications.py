@@ -195,6 +195,6 @@ def test_alert_routes_need_the_token(database_url, receiver):
 
 def test_without_targets_a_test_is_refused(api):
     reply = api.post("/api/v1/alerts/test")
-    assert reply.status_code == 422 and "no alert targets" in reply.json()["detail"]
+    assert reply.status_code == 409 and "no alert targets" in reply.json()["detail"]
     assert api.get("/api/v1/alerts").json() == {
         "enabled": False, "public_url": "http://127.0.0.1:8000", "rules": [], "targets": []}
