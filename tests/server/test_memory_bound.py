@@ -1,0 +1,113 @@
+"""The server's memory stays bounded under hostile load: a live server process takes many
+concurrent near-cap batches, a huge config, bodies over the cap and a gzip bomb, and its
+peak resident set (the kernel's high-water mark, so no sampling and no timing) stays under
+a bound derived from its caps."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import LiveServer
+from tests.utils import make_layers, make_steps
+
+MiB = 1 << 20
+BODY_CAP = 8 * MiB
+INFLIGHT_CAP = 2 * BODY_CAP  # the least the server allows: two bodies in flight
+# A batch costs over 10x its body while it is parsed and stored (pydantic objects, then
+# numpy arrays). This load peaked 200-220 MiB above the start at these caps, and 830 MiB
+# with the cap on bytes in flight raised out of the way (what the bound must catch).
+PARSE_FACTOR = 20
+N_LAYERS = 1000
+CLIENTS = 16  # the default cap on requests in flight
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident set so far, in bytes (Linux's VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM in /proc/PID/status")
+
+
+def rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/PID/status")
+
+
+@pytest.fixture
+def capped_server(tmp_path):
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("reads the server's peak memory from /proc (Linux)")
+    server = LiveServer(f"sqlite:///{tmp_path / 'memory.db'}", tmp_path / "server.log", env={
+        "AMPWATCH_MAX_BODY_BYTES": str(BODY_CAP),
+        "AMPWATCH_MAX_INFLIGHT_BODY_BYTES": str(INFLIGHT_CAP),
+        "AMPWATCH_MAX_CONCURRENT_REQUESTS": str(CLIENTS),
+    })
+    server.start()
+    yield server
+    server.stop()
+
+
+def near_cap_batch(seq: int) -> bytes:
+    """A valid batch of one rank just under BODY_CAP (about 1,000 steps of 1,000 layers)."""
+    one_step = len(json.dumps(make_steps(0, 1, N_LAYERS)[0])) + 1
+    steps = make_steps(seq * 10_000, int(BODY_CAP * 0.95) // one_step, N_LAYERS)
+    body = json.dumps({"rank": 0, "seq": seq, "steps": steps}).encode()
+    assert 0.8 * BODY_CAP < len(body) < BODY_CAP
+    return body
+
+
+def send(url: str, method: str, path: str, body: bytes, headers: dict | None = None) -> int:
+    """The final status, after waiting out every 503 (busy) the way the agent does."""
+    headers = {"content-type": "application/json", **(headers or {})}
+    for _ in range(300):
+        response = httpx.request(method, url + path, content=body, headers=headers,
+                                 timeout=120)
+        if response.status_code != 503:
+            return response.status_code
+        time.sleep(float(response.headers.get("retry-after", 1)) / 5)
+    raise AssertionError(f"{method} {path} was busy 300 times")
+
+
+def test_peak_memory_stays_under_the_caps_bound(capped_server):
+    url, pid = capped_server.url, capped_server.process.pid
+    with httpx.Client(base_url=url, timeout=60) as client:
+        client.put("/api/v1/runs/r1", json={"name": "r1", "layers": make_layers(N_LAYERS)}
+                   ).raise_for_status()
+        client.post("/api/v1/runs/r1/batches",  # warm: first ingest, first analysis
+                    json={"rank": 0, "seq": 0, "steps": make_steps(0, 5, N_LAYERS)}
+                    ).raise_for_status()
+    batches = {seq: near_cap_batch(seq) for seq in range(1, CLIENTS + 1)}
+    huge_config = json.dumps({"config": {"blob": "z" * int(BODY_CAP * 0.9)}}).encode()
+    over_cap = b"[" + b"0," * (BODY_CAP // 2) + b"0]"
+    bomb = gzip.compress(b" " * (4 * BODY_CAP))  # 32 MiB of spaces in 32 KiB
+    start = rss(pid)
+
+    with ThreadPoolExecutor(CLIENTS + 8) as pool:
+        stored = [pool.submit(send, url, "POST", "/api/v1/runs/r1/batches", body)
+                  for body in batches.values()]
+        refused = [pool.submit(send, url, "PUT", "/api/v1/runs/r1", huge_config)
+                   for _ in range(4)]
+        refused += [pool.submit(send, url, "POST", "/api/v1/runs/r1/batches", over_cap)
+                    for _ in range(2)]
+        refused += [pool.submit(send, url, "POST", "/api/v1/runs/r1/batches", bomb,
+                                {"content-encoding": "gzip"}) for _ in range(2)]
+        assert [f.result() for f in stored] == [200] * CLIENTS
+        assert [f.result() for f in refused] == [422] * 4 + [413] * 4
+
+    bound = start + PARSE_FACTOR * INFLIGHT_CAP
+    peak = peak_rss(pid)
+    assert peak < bound, (f"peak RSS {peak / MiB:.0f} MiB over the bound {bound / MiB:.0f} MiB"
+                          f" (start {start / MiB:.0f} MiB + {PARSE_FACTOR} x the "
+                          f"{INFLIGHT_CAP / MiB:.0f} MiB of bodies in flight)")
+    run = httpx.get(f"{url}/api/v1/runs/r1", timeout=30).json()
+    assert run["ranks"][0]["batches"] == CLIENTS + 1  # every batch stored once it got in
