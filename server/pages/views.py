@@ -204,6 +204,7 @@ class PrecisionRow:
     type: str
     param_count: int
     computed_in: str | None
+    fp8: str | None  # the FP8 casts of an FP8 layer: "e4m3/e4m3/e5m2, dynamic tensorwise"
     grad_nonfinite_steps: int
     act_nonfinite_steps: int
     flags: list[dict]
@@ -227,10 +228,22 @@ def precision_rows(twin: dict) -> list[PrecisionRow]:
         rows.append(PrecisionRow(
             index=index, name=item["name"], type=item["type"],
             param_count=item["param_count"], computed_in=item["summary"]["act_dtype"],
+            fp8=fp8_casts(item["attrs"]),
             grad_nonfinite_steps=item["summary"]["grad_nonfinite_steps"],
             act_nonfinite_steps=item["summary"]["act_nonfinite_steps"], flags=flags,
         ))
     return rows
+
+
+def fp8_casts(attrs: dict) -> str | None:
+    """What an FP8 layer's attrs (agent/fp8.py) say of its casts: the input, weight and
+    grad formats (a role kept in high precision is absent) and the scaling recipe."""
+    recipe = attrs.get("fp8_recipe")
+    if not recipe:
+        return None
+    formats = [f"{role} {attrs[f'fp8_{role}_format']}" for role in ("input", "weight", "grad")
+               if attrs.get(f"fp8_{role}_format")]
+    return ", ".join(formats) + f" ({recipe})"
 
 
 def _layer_flag(group: list[dict]) -> dict:

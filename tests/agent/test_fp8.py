@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import uuid
 from collections.abc import Iterator
 
@@ -191,6 +192,16 @@ def test_the_fp8_tab_shows_for_fp8_runs_only(server):
     plain = f"plain-{uuid.uuid4().hex[:8]}"
     httpx.put(f"{server.url}/api/v1/runs/{plain}", json={"name": plain}, timeout=30)
     assert "/fp8" not in httpx.get(f"{server.url}/runs/{plain}", timeout=30).text
+
+
+def test_the_precision_map_names_the_fp8_casts(server):
+    run, _ = train(server, "tensorwise", outlier_from=None)
+    page = httpx.get(f"{server.url}/runs/{run}/layers", timeout=30)
+    assert page.status_code == 200
+    rows = dict(re.findall(r'<tr id="layer-(\w+)"[^>]*>(.*?)</tr>', page.text, re.S))
+    casts = "input e4m3, weight e4m3, grad e5m2 (dynamic tensorwise)"
+    assert {name for name, row in rows.items() if "dtype-fp8" in row} == {"fc1", "fc2", "fc3"}
+    assert all(casts in rows[name] for name in ("fc1", "fc2", "fc3"))
 
 
 def test_rowwise_scaling_contains_the_outlier_to_its_row(server):
