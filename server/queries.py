@@ -8,6 +8,7 @@ numpy passes and one `json.dumps`.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from types import SimpleNamespace
 
 import numpy as np
@@ -36,6 +37,7 @@ from ampwatch.server.storage import (
     GRAD_NONFINITE,
     TIME_COUNT,
     TIME_SUM,
+    layer_rows,
     layer_stats,
     load_layers,
     load_series,
@@ -48,7 +50,7 @@ LONG_RANGE_STEPS = 20 * SUMMARY_STEPS
 
 
 def _summarised(session: Session, run: Run, rank: int, start: int | None,
-                end: int | None) -> SimpleNamespace | None:
+                end: int | None, layers: np.ndarray | None = None) -> SimpleNamespace | None:
     """The rank's step summaries over [start, end] when a zoomed-out read should use them
     (an archived run, or a range longer than LONG_RANGE_STEPS whose every step is
     summarised); None to read the steps themselves."""
@@ -61,7 +63,7 @@ def _summarised(session: Session, run: Run, rank: int, start: int | None,
         if last - first < LONG_RANGE_STEPS or summarised_steps(
                 session, run.id, rank) < rank_row.steps:
             return None
-    return load_summaries(session, run.id, rank, start, end, run.n_layers)
+    return load_summaries(session, run.id, rank, start, end, run.n_layers, layers)
 
 
 def _ranks(session: Session, run: Run, rank: int | None) -> list[int]:
@@ -169,13 +171,14 @@ def _float_or_none(x: float) -> float | str | None:
     return None if np.isfinite(x) and x < 0 else encode_float(float(x))
 
 
-def layers_query(session: Session, run: Run, *, rank: int = 0) -> dict:
-    """The layer table with per-layer summaries kept up to date at ingest."""
-    layers = load_layers(session, run.id)
+def layers_query(session: Session, run: Run, *, rank: int = 0,
+                 layers: Sequence[int] | None = None) -> dict:
+    """The layer table with per-layer summaries kept up to date at ingest; with `layers`
+    (indices), only those layers, in that order."""
     rank_row = next((r for r in run_ranks(session, run.id) if r.rank == rank), None)
-    stats = layer_stats(rank_row, len(layers))
+    stats = layer_stats(rank_row, run.n_layers)
     items = []
-    for layer in layers:
+    for layer in load_layers(session, run.id, layers):
         i = layer.index
         if stats is None:
             summary = {"grad_norm_last": None, "grad_norm_max": None, "grad_nonfinite_steps": 0,
@@ -237,11 +240,12 @@ def layer_series_query(
     """One layer's grad norm per step and its sampled activation stats."""
     if not 0 <= index < run.n_layers:
         raise NotFound(f"run {run.id!r} has no layer {index} (it has {run.n_layers})")
-    layer = load_layers(session, run.id)[index]
+    layer = load_layers(session, run.id, [index])[0]
     summary = _summarised(session, run, rank, start, end) if max_points is not None else None
     if summary is not None:
         return _layer_envelope(run, rank, index, layer.name, summary, max_points)
-    series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers, layer=index)
+    series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers,
+                         layers=np.array([index]))
     grad_values = (series.layer_grad[:, 0] if series.layer_grad is not None
                    else np.full(len(series), MISSING, np.float32))
     grad, grad_cut, grad_events = _points(series.steps, grad_values, max_points)
@@ -312,25 +316,33 @@ def matrix_query(
     start: int | None = None,
     end: int | None = None,
     buckets: int = 1000,
+    layers: Sequence[int] | None = None,
 ) -> dict:
-    """Layers x step buckets for heatmaps (see downsample.bucket_matrix)."""
+    """Layers x step buckets for heatmaps (see downsample.bucket_matrix); with `layers`
+    (indices), only those layers' rows, in that order: a page of a wide run reads and
+    sends its own layers only."""
     if metric not in MATRIX_METRICS:
         raise InvalidInput(f"metric must be one of {', '.join(MATRIX_METRICS)}")
     acts = metric != "grad_norm"
-    summary = _summarised(session, run, rank, start, end) if metric != "act_time_ms" else None
+    columns = None if layers is None else np.asarray(layers, dtype=np.int64)
+    summary = (_summarised(session, run, rank, start, end, columns)
+               if metric != "act_time_ms" else None)
     if summary is not None:  # one column per summary bucket, reduced by the same rule
         steps = summary.bucket_start
         values = summary.act_max if acts else summary.grad_max
     else:
         series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers,
-                             with_layers=not acts, with_acts=acts)
+                             with_layers=not acts, with_acts=acts, layers=columns)
         if acts:
             steps = series.act_step
             values = series.act_absmax if metric == "act_absmax" else series.act_time
         else:
             steps, values = series.steps, series.layer_grad
+    names = [row.name for row in layer_rows(session, run.id)]
+    if layers is not None:
+        names = [names[i] for i in layers]
     if values is None:
-        steps, values = steps[:0], np.zeros((0, run.n_layers), np.float32)
+        steps, values = steps[:0], np.zeros((0, len(names)), np.float32)
     step_start, step_end, matrix, empty = bucket_matrix(steps, values, buckets)
     if summary is not None and step_end.size:  # a bucket's column ends where its steps do
         step_end = step_end + SUMMARY_STEPS - 1
@@ -338,7 +350,7 @@ def matrix_query(
         "run_id": run.id,
         "rank": rank,
         "metric": metric,
-        "layers": [layer.name for layer in load_layers(session, run.id)],
+        "layers": names,
         "step_start": step_start.tolist(),
         "step_end": step_end.tolist(),
         "values": float_rows(matrix, empty),

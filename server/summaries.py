@@ -124,10 +124,13 @@ def _replace(session: Session, row: StepSummary | None, run_id: str, rank: int, 
 
 
 def load_summaries(session: Session, run_id: str, rank: int, start: int | None,
-                   end: int | None, n_layers: int) -> SimpleNamespace:
+                   end: int | None, n_layers: int,
+                   layers: np.ndarray | None = None) -> SimpleNamespace:
     """The rank's buckets overlapping [start, end]: `envelope` (a StepSeries of the
     envelope rows within the range), `bucket_start` (m,), `grad_max`, `grad_min`,
-    `act_max` ((m, n_layers) float32, MISSING where a bucket had none)."""
+    `act_max` ((m, n_layers) float32, MISSING where a bucket had none; with `layers`
+    (indices), only those layers' columns, in that order)."""
+    columns = np.arange(n_layers) if layers is None else layers
     query = select(StepSummary).where(StepSummary.run_id == run_id, StepSummary.rank == rank)
     if start is not None:
         query = query.where(StepSummary.bucket >= start // SUMMARY_STEPS)
@@ -135,15 +138,15 @@ def load_summaries(session: Session, run_id: str, rank: int, start: int | None,
         query = query.where(StepSummary.bucket <= end // SUMMARY_STEPS)
     rows = list(session.scalars(query.order_by(StepSummary.bucket)))
     m = len(rows)
-    blocks = {name: np.full((m, n_layers), MISSING, np.float32)
+    blocks = {name: np.full((m, len(columns)), MISSING, np.float32)
               for name in ("grad_max", "grad_min", "act_max")}
     scalars, present = [], []
     for i, row in enumerate(rows):
-        width = min(row.n_layers, n_layers)
+        stored = columns < row.n_layers  # a bucket from before the layer table grew
         for name, block in blocks.items():
             values = _decode(getattr(row, name), np.float32, (row.n_layers,))
             if values is not None:
-                block[i, :width] = values[:width]
+                block[i, stored] = values[columns[stored]]
         scalars.append(_decode(row.scalars, np.float64, (-1, _K)))
         present.append(_decode(row.present, np.bool_, (-1, _K)))
     envelope = StepSeries.empty(n_layers)

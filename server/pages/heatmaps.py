@@ -25,11 +25,15 @@ UNKNOWN_DTYPE = "#bdc1c6"
 ROW_PX = 20
 
 
+def forward_key(index: int, forward_index: int | None) -> tuple[bool, int, int]:
+    """Sort key of a layer in forward execution order; layers never seen in forward last."""
+    return forward_index is None, forward_index or 0, index
+
+
 def forward_order(layers: dict) -> list[int]:
-    """Layer indices in forward execution order; layers never seen in forward last."""
-    items = layers["items"]
+    """Layer indices of a `layers_query` answer in forward execution order."""
     return [item["index"] for item in sorted(
-        items, key=lambda x: (x["forward_index"] is None, x["forward_index"] or 0, x["index"]))]
+        layers["items"], key=lambda x: forward_key(x["index"], x["forward_index"]))]
 
 
 @dataclass(frozen=True)

@@ -4,6 +4,7 @@ panels that a live page swaps in without reloading)."""
 
 from __future__ import annotations
 
+from functools import partial
 from pathlib import Path as FilePath
 from typing import Annotated, Literal
 from urllib.parse import urlencode
@@ -61,6 +62,13 @@ def _update(live: bool, figures: dict, panels: dict[str, str]) -> Response:
     body = {"live": live, "figures": {k: f.to_plotly_json() for k, f in figures.items()},
             "panels": panels}
     return Response(to_json_plotly(body), media_type="application/json")
+
+
+def _page_href(request: Request, page: int) -> str:
+    """This page's query with another `page` (the layers page's pager and links)."""
+    query = [(k, v) for k, v in request.query_params.multi_items() if k not in ("page",
+                                                                                 "format")]
+    return f"?{urlencode([*query, ('page', str(page))])}"
 
 
 def _live_url(request: Request) -> str:
@@ -154,18 +162,22 @@ def layers_page(
     rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
     start: Start = None,
     end: End = None,
+    page: Annotated[int, Query(ge=1, le=1_000_000, description="a page of "
+                               f"{views.LAYERS_PER_PAGE} layers in forward order")] = 1,
     output: Format = "html",
 ) -> Response:
-    """Per-layer heatmaps, the misaligned-layer table and the precision map."""
+    """Per-layer heatmaps, the misaligned-layer table and the precision map, a page of
+    layers at a time (a run may have tens of thousands)."""
     try:
         twin = views.layers_twin(session, settings, run_id, rank=rank,
-                                 steps=views.StepRange(start, end))
+                                 steps=views.StepRange(start, end), page=page)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
     figures = views.layers_figures(twin)
     context = {"twin": twin, "run": twin["run"], "start": start, "end": end,
+               "paging": twin["page"], "page_href": partial(_page_href, request),
                "misaligned": views.misaligned_rows(twin),
                "precision": views.precision_rows(twin)}
     return _run_tab(request, output, "layers.html", "layers", figures, context,

@@ -3,12 +3,13 @@ figures drawn from that twin. Routes (server/pages/routes.py) only pick the form
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from urllib.parse import quote
 
 import numpy as np
 from plotly.graph_objects import Figure
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
@@ -21,6 +22,7 @@ from ampwatch.server.queries import layers_query, matrix_query, steps_query, wit
 from ampwatch.server.ranks import ranks_panel
 from ampwatch.server.runs import get_run, list_runs, public_run
 from ampwatch.server.settings import Settings
+from ampwatch.server.storage import layer_rows
 
 MAX_POINTS = 2000  # per chart line set: what a laptop-wide chart can show
 BUCKETS = 1000  # heatmap columns
@@ -28,6 +30,10 @@ RUNS_PER_PAGE = 25
 MAX_COMPARED = 8
 MAX_FINDINGS = 200
 LAYER_FINDING_KINDS = ("misaligned_layer", "precision_map")
+LAYERS_PER_PAGE = 200  # rows of the layers page's heatmaps and table
+# non-finite causes that name the offending layer, the forward pass's first
+FORWARD_CAUSES = ("forward_overflow", "absorbed_overflow")
+GRAD_CAUSES = ("grad_overflow",)
 
 
 @dataclass(frozen=True)
@@ -117,53 +123,81 @@ def overview_figures(twin: dict) -> dict[str, Figure]:
     return {name: figures.share_x(fig, span) for name, fig in charts.items()}
 
 
+def layer_page(layers: list[Row], page: int, named: set[str]) -> dict:
+    """Page `page` (from 1; past the last is the last) of the layers in forward order:
+    its layer indices in that order, and the page of each layer in `named`."""
+    ordered = sorted(layers, key=lambda layer: heatmaps.forward_key(layer.index,
+                                                                     layer.forward_index))
+    pages = max(1, math.ceil(len(ordered) / LAYERS_PER_PAGE))
+    page = min(page, pages)
+    first = (page - 1) * LAYERS_PER_PAGE
+    return {
+        "page": page, "pages": pages, "per_page": LAYERS_PER_PAGE, "total": len(ordered),
+        "first": first, "indices": [layer.index for layer in
+                                    ordered[first:first + LAYERS_PER_PAGE]],
+        "page_of": {layer.name: position // LAYERS_PER_PAGE + 1
+                    for position, layer in enumerate(ordered) if layer.name in named},
+    }
+
+
 def layers_twin(session: Session, settings: Settings, run_id: str, *, rank: int,
-                steps: StepRange) -> dict:
-    """/runs/{id}/layers: the layer table with summaries, grad-norm and activation
-    matrices, and the layer findings (misaligned layers, precision map)."""
+                steps: StepRange, page: int = 1) -> dict:
+    """/runs/{id}/layers: one page of the layers in forward order (LAYERS_PER_PAGE):
+    their table rows with summaries and their grad-norm and activation matrices, read
+    for those layers only; and the run's layer findings (misaligned layers, precision
+    map, non-finite ones), with the page each named layer is on."""
     run = get_run(session, run_id)
-    findings = findings_of(session, run_id)
+    findings = {status: [f for f in items if f["kind"] in LAYER_FINDING_KINDS
+                         or f["layer"] is not None]
+                for status, items in findings_of(session, run_id).items()}
+    named = {f["layer"] for items in findings.values() for f in items if f["layer"]}
+    paging = layer_page(layer_rows(session, run_id), page, named)
+    indices = paging["indices"]
     return {
         "run": _run(session, run_id, settings),
         "rank": rank,
-        "layers": layers_query(session, run, rank=rank),
+        "page": paging,
+        "layers": layers_query(session, run, rank=rank, layers=indices),
         "grad_norm": matrix_query(session, run, metric="grad_norm", rank=rank,
-                                  buckets=BUCKETS, **steps.query()),
+                                  buckets=BUCKETS, layers=indices, **steps.query()),
         "act_absmax": matrix_query(session, run, metric="act_absmax", rank=rank,
-                                   buckets=BUCKETS, **steps.query()),
-        "findings": {status: [f for f in items if f["kind"] in LAYER_FINDING_KINDS
-                              or f["layer"] is not None]
-                     for status, items in findings.items()},
+                                   buckets=BUCKETS, layers=indices, **steps.query()),
+        "findings": findings,
     }
 
 
 def offender_layer(twin: dict, grads: LayerMatrix, acts: LayerMatrix) -> str | None:
-    """The run's first offender: the first layer in forward order whose output went
-    non-finite; else the layer the non-finite analysis names; else the first layer in
-    forward order with non-finite grads."""
-    order = heatmaps.forward_order(twin["layers"])
-    found = heatmaps.first_offender(acts, order)
-    if found is not None:
-        return found.layer
-    for finding in twin["findings"]["open"]:
-        if finding["kind"] == "nonfinite" and finding["layer"]:
-            return finding["layer"]
-    found = heatmaps.first_offender(grads, order)
-    return found.layer if found is not None else None
+    """The run's first offender, over all its layers, not only the page's: the layer of
+    the earliest open non-finite finding whose layer's output went non-finite (the
+    analysis reads every step's first non-finite layer), else of the earliest whose
+    grads did; without such a finding, the page's first layer in forward order whose
+    output went non-finite, then whose grads did."""
+    nonfinite = [f for f in twin["findings"]["open"] if f["kind"] == "nonfinite"
+                 and f["layer"] and f["step"] is not None]
+    for causes in (FORWARD_CAUSES, GRAD_CAUSES):
+        found = [f for f in nonfinite if f["evidence"].get("cause") in causes]
+        if found:
+            return min(found, key=lambda f: f["step"])["layer"]
+    rows = list(range(len(acts.layers)))  # the twin's matrices are in forward order
+    for matrix in (acts, grads):
+        first = heatmaps.first_offender(matrix, rows)
+        if first is not None:
+            return first.layer
+    return None
 
 
 def layers_figures(twin: dict) -> dict[str, Figure]:
-    order = heatmaps.forward_order(twin["layers"])
     grads = LayerMatrix.from_twin(twin["grad_norm"])
     acts = LayerMatrix.from_twin(twin["act_absmax"])
     offender = offender_layer(twin, grads, acts)
     span = heatmaps.matrix_span([grads, acts])
+    rows = list(range(len(twin["page"]["indices"])))  # matrices come in forward order
     return {
         "grad_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
-            grads, order, quantity="grad norm", offender=offender), span),
+            grads, rows, quantity="grad norm", offender=offender), span),
         "act_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
-            acts, order, quantity="abs-max", offender=offender), span),
-        "fwd_time": heatmaps.forward_time_figure(twin["layers"], order),
+            acts, rows, quantity="abs-max", offender=offender), span),
+        "fwd_time": heatmaps.forward_time_figure(twin["layers"], twin["page"]["indices"]),
     }
 
 
@@ -178,10 +212,12 @@ class MisalignedRow:
     flops_share: float | None
     severity: str
     message: str
+    page: int  # the layers page whose precision map holds the layer
 
 
 def misaligned_rows(twin: dict) -> list[MisalignedRow]:
     """The misaligned-layer table, from the open `misaligned_layer` findings' evidence."""
+    page_of = twin["page"]["page_of"]
     rows = []
     for finding in twin["findings"]["open"]:
         if finding["kind"] != "misaligned_layer":
@@ -193,6 +229,7 @@ def misaligned_rows(twin: dict) -> list[MisalignedRow]:
             padded=evidence.get("padded"), optimal=evidence.get("optimal"),
             flops_share=evidence.get("flops_share"), severity=finding["severity"],
             message=finding["message"],
+            page=page_of.get(finding["layer"], twin["page"]["page"]),
         ))
     return sorted(rows, key=lambda r: (-(r.flops_share or 0), r.layer, r.dimension))
 

@@ -59,7 +59,7 @@ def test_compressed_and_raw_rows_read_the_same():
     for field in ("scalars", "present", "layer_grad", "act_step", "act_absmax", "act_dtype",
                   "act_time"):
         assert np.array_equal(getattr(a, field), getattr(b, field), equal_nan=True), field
-    one = unpack_row(SimpleNamespace(**stored), 64, True, True, layer=5)
+    one = unpack_row(SimpleNamespace(**stored), 64, True, True, layers=np.array([5]))
     assert np.array_equal(one.layer_grad[:, 0], a.layer_grad[:, 5])
 
 
