@@ -50,10 +50,12 @@ LONG_RANGE_STEPS = 20 * SUMMARY_STEPS
 
 
 def _summarised(session: Session, run: Run, rank: int, start: int | None,
-                end: int | None, layers: np.ndarray | None = None) -> SimpleNamespace | None:
+                end: int | None, layers: np.ndarray | None = None,
+                **parts) -> SimpleNamespace | None:
     """The rank's step summaries over [start, end] when a zoomed-out read should use them
     (an archived run, or a range longer than LONG_RANGE_STEPS whose every step is
-    summarised); None to read the steps themselves."""
+    summarised); None to read the steps themselves. `parts`: what `load_summaries`
+    reads (all of it by default)."""
     rank_row = session.get(RunRank, (run.id, rank))
     if rank_row is None or rank_row.last_step is None:
         return None
@@ -63,7 +65,7 @@ def _summarised(session: Session, run: Run, rank: int, start: int | None,
         if last - first < LONG_RANGE_STEPS or summarised_steps(
                 session, run.id, rank) < rank_row.steps:
             return None
-    return load_summaries(session, run.id, rank, start, end, run.n_layers, layers)
+    return load_summaries(session, run.id, rank, start, end, run.n_layers, layers, **parts)
 
 
 def _ranks(session: Session, run: Run, rank: int | None) -> list[int]:
@@ -119,8 +121,8 @@ def steps_query(
     next_start = None
     budget = max(1, (max_points or 0) // max(1, len(ranks)))
     for r in ranks:
-        summary = (_summarised(session, run, r, start, end) if max_points is not None
-                   else None)
+        summary = (_summarised(session, run, r, start, end, blocks=())
+                   if max_points is not None else None)
         if summary is not None:  # the envelope rows: every extreme and anomaly of the range
             series = summary.envelope
             total += summary.n_steps
@@ -241,7 +243,8 @@ def layer_series_query(
     if not 0 <= index < run.n_layers:
         raise NotFound(f"run {run.id!r} has no layer {index} (it has {run.n_layers})")
     layer = load_layers(session, run.id, [index])[0]
-    summary = _summarised(session, run, rank, start, end) if max_points is not None else None
+    summary = (_summarised(session, run, rank, start, end, envelope=False)
+               if max_points is not None else None)
     if summary is not None:
         return _layer_envelope(run, rank, index, layer.name, summary, max_points)
     series = load_series(session, run.id, rank, start, end, n_layers=run.n_layers,
@@ -325,7 +328,8 @@ def matrix_query(
         raise InvalidInput(f"metric must be one of {', '.join(MATRIX_METRICS)}")
     acts = metric != "grad_norm"
     columns = None if layers is None else np.asarray(layers, dtype=np.int64)
-    summary = (_summarised(session, run, rank, start, end, columns)
+    summary = (_summarised(session, run, rank, start, end, columns, envelope=False,
+                           blocks=("act_max" if acts else "grad_max",))
                if metric != "act_time_ms" else None)
     if summary is not None:  # one column per summary bucket, reduced by the same rule
         steps = summary.bucket_start
