@@ -30,20 +30,50 @@ class WireJSONResponse(JSONResponse):
         if not getattr(self, "encoded", False):
             content = encode_tree(content)
         try:
-            return orjson.dumps(content, option=orjson.OPT_SERIALIZE_NUMPY)
+            return orjson.dumps(content, default=_fragment, option=orjson.OPT_SERIALIZE_NUMPY)
         except orjson.JSONEncodeError:
             # integers beyond 64 bits (a user's run config may hold one): stdlib json
-            return json.dumps(content, ensure_ascii=False, allow_nan=False,
+            return json.dumps(content, ensure_ascii=False, allow_nan=False, default=_lists,
                               separators=(",", ":")).encode()
 
 
-def float_rows(matrix: np.ndarray, missing: np.ndarray) -> list[orjson.Fragment]:
-    """Each row of a float matrix as a JSON fragment in wire form; rows that are all
-    finite and present (the usual case) go straight from numpy to bytes."""
-    rows = []
-    for values, absent in zip(matrix, missing, strict=True):
-        if not absent.any() and np.isfinite(values).all():
-            rows.append(orjson.Fragment(orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY)))
-        else:
-            rows.append(orjson.Fragment(orjson.dumps(encode_array(values, missing=absent))))
-    return rows
+class FloatRows:
+    """A float matrix as JSON rows in wire form, rendered only when a response is
+    written (`WireJSONResponse`): a page that draws the matrix reads `matrix` and
+    `missing` (server/pages/columns.py) and never pays for its JSON (about 20 ms for a
+    1,000 x 1,000 heatmap, and as long again to parse it back)."""
+
+    def __init__(self, matrix: np.ndarray, missing: np.ndarray) -> None:
+        self.matrix = matrix
+        self.missing = missing
+
+    def fragment(self) -> orjson.Fragment:
+        """The rows as one JSON array; rows that are all finite and present (the usual
+        case) go straight from numpy to bytes."""
+        rows = []
+        for values, absent in zip(self.matrix, self.missing, strict=True):
+            if not absent.any() and np.isfinite(values).all():
+                rows.append(orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY))
+            else:
+                rows.append(orjson.dumps(encode_array(values, missing=absent)))
+        return orjson.Fragment(b"[" + b",".join(rows) + b"]")
+
+    def lists(self) -> list:
+        return encode_array(self.matrix, missing=self.missing)
+
+
+def float_rows(matrix: np.ndarray, missing: np.ndarray) -> FloatRows:
+    """A layers x buckets float matrix (`missing`: cells sent as null) for a response."""
+    return FloatRows(matrix, missing)
+
+
+def _fragment(value: Any) -> orjson.Fragment:
+    if isinstance(value, FloatRows):
+        return value.fragment()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _lists(value: Any) -> list:
+    if isinstance(value, FloatRows):
+        return value.lists()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")

@@ -11,10 +11,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
-import orjson
 
 from ampwatch.client.wire import decode_float
 from ampwatch.server.queries import with_events
+from ampwatch.server.responses import FloatRows
 
 
 def decode_values(values: list) -> tuple[np.ndarray, np.ndarray]:
@@ -23,13 +23,12 @@ def decode_values(values: list) -> tuple[np.ndarray, np.ndarray]:
     return _as_float(values), ~np.equal(np.array(values, dtype=object), None)
 
 
-def decode_matrix(rows: list) -> tuple[np.ndarray, np.ndarray]:
-    """A layers x buckets matrix in wire form: (float64 values, mask of empty cells).
-
-    Rows may be lists or pre-rendered JSON fragments (`server.responses.float_rows`).
-    """
-    if rows and not isinstance(rows[0], list):
-        rows = orjson.loads(orjson.dumps(rows))
+def decode_matrix(rows: list | FloatRows) -> tuple[np.ndarray, np.ndarray]:
+    """A layers x buckets matrix, in wire form or as a query left it
+    (`server.responses.float_rows`): (float values, mask of empty cells)."""
+    if isinstance(rows, FloatRows):
+        missing = np.asarray(rows.missing, dtype=bool)
+        return np.where(missing, np.float32(np.nan), rows.matrix), missing.copy()
     if not rows or not rows[0]:
         return np.zeros((len(rows), 0)), np.zeros((len(rows), 0), dtype=bool)
     return _as_float(rows), np.equal(np.array(rows, dtype=object), None)
@@ -104,7 +103,7 @@ class LayerMatrix:
     layers: list[str]
     step_start: np.ndarray
     step_end: np.ndarray
-    values: np.ndarray  # float64; NaN/inf kept
+    values: np.ndarray  # float32 or float64; NaN/inf kept, NaN where empty
     empty: np.ndarray  # bool: the bucket had no value for the layer
 
     @classmethod
