@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -44,9 +45,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        pages.warm_up()
+        # What exists now (modules, Plotly's validators, this app) lives as long as the
+        # server: kept out of the collector's sight, a full collection walks only what
+        # requests made, instead of pausing one request for 0.1 s now and then.
+        gc.collect()
+        gc.freeze()
         alert_service.start()
         yield
         alert_service.stop()
+        gc.unfreeze()
         engine.dispose()
 
     if settings.migrate_on_start:

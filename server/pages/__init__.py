@@ -4,6 +4,7 @@
 served from the installed plotly package).
 """
 
+from ampwatch.server.pages.rendering import warm_up
 from ampwatch.server.pages.routes import router
 
-__all__ = ["router"]
+__all__ = ["router", "warm_up"]

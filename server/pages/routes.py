@@ -20,7 +20,7 @@ from ampwatch.server.errors import NotFound
 from ampwatch.server.fields import NO_NUL
 from ampwatch.server.pages import auth, fp8, views
 from ampwatch.server.pages.figures import DASHES, colour
-from ampwatch.server.pages.rendering import render_fragment, render_page, script_json
+from ampwatch.server.pages.rendering import render_fragment, render_page
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import MAX_STEP, Health
 
@@ -86,8 +86,7 @@ def _run_tab(request: Request, output: str, template: str, tab: str, figures: di
     if output == "update":
         return _update(live, figures, panels)
     return render_page(request, template, tab=tab, panels=panels,
-                       figures=script_json({k: f.to_plotly_json() for k, f in figures.items()}),
-                       live_url=_live_url(request) if live else None,
+                       figures=figures, live_url=_live_url(request) if live else None,
                        poll_ms=LIVE_POLL_MS, **context)
 
 
@@ -243,8 +242,8 @@ def compare_page(
                        notes=views.coinciding(lines),
                        dashes=[DASHES[i % len(DASHES)] for i in range(n)],
                        colours=[colour(i) for i in range(n)],
-                       figures=script_json({k: f.to_plotly_json() for k, f in figures.items()}),
-                       live_url=_live_url(request) if live else None, poll_ms=LIVE_POLL_MS)
+                       figures=figures, live_url=_live_url(request) if live else None,
+                       poll_ms=LIVE_POLL_MS)
 
 
 router.include_router(pages)

@@ -4,6 +4,8 @@ the login form."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from fastapi.testclient import TestClient
 
@@ -57,6 +59,17 @@ def test_live_update_answers_figures_and_panels(api, long_run):
                                       "memory"}
     assert set(update["panels"]) == {"run-stats", "findings"}
     assert update["live"] is True
+
+
+@pytest.mark.parametrize("path", ["/runs/long", "/runs/long/layers", "/compare?run=long"])
+def test_a_page_embeds_the_figures_its_live_update_draws(api, long_run, path):
+    html = api.get(path).text
+    opening = '<script type="application/json" id="figures">'
+    start = html.index(opening) + len(opening)
+    embedded = html[start:html.index("</script>", start)]
+    assert not {"<", ">", "&"} & set(embedded)  # nothing in it can end the script tag
+    update = api.get(path + ("&" if "?" in path else "?") + "format=update").json()
+    assert json.loads(embedded) == update["figures"] != {}
 
 
 @pytest.mark.parametrize("path", ["/", "/runs/long", "/runs/long/layers",
