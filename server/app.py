@@ -49,7 +49,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # What exists now (modules, Plotly's validators, this app) lives as long as the
         # server: kept out of the collector's sight, a full collection walks only what
         # requests made, instead of pausing one request for 0.1 s now and then.
-        gc.collect()
         gc.freeze()
         alert_service.start()
         yield
