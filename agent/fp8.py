@@ -109,6 +109,22 @@ class Fp8Layer:
         """The scale a delayed-scaling module will cast `role` with (a device tensor)."""
         return _te_scale(self.module, role) if self.delayed else None
 
+    def casting(self) -> bool:
+        """Whether the module casts to FP8 now: a torchao layer always; a Transformer
+        Engine module once a forward ran under `fp8_autocast` (TE sets `module.fp8` and
+        creates its scaling state then), so a TE model trained in bf16 is no FP8 layer."""
+        if not self.delayed:
+            return True
+        meta = getattr(self.module, "fp8_meta", None)
+        return bool(getattr(self.module, "fp8", False)) and isinstance(meta, dict) and (
+            "scaling_fwd" in meta)
+
+    def read_recipe(self) -> None:
+        """Transformer Engine: the formats and history length of the recipe in use (the
+        one given to `fp8_autocast`, known once the module casts)."""
+        if self.delayed:
+            self.recipe, self.specs = _te_recipe(self.module)
+
     def attrs(self) -> dict[str, Any]:
         """What the layer table says of this layer (`fp8_*` attrs, docs/wire-format.md)."""
         out: dict[str, Any] = {"fp8_recipe": self.recipe}
@@ -160,21 +176,36 @@ def _te_scale(module: nn.Module, role: str) -> torch.Tensor | None:
     return None if meta is None else meta.scale[row]
 
 
+# the Transformer Engine modules whose GEMM inputs are the module's own input and weight
+# (te.TransformerLayer is made of these); LayerNorm* cast the normalised input, which
+# the module's input is not: their input role is not measured
+_TE_LINEARS = ("Linear", "LayerNormLinear", "LayerNormMLP")
+
+
 def _te_layer(index: int, module: nn.Module) -> Fp8Layer | None:
-    """A Transformer Engine module (it has `fp8_meta`). The formats come from its recipe:
-    HYBRID (the default) is E4M3 forward and E5M2 backward. Checked on a GPU only: TE
-    needs CUDA (docs/fp8.md)."""
-    meta = getattr(module, "fp8_meta", None)
-    if not isinstance(meta, dict) or not type(module).__module__.startswith("transformer_engine"):
+    """A Transformer Engine linear (it has `fp8_meta`); whether it casts is known only at
+    run time (`Fp8Layer.casting`). Checked on a GPU only: TE needs CUDA (docs/fp8.md)."""
+    if (not isinstance(getattr(module, "fp8_meta", None), dict)
+            or type(module).__name__ not in _TE_LINEARS
+            or not type(module).__module__.startswith("transformer_engine")):
         return None
-    recipe = meta.get("recipe")
+    recipe, specs = _te_recipe(module)
+    return Fp8Layer(index, module, recipe, specs, delayed=True)
+
+
+def _te_recipe(module: nn.Module) -> tuple[str, dict[str, CastSpec]]:
+    """The recipe name and casts of a TE module's `fp8_meta["recipe"]`: HYBRID (the
+    default) is E4M3 forward and E5M2 backward."""
+    recipe = module.fp8_meta.get("recipe")
     fmt = str(getattr(getattr(recipe, "fp8_format", None), "name", "HYBRID"))
     forward = torch.float8_e5m2 if fmt == "E5M2" else torch.float8_e4m3fn
     backward = torch.float8_e4m3fn if fmt == "E4M3" else torch.float8_e5m2
     history = getattr(recipe, "amax_history_len", None)
     name = "delayed" + (f" (amax history {history})" if history else "")
-    specs = {"input": CastSpec(forward), "weight": CastSpec(forward), "grad": CastSpec(backward)}
-    return Fp8Layer(index, module, name, specs, delayed=True)
+    specs = {"weight": CastSpec(forward), "grad": CastSpec(backward)}
+    if type(module).__name__ == "Linear":
+        specs["input"] = CastSpec(forward)
+    return name, specs
 
 
 def find_fp8_layers(layers: list[Any]) -> list[Fp8Layer]:

@@ -83,6 +83,7 @@ class Session:
         self.in_training_forward = False
         self.training_autocast: str | None = None  # autocast dtype of training forwards
         self.fp16_params = any(p.dtype == torch.float16 for p in self.params)
+        self.fp16_outputs = False  # a sampled forward saw a layer compute in float16
         self.anomaly_until = -1  # sample activations through this step (worker sets it too)
         self.dropped_steps = 0
         self._grads_taken = False
@@ -207,9 +208,11 @@ class Session:
 
     @property
     def computes_in_fp16(self) -> bool:
-        """Whether training runs in float16 (autocast or the weights): the one precision
-        whose narrow range flushes small gradients to zero."""
-        return self.fp16_params or self.training_autocast == "float16"
+        """Whether training runs in float16 (autocast, the weights, or layer outputs, as
+        FSDP's mixed precision computes): the one precision whose narrow range flushes
+        small gradients to zero."""
+        return (self.fp16_params or self.fp16_outputs
+                or self.training_autocast == "float16")
 
     def _present(self) -> tuple[int, ...]:
         return tuple(i for i, p in enumerate(self.params) if p.grad is not None)

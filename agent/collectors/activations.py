@@ -2,18 +2,19 @@
 the abs-max, dtype and time of each layer's output; the layers' forward execution order.
 
 Every layer has a forward post hook on every training step. A hook call does one device
-op, `aminmax` of the layer's output (NaN and inf propagate), and appends the call to a
-list. At close, every step: the position of the first call whose output held inf/NaN
-(in execution order, so the first offender of that exact step) is reduced into one slot
-with a few device ops. On a sampled step (every `sample_every` steps, and every step
-through `session.anomaly_until`) the layers also get a pre hook (time, token count) and
-the abs-max of every layer is reduced into the buffer with about a dozen device ops
-whatever the number of layers or calls (grouped by output dtype, a layer called several
-times keeps its largest value). On the CPU (`session.host_reduce`) both reductions are
-left to the worker, which reads the (min, max) pairs themselves, and on unsampled steps a
-bf16 or float32 output is checked by its sum instead (read in the hook; an inf/NaN sum
-is confirmed by aminmax, so a finite sum that overflowed is no false flag). The dtype each layer
-computed in and its forward time are worked out from the calls on the worker thread.
+op, `aminmax` of the layer's output (NaN and inf propagate; on the CPU, between samples,
+a sum: see below), and appends the call to a list. At close, every step: the position
+of the first call whose output held inf/NaN (in execution order, so the first offender
+of that exact step) is reduced into one slot with a few device ops. On a sampled step
+(every `sample_every` steps, and every step through `session.anomaly_until`) the layers
+also get a pre hook (time, token count) and the abs-max of every layer is reduced into
+the buffer with about a dozen device ops whatever the number of layers or calls (grouped
+by output dtype, a layer called several times keeps its largest value). On the CPU
+(`session.host_reduce`) both reductions are left to the worker, which reads the (min,
+max) pairs themselves, and on unsampled steps a bf16 or float32 output is checked by its
+sum instead (read in the hook; an inf/NaN sum is confirmed by aminmax, so a finite sum
+that overflowed is no false flag). The dtype each layer computed in and its forward time
+are worked out from the calls on the worker thread.
 Does not synchronise the device.
 
 The first sampled training forward gives the forward order, and each Linear-like layer's
@@ -190,6 +191,9 @@ class ActivationCollector(Collector):
         if sample != self.sampling:
             self._set_sampling(sample)
 
+    def on_forward_end(self, training: bool, output: Any) -> None:
+        self._checked = (None, 0, None)  # not kept alive through the backward
+
     def on_step_end(self, step: int, stepped: bool) -> None:
         if not stepped:
             self.session.note_anomaly(step)
@@ -246,7 +250,8 @@ class ActivationCollector(Collector):
                     self._calls.append((index, None, None, start, end))
                 elif tensor.numel() == 0:
                     self._calls.append((index, tensor.dtype, None, start, end))
-                elif host_check and not self._sampled and tensor.dtype in SUM_CHECKED:
+                elif (host_check and not self._sampled and tensor.dtype in SUM_CHECKED
+                      and tensor.is_cpu and not tensor.is_inference()):
                     seen, version, stats = self._checked
                     # a block returning its last layer's output, unchanged: same verdict
                     if tensor is not seen or version != tensor._version:
@@ -292,6 +297,7 @@ class ActivationCollector(Collector):
         changed = tokens != self._last_tokens and self._note_tokens(tokens)
         if pattern != self._last_pattern:  # the layers ran in another order or dtype
             self._last_pattern = pattern
+            self.session.fp16_outputs = any(dtype is torch.float16 for _, dtype in pattern)
             seen = list(dict.fromkeys(call[0] for call in calls))
             if seen and seen != self.order[: len(seen)] or len(seen) > len(self.order):
                 self.order = seen

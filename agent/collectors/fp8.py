@@ -2,12 +2,12 @@
 shares of the input, the weight and the gradient as each is cast to FP8.
 
 Sampled with the activation statistics (every `sample_every` steps and every step of the
-anomaly window after a skip, a non-finite value, or an FP8 cast that flushed or saturated
-more than `FLAG_SHARE` of a tensor). On a sampled step each FP8 layer gets a forward
+anomaly window after a skip, a non-finite value, or an FP8 cast that newly flushed or
+saturated more than `FLAG_SHARE` of a tensor). On a sampled step each FP8 layer gets a forward
 pre-hook (input and weight, as the layer will cast them) and a forward hook that puts a
 tensor hook on the layer's output, whose gradient is what the backward casts. Only the
 first training forward of a layer in a step is measured (the first micro-batch under
-gradient accumulation). Each tensor costs about a dozen device ops (`fp8.cast_stats`);
+gradient accumulation). Each tensor costs about eight passes (`fp8.cast_stats`);
 nothing synchronises the device: the values reach the step buffer at close and the host
 a step later, on the worker.
 """
@@ -35,11 +35,14 @@ class Fp8Collector(Collector):
         super().__init__()
         self.fp8_layers = fp8_layers
         self.n_layers = len(layers)
+        self.layers = layers
         for layer in fp8_layers:  # the layer table says which layers cast to FP8, and how
-            layers[layer.index].attrs.update(layer.attrs())
+            if layer.casting():
+                layers[layer.index].attrs.update(layer.attrs())
         self.slots = len(fp8_layers) * len(ROLES) * N_STATS
         self._hooks: list[Any] = []
         self._stats: dict[tuple[int, int], torch.Tensor] = {}  # (fp8 position, role) -> 5
+        self._flagged: set[tuple[int, str, int]] = set()  # worker: the last sample's flags
 
     def bind(self, session: Any) -> None:
         super().bind(session)
@@ -67,12 +70,29 @@ class Fp8Collector(Collector):
                 self._hooks.append(layer.module.register_forward_hook(self._post(position)))
 
     def _measure(self, position: int, role: str, tensor: Any) -> None:
-        spec = self.fp8_layers[position].specs.get(role)
+        layer = self.fp8_layers[position]
+        spec = layer.specs.get(role)
         key = (position, ROLES.index(role))
         if spec is None or key in self._stats or not isinstance(tensor, torch.Tensor):
             return
+        scale = layer.scale_of(role)
+        if layer.delayed and scale is None:  # never a dynamic scale in a delayed layer's name
+            return
         if tensor.is_floating_point() and tensor.numel():
-            self._stats[key] = cast_stats(tensor, spec, self.fp8_layers[position].scale_of(role))
+            self._stats[key] = cast_stats(tensor, spec, scale)
+
+    def _casting(self, position: int) -> bool:
+        """Whether the layer casts now; a Transformer Engine layer seen casting for the
+        first time enters the layer table with its recipe (a re-registration)."""
+        layer = self.fp8_layers[position]
+        if not layer.casting():
+            return False
+        attrs = self.layers[layer.index].attrs
+        if "fp8_recipe" not in attrs:
+            layer.read_recipe()
+            attrs.update(layer.attrs())
+            self.session.on_run_change()
+        return True
 
     def _pre(self, position: int) -> Any:
         session = self.session
@@ -81,7 +101,7 @@ class Fp8Collector(Collector):
             if torch.compiler.is_compiling():
                 return
             try:
-                if not session.in_training_forward or not args:
+                if not session.in_training_forward or not args or not self._casting(position):
                     return
                 x = args[0]
                 # Float8Linear casts its input to the autocast dtype first (its forward)
@@ -111,7 +131,8 @@ class Fp8Collector(Collector):
                 return
             try:
                 if (session.in_training_forward and isinstance(output, torch.Tensor)
-                        and output.requires_grad and (position, grad_role) not in self._stats):
+                        and output.requires_grad and (position, grad_role) not in self._stats
+                        and self.fp8_layers[position].casting()):
                     output.register_hook(on_grad)
             except Exception as exc:  # noqa: BLE001
                 guard.report("fp8.post", exc)
@@ -135,7 +156,7 @@ class Fp8Collector(Collector):
             return
         values = host.reshape(len(self.fp8_layers), len(ROLES), N_STATS)
         out: dict[str, dict[str, list]] = {}
-        flagged = False
+        flagged: set[tuple[int, str, int]] = set()  # (layer, role, stat) over FLAG_SHARE
         for r, role in enumerate(ROLES):
             full = np.zeros((N_STATS, self.n_layers))
             missing = np.ones((N_STATS, self.n_layers), dtype=bool)
@@ -145,11 +166,15 @@ class Fp8Collector(Collector):
                     missing[:, layer.index] = False
             if missing.all():
                 continue
-            shares = full[STATS.index("saturated")], full[STATS.index("underflow")]
-            flagged |= bool(any((s[~missing[0]] > self.FLAG_SHARE).any() for s in shares))
+            for stat in (STATS.index("saturated"), STATS.index("underflow")):
+                over = np.flatnonzero(~missing[stat] & (full[stat] > self.FLAG_SHARE))
+                flagged.update((int(layer), role, stat) for layer in over)
             out[role] = {name: encode_array(full[i], missing=missing[i])
                          for i, name in enumerate(STATS)}
         if out:
             record["fp8"] = out
-        if flagged:
+        # a cast that newly flushes or saturates opens the window; one that stays so
+        # does not keep every step sampled for the rest of the run
+        if flagged - self._flagged:
             self.session.note_anomaly(record["step"])
+        self._flagged = flagged

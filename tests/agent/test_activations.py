@@ -9,8 +9,17 @@ import pytest
 import torch
 from torch import nn
 
+from ampwatch.agent.collectors import activations
 from ampwatch.agent.layers import discover_layers
-from tests.agent.factories import TinyGPT, batches, fp16_loop, mlp, spooled, spooled_steps
+from tests.agent.factories import (
+    TinyGPT,
+    batches,
+    bf16_loop,
+    fp16_loop,
+    mlp,
+    spooled,
+    spooled_steps,
+)
 
 
 @pytest.fixture(autouse=True)
@@ -293,17 +302,24 @@ class Block(nn.Module):
         return out
 
 
-def test_block_returning_its_layers_output_is_checked_again_when_changed(attach,
-                                                                          offline: Path
-                                                                          ) -> None:
+def test_block_returning_its_layers_output_is_checked_again_when_changed(
+        attach, offline: Path, reduction: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """Between samples (CPU, fp32), a block's output that is its last layer's output is
     not summed twice, unless it was changed in place since: then the block is first."""
+    summed: dict[int, int] = {}
+    step = {"i": 0}
+
+    def counted(tensor: torch.Tensor) -> tuple[float, float]:
+        summed[step["i"]] = summed.get(step["i"], 0) + 1
+        return check(tensor)
+
+    check = activations.finite_check
+    monkeypatch.setattr(activations, "finite_check", counted)
     torch.manual_seed(0)
     model = Block()
     layers = discover_layers(model)
     assert [layer.name for layer in layers] == ["model", "fc", "proj"]
     first_bad: dict[int, int | None] = {}
-    step = {"i": 0}
 
     def reference(index: int, out: torch.Tensor) -> None:
         if not bool(torch.isfinite(out).all()):
@@ -326,6 +342,20 @@ def test_block_returning_its_layers_output_is_checked_again_when_changed(attach,
     assert first_bad == {2: 1, 4: 0}
     assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == \
         {i: first_bad.get(i) for i in range(6)}
+    if reduction == "host":  # step 0 is sampled (aminmax); fc and proj, the block when changed
+        assert summed == {1: 2, 2: 2, 3: 2, 4: 3, 5: 2}
+
+
+def test_a_train_mode_forward_under_inference_mode_is_checked(attach, offline: Path) -> None:
+    """Inference tensors have no version counter: the check must not rely on one (the
+    conftest fails the test on any error the agent swallowed)."""
+    model = mlp()
+    attachment = attach(model, sample_every=100)
+    data = batches(2)
+    bf16_loop(model, torch.optim.SGD(model.parameters(), lr=0.01), data[:1], autocast=False)
+    with torch.inference_mode():  # step 1: not sampled, checked by the sum on the CPU
+        model(data[1][0])
+    attachment.flush(5)
 
 
 def test_zero_grad_share_on_sampled_steps_matches_the_grads(attach, offline: Path) -> None:
@@ -350,3 +380,28 @@ def test_zero_grad_share_on_sampled_steps_matches_the_grads(attach, offline: Pat
     for s in (steps[0], steps[10]):
         assert s["layer_grad_zero_share"] == pytest.approx(reference[s["step"]])
     assert steps[0]["layer_grad_zero_share"][0] > 0.5  # underflow, measured
+
+
+class HalfLinear(nn.Linear):
+    """fp32 weights, fp16 compute (what FSDP's mixed precision does): no autocast, no
+    fp16 parameter, yet fp16 gradients that can underflow."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x.half(), self.weight.half(), self.bias.half())
+
+
+def test_zero_shares_are_counted_when_layers_compute_in_fp16(attach, offline: Path) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(HalfLinear(16, 32), nn.ReLU(), HalfLinear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    attachment = attach(model, sample_every=10)
+    for x, y in batches(12):
+        loss = nn.functional.mse_loss(model(x).float(), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    # step 0's forward is the first sampled one: its dtypes are known from step 1 on
+    assert [s["step"] for s in steps if "layer_grad_zero_share" in s] == [10]
+    assert steps[0]["activations"]["dtype"][0] == "float16"

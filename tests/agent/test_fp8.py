@@ -17,6 +17,7 @@ from torch import nn
 
 from ampwatch import agent
 from ampwatch.agent.fp8 import CastSpec, cast_stats
+from tests.agent.factories import spooled, spooled_steps
 from tests.conftest import LiveServer
 
 float8 = pytest.importorskip("torchao.float8", reason="torchao (ampwatch[fp8]) is not installed")
@@ -270,3 +271,93 @@ def test_dynamic_scales_never_saturate(spec):
         cast = scaled.clamp(-fmax, fmax).to(spec.dtype).float()
         top_ulp = torch.finfo(spec.dtype).eps * 2 ** math.floor(math.log2(fmax))
         assert not ((cast - scaled).abs() > top_ulp / 2).any()
+
+
+def test_a_lasting_flush_opens_one_anomaly_window_not_endless_sampling(attach, offline):
+    """An outlier from step 20 on flushes fc1's input on every step: the first flagged
+    sample opens the anomaly window once; later samples that stay flagged do not extend
+    it, so sampling goes back to every `sample_every` steps."""
+    model = Net("tensorwise")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    watch = attach(model, sample_every=10, sample_after_anomaly=5)
+    for step in range(75):
+        x, y = torch.randn(ROWS, 64, generator=gen), torch.randn(ROWS, 16, generator=gen)
+        if step >= 20:
+            x[0, 0] = 1e6
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        assert watch.flush(timeout=30)  # the worker reads each step before the next one
+    steps = spooled_steps(offline, watch.run_id)
+    # step 21 was decided as step 20 closed, before the worker read step 20's casts
+    assert [s["step"] for s in steps if "fp8" in s] == [0, 10, 20, 22, 23, 24, 25,
+                                                        30, 40, 50, 60, 70]
+
+
+class TeScaling:
+    """Transformer Engine's FP8TensorMeta, as far as the agent reads it: one scale per
+    GEMM tensor (forward: input 0, weight 1; backward: grad output 0)."""
+
+    def __init__(self, *scales: float) -> None:
+        self.scale = torch.tensor(scales)
+
+
+def te_stand_in(kind: str, features: int) -> nn.Module:
+    """A stand-in for a `transformer_engine.pytorch` module (TE needs CUDA): a Linear
+    named and placed as TE's, with TE's `fp8` flag and `fp8_meta` as its `__init__` and
+    first `fp8_autocast` forward leave them."""
+    cls = type(kind, (nn.Linear,), {"__module__": f"transformer_engine.pytorch.module.{kind}"})
+    module = cls(features, features)
+    module.fp8 = False
+    module.fp8_meta = {"recipe": None}  # the default recipe, before any fp8_autocast
+    return module
+
+
+def start_te_fp8(module: nn.Module, history: int, *scales: float) -> None:
+    module.fp8 = True
+    module.fp8_meta["recipe"] = type("DelayedScaling", (), {"amax_history_len": history})()
+    module.fp8_meta["scaling_fwd"] = TeScaling(*scales[:2], 1.0)
+    module.fp8_meta["scaling_bwd"] = TeScaling(scales[2], 1.0)
+
+
+def test_transformer_engine_layers_are_fp8_only_while_they_cast(attach, offline):
+    """A TE model trained in bf16 has no FP8 layer; once its modules cast (fp8_autocast),
+    they enter the layer table with the recipe in use and their casts are measured with
+    the module's own (stale) scale; a LayerNormLinear's input, which it normalises before
+    casting, is not."""
+    torch.manual_seed(0)
+    linear, norm_linear = te_stand_in("Linear", 32), te_stand_in("LayerNormLinear", 32)
+    model = nn.Sequential(linear, nn.ReLU(), norm_linear)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    watch = attach(model, sample_every=5, sample_after_anomaly=0)
+    gen = torch.Generator().manual_seed(2)
+    fmax = torch.finfo(torch.float8_e4m3fn).max
+    inputs = []
+    for step in range(12):
+        if step == 6:  # the scale covers |x| <= 1: an input of N(0, 1) saturates its tail
+            assert watch.flush(timeout=30)  # the bf16 steps and their layer table are out
+            for module in (linear, norm_linear):
+                start_te_fp8(module, 1024, fmax / 1.0, fmax / 4.0, 2.0**10)
+        x = torch.randn(16, 32, generator=gen)
+        inputs.append(x)
+        model(x).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    assert watch.flush(timeout=30)
+    entries = spooled(offline, watch.run_id)
+    steps = [s for e in entries for s in e["batch"]["steps"]]
+    assert [s["step"] for s in steps if "fp8" in s] == [10]
+    layers = {layer["name"]: layer for layer in entries[-1]["run"]["layers"]}
+    assert layers["0"]["attrs"]["fp8_recipe"] == "delayed (amax history 1024)"
+    assert layers["2"]["attrs"]["fp8_recipe"] == "delayed (amax history 1024)"
+    assert "fp8_input_format" not in layers["2"]["attrs"]
+    assert not any("fp8_recipe" in layer["attrs"] for layer in entries[0]["run"]["layers"])
+    fp8 = steps[10]["fp8"]
+    index = {name: layer["index"] for name, layer in layers.items()}
+    assert fp8["input"]["scale"][index["0"]] == pytest.approx(fmax)
+    assert fp8["input"]["scale"][index["2"]] is None  # LayerNormLinear: not measured
+    saturated = (inputs[10].abs() * fmax > fmax + 16).float().mean().item()  # e4m3 top ulp 32
+    assert saturated > 0.1
+    assert fp8["input"]["saturated"][index["0"]] == pytest.approx(saturated, rel=1e-6)
+    assert fp8["weight"]["scale"][index["2"]] == pytest.approx(fmax / 4.0)
