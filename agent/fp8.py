@@ -70,8 +70,9 @@ def cast_stats(tensor: torch.Tensor, spec: CastSpec,
     along `spec.dim`); nothing can saturate then (the largest value scales to the format's
     maximum or below), so that share is 0 without a pass. A given scale (delayed scaling)
     is used as is. The scaled values are the float32 products torchao's cast rounds, so
-    the shares equal what the cast does. About eight passes over the tensor; does not
-    synchronise the device.
+    the shares equal what the cast does. About eight passes over the tensor and about
+    three float32 copies of it in temporaries (sampled steps only); does not synchronise
+    the device.
     """
     fmax, saturates, flushes = _thresholds(spec.dtype)
     magnitude = tensor.detach().to(torch.float32).abs()

@@ -118,10 +118,12 @@ def _draft(kind: str, run: RunContext, role: str, layer: int, steps: np.ndarray,
         evidence |= {"underflow_share": share, "outlier_ratio": ratio,
                      "flush_below": flush_below}
         outlier = f" ({ratio:,.0f}x the RMS)" if ratio else ""
+        # per-row scales: `scale` is the smallest row's, and the bound holds for that row
+        where = "" if "tensorwise" in recipe else " in the row with the smallest scale"
         message = (f"Layer {name!r}: up to {share:.1%} of its {tensor}'s elements flushed to "
                    f"zero when cast to {fmt} ({recipe}) from step {int(steps[0])}: the abs-max "
                    f"{float(amax[first, layer]):.3g}{outlier} set a scale of "
-                   f"{float(scale[first, layer]):.3g}, so every element below "
+                   f"{float(scale[first, layer]):.3g}, so every element{where} below "
                    f"{flush_below:.2g} in magnitude became 0. Fix: {_fix(kind, recipe)}.")
         severity = "warning"
     elif kind == "fp8_saturation":
@@ -135,10 +137,10 @@ def _draft(kind: str, run: RunContext, role: str, layer: int, steps: np.ndarray,
     else:
         grown = float(np.nanmax(covered[rows, layer]))
         evidence |= {"amax_over_covered": grown}
-        message = (f"Layer {name!r}: its {tensor}'s abs-max reached {grown:.2f}x what its FP8 "
-                   f"scale covers on {settings.fp8_stale_samples}+ consecutive samples from "
-                   f"step {int(steps[0])}: the amax history lags a growing tensor ({recipe}). "
-                   f"Fix: {_fix(kind, recipe)}.")
+        message = (f"Layer {name!r}: its {tensor}'s abs-max outgrew what its FP8 scale "
+                   f"covers (up to {grown:.2f}x) on {settings.fp8_stale_samples}+ consecutive "
+                   f"samples, the streak reaching that length at step {int(steps[0])}: the "
+                   f"amax history lags a growing tensor ({recipe}). Fix: {_fix(kind, recipe)}.")
         severity = "info"
     return FindingDraft(kind=kind, key=f"{kind}:{name}:{role}", severity=severity,
                         message=message, step=int(steps[0]), last_step=int(steps[-1]),
