@@ -26,6 +26,7 @@ INFLIGHT_CAP = 2 * BODY_CAP  # the least the server allows: two bodies in flight
 PARSE_FACTOR = 20
 N_LAYERS = 1000
 CLIENTS = 16  # the default cap on requests in flight
+GIVE_UP_S = 600
 
 
 def peak_rss(pid: int) -> int:
@@ -67,15 +68,17 @@ def near_cap_batch(seq: int) -> bytes:
 
 
 def send(url: str, method: str, path: str, body: bytes, headers: dict | None = None) -> int:
-    """The final status, after waiting out every 503 (busy) the way the agent does."""
+    """The final status, after waiting out every 503 (busy) the way the agent does; the
+    generous deadline only stops a hung server (a loaded machine is slow, not wrong)."""
     headers = {"content-type": "application/json", **(headers or {})}
-    for _ in range(300):
+    deadline = time.monotonic() + GIVE_UP_S
+    while time.monotonic() < deadline:
         response = httpx.request(method, url + path, content=body, headers=headers,
-                                 timeout=120)
+                                 timeout=GIVE_UP_S)
         if response.status_code != 503:
             return response.status_code
-        time.sleep(float(response.headers.get("retry-after", 1)) / 5)
-    raise AssertionError(f"{method} {path} was busy 300 times")
+        time.sleep(0.2)
+    raise AssertionError(f"{method} {path} was still busy after {GIVE_UP_S} s")
 
 
 def test_peak_memory_stays_under_the_caps_bound(capped_server):
