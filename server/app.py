@@ -6,7 +6,7 @@ import gc
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
 from sqlalchemy.exc import OperationalError
@@ -21,7 +21,7 @@ from ampwatch.server.alerts import AlertService
 from ampwatch.server.api import alerts, batches, findings, fp8, health, retention, runs, series
 from ampwatch.server.api.error_responses import PROTECTED
 from ampwatch.server.db import make_engine, session_info, upgrade
-from ampwatch.server.deps import require_token
+from ampwatch.server.deps import token_dependencies
 from ampwatch.server.errors import AmpwatchServerError, short_errors
 from ampwatch.server.faults import DatabaseHealth, database_error
 from ampwatch.server.middleware import (
@@ -108,7 +108,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     api = APIRouter(prefix="/api/v1")
     api.include_router(health.router)
-    protected = APIRouter(dependencies=[Depends(require_token)], responses=PROTECTED)
+    protected = APIRouter(dependencies=token_dependencies(settings),
+                          responses=PROTECTED if settings.token is not None else {})
     for module in (runs, batches, series, findings, fp8, retention, alerts):
         protected.include_router(module.router)
     api.include_router(protected)

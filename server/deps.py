@@ -6,7 +6,9 @@ import hmac
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, HTTPException, Request, Security
+from fastapi.params import Depends as Dependency
+from fastapi.security import APIKeyCookie, HTTPBearer
 from sqlalchemy.orm import Session
 
 from ampwatch.server.middleware import UNSAFE_METHODS
@@ -52,3 +54,20 @@ def require_token(request: Request, settings: SettingsDep) -> None:
         raise HTTPException(status_code=403, detail="a write authenticated by the login "
                             "cookie must carry an Origin header; scripts send "
                             "'Authorization: Bearer <AMPWATCH_TOKEN>'")
+
+
+# How the OpenAPI schema states the token (`require_token` checks it): either scheme will
+# do. Neither raises; they only describe.
+BEARER = HTTPBearer(auto_error=False, description="AMPWATCH_TOKEN")
+LOGIN_COOKIE = APIKeyCookie(name="ampwatch_token", auto_error=False,
+                            description="set by the dashboard's login form; a write "
+                            "authorised by it alone must carry an Origin header")
+
+
+def token_dependencies(settings: Settings) -> list[Dependency]:
+    """The dependencies of every API route but /health: the token check, and when a
+    token is set, the schemes that put it in the OpenAPI schema (a server without one
+    documents no security, as it asks for none)."""
+    if settings.token is None:
+        return [Depends(require_token)]
+    return [Depends(require_token), Security(BEARER), Security(LOGIN_COOKIE)]

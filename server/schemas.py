@@ -38,6 +38,8 @@ RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
 Severity = Literal["info", "warning", "critical"]
 Health = Literal["healthy", "warning", "critical", "no_data"]  # no_data: no step stored yet
+# A float in an answer: a JSON number, or "NaN", "Infinity" or "-Infinity" (wire form)
+WireNumber = float | Literal["NaN", "Infinity", "-Infinity"]
 MAX_STEP = JSON_INT_MAX  # steps are stored in float64 columns, which hold it exactly
 MAX_LAYERS = 100_000
 MAX_STEPS_PER_BATCH = 100_000
@@ -141,7 +143,7 @@ class RankPublic(BaseModel):
     steps: int
     skipped: int
     last_step: int | None
-    loss_scale: float | None
+    loss_scale: WireNumber | None
     dropped_batches: int
     dropped_steps: int
     missing_steps: int
@@ -168,7 +170,7 @@ class RunPublic(BaseModel):
     skipped: int
     skip_rate: float | None
     last_step: int | None
-    loss_scale: float | None
+    loss_scale: WireNumber | None
     lost_batches: int
     dropped_batches: int
     dropped_steps: int
@@ -280,18 +282,18 @@ class StepPublic(BaseModel):
 
     rank: int
     step: int
-    loss_scale: float | None
-    scale_after: float | None
+    loss_scale: WireNumber | None
+    scale_after: WireNumber | None
     skipped: bool | None
-    grad_norm: float | None
-    grad_norm_clipped: float | None
-    loss: float | None
-    lr: float | None
-    t_forward_ms: float | None
-    t_backward_ms: float | None
-    t_optimizer_ms: float | None
-    t_step_ms: float | None
-    peak_mem_bytes: float | None
+    grad_norm: WireNumber | None
+    grad_norm_clipped: WireNumber | None
+    loss: WireNumber | None
+    lr: WireNumber | None
+    t_forward_ms: WireNumber | None
+    t_backward_ms: WireNumber | None
+    t_optimizer_ms: WireNumber | None
+    t_step_ms: WireNumber | None
+    peak_mem_bytes: WireNumber | None
     input_nonfinite: bool | None
     forward_nonfinite: bool | None = None
     first_nonfinite_layer: int | None = None
@@ -318,13 +320,13 @@ class StepsPublic(BaseModel):
 
 
 class LayerSummary(BaseModel):
-    grad_norm_last: float | None
-    grad_norm_max: float | None
+    grad_norm_last: WireNumber | None
+    grad_norm_max: WireNumber | None
     grad_nonfinite_steps: int
-    act_absmax_max: float | None
+    act_absmax_max: WireNumber | None
     act_nonfinite_steps: int
     act_dtype: str | None
-    fwd_time_mean_ms: float | None
+    fwd_time_mean_ms: WireNumber | None
 
 
 class LayerPublic(BaseModel):
@@ -351,11 +353,11 @@ class LayerPointPublic(BaseModel):
     `grad_norm_min` its smallest."""
 
     step: int
-    grad_norm: float | None
-    grad_norm_min: float | None = None
-    act_absmax: float | None = None
+    grad_norm: WireNumber | None
+    grad_norm_min: WireNumber | None = None
+    act_absmax: WireNumber | None = None
     act_dtype: str | None = None
-    act_time_ms: float | None = None
+    act_time_ms: WireNumber | None = None
 
 
 class LayerSeriesPublic(BaseModel):
@@ -379,7 +381,7 @@ class MatrixPublic(BaseModel):
     layers: list[str] = Field(description="layer names, one per row of `values`")
     step_start: list[int] = Field(description="first step of each column's bucket")
     step_end: list[int] = Field(description="last step of each column's bucket")
-    values: list[list[float | None]] = Field(
+    values: list[list[WireNumber | None]] = Field(
         description="layers x buckets: the largest finite value in the bucket, or the "
         "non-finite value when the bucket had one (NaN before Infinity); null when empty"
     )
@@ -412,8 +414,8 @@ class RankPanelPublic(BaseModel):
     steps: int
     skipped: int
     last_step: int | None
-    loss_scale: float | None
-    step_ms_median: float | None
+    loss_scale: WireNumber | None
+    step_ms_median: WireNumber | None
     dropped_steps: int
     lost_batches: int
 

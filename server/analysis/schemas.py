@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
-from ampwatch.server.schemas import Severity
+from ampwatch.server.schemas import Severity, WireNumber
 
 FindingStatus = Literal["open", "resolved"]
 FindingKind = Literal[
@@ -107,7 +107,7 @@ class Fp8Public(BaseModel):
     layers: list[Fp8LayerPublic]
     rows: list[str]
     steps: list[int]
-    underflow: list[list[float | None]]
-    saturated: list[list[float | None]]
+    underflow: list[list[WireNumber | None]]
+    saturated: list[list[WireNumber | None]]
     samples: int
     findings: list[FindingPublic]

@@ -1,7 +1,8 @@
 """Schemathesis against the OpenAPI schema, with every check it has: no 5xx, every status,
 content type, header and body as the schema documents them, schema-valid requests
-accepted and schema-violating ones refused, the Allow header of a 405. On SQLite, and on
-Postgres when AMPWATCH_TEST_POSTGRES_URL is set."""
+accepted and schema-violating ones refused, the Allow header of a 405, and (with a token
+set) no route that takes a request without it. On SQLite with AMPWATCH_TOKEN set, and on
+Postgres without one when AMPWATCH_TEST_POSTGRES_URL is set."""
 
 from __future__ import annotations
 
@@ -19,17 +20,21 @@ from ampwatch.server.settings import Settings  # noqa: E402
 from tests.conftest import _empty_postgres  # noqa: E402
 from tests.utils import make_steps, register_run  # noqa: E402
 
+TOKEN = "fuzz-token"
+
 
 @pytest.fixture(scope="module",
-                params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
+                params=["sqlite-token", pytest.param("postgres", marks=pytest.mark.postgres)])
 def fuzz_app(request, tmp_path_factory):
     if request.param == "postgres":
         url = request.getfixturevalue("postgres_database")
         _empty_postgres(url)
+        token = None
     else:
         url = f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'fuzz.db'}"
-    app = create_app(Settings(database_url=url))
-    with TestClient(app) as client:  # some real data so reads have something to read
+        token = TOKEN
+    app = create_app(Settings(database_url=url, token=token))
+    with TestClient(app, headers=auth_headers(app)) as client:  # data for reads to read
         register_run(client, "r1", n_layers=4)
         client.post("/api/v1/runs/r1/batches",
                     json={"rank": 0, "seq": 0, "steps": make_steps(0, 50, 4, skipped={5},
@@ -58,6 +63,10 @@ def fuzz_schema(fuzz_app):
     return schemathesis.openapi.from_asgi("/openapi.json", fuzz_app, config=config)
 
 
+def auth_headers(app) -> dict[str, str]:
+    return {"Authorization": f"Bearer {TOKEN}"} if app.state.settings.token else {}
+
+
 def follow_cross_field_rules(case) -> None:
     """Give a schema-valid body the two rules JSON Schema cannot state (server/schemas.py):
     a batch's steps strictly increase and a run's layer indices are 0..L-1. The server
@@ -80,6 +89,6 @@ def follow_cross_field_rules(case) -> None:
 
 @schema.parametrize()
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
-def test_the_server_does_what_its_schema_says(case):
+def test_the_server_does_what_its_schema_says(case, fuzz_app):
     follow_cross_field_rules(case)
-    case.call_and_validate()  # every check schemathesis has
+    case.call_and_validate(headers=auth_headers(fuzz_app))  # every check schemathesis has
