@@ -16,7 +16,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import delete, or_, select, update
+from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import Batch, Run, RunRank, StepSummary
@@ -58,19 +58,31 @@ def supersede(session: Session, run_id: str, rank: int, from_step: int) -> tuple
         skipped += int(np.asarray(series.skipped)[leaving].sum())
     if rows:
         session.execute(update(Batch).where(*overlapping).values(superseded_from=from_step))
-        _rebuild_summaries(session, run_id, rank, from_step)
+        rebuild_summaries(session, run_id, rank, from_step)
     return steps, skipped
 
 
-def _rebuild_summaries(session: Session, run_id: str, rank: int, from_step: int) -> None:
-    """Step-bucket summaries from `from_step`'s bucket on held superseded steps: drop them
-    and fold that bucket's remaining steps (before `from_step`) in again."""
+# steps read at once while rebuilding: 10,000 steps of 1,000 layers are about 40 MB of norms
+REBUILD_CHUNK_STEPS = 10 * SUMMARY_STEPS
+
+
+def rebuild_summaries(session: Session, run_id: str, rank: int, from_step: int = 0) -> None:
+    """Drop the rank's step-bucket summaries from `from_step`'s bucket on and fold the
+    stored steps from that bucket's start on into them again. After a restart (its steps
+    from `from_step` on already superseded) that refolds the bucket's earlier steps; from
+    0 it builds a run's summaries afresh (one stored before summaries existed). Reads the
+    batches REBUILD_CHUNK_STEPS step numbers at a time, so memory does not grow with the
+    run's length."""
     bucket = from_step // SUMMARY_STEPS
     session.execute(delete(StepSummary).where(StepSummary.run_id == run_id,
                                               StepSummary.rank == rank,
                                               StepSummary.bucket >= bucket))
+    n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
     start = bucket * SUMMARY_STEPS
-    if start < from_step:
-        n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
-        fold_batch(session, run_id, rank, load_series(session, run_id, rank, start,
-                                                      from_step - 1, n_layers=n_layers))
+    while (first := session.scalar(select(func.min(Batch.first_step)).where(
+            Batch.run_id == run_id, Batch.rank == rank, Batch.last_step >= start))) is not None:
+        start = max(start, first // SUMMARY_STEPS * SUMMARY_STEPS)  # skip gaps in step numbers
+        end = start + REBUILD_CHUNK_STEPS - 1
+        fold_batch(session, run_id, rank, load_series(session, run_id, rank, start, end,
+                                                      n_layers=n_layers))
+        start = end + 1

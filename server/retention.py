@@ -8,22 +8,44 @@ from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
 from ampwatch.server.db import writing
-from ampwatch.server.models import Batch, Fp8Sample, Run, utcnow
-from ampwatch.server.runs import get_run
+from ampwatch.server.errors import Conflict
+from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, utcnow
+from ampwatch.server.restarts import rebuild_summaries
+from ampwatch.server.runs import get_run, run_ranks
+from ampwatch.server.summaries import summarised_steps
 
 
 def archive_run(session: Session, run_id: str) -> Run:
     """Drop the run's stored batches and FP8 samples; keep the run, its layers, totals,
     step summaries and findings. Pages of an archived run read the summaries (zoomed in,
-    they show bucket envelopes instead of single steps). Idempotent; a batch sent after
-    archiving is stored as usual."""
+    they show bucket envelopes instead of single steps). A rank whose summaries do not
+    hold all its steps (stored before summaries existed) has them built from its batches
+    first, which reads all of them once; Conflict when they cannot be (its batches are
+    gone too), and nothing is dropped. Idempotent; a batch sent after archiving is stored
+    as usual."""
     with writing(session):
         run = get_run(session, run_id)
+        for rank_row in run_ranks(session, run_id):
+            _summarise_all_steps(session, rank_row)
         session.execute(delete(Batch).where(Batch.run_id == run_id))
         session.execute(delete(Fp8Sample).where(Fp8Sample.run_id == run_id))
         run.archived_at = utcnow()
         session.commit()
         return run
+
+
+def _summarise_all_steps(session: Session, rank_row: RunRank) -> None:
+    """Make the rank's step summaries hold every step it has, from its stored batches."""
+    run_id, rank = rank_row.run_id, rank_row.rank
+    if summarised_steps(session, run_id, rank) >= rank_row.steps:
+        return
+    rebuild_summaries(session, run_id, rank)
+    held = summarised_steps(session, run_id, rank)
+    if held < rank_row.steps:
+        session.rollback()
+        raise Conflict(f"run {run_id!r} not archived: the step summaries of rank {rank} hold "
+                       f"{held:,} of its {rank_row.steps:,} steps and its stored batches "
+                       "cannot rebuild the rest; archiving would lose those steps")
 
 
 def database_bytes(engine: Engine) -> int:

@@ -9,11 +9,12 @@ import math
 
 import numpy as np
 import pytest
+from sqlalchemy import delete, func, select
 
 from ampwatch.server import queries
-from ampwatch.server.models import Run
-from ampwatch.server.summaries import SUMMARY_STEPS
-from tests.utils import post_batch, register_run
+from ampwatch.server.models import Batch, Run, StepSummary
+from ampwatch.server.summaries import SUMMARY_STEPS, summarised_steps
+from tests.utils import make_steps, post_batch, register_run
 
 LONG_RANGE = 3 * SUMMARY_STEPS  # the threshold, lowered from 20,000 to keep the test small
 STEPS = 2 * LONG_RANGE
@@ -151,6 +152,54 @@ def test_archive_keeps_summaries_and_findings_and_compact_hands_space_back(api, 
     assert compacted["bytes_after"] <= compacted["bytes_before"]
     if compacted["dialect"] == "sqlite":
         assert compacted["bytes_after"] < compacted["bytes_before"] / 2
+
+
+def forget_summaries(app, run_id: str) -> None:
+    """Make the run look stored before the step summaries existed."""
+    with app.state.sessionmaker() as session:
+        session.execute(delete(StepSummary).where(StepSummary.run_id == run_id))
+        session.commit()
+
+
+def test_archiving_a_run_stored_without_summaries_builds_them_first(app, api, long_run):
+    run_id, values = long_run
+    forget_summaries(app, run_id)
+    before = api.get(f"/api/v1/runs/{run_id}/layers/matrix", params={"buckets": 6}).json()
+    assert api.post(f"/api/v1/runs/{run_id}/archive").status_code == 200
+    with app.state.sessionmaker() as session:
+        assert summarised_steps(session, run_id, 0) == STEPS
+        assert session.scalar(select(func.count()).select_from(Batch)) == 0
+    after = api.get(f"/api/v1/runs/{run_id}/layers/matrix", params={"buckets": 6}).json()
+    assert after["values"] == before["values"]  # the summaries say what the raw steps said
+    for col, first in enumerate(after["step_start"]):
+        got = decode([row[col] for row in after["values"]]).astype(np.float32)
+        assert np.array_equal(got, truth_max(values, first, first + SUMMARY_STEPS - 1),
+                              equal_nan=True), first
+    steps = api.get(f"/api/v1/runs/{run_id}/steps", params={"max_points": 20}).json()
+    assert steps["total"] == STEPS and {row["step"] for row in steps["events"]} >= SKIPPED
+    assert SPIKE in {row["step"] for row in steps["items"]}
+    series = api.get(f"/api/v1/runs/{run_id}/layers/{NAN_LAYER}/series",
+                     params={"max_points": 10}).json()
+    for point in series["grad"]:
+        block = values[point["step"] : point["step"] + SUMMARY_STEPS, NAN_LAYER]
+        assert np.float32(decode([point["grad_norm_min"]])[0]) == np.nanmin(block)
+
+
+def test_archive_refuses_when_neither_summaries_nor_batches_hold_the_steps(app, api):
+    register_run(api, "lost", n_layers=2)
+    for seq in range(3):
+        assert post_batch(api, "lost", seq, make_steps(100 * seq, 100, 2)).status_code == 200
+    forget_summaries(app, "lost")
+    with app.state.sessionmaker() as session:  # a batch lost, say by an old archive
+        session.execute(delete(Batch).where(Batch.seq == 1))
+        session.commit()
+    refused = api.post("/api/v1/runs/lost/archive")
+    assert refused.status_code == 409, refused.text
+    assert "200 of its 300 steps" in refused.text
+    assert api.get("/api/v1/runs/lost").json()["archived_at"] is None
+    with app.state.sessionmaker() as session:
+        assert session.scalar(select(func.count()).select_from(Batch)) == 2
+        assert summarised_steps(session, "lost", 0) == 0  # the rebuilt ones were not kept
 
 
 def test_zoomed_out_layer_series_merges_buckets_down_to_max_points(app, api, long_run):
