@@ -19,7 +19,7 @@ import numpy as np
 from sqlalchemy import delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Batch, Run, RunRank, StepSummary
+from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, StepSummary
 from ampwatch.server.storage import load_series, unpack_row
 from ampwatch.server.summaries import SUMMARY_STEPS, fold_batch
 
@@ -39,9 +39,12 @@ def stored_last_step(session: Session, run_id: str, rank: int) -> int | None:
 
 
 def supersede(session: Session, run_id: str, rank: int, from_step: int) -> tuple[int, int]:
-    """Mark the steps from `from_step` on of the rank's stored batches as superseded.
-    Returns (steps, skipped steps) that left the stored history. Reads the step columns
-    of the batches concerned once (a restart is rare)."""
+    """Mark the steps from `from_step` on of the rank's stored batches as superseded and
+    delete their FP8 samples (the re-done steps send their own). Returns (steps, skipped
+    steps) that left the stored history. Reads the step columns of the batches concerned
+    once (a restart is rare)."""
+    session.execute(delete(Fp8Sample).where(Fp8Sample.run_id == run_id, Fp8Sample.rank == rank,
+                                            Fp8Sample.step >= from_step))
     overlapping = (Batch.run_id == run_id, Batch.rank == rank, Batch.last_step >= from_step,
                    or_(Batch.superseded_from.is_(None), Batch.superseded_from > from_step))
     rows = session.execute(select(Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars,

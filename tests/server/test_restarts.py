@@ -5,6 +5,7 @@ what it superseded. SQLite and Postgres."""
 
 from __future__ import annotations
 
+from ampwatch.server.fp8_samples import STATS, load_fp8_window
 from ampwatch.server.storage import load_series
 from ampwatch.server.summaries import load_summaries
 from tests.utils import make_steps, post_batch, register_run
@@ -72,3 +73,24 @@ def test_a_second_restart_further_back(api) -> None:
     assert not any(s["loss"] == 9.0 for s in items)
     (rank,) = api.get("/api/v1/runs/twice").json()["ranks"]
     assert rank["steps"] == 25
+
+
+def with_fp8(steps: list[dict], amax: float) -> list[dict]:
+    """The steps, every fifth one carrying FP8 cast statistics with this abs-max."""
+    for step in steps:
+        if step["step"] % 5 == 0:
+            stats = {name: [amax if name == "amax" else 0.0] * N_LAYERS for name in STATS}
+            step["fp8"] = {"input": stats}
+    return steps
+
+
+def test_restart_drops_the_crashed_jobs_fp8_samples(api, app) -> None:
+    register_run(api, "fp8-crash", n_layers=N_LAYERS)
+    post_batch(api, "fp8-crash", 0, with_fp8(make_steps(0, 30, N_LAYERS), amax=1.0))
+    post_batch(api, "fp8-crash", 1, with_fp8(make_steps(12, 5, N_LAYERS), amax=2.0),
+               events=[restart(12)])  # crashed at 29, resumed from 12, crashed again at 16
+    with app.state.sessionmaker() as session:
+        window = load_fp8_window(session, "fp8-crash", 0, N_LAYERS)
+    # 20 and 25 came from the first job, which the restart superseded; 15 was re-done
+    assert window.steps.tolist() == [0, 5, 10, 15]
+    assert window.stat("input", "amax")[:, 0].tolist() == [1.0, 1.0, 1.0, 2.0]
