@@ -203,13 +203,17 @@ class Client:
 
     def layer_matrix(self, run_id: str, *, metric: MatrixMetric = "grad_norm", rank: int = 0,
                      start: int | None = None, end: int | None = None,
-                     buckets: int = 1000) -> LayerMatrix:
+                     buckets: int = 1000, layer_offset: int = 0,
+                     layer_limit: int | None = None) -> LayerMatrix:
         """Layers x step buckets of `metric` (the heatmap data): the largest finite value
-        per bucket, or the non-finite one when the bucket had one."""
+        per bucket, or the non-finite one when the bucket had one; the layers with indices
+        `layer_offset` to `layer_offset + layer_limit` (a wide run answers at most 10
+        million cells at once)."""
         return LayerMatrix.from_json(self._request(
             "GET", f"/runs/{_segment(run_id)}/layers/matrix",
             params={"metric": metric, "rank": rank, "start": start, "end": end,
-                    "buckets": buckets}))
+                    "buckets": buckets, "layer_offset": layer_offset,
+                    "layer_limit": layer_limit}))
 
     def findings(self, run_id: str | None = None, *, kind: str | None = None,
                  severity: str | None = None, status: str | None = None,

@@ -9,6 +9,7 @@ from fastapi import APIRouter, Path, Query
 from ampwatch.server.api.error_responses import NOT_FOUND, READ
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep
+from ampwatch.server.errors import InvalidInput
 from ampwatch.server.queries import layer_series_query, layers_query, matrix_query, steps_query
 from ampwatch.server.ranks import (
     MAX_COMBINED_STEPS,
@@ -65,6 +66,9 @@ def get_layers(run_id: RunIdPath, session: SessionDep, rank: Rank = 0) -> WireJS
                             encoded=True)
 
 
+MAX_MATRIX_CELLS = 10_000_000  # about 100 MB of JSON: a 10,000-layer run at 1,000 buckets
+
+
 @router.get("/{run_id}/layers/matrix", response_model=MatrixPublic,
             responses=READ | NOT_FOUND)
 def get_matrix(
@@ -75,12 +79,24 @@ def get_matrix(
     start: Start = None,
     end: End = None,
     buckets: Annotated[int, Query(ge=1, le=10_000)] = 1000,
+    layer_offset: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    layer_limit: Annotated[int | None, Query(ge=1, le=1_000_000)] = None,
 ) -> WireJSONResponse:
     """Layers x step buckets for heatmaps: the largest finite value per bucket, or the
-    non-finite one when the bucket had one."""
+    non-finite one when the bucket had one. `layer_offset` and `layer_limit` pick a range
+    of layer indices; at most MAX_MATRIX_CELLS layers x buckets in one answer."""
     run = get_run(session, run_id)
+    end_layer = run.n_layers if layer_limit is None else min(run.n_layers,
+                                                             layer_offset + layer_limit)
+    layers = range(layer_offset, max(layer_offset, end_layer))
+    if len(layers) * buckets > MAX_MATRIX_CELLS:
+        raise InvalidInput(
+            f"{len(layers):,} layers x {buckets:,} buckets is more than {MAX_MATRIX_CELLS:,} "
+            f"cells: ask for fewer buckets or a range of layers (layer_offset, layer_limit)")
+    picked = None if len(layers) == run.n_layers else list(layers)
     return WireJSONResponse(matrix_query(session, run, metric=metric, rank=rank, start=start,
-                                         end=end, buckets=buckets), encoded=True)
+                                         end=end, buckets=buckets, layers=picked),
+                            encoded=True)
 
 
 @router.get("/{run_id}/layers/{index}/series", response_model=LayerSeriesPublic,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from ampwatch.server.api import series
 from tests.utils import make_steps, post_batch, register_run
 
 
@@ -58,6 +59,23 @@ def test_matrix_buckets_keep_nonfinite_cells(api):
     acts = api.get("/api/v1/runs/r1/layers/matrix?metric=act_absmax&buckets=5").json()
     assert acts["values"][3] == [4.0] * 5
     assert api.get("/api/v1/runs/r1/layers/matrix?metric=bogus").status_code == 422
+
+
+def test_matrix_reads_a_range_of_layers_and_caps_its_cells(api, monkeypatch):
+    load(api, total=100, skipped={55})
+    whole = api.get("/api/v1/runs/r1/layers/matrix?buckets=10").json()
+    part = api.get("/api/v1/runs/r1/layers/matrix",
+                   params={"buckets": 10, "layer_offset": 1, "layer_limit": 2}).json()
+    assert part["layers"] == whole["layers"][1:3]
+    assert part["values"] == whole["values"][1:3]
+    assert part["step_start"] == whole["step_start"]
+    past = api.get("/api/v1/runs/r1/layers/matrix", params={"layer_offset": 9}).json()
+    assert past["layers"] == [] and past["values"] == []
+    monkeypatch.setattr(series, "MAX_MATRIX_CELLS", 30)
+    refused = api.get("/api/v1/runs/r1/layers/matrix?buckets=10")
+    assert refused.status_code == 422 and "layer_limit" in refused.json()["detail"]
+    assert api.get("/api/v1/runs/r1/layers/matrix",
+                   params={"buckets": 10, "layer_limit": 3}).status_code == 200
 
 
 def test_layer_series_downsampling_keeps_nonfinite(api):
