@@ -3,6 +3,8 @@ findings and totals kept) and handing freed space back to the file system."""
 
 from __future__ import annotations
 
+import os
+
 from sqlalchemy import delete, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
@@ -49,23 +51,33 @@ def _summarise_all_steps(session: Session, rank_row: RunRank) -> None:
 
 
 def database_bytes(engine: Engine) -> int:
-    """Size of the database on disk (SQLite: pages in use by the file; Postgres: the
-    database's size)."""
+    """Size of the database on disk: SQLite, its file plus its write-ahead log (what the
+    file system holds, not the pages in use); Postgres, the database's size."""
     with engine.connect() as conn:
-        if engine.dialect.name == "sqlite":
-            pages = conn.execute(text("PRAGMA page_count")).scalar_one()
-            return int(pages) * int(conn.execute(text("PRAGMA page_size")).scalar_one())
-        return int(conn.execute(text("SELECT pg_database_size(current_database())")).scalar_one())
+        if engine.dialect.name != "sqlite":
+            return int(conn.execute(text("SELECT pg_database_size(current_database())"))
+                       .scalar_one())
+        files = {row.name: row.file for row in conn.execute(text("PRAGMA database_list"))}
+    path = files.get("main")
+    if not path:  # an in-memory database
+        return 0
+    return sum(os.path.getsize(p) for p in (path, f"{path}-wal") if os.path.exists(p))
 
 
 def compact(engine: Engine, session: Session) -> dict:
     """Hand space freed by deleted or archived runs back to the file system: SQLite
-    `VACUUM` (rewrites the file; blocks writers of this process meanwhile, and needs as
-    much free disk as the database holds), Postgres `VACUUM` (marks the space reusable;
-    the file shrinks only at its end). Returns the size before and after."""
+    `VACUUM` (rewrites the database through the write-ahead log, then a TRUNCATE
+    checkpoint copies it into the file and empties the log; blocks every writer of this
+    process meanwhile, and needs about twice as much free disk as the database holds),
+    Postgres `VACUUM` (marks the space reusable; the file shrinks only at its end).
+    Returns the on-disk size before and after."""
     before = database_bytes(engine)
     with writing(session), engine.connect().execution_options(
             isolation_level="AUTOCOMMIT") as conn:
         conn.execute(text("VACUUM"))
+        if engine.dialect.name == "sqlite":
+            # without it the rewritten pages sit in the -wal file, which then outgrows
+            # what VACUUM freed, until some later checkpoint
+            conn.execute(text("PRAGMA wal_checkpoint(TRUNCATE)"))
     return {"dialect": engine.dialect.name, "bytes_before": before,
             "bytes_after": database_bytes(engine)}
