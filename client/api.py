@@ -107,10 +107,14 @@ class Client:
         findings and totals stay (docs/long-runs.md)."""
         return Run.from_json(self._request("POST", f"/runs/{_segment(run_id)}/archive"))
 
-    def compact(self) -> dict[str, Any]:
+    COMPACT_TIMEOUT = 600.0  # a SQLite VACUUM rewrites the whole file
+
+    def compact(self, *, timeout: float = COMPACT_TIMEOUT) -> dict[str, Any]:
         """Hand the space of deleted and archived runs back to the file system (SQLite
-        VACUUM; may take a while on a large database): dialect, bytes before and after."""
-        return self._request("POST", "/storage/compact")
+        VACUUM, which stalls the server's ingest while it runs): dialect, bytes on disk
+        before and after. Blocks up to `timeout` seconds (not the client's timeout: on a
+        large database it takes minutes); a VACUUM cut off by it goes on on the server."""
+        return self._request("POST", "/storage/compact", timeout=timeout)
 
     def register_run(self, run_id: str, body: dict[str, Any]) -> Run:
         """PUT the run registration `body` (wire form, docs/wire-format.md); idempotent."""
@@ -279,18 +283,23 @@ class Client:
                 return
 
     def _request(self, method: str, path: str, *, params: dict[str, Any] | None = None,
-                 headers: dict[str, str] | None = None, **kwargs: Any) -> Any:
-        """Send one request and return its decoded JSON body (None when empty)."""
+                 headers: dict[str, str] | None = None, timeout: float | None = None,
+                 **kwargs: Any) -> Any:
+        """Send one request and return its decoded JSON body (None when empty); `timeout`
+        replaces the client's for this request."""
         url = f"{self.base_url}/api/v1{path}"
         if params is not None:
             params = {k: v for k, v in params.items() if v is not None}
+        if timeout is not None:
+            kwargs["timeout"] = timeout
         try:
             response = self._http.request(method, url, params=params,
                                           headers={**self._headers, **(headers or {})},
                                           **kwargs)
         except httpx.TimeoutException as exc:
+            waited = self._timeout if timeout is None else timeout
             raise ConnectionFailed(
-                f"no answer from {self.base_url} within {self._timeout:g} s ({exc})") from exc
+                f"no answer from {self.base_url} within {waited:g} s ({exc})") from exc
         except httpx.TransportError as exc:
             raise ConnectionFailed(f"cannot reach {self.base_url}: {exc}") from exc
         if response.is_error:

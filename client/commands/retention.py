@@ -7,7 +7,9 @@ import argparse
 import re
 from datetime import UTC, datetime, timedelta
 
+from ampwatch.client.api import Client
 from ampwatch.client.commands import BadUsage, connect, print_json
+from ampwatch.client.errors import AmpwatchError
 from ampwatch.client.models import Run
 
 _UNITS = {"m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
@@ -21,34 +23,51 @@ def age(text: str) -> timedelta:
     return timedelta(**{_UNITS[match.group(2)]: int(match.group(1))})
 
 
+_COMPACTION = ("Then compact the database, handing the freed space back to the file system "
+               "(SQLite: VACUUM, which stalls the server's ingest while it runs, minutes on "
+               "a large database).")
+
+
 def register(actions: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
     delete = actions.add_parser(
         "delete", parents=[common], help="delete runs and all their data",
-        description="Delete runs and everything stored for them, then hand the space back "
-                    "to the file system.")
+        description=f"Delete runs and everything stored for them. {_COMPACTION}")
     delete.add_argument("run_ids", nargs="+", metavar="RUN", help="run id")
-    delete.add_argument("--no-compact", action="store_true",
-                        help="leave the freed space to the database (no VACUUM)")
+    _compaction_options(delete)
     delete.set_defaults(func=delete_runs)
 
     archive = actions.add_parser(
         "archive", parents=[common], help="drop full-resolution data, keep summaries",
         description="Archive runs: drop their per-step data, keep their step summaries "
-                    "(the zoomed-out charts and heatmaps), findings and totals.")
+                    f"(the zoomed-out charts and heatmaps), findings and totals. {_COMPACTION}")
     archive.add_argument("run_ids", nargs="*", metavar="RUN", help="run id (or use filters)")
     archive.add_argument("--older-than", type=age, metavar="AGE",
                          help="runs whose last data is older than AGE (90d, 12h, 2w)")
     archive.add_argument("--project", help="only runs of this project")
     archive.add_argument("--dry-run", action="store_true", help="list what would be archived")
-    archive.add_argument("--no-compact", action="store_true",
-                         help="leave the freed space to the database (no VACUUM)")
+    _compaction_options(archive)
     archive.set_defaults(func=archive_runs)
 
 
-def _compact(client, args: argparse.Namespace) -> None:
+def _compaction_options(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--no-compact", action="store_true",
+                        help="leave the freed space to the database (no VACUUM, no stall)")
+    parser.add_argument("--compact-timeout", type=float, default=Client.COMPACT_TIMEOUT,
+                        metavar="SECONDS",
+                        help="how long to wait for the compaction (default %(default)g; "
+                             "--timeout is for the other requests)")
+
+
+def _compact(client: Client, args: argparse.Namespace, done: str) -> None:
+    """Compact unless told not to; `done` says what was already done, for the error."""
     if args.no_compact:
         return
-    result = client.compact()
+    try:
+        result = client.compact(timeout=args.compact_timeout)
+    except AmpwatchError as exc:
+        raise type(exc)(f"{done}, but compacting the database failed: {exc.message} (a "
+                        "VACUUM cut off by --compact-timeout goes on on the server)",
+                        exc.status_code) from exc
     if not args.json:
         freed = result["bytes_before"] - result["bytes_after"]
         print(f"compacted the {result['dialect']} database: {freed / 2**20:,.1f} MiB handed "
@@ -56,14 +75,21 @@ def _compact(client, args: argparse.Namespace) -> None:
 
 
 def delete_runs(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        for run_id in args.run_ids:
-            client.delete_run(run_id)
-            if not args.json:
-                print(f"deleted {run_id}")
-        _compact(client, args)
+    deleted: list[str] = []
+    try:
+        with connect(args) as client:
+            for run_id in args.run_ids:
+                client.delete_run(run_id)
+                deleted.append(run_id)
+                if not args.json:
+                    print(f"deleted {run_id}")
+            _compact(client, args, f"deleted {len(deleted)} run(s)")
+    except AmpwatchError:
+        if args.json and deleted:  # what was deleted before a later request failed
+            print_json({"deleted": deleted})
+        raise
     if args.json:
-        print_json({"deleted": args.run_ids})
+        print_json({"deleted": deleted})
     return 0
 
 
@@ -81,20 +107,27 @@ def _chosen(client, args: argparse.Namespace) -> list[Run]:
 
 
 def archive_runs(args: argparse.Namespace) -> int:
-    with connect(args) as client:
-        runs = _chosen(client, args)
-        for run in runs:
-            if not args.dry_run:
-                client.archive_run(run.id)
-            if not args.json:
-                verb = "would archive" if args.dry_run else "archived"
-                print(f"{verb} {run.id} ({run.steps:,} steps, last data "
-                      f"{(run.last_seen_at or run.created_at):%Y-%m-%d})")
-        if not runs and not args.json:
-            print("no run to archive")
-        if runs and not args.dry_run:
-            _compact(client, args)
+    archived: list[str] = []
+    try:
+        with connect(args) as client:
+            runs = _chosen(client, args)
+            for run in runs:
+                if not args.dry_run:
+                    client.archive_run(run.id)
+                    archived.append(run.id)
+                if not args.json:
+                    verb = "would archive" if args.dry_run else "archived"
+                    print(f"{verb} {run.id} ({run.steps:,} steps, last data "
+                          f"{(run.last_seen_at or run.created_at):%Y-%m-%d})")
+            if not runs and not args.json:
+                print("no run to archive")
+            if archived:
+                _compact(client, args, f"archived {len(archived)} run(s)")
+    except AmpwatchError:
+        if args.json and archived:  # what was archived before a later request failed
+            print_json({"archived": archived, "would_archive": []})
+        raise
     if args.json:
-        print_json({"archived": [] if args.dry_run else [r.id for r in runs],
+        print_json({"archived": archived,
                     "would_archive": [r.id for r in runs] if args.dry_run else []})
     return 0

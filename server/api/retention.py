@@ -33,5 +33,6 @@ def post_archive(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) 
              responses=errors(400, 403, 408, 413, 415, 503, 507))
 def post_compact(request: Request, session: SessionDep) -> CompactPublic:
     """Hand the space of deleted and archived runs back to the file system (SQLite:
-    VACUUM, which rewrites the file and can take a while on a large database)."""
+    VACUUM, which rewrites the file and can take minutes on a large database, while
+    ingest waits for it)."""
     return CompactPublic(**compact(request.app.state.engine, session))

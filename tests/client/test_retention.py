@@ -63,3 +63,31 @@ def test_archive_needs_runs_or_an_age(ampwatch):
     result = ampwatch("runs", "archive")
     assert result.code != 0
     assert "--older-than" in result.err
+
+
+def test_a_compaction_cut_off_still_reports_what_was_archived(ampwatch, server, server_api):
+    seed_healthy(server_api, "ret-slow", steps=300)
+    backdate(server, "ret-slow", days=1)  # live runs are not archived
+    # a VACUUM takes longer than a millisecond: the client stops waiting, the server goes on
+    done = ampwatch("runs", "archive", "ret-slow", "--compact-timeout", "0.001", "--json")
+    assert done.code != 0
+    assert json.loads(done.out)["archived"] == ["ret-slow"]
+    assert "archived 1 run(s), but compacting the database failed" in done.err
+    assert "within 0.001 s" in done.err
+    assert server_api.get("/api/v1/runs/ret-slow").json()["archived_at"]
+
+
+def test_a_compaction_cut_off_after_a_delete_says_the_run_is_gone(ampwatch, server_api):
+    seed_healthy(server_api, "ret-cut", steps=300)
+    done = ampwatch("runs", "delete", "ret-cut", "--compact-timeout", "0.001")
+    assert done.code != 0
+    assert "deleted ret-cut" in done.out
+    assert "deleted 1 run(s), but compacting the database failed" in done.err
+    assert server_api.get("/api/v1/runs/ret-cut").status_code == 404
+
+
+def test_compaction_help_says_it_stalls_ingest(ampwatch, capsys):
+    with pytest.raises(SystemExit):
+        ampwatch("runs", "archive", "--help")
+    text = " ".join(capsys.readouterr().out.split())
+    assert "stalls the server's ingest" in text and "--compact-timeout" in text
