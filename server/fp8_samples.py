@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Fp8Sample
+from ampwatch.server.models import Fp8Sample, Layer
 from ampwatch.server.schemas import Fp8In, StepIn
 
 ROLES = ("input", "weight", "grad")
@@ -172,7 +172,9 @@ def fp8_report(session: Session, run_id: str, layers: list, rank: int, *,
     }
 
 
-def has_fp8_samples(session: Session, run_id: str) -> bool:
-    """Whether any rank of the run sent FP8 statistics (one primary-key probe)."""
-    return session.scalar(select(Fp8Sample.step).where(Fp8Sample.run_id == run_id).limit(1)
-                          ) is not None
+def has_fp8_layers(session: Session, run_id: str) -> bool:
+    """Whether the run's layer table holds an FP8 layer (one with an `fp8_recipe`): kept
+    when the run is archived, unlike its samples. Reads the run's layer rows' attrs."""
+    return session.scalar(select(Layer.index).where(
+        Layer.run_id == run_id, Layer.attrs["fp8_recipe"].as_string().is_not(None)).limit(1)
+    ) is not None

@@ -18,8 +18,9 @@ from ampwatch.server.summaries import summarised_steps
 
 
 def archive_run(session: Session, run_id: str) -> Run:
-    """Drop the run's stored batches and FP8 samples; keep the run, its layers, totals,
-    step summaries and findings. Pages of an archived run read the summaries (zoomed in,
+    """Drop the run's stored batches (with the agent's events they carry: restart
+    history, speed checks) and FP8 samples; keep the run, its layers, totals, step
+    summaries and findings. Pages of an archived run read the summaries (zoomed in,
     they show bucket envelopes instead of single steps). A rank whose summaries do not
     hold all its steps (stored before summaries existed) has them built from its batches
     first, which reads all of them once; Conflict when they cannot be (its batches are

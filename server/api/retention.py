@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
-from ampwatch.server.api.error_responses import NOT_FOUND, WRITE, errors
+from ampwatch.server.api.error_responses import CONFLICT, NOT_FOUND, WRITE, errors
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.retention import archive_run, compact
@@ -22,9 +22,11 @@ class CompactPublic(BaseModel):
 
 
 @router.post("/runs/{run_id}/archive", response_model=RunPublic,
-             responses=WRITE | NOT_FOUND)
+             responses=WRITE | NOT_FOUND | CONFLICT)
 def post_archive(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
-    """Drop the run's full-resolution steps, keep its summaries, findings and totals."""
+    """Drop the run's full-resolution steps, FP8 samples and agent events, keep its
+    summaries (built first from its steps when it was stored without them; 409 when
+    they cannot be), layers, findings and totals."""
     return public_run(session, archive_run(session, run_id), settings)
 
 

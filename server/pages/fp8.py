@@ -30,7 +30,8 @@ def share_heatmap(twin: dict, name: str, what: str) -> go.Figure:
     blank where a bucket has no sample, zero shares in the scale's lightest colour."""
     fig = base_figure(heatmap_height(len(twin["rows"])))
     if not twin["samples"] or not twin["rows"]:
-        return note(fig, "no FP8 samples recorded yet")
+        return note(fig, "the FP8 samples were archived with the run's steps"
+                    if twin["run"]["archived_at"] else "no FP8 samples recorded yet")
     z = np.array([[np.nan if v is None else v for v in row] for row in twin[name]],
                  dtype=np.float64) * 100
     fig.add_heatmap(

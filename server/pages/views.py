@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.queries import list_findings, list_incidents
-from ampwatch.server.fp8_samples import has_fp8_samples
+from ampwatch.server.fp8_samples import has_fp8_layers
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
@@ -59,7 +59,7 @@ def projects(session: Session) -> list[str]:
 
 def _run(session: Session, run_id: str, settings: Settings) -> dict:
     run = public_run(session, get_run(session, run_id), settings).model_dump(mode="json")
-    run["has_fp8"] = has_fp8_samples(session, run_id)  # the FP8 tab is shown for these
+    run["has_fp8"] = has_fp8_layers(session, run_id)  # the FP8 tab is shown for these
     return run
 
 

@@ -15,7 +15,7 @@ from sqlalchemy import delete, func, select
 from ampwatch.server import queries
 from ampwatch.server.models import Batch, Run, StepSummary
 from ampwatch.server.summaries import SUMMARY_STEPS, summarised_steps
-from tests.utils import make_steps, post_batch, register_run
+from tests.utils import make_layers, make_steps, post_batch, register_run
 
 LONG_RANGE = 3 * SUMMARY_STEPS  # the threshold, lowered from 20,000 to keep the test small
 STEPS = 2 * LONG_RANGE
@@ -233,3 +233,29 @@ def test_zoomed_out_layer_series_merges_buckets_down_to_max_points(app, api, lon
         assert np.float32(decode([point["grad_norm_min"]])[0]) == np.nanmin(block)
     assert [(p["step"], p["grad_norm"]) for p in series["events"]] == [
         (max(s for s in starts if s <= NAN_STEP), "NaN")]
+
+
+def fp8_layers(n: int) -> list[dict]:
+    """Layers as the agent describes torchao's Float8Linear (agent/fp8.py)."""
+    layers = make_layers(n)
+    for layer in layers:
+        layer["attrs"].update({"fp8_recipe": "dynamic tensorwise", "fp8_input_format": "e4m3",
+                               "fp8_weight_format": "e4m3", "fp8_grad_format": "e5m2"})
+    return layers
+
+
+def test_an_archived_fp8_run_keeps_its_fp8_tab_and_says_the_samples_went(api):
+    register_run(api, "fp8-old", n_layers=2, layers=fp8_layers(2))
+    steps = make_steps(0, 20, 2)
+    stats = {"amax": [4.0, 4.0], "scale": [56.0, 56.0], "rms": [1.0, 1.0],
+             "saturated": [0.0, 0.0], "underflow": [0.5, 0.0]}
+    steps[10]["fp8"] = {"input": stats, "weight": stats, "grad": stats}
+    assert post_batch(api, "fp8-old", 0, steps).status_code == 200
+    assert 'href="/runs/fp8-old/fp8"' in api.get("/runs/fp8-old").text
+    assert api.post("/api/v1/runs/fp8-old/archive").status_code == 200
+    assert 'href="/runs/fp8-old/fp8"' in api.get("/runs/fp8-old").text
+    tab = api.get("/runs/fp8-old/fp8")
+    assert tab.status_code == 200 and "dynamic tensorwise" in tab.text
+    assert "the FP8 samples were archived" in tab.text
+    register_run(api, "plain", n_layers=2)
+    assert "/fp8" not in api.get("/runs/plain").text
