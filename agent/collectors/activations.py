@@ -159,7 +159,11 @@ class ActivationCollector(Collector):
         self.order: list[int] = []
         self._hooks: list[Any] = []  # post hooks: every step
         self._sampled = False  # whether this step's forward is sampled (pre hooks are on)
-        self._checked: tuple[Any, int, Any] = (None, 0, None)  # last sum-checked output
+        # the last sum-checked output, its version and verdict (attributes, not a tuple:
+        # the hot path allocates as little as it can, every allocation brings the GC nearer)
+        self._seen: torch.Tensor | None = None
+        self._seen_version = 0
+        self._seen_stats: tuple[float, float] = FINITE
         self._pre_hooks: list[Any] = []  # pre hooks: sampled steps only
         self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
         self._calls: list[Call] = []
@@ -192,7 +196,7 @@ class ActivationCollector(Collector):
             self._set_sampling(sample)
 
     def on_forward_end(self, training: bool, output: Any) -> None:
-        self._checked = (None, 0, None)  # not kept alive through the backward
+        self._seen = None  # not kept alive through the backward
 
     def on_step_end(self, step: int, stepped: bool) -> None:
         if not stepped:
@@ -252,12 +256,11 @@ class ActivationCollector(Collector):
                     self._calls.append((index, tensor.dtype, None, start, end))
                 elif (host_check and not self._sampled and tensor.dtype in SUM_CHECKED
                       and tensor.is_cpu and not tensor.is_inference()):
-                    seen, version, stats = self._checked
                     # a block returning its last layer's output, unchanged: same verdict
-                    if tensor is not seen or version != tensor._version:
-                        stats = finite_check(tensor.detach())
-                    self._checked = (tensor, tensor._version, stats)
-                    self._calls.append((index, tensor.dtype, stats, start, end))
+                    if tensor is not self._seen or self._seen_version != tensor._version:
+                        self._seen_stats = finite_check(tensor.detach())
+                        self._seen, self._seen_version = tensor, tensor._version
+                    self._calls.append((index, tensor.dtype, self._seen_stats, start, end))
                 else:
                     self._calls.append((index, tensor.dtype, aminmax(tensor.detach()),
                                         start, end))
@@ -266,9 +269,9 @@ class ActivationCollector(Collector):
         return hook
 
     def seal(self) -> Any:
-        sealed = (self.sampling, self._calls, dict(self._tokens))
+        sealed = (self.sampling, self._calls, dict(self._tokens) if self._tokens else None)
         self._calls = []
-        self._checked = (None, 0, None)
+        self._seen = None
         self._starts.clear()
         self._tokens.clear()
         return sealed
@@ -277,11 +280,14 @@ class ActivationCollector(Collector):
         sampled, calls, tokens = sealed
         if not calls:
             return None
+        host_reduce = self.session.host_reduce
+        if host_reduce and not sampled:  # the worker reads the calls; nothing to plan
+            return sampled, calls
         # each call's layer and the dtype its statistics have (None: it has none)
         pattern = tuple((call[0], None if call[2] is None else call[1]) for call in calls)
         if sampled:
-            self._note_order(pattern, calls, tokens)
-        if not self.session.host_reduce:
+            self._note_order(pattern, calls, tokens or {})
+        if not host_reduce:
             plan = self._plans.get(pattern)
             if plan is None:
                 plan = self._plans[pattern] = AbsMaxPlan(pattern, self.n_layers,
