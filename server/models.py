@@ -179,8 +179,11 @@ class StepSummary(Base):
 
 class Fp8Sample(Base):
     """FP8 cast statistics of one sampled step of one rank (server/analysis/fp8.py):
-    `values` is float32 (3 roles x 5 statistics x n_layers), `present` bool (3 roles x
-    n_layers), both packed; a re-sent step replaces its row."""
+    `layers` the int32 indices of the layers it holds (those the agent measured: the FP8
+    layers), `values` float32 (3 roles x 5 statistics x those layers), `present` bool
+    (3 roles x those layers), each compressed with server/codec.py. Rows stored before
+    `layers` existed (NULL) hold every one of `n_layers` layers, raw. A re-sent step
+    replaces its row."""
 
     __tablename__ = "fp8_samples"
 
@@ -192,6 +195,7 @@ class Fp8Sample(Base):
     n_layers: Mapped[int] = mapped_column(Integer)
     values: Mapped[bytes] = mapped_column(LargeBinary)
     present: Mapped[bytes] = mapped_column(LargeBinary)
+    layers: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class Finding(Base):
