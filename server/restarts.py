@@ -16,7 +16,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import delete, func, or_, select, update
+from sqlalchemy import case, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, StepSummary
@@ -81,11 +81,18 @@ def rebuild_summaries(session: Session, run_id: str, rank: int, from_step: int =
                                               StepSummary.rank == rank,
                                               StepSummary.bucket >= bucket))
     n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
+    # a batch's last step that reads still see (a restart superseded the later ones)
+    readable_last = case((Batch.superseded_from.is_(None), Batch.last_step),
+                         else_=Batch.superseded_from - 1)
     start = bucket * SUMMARY_STEPS
-    while (first := session.scalar(select(func.min(Batch.first_step)).where(
-            Batch.run_id == run_id, Batch.rank == rank, Batch.last_step >= start))) is not None:
+    while True:
+        first, last = session.execute(
+            select(func.min(Batch.first_step), func.max(readable_last)).where(
+                Batch.run_id == run_id, Batch.rank == rank, readable_last >= start)).one()
+        if first is None:
+            return
         start = max(start, first // SUMMARY_STEPS * SUMMARY_STEPS)  # skip gaps in step numbers
-        end = start + REBUILD_CHUNK_STEPS - 1
+        end = min(start + REBUILD_CHUNK_STEPS - 1, last)  # superseded steps are not read
         fold_batch(session, run_id, rank, load_series(session, run_id, rank, start, end,
                                                       n_layers=n_layers))
         start = end + 1
