@@ -361,3 +361,56 @@ def test_transformer_engine_layers_are_fp8_only_while_they_cast(attach, offline)
     assert saturated > 0.1
     assert fp8["input"]["saturated"][index["0"]] == pytest.approx(saturated, rel=1e-6)
     assert fp8["weight"]["scale"][index["2"]] == pytest.approx(fmax / 4.0)
+
+
+def _transformer_engine():
+    if not torch.cuda.is_available():
+        pytest.skip("Transformer Engine needs a CUDA GPU; none here (docs/fp8.md lists what "
+                    "waits for one)")
+    return pytest.importorskip("transformer_engine.pytorch",
+                               reason="transformer_engine is not installed (it needs CUDA)")
+
+
+def test_transformer_engine_delayed_scaling_end_to_end(attach, offline):
+    """On a GPU with TE: te.Linear layers under fp8_autocast with delayed scaling enter
+    the layer table as FP8 once they cast; the recorded scale of each tensor is the one
+    TE's fp8_meta holds for that step; the abs-max is the tensor's own; nothing
+    synchronises the device."""
+    te = _transformer_engine()
+    from transformer_engine.common.recipe import DelayedScaling, Format
+
+    torch.manual_seed(0)
+    model = nn.Sequential(te.Linear(64, 128), nn.ReLU(), te.Linear(128, 16)).cuda()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16)
+    seen: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # step -> input scale, abs-max
+    current = {"step": 0}
+
+    def truth(module, args):  # device tensors, read after the loop: no sync in it
+        meta = module.fp8_meta.get("scaling_fwd")
+        if meta is not None:
+            seen[current["step"]] = (meta.scale[0].clone(), args[0].abs().max())
+
+    model[0].register_forward_pre_hook(truth)
+    watch = attach(model, sample_every=5, sample_after_anomaly=0)
+    for step in range(12):
+        current["step"] = step
+        x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 16, device="cuda")
+        torch.cuda.set_sync_debug_mode("error")
+        with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+            loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.set_sync_debug_mode("default")
+    assert watch.flush(timeout=30)
+    entries = spooled(offline, watch.run_id)
+    layers = {layer["name"]: layer for layer in entries[-1]["run"]["layers"]}
+    assert layers["0"]["attrs"]["fp8_recipe"] == "delayed (amax history 16)"
+    assert layers["0"]["attrs"]["fp8_input_format"] == "e4m3"
+    assert layers["0"]["attrs"]["fp8_grad_format"] == "e5m2"
+    index = layers["0"]["index"]
+    for record in (s for e in entries for s in e["batch"]["steps"] if "fp8" in s):
+        scale, amax = (t.item() for t in seen[record["step"]])
+        assert record["fp8"]["input"]["scale"][index] == pytest.approx(scale, rel=1e-6)
+        assert record["fp8"]["input"]["amax"][index] == pytest.approx(amax, rel=1e-6)
