@@ -95,7 +95,9 @@ def delete_runs(args: argparse.Namespace) -> int:
     return 0
 
 
-def _chosen(client, args: argparse.Namespace) -> list[Run]:
+def _chosen(client, args: argparse.Namespace) -> tuple[list[Run], dict[str, str]]:
+    """The runs to archive, and the named runs left out with why (a run found by its age
+    alone is left out quietly when it is live or archived already)."""
     if not args.run_ids and args.older_than is None:
         raise BadUsage("name runs to archive or give --older-than AGE")
     runs = ([client.run(r) for r in args.run_ids] if args.run_ids
@@ -105,14 +107,21 @@ def _chosen(client, args: argparse.Namespace) -> list[Run]:
         runs = [r for r in runs if (r.last_seen_at or r.created_at) < cutoff]
     if args.project:
         runs = [r for r in runs if r.project == args.project]
-    return [r for r in runs if r.archived_at is None and not r.live]
+    skipped = {r.id: "archived already" if r.archived_at is not None else "live"
+               for r in runs if r.archived_at is not None or r.live}
+    return [r for r in runs if r.id not in skipped], skipped if args.run_ids else {}
 
 
 def archive_runs(args: argparse.Namespace) -> int:
     archived: list[str] = []
+    skipped: dict[str, str] = {}
     try:
         with connect(args) as client:
-            runs = _chosen(client, args)
+            runs, skipped = _chosen(client, args)
+            for run_id, why in skipped.items():
+                if not args.json:
+                    print(f"skipped {run_id}: {why}"
+                          + (" (it is still sending data)" if why == "live" else ""))
             for run in runs:
                 if not args.dry_run:
                     client.archive_run(run.id)
@@ -121,15 +130,16 @@ def archive_runs(args: argparse.Namespace) -> int:
                     verb = "would archive" if args.dry_run else "archived"
                     print(f"{verb} {run.id} ({run.steps:,} steps, last data "
                           f"{(run.last_seen_at or run.created_at):%Y-%m-%d})")
-            if not runs and not args.json:
+            if not runs and not skipped and not args.json:
                 print("no run to archive")
             if archived:
                 _compact(client, args, f"archived {len(archived)} run(s)")
     except AmpwatchError:
         if args.json and archived:  # what was archived before a later request failed
-            print_json({"archived": archived, "would_archive": []})
+            print_json({"archived": archived, "would_archive": [], "skipped": skipped})
         raise
     if args.json:
         print_json({"archived": archived,
-                    "would_archive": [r.id for r in runs] if args.dry_run else []})
+                    "would_archive": [r.id for r in runs] if args.dry_run else [],
+                    "skipped": skipped})
     return 0

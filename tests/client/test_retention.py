@@ -51,6 +51,22 @@ def test_archive_older_than_archives_only_old_runs_and_keeps_their_totals(
     assert again.code == 0 and "no run to archive" in again.out
 
 
+def test_a_named_run_that_is_live_or_archived_is_skipped_with_the_reason(
+        ampwatch, server, server_api):
+    seed_healthy(server_api, "ret-live", steps=200)
+    seed_healthy(server_api, "ret-done", steps=200)
+    backdate(server, "ret-done", days=1)
+    assert ampwatch("runs", "archive", "ret-done").code == 0
+    result = ampwatch("runs", "archive", "ret-live", "ret-done")
+    assert result.code == 0, result.err
+    assert "skipped ret-live: live (it is still sending data)" in result.out
+    assert "skipped ret-done: archived already" in result.out
+    assert "no run to archive" not in result.out
+    as_json = json.loads(ampwatch("runs", "archive", "ret-live", "--json").out)
+    assert as_json == {"archived": [], "would_archive": [], "skipped": {"ret-live": "live"}}
+    assert server_api.get("/api/v1/runs/ret-live").json()["archived_at"] is None
+
+
 def test_delete_removes_the_run_and_compacts(ampwatch, server_api):
     seed_healthy(server_api, "ret-gone", steps=300)
     done = ampwatch("runs", "delete", "ret-gone")
