@@ -19,10 +19,11 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import decode_column, encode_column
 from ampwatch.server.models import Fp8Sample, Layer
-from ampwatch.server.schemas import Fp8In, StepIn
+from ampwatch.server.schemas import Fp8In, Fp8TensorIn, StepIn
 
-ROLES = ("input", "weight", "grad")
-STATS = ("amax", "scale", "rms", "saturated", "underflow")
+# the storage layout follows the wire schema's field order (docs/wire-format.md)
+ROLES = tuple(Fp8In.model_fields)
+STATS = tuple(Fp8TensorIn.model_fields)
 _INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
 READ_ROWS = 1000  # samples read per query: the report's memory does not grow with the run
 

@@ -21,7 +21,7 @@ SHARE_COLOURS = {"underflow": "Blues", "saturated": "Reds"}
 def fp8_page_twin(session: Session, settings: Settings, run_id: str, *, rank: int,
                   steps: views.StepRange) -> dict:
     """The FP8 tab's twin: the run, and its FP8 report for `rank` over `steps`."""
-    return {"run": views._run(session, run_id, settings),
+    return {"run": views.page_run(session, run_id, settings),
             **fp8_twin(session, run_id, rank=rank, buckets=BUCKETS, **steps.query())}
 
 

@@ -57,7 +57,9 @@ def projects(session: Session) -> list[str]:
     return list(session.scalars(select(Run.project).distinct().order_by(Run.project)))
 
 
-def _run(session: Session, run_id: str, settings: Settings) -> dict:
+def page_run(session: Session, run_id: str, settings: Settings) -> dict:
+    """The run as every page of it shows it: its public fields and whether it has FP8
+    layers (the FP8 tab)."""
     run = public_run(session, get_run(session, run_id), settings).model_dump(mode="json")
     run["has_fp8"] = has_fp8_layers(session, run_id)  # the FP8 tab is shown for these
     return run
@@ -76,7 +78,7 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
     """/runs/{id}: the run, its downsampled steps (all ranks unless one is picked), its
     findings and its incidents (the findings grouped by root cause)."""
     run = get_run(session, run_id)
-    public = _run(session, run_id, settings)
+    public = page_run(session, run_id, settings)
     return {
         "run": public,
         "rank": rank,
@@ -154,7 +156,7 @@ def layers_twin(session: Session, settings: Settings, run_id: str, *, rank: int,
     paging = layer_page(layer_rows(session, run_id), page, named)
     indices = paging["indices"]
     return {
-        "run": _run(session, run_id, settings),
+        "run": page_run(session, run_id, settings),
         "rank": rank,
         "page": paging,
         "layers": layers_query(session, run, rank=rank, layers=indices),
