@@ -254,6 +254,7 @@ class ActivationCollector(Collector):
                     self._calls.append((index, None, None, start, end))
                 elif tensor.numel() == 0:
                     self._calls.append((index, tensor.dtype, None, start, end))
+                # finite_check reads a value: CPU tensors only, so there is no device to wait for
                 elif (host_check and not self._sampled and tensor.dtype in SUM_CHECKED
                       and tensor.is_cpu and not tensor.is_inference()):
                     # a block returning its last layer's output, unchanged: same verdict

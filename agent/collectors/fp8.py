@@ -132,7 +132,7 @@ class Fp8Collector(Collector):
             try:
                 if (session.in_training_forward and isinstance(output, torch.Tensor)
                         and output.requires_grad and (position, grad_role) not in self._stats
-                        and self.fp8_layers[position].casting()):
+                        and self._casting(position)):
                     output.register_hook(on_grad)
             except Exception as exc:  # noqa: BLE001
                 guard.report("fp8.post", exc)
