@@ -20,7 +20,7 @@ from ampwatch.server import __version__, metrics, pages
 from ampwatch.server.alerts import AlertService
 from ampwatch.server.api import alerts, batches, findings, fp8, health, retention, runs, series
 from ampwatch.server.api.error_responses import PROTECTED
-from ampwatch.server.db import make_engine, session_info, upgrade
+from ampwatch.server.db import health_on_commit, make_engine, session_info, upgrade
 from ampwatch.server.deps import token_dependencies
 from ampwatch.server.errors import AmpwatchServerError, short_errors
 from ampwatch.server.faults import DatabaseHealth, database_error
@@ -41,6 +41,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     engine = make_engine(settings.database_url)
     db_health = DatabaseHealth()
     maker = sessionmaker(engine, expire_on_commit=False, info=session_info(engine, db_health))
+    health_on_commit(maker, db_health)
     alert_service = AlertService(maker, settings.alerts, settings.public_url)
 
     @asynccontextmanager
@@ -91,9 +92,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)
     async def _database_fault(_request: Request, exc: Exception) -> WireJSONResponse:
-        error = database_error(exc)
-        app.state.db_health.failed(error.message)
-        return await _domain_error(_request, error)
+        return await _domain_error(_request, database_error(exc))
 
     @app.exception_handler(405)
     async def _wrong_method(request: Request, exc: StarletteHTTPException) -> WireJSONResponse:

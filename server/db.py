@@ -12,9 +12,10 @@ from alembic.config import Config
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
-from sqlalchemy.orm import Session
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server.faults import DatabaseHealth, SqliteFileWatch
+from ampwatch.server.faults import DatabaseHealth, SqliteFileWatch, database_error
 
 MIGRATIONS_DIR = Path(__file__).resolve().parent.parent / "migrations"
 
@@ -44,7 +45,8 @@ def make_engine(database_url: str) -> Engine:
 
 
 def session_info(engine: Engine, health: DatabaseHealth) -> dict:
-    """What every session of `engine` carries: the process's `DatabaseHealth`; on SQLite
+    """What every session of `engine` carries: the process's `DatabaseHealth` (a write
+    failure degrades it, `health_on_commit` clears it when a commit succeeds); on SQLite
     also a process-wide `write_lock` that ingest takes, so concurrent writers queue in
     order instead of polling SQLite's busy handler (whose sleeps gave p99 latencies of
     seconds with 8 senders), and a watch on the database file."""
@@ -56,22 +58,32 @@ def session_info(engine: Engine, health: DatabaseHealth) -> dict:
     return info
 
 
+def health_on_commit(maker: sessionmaker, health: DatabaseHealth) -> None:
+    """A commit that succeeded wrote: the database takes writes again."""
+    event.listen(maker, "after_commit", lambda _session: health.wrote())
+
+
 @contextlib.contextmanager
 def writing(session: Session) -> Iterator[None]:
     """Hold while a transaction writes: the SQLite write lock of `session_info`, nothing
     on Postgres. Every write path (ingest, register, delete) takes it, so this process's
     writers queue in order instead of polling SQLite's busy handler. On SQLite, raises
     DatabaseUnavailable before and after the write when the database file is gone, so
-    a write to a deleted file is never acknowledged."""
+    a write to a deleted file is never acknowledged. A driver failure while writing (a
+    full disk, a read-only database) degrades the process's `DatabaseHealth`; the next
+    commit that succeeds (see `session_info`) restores it."""
     watch = session.info.get("file_watch")
     with session.info.get("write_lock") or contextlib.nullcontext():
         if watch is not None:
             watch.check()
-        yield
+        try:
+            yield
+        except OperationalError as exc:
+            if "health" in session.info:
+                session.info["health"].failed(database_error(exc).message)
+            raise
         if watch is not None:
             watch.check()
-    if "health" in session.info:
-        session.info["health"].wrote()
 
 
 def upsert_insert(session: Session, table):

@@ -54,6 +54,9 @@ def test_a_full_database_is_507_and_health_degraded_until_it_has_room(tmp_path):
         assert health.status_code == 503 and health.json()["status"] == "degraded"
         assert "disk is full" in health.json()["reason"]
         assert api.get("/api/v1/runs/r1").json()["steps"] == 20  # nothing half-stored
+        # a replay writes nothing: acknowledged, and the disk is still full
+        assert post_batch(api, "r1", 0, make_steps(0, 20, WIDE)).json()["duplicate"]
+        assert api.get("/api/v1/health").status_code == 503
 
         event.remove(engine, "connect", limit)
         engine.dispose()
