@@ -95,10 +95,12 @@ def _clear_database_errors(settings) -> Iterator[None]:
     from alembic.util import CommandError
     from sqlalchemy.exc import SQLAlchemyError
 
+    from ampwatch.server.faults import first_line
+
     try:
         yield
     except (SQLAlchemyError, CommandError, OSError) as exc:
-        reason = str(getattr(exc, "orig", None) or exc).strip().splitlines()[0][:300]
+        reason = first_line(exc, 300)
         if isinstance(exc, CommandError) and "revision" in reason:
             reason += " (a newer ampwatch wrote this database: upgrade ampwatch)"
         sys.exit(f"ampwatch: cannot use the database at "

@@ -86,8 +86,9 @@ def writing(session: Session) -> Iterator[None]:
             watch.check()
 
 
-def upsert_insert(session: Session, table):
-    """The dialect's INSERT, which has `on_conflict_do_nothing` (SQLite and Postgres)."""
+def dialect_insert(session: Session, table: type) -> postgresql.Insert | sqlite.Insert:
+    """The dialect's INSERT, which has `on_conflict_do_nothing` and `on_conflict_do_update`
+    (SQLite and Postgres)."""
     insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
     return insert(table)
 

@@ -72,12 +72,18 @@ def database_error(exc: Exception) -> AmpwatchServerError:
     with a one-line reason (never a statement or its parameters)."""
     if isinstance(exc, TimeoutError):
         return DatabaseUnavailable("all database connections are busy; retry")
-    original = getattr(exc, "orig", exc)
-    first_line = (str(original).strip().splitlines() or [type(original).__name__])[0][:200]
-    sqlstate = getattr(original, "sqlstate", None)
-    if sqlstate == DISK_FULL_SQLSTATE or "disk is full" in first_line:
-        return DiskFull(f"the database's disk is full: {first_line}")
-    return DatabaseUnavailable(f"database error: {first_line}")
+    reason = first_line(exc)
+    sqlstate = getattr(getattr(exc, "orig", exc), "sqlstate", None)
+    if sqlstate == DISK_FULL_SQLSTATE or "disk is full" in reason:
+        return DiskFull(f"the database's disk is full: {reason}")
+    return DatabaseUnavailable(f"database error: {reason}")
+
+
+def first_line(exc: Exception, limit: int = 200) -> str:
+    """The first line of a driver error (its DBAPI original when wrapped), never the
+    statement or its parameters; the type's name when the message is empty."""
+    original = getattr(exc, "orig", None) or exc
+    return (str(original).strip().splitlines() or [type(original).__name__])[0][:limit]
 
 
 DATABASE_ERRORS = (OperationalError, TimeoutError)

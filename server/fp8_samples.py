@@ -14,17 +14,23 @@ from dataclasses import dataclass
 
 import numpy as np
 from sqlalchemy import func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import decode_column, encode_column
+from ampwatch.server.db import dialect_insert
 from ampwatch.server.models import Fp8Sample, Layer
 from ampwatch.server.schemas import Fp8In, Fp8TensorIn, StepIn
 
 # the storage layout follows the wire schema's field order (docs/wire-format.md)
 ROLES = tuple(Fp8In.model_fields)
 STATS = tuple(Fp8TensorIn.model_fields)
-_INSERTS = {"sqlite": sqlite.insert, "postgresql": postgresql.insert}
+def cast_formats(attrs: dict) -> dict[str, str]:
+    """The FP8 format of each tensor role an FP8 layer casts, from its layer-table attrs
+    (agent/fp8.py); a role kept in high precision is absent."""
+    return {role: attrs[f"fp8_{role}_format"] for role in ROLES
+            if attrs.get(f"fp8_{role}_format")}
+
+
 READ_ROWS = 1000  # samples read per query: the report's memory does not grow with the run
 
 
@@ -119,7 +125,7 @@ def store_fp8_samples(session: Session, run_id: str, rank: int, steps: list[Step
     rows = [{"run_id": run_id, "rank": rank, "step": s.step, "n_layers": n_layers,
              **_pack(s.fp8, n_layers)} for s in steps if s.fp8 is not None]
     if rows:
-        insert = _INSERTS[session.get_bind().dialect.name](Fp8Sample)
+        insert = dialect_insert(session, Fp8Sample)
         session.execute(insert.on_conflict_do_update(
             index_elements=["run_id", "rank", "step"],
             set_={c: insert.excluded[c] for c in ("n_layers", "values", "present", "layers")}),
@@ -238,7 +244,7 @@ def fp8_report(session: Session, run_id: str, layers: list, rank: int, *,
         steps, found[name] = folded.result(len(rows))
     return {
         "layers": [{"index": x.index, "name": x.name, "recipe": x.attrs["fp8_recipe"],
-                    "formats": {role: x.attrs.get(f"fp8_{role}_format") for role in ROLES},
+                    "formats": {role: cast_formats(x.attrs).get(role) for role in ROLES},
                     "latest": {role: {"step": int(latest_step[r, j]),
                                       **{k: float(v) for k, v in zip(STATS, latest[r, :, j],
                                                                      strict=True)}}

@@ -16,7 +16,7 @@ from ampwatch.server import analysis
 from ampwatch.server.analysis.fp8 import on_fp8_ingest
 from ampwatch.server.analysis.service import layer_tables
 from ampwatch.server.codec import encode_columns
-from ampwatch.server.db import upsert_insert, writing
+from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import Batch, Run, RunRank, utcnow
@@ -90,8 +90,9 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
     except InvalidInput:
         session.rollback()
         raise
+    encoded = encode_columns(row)
     stored = session.execute(
-        upsert_insert(session, Batch).values(**encode_columns(row)).on_conflict_do_nothing()
+        dialect_insert(session, Batch).values(**encoded).on_conflict_do_nothing()
         .returning(Batch.seq)
     ).first() is not None
     ack = BatchAck(run_id=run_id, rank=batch.rank, seq=batch.seq, duplicate=not stored,
@@ -100,7 +101,7 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
         kept = session.execute(select(*_CONTENT).where(
             Batch.run_id == run_id, Batch.rank == batch.rank, Batch.seq == batch.seq)).one()
         session.rollback()
-        if not _same_content(kept, encode_columns(row)):
+        if not _same_content(kept, encoded):
             raise SeqConflict(
                 f"seq {batch.seq} of rank {batch.rank} already holds steps "
                 f"{kept.first_step}..{kept.last_step} with other content: this batch is not "
@@ -184,19 +185,18 @@ def _all_ranks_through(run: Run, others: list[int | None], before: int | None,
 
 
 # what makes two batches under one seq the same batch (a replay)
-_CONTENT = (Batch.first_step, Batch.last_step, Batch.n_steps, Batch.n_layers, Batch.scalars,
-            Batch.present, Batch.layer_grad, Batch.act_step, Batch.act_absmax,
-            Batch.act_dtype, Batch.act_time, Batch.act_grad_zero, Batch.events)
+# what a replay must repeat: its steps, and its per-layer blocks when the layer table kept
+# its length (the blocks are only comparable then)
+_STEP_COLUMNS = ("first_step", "last_step", "n_steps", "scalars", "present")
+_LAYER_COLUMNS = ("layer_grad", "act_step", "act_absmax", "act_dtype", "act_time",
+                  "act_grad_zero")
+_CONTENT = [getattr(Batch, c) for c in (*_STEP_COLUMNS, *_LAYER_COLUMNS, "n_layers", "events")]
 
 
 def _same_content(kept, row: dict) -> bool:
     """Byte-for-byte the same steps (a resent spool file is), and events of the same steps
-    and kinds. The
-    per-layer blocks are only comparable when the layer table kept its length."""
-    columns = ["first_step", "last_step", "n_steps", "scalars", "present"]
-    if kept.n_layers == row["n_layers"]:
-        columns += ["layer_grad", "act_step", "act_absmax", "act_dtype", "act_time",
-                    "act_grad_zero"]
+    and kinds."""
+    columns = _STEP_COLUMNS + (_LAYER_COLUMNS if kept.n_layers == row["n_layers"] else ())
     return (_event_keys(kept.events) == _event_keys(row["events"])
             and all(_plain(getattr(kept, c)) == _plain(row[c]) for c in columns))
 

@@ -9,7 +9,7 @@ from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
 from ampwatch.server.analysis.incidents import Incident
 from ampwatch.server.analysis.queries import incidents_by_run
-from ampwatch.server.db import upsert_insert, writing
+from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import NotFound
 from ampwatch.server.models import Layer, Run, RunRank, as_utc, utcnow
 from ampwatch.server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
@@ -35,7 +35,7 @@ def _upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Settin
     # and a read-then-insert lost that race (a unique violation on Postgres, a stale
     # read snapshot on SQLite). The first statement is a write, so SQLite writers queue.
     now = utcnow()
-    session.execute(upsert_insert(session, Run).values(
+    session.execute(dialect_insert(session, Run).values(
         id=run_id, name=body.name or run_id, project=body.project or "default", tags=[],
         config={}, environment={}, status="healthy", open_findings=0, n_layers=0,
         created_at=now, updated_at=now,

@@ -27,6 +27,7 @@ from ampwatch.server.codec import decode_column, encode_column
 from ampwatch.server.downsample import always_kept
 from ampwatch.server.models import StepSummary
 from ampwatch.server.series import MISSING, SCALAR_FIELDS, StepSeries
+from ampwatch.server.storage import clip_steps
 
 SUMMARY_STEPS = 1000
 ENVELOPE_FIELDS = ("loss_scale", "grad_norm", "loss")
@@ -171,13 +172,7 @@ def _envelope(rows: list, start: int | None, end: int | None, n_layers: int) -> 
         np.concatenate([_decode(row.scalars, np.float64, (-1, _K)) for row in rows]),
         np.concatenate([_decode(row.present, np.bool_, (-1, _K)) for row in rows]),
         None, np.zeros(0, np.int64), None, None, None, n_layers)
-    steps = envelope.steps
-    inside = np.ones(len(steps), bool)
-    if start is not None:
-        inside &= steps >= start
-    if end is not None:
-        inside &= steps <= end
-    return envelope if inside.all() else envelope.take(np.flatnonzero(inside))
+    return clip_steps(envelope, start, end)
 
 
 def summarised_steps(session: Session, run_id: str, rank: int) -> int:

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.queries import list_findings, list_incidents
-from ampwatch.server.fp8_samples import has_fp8_layers
+from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
@@ -243,7 +243,7 @@ class PrecisionRow:
     type: str
     param_count: int
     computed_in: str | None
-    fp8: str | None  # the FP8 casts of an FP8 layer: "e4m3/e4m3/e5m2, dynamic tensorwise"
+    fp8: str | None  # an FP8 layer's casts: "input e4m3, weight e4m3, grad e5m2 (tensorwise)"
     grad_nonfinite_steps: int
     act_nonfinite_steps: int
     flags: list[dict]
@@ -280,8 +280,7 @@ def fp8_casts(attrs: dict) -> str | None:
     recipe = attrs.get("fp8_recipe")
     if not recipe:
         return None
-    formats = [f"{role} {attrs[f'fp8_{role}_format']}" for role in ("input", "weight", "grad")
-               if attrs.get(f"fp8_{role}_format")]
+    formats = [f"{role} {fmt}" for role, fmt in cast_formats(attrs).items()]
     return ", ".join(formats) + f" ({recipe})"
 
 
