@@ -34,8 +34,7 @@ class RequestBodyMiddleware:
                  body_timeout_s: float) -> None:
         self.app = app
         self.max_bytes = max_bytes
-        # one request holds at most its gzip body and the inflated one
-        self.max_inflight_bytes = max(max_inflight_bytes, 2 * max_bytes)
+        self.max_inflight_bytes = max_inflight_bytes  # at least 2 x max_bytes (Settings)
         self.body_timeout_s = body_timeout_s
         self.inflight_bytes = 0
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from ampwatch.server.alerts.settings import AlertSettings
@@ -31,8 +31,9 @@ class Settings(BaseSettings):
     # largest request body accepted, after gzip decompression
     max_body_bytes: int = Field(64 * 1024 * 1024, ge=1024)
     # bodies of all requests in flight together (a request costs several times its body
-    # while it is parsed); beyond, 503 + Retry-After
-    max_inflight_body_bytes: int = Field(96 * 1024 * 1024, ge=1024)
+    # while it is parsed); beyond, 503 + Retry-After. At least twice max_body_bytes: one
+    # request holds its gzip body and the inflated one
+    max_inflight_body_bytes: int = Field(128 * 1024 * 1024, ge=1024)
     # requests in flight beyond this get 503 + Retry-After (/api/v1/health never counts);
     # below the database pool size, so requests never queue for a connection
     max_concurrent_requests: int = Field(16, ge=1, le=10_000)
@@ -63,6 +64,15 @@ class Settings(BaseSettings):
     @classmethod
     def _empty_token_is_none(cls, token: SecretStr | None) -> SecretStr | None:
         return token if token and token.get_secret_value() else None
+
+    @model_validator(mode="after")
+    def _two_bodies_in_flight(self) -> Settings:
+        if self.max_inflight_body_bytes < 2 * self.max_body_bytes:
+            raise ValueError(
+                f"max_inflight_body_bytes ({self.max_inflight_body_bytes}) must be at least "
+                f"twice max_body_bytes ({self.max_body_bytes}): one request holds its gzip "
+                "body and the inflated one")
+        return self
 
     @property
     def public_url(self) -> str:

@@ -147,3 +147,13 @@ def test_a_slow_header_connection_is_closed(limited_server):
     assert sock.recv(1024) == b""  # closed without an answer
     assert time.monotonic() - started < 8
     sock.close()
+
+
+def test_an_inflight_budget_below_two_bodies_is_refused_at_start():
+    from pydantic import ValidationError
+
+    from ampwatch.server.settings import Settings
+
+    with pytest.raises(ValidationError, match="at least twice max_body_bytes"):
+        Settings(max_body_bytes=8 * 1024 * 1024, max_inflight_body_bytes=10 * 1024 * 1024)
+    assert Settings().max_inflight_body_bytes >= 2 * Settings().max_body_bytes
