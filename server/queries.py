@@ -342,9 +342,11 @@ def matrix_query(
             values = series.act_absmax if metric == "act_absmax" else series.act_time
         else:
             steps, values = series.steps, series.layer_grad
-    names = [row.name for row in layer_rows(session, run.id)]
-    if layers is not None:
-        names = [names[i] for i in layers]
+    if layers is None:
+        names = [row.name for row in layer_rows(session, run.id)]
+    else:  # only the page's names, in the order asked
+        by_index = {row.index: row.name for row in layer_rows(session, run.id, layers)}
+        names = [by_index[i] for i in layers]
     if values is None:
         steps, values = steps[:0], np.zeros((0, len(names)), np.float32)
     step_start, step_end, matrix, empty = bucket_matrix(steps, values, buckets)

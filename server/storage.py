@@ -399,11 +399,20 @@ def load_layers(session: Session, run_id: str,
     return [found[i] for i in indices]
 
 
-def layer_rows(session: Session, run_id: str) -> list[Row]:
-    """Index, name and forward_index of each layer in index order, without the JSON
-    columns a whole `Layer` decodes (4x faster on a 10,000-layer run)."""
-    return list(session.execute(select(Layer.index, Layer.name, Layer.forward_index)
-                                .where(Layer.run_id == run_id).order_by(Layer.index)))
+def layer_rows(session: Session, run_id: str, indices: Sequence[int] | None = None
+               ) -> list[Row]:
+    """Index, name and forward_index of each layer (of those `indices`) in index order,
+    without the JSON columns a whole `Layer` decodes (4x faster on a 10,000-layer run).
+    `indices` are read as the range they span (a page of layers is one), then picked."""
+    query = select(Layer.index, Layer.name, Layer.forward_index).where(Layer.run_id == run_id)
+    if indices is not None:
+        if not len(indices):
+            return []
+        wanted = set(indices)
+        query = query.where(Layer.index.between(min(wanted), max(wanted)))
+        return [row for row in session.execute(query.order_by(Layer.index))
+                if row.index in wanted]
+    return list(session.execute(query.order_by(Layer.index)))
 
 
 def update_layer_stats(rank_row: RunRank, series: StepSeries) -> None:
