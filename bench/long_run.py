@@ -151,6 +151,26 @@ def disk_bytes(database_url: str) -> int:
     return int(size)
 
 
+def disk_breakdown(database_url: str) -> list[tuple[str, int]]:
+    """Bytes on disk by table and index, largest first (SQLite's dbstat; on Postgres a
+    table's heap, its TOAST (chunk rows and their index) and its indexes apart)."""
+    from sqlalchemy import create_engine, text
+
+    if database_url.startswith("sqlite"):
+        query = "SELECT name, SUM(pgsize) FROM dbstat GROUP BY name"
+    else:
+        query = """SELECT relname || part, bytes FROM pg_class c, LATERAL (VALUES
+                   (' heap', pg_relation_size(c.oid)),
+                   (' TOAST', COALESCE(pg_total_relation_size(NULLIF(c.reltoastrelid, 0)), 0)),
+                   (' indexes', pg_indexes_size(c.oid))) AS v(part, bytes)
+                   WHERE c.relkind = 'r' AND c.relnamespace = 'public'::regnamespace"""
+    engine = create_engine(database_url)
+    with engine.connect() as conn:
+        rows = [(name, int(size)) for name, size in conn.execute(text(query)) if size]
+    engine.dispose()
+    return sorted(rows, key=lambda row: -row[1])
+
+
 def time_pages(url: str, run_id: str, steps: int) -> list[tuple[str, float, float]]:
     middle = steps // 2
     reads = [
@@ -217,6 +237,8 @@ def build(database_url: str, args: argparse.Namespace) -> None:
           f"activation abs-max): {size / values:.2f} bytes per layer value, "
           f"{size / grads:.2f} per grad norm (everything included: per-step scalars, "
           f"dtypes, summaries, findings, indexes)", flush=True)
+    for name, part in disk_breakdown(database_url)[:8]:
+        print(f"  {name:40} {part / 2**20:10,.1f} MiB  {part / values:.3f} bytes per value")
 
 
 def _ms(value: float | None) -> str:

@@ -16,7 +16,7 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.codec import decode_column, encode_column
+from ampwatch.server.codec import decode_column, encode_array
 from ampwatch.server.db import dialect_insert
 from ampwatch.server.models import Fp8Sample, Layer
 from ampwatch.server.schemas import Fp8In, Fp8TensorIn, StepIn
@@ -85,9 +85,9 @@ def _pack(fp8: Fp8In, n_layers: int) -> dict[str, bytes]:
             values[r, k] = [np.nan if v is None else v for v in vector]
         present[r] = [v is not None for v in tensor.amax]
     kept = np.flatnonzero(present.any(axis=0) | ~np.isnan(values).all(axis=(0, 1)))
-    return {"layers": encode_column(kept.astype("<i4").tobytes(), 4),
-            "values": encode_column(values[..., kept].tobytes(), 4),
-            "present": encode_column(present[:, kept].tobytes(), 1)}
+    return {"layers": encode_array(kept.astype("<i4")),
+            "values": encode_array(values[..., kept]),
+            "present": encode_array(present[:, kept])}
 
 
 def _unpack(row) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -23,7 +23,7 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.codec import decode_column, encode_column
+from ampwatch.server.codec import decode_column, encode_array
 from ampwatch.server.downsample import always_kept
 from ampwatch.server.models import StepSummary
 from ampwatch.server.series import MISSING, SCALAR_FIELDS, StepSeries
@@ -70,7 +70,7 @@ def _decode(data: bytes | None, dtype, shape) -> np.ndarray | None:
 
 
 def _encode(array: np.ndarray | None) -> bytes | None:
-    return None if array is None else encode_column(array.tobytes(), array.dtype.itemsize)
+    return None if array is None else encode_array(array)
 
 
 def fold_batch(session: Session, run_id: str, rank: int, batch: StepSeries) -> None:
