@@ -65,6 +65,15 @@ SUM_CHECKED = frozenset({torch.bfloat16, torch.float32})
 FINITE = (0.0, 0.0)
 
 
+# Elementwise functions that map finite inputs to finite outputs (|f(x)| <= |x| or
+# bounded), exact types only (a subclass may override forward): on the CPU between samples,
+# such a layer whose input is the output just checked finite needs no check of its own
+# (the MLP activation after its Linear, the largest output of a transformer block)
+FINITE_PRESERVING = frozenset({torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.SiLU,
+                               torch.nn.Mish, torch.nn.Tanh, torch.nn.Sigmoid,
+                               torch.nn.Hardtanh, torch.nn.Softmax})
+
+
 def finite_check(tensor: torch.Tensor) -> tuple[float, float]:
     """Host tensors only (reads a value): FINITE when the sum is finite, which needs every
     element finite; otherwise the exact (min, max), since a sum of finite values can
@@ -240,6 +249,7 @@ class ActivationCollector(Collector):
         starts = self._starts
         aminmax = torch.aminmax
         host_check = session.host_reduce
+        preserves_finite = type(session.layers[index].module) in FINITE_PRESERVING
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             if compiling():
@@ -259,7 +269,11 @@ class ActivationCollector(Collector):
                       and tensor.is_cpu and not tensor.is_inference()):
                     # a block returning its last layer's output, unchanged: same verdict
                     if tensor is not self._seen or self._seen_version != tensor._version:
-                        self._seen_stats = finite_check(tensor.detach())
+                        seen = self._seen
+                        if not (preserves_finite and self._seen_stats is FINITE and args
+                                and seen is not None and args[0] is seen
+                                and seen._version == self._seen_version):
+                            self._seen_stats = finite_check(tensor.detach())
                         self._seen, self._seen_version = tensor, tensor._version
                     self._calls.append((index, tensor.dtype, self._seen_stats, start, end))
                 else:

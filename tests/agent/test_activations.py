@@ -346,6 +346,67 @@ def test_block_returning_its_layers_output_is_checked_again_when_changed(
         assert summed == {1: 2, 2: 2, 3: 2, 4: 3, 5: 2}
 
 
+class LinearGelu(nn.Module):
+    """Linear, GELU, Linear; on one step the first Linear's output is poisoned in place
+    after its hook ran and before the GELU reads it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.act, self.out = nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 4)
+        self.poison = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        if self.poison:
+            h[0, 0] = math.inf
+        return self.out(self.act(h))
+
+
+def test_activation_of_an_output_checked_finite_is_not_summed(
+        attach, offline: Path, reduction: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between samples (CPU, fp32), a GELU whose input is the output just checked finite
+    cannot be non-finite and is not summed; when that output was changed in place since
+    its check, the GELU is checked and named first. Truth from the test's own hooks."""
+    summed: dict[int, int] = {}
+    step = {"i": 0}
+
+    def counted(tensor: torch.Tensor) -> tuple[float, float]:
+        summed[step["i"]] = summed.get(step["i"], 0) + 1
+        return check(tensor)
+
+    check = activations.finite_check
+    monkeypatch.setattr(activations, "finite_check", counted)
+    torch.manual_seed(0)
+    model = LinearGelu()
+    layers = discover_layers(model)
+    assert [layer.name for layer in layers] == ["fc", "act", "out"]
+    first_bad: dict[int, int] = {}
+
+    def reference(index: int, out: torch.Tensor) -> None:
+        if not bool(torch.isfinite(out).all()):
+            first_bad.setdefault(step["i"], index)
+
+    handles = [layer.module.register_forward_hook(
+        lambda m, a, out, i=layer.index: reference(i, out)) for layer in layers]
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(batches(6, bad=lambda i: "inf" if i == 2 else None)):
+        step["i"], model.poison = i, i == 4
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.zero_grad()  # the weights stay finite: each step is judged alone
+        optimizer.step()
+    for handle in handles:
+        handle.remove()
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert first_bad == {2: 0, 4: 1}
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == \
+        {i: first_bad.get(i) for i in range(6)}
+    if reduction == "host":  # step 0 is sampled (aminmax); fc and out, and act when changed
+        assert summed == {1: 2, 2: 3, 3: 2, 4: 3, 5: 2}
+
+
 def test_a_train_mode_forward_under_inference_mode_is_checked(attach, offline: Path) -> None:
     """Inference tensors have no version counter: the check must not rely on one (the
     conftest fails the test on any error the agent swallowed)."""
