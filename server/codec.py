@@ -78,18 +78,20 @@ def decode_column(data: bytes, itemsize: int) -> bytes:
             raw = np.frombuffer(raw, dtype=np.uint8).reshape(itemsize, -1).T.tobytes()
         return raw
     if data[:1] != TAG:
-        raise ValueError(f"not a compressed column (starts with {data[:4]!r})")
-    (width,) = _U32.unpack_from(data, 1)
-    lengths = struct.unpack_from(f"<{itemsize}I", data, 5)
-    at = 5 + 4 * itemsize
+        raise ValueError(f"not a compressed column (starts with {bytes(data[:4])!r})")
+    width, *lengths = struct.unpack_from(f"<{1 + itemsize}I", data, 1)
+    view, at = memoryview(data), 5 + 4 * itemsize
+    decompress = _decompressor().decompress
     planes = []
     for length in lengths:
-        planes.append(np.frombuffer(_decompressor().decompress(data[at:at + length]),
-                                    dtype=np.uint8))
+        planes.append(decompress(view[at:at + length]))
         at += length
-    zigzag = np.stack(planes, axis=1).view(f"<u{itemsize}").reshape(-1, width)
+    columns = np.frombuffer(b"".join(planes), dtype=np.uint8).reshape(itemsize, -1)
+    zigzag = np.ascontiguousarray(columns.T).view(f"<u{itemsize}").reshape(-1, width)
     delta = (zigzag >> 1) ^ (0 - (zigzag & 1))
-    return np.cumsum(delta, axis=0, dtype=delta.dtype).tobytes()
+    if len(delta) > 1:
+        np.cumsum(delta, axis=0, dtype=delta.dtype, out=delta)
+    return delta.tobytes()
 
 
 def encode_array(array: np.ndarray) -> bytes:

@@ -91,8 +91,8 @@ def first_nonfinite_call(calls: list[Call]) -> int | None:
     """Host: the position of the first call whose (min, max) is not finite (worker)."""
     for position, call in enumerate(calls):
         stats = call[2]
-        if stats is not None and not (math.isfinite(float(stats[0]))
-                                      and math.isfinite(float(stats[1]))):
+        if stats is not None and stats is not FINITE and not (
+                math.isfinite(float(stats[0])) and math.isfinite(float(stats[1]))):
             return position
     return None
 
