@@ -84,11 +84,12 @@ def rebuild_summaries(session: Session, run_id: str, rank: int, from_step: int =
     # a batch's last step that reads still see (a restart superseded the later ones)
     readable_last = case((Batch.superseded_from.is_(None), Batch.last_step),
                          else_=Batch.superseded_from - 1)
+    mine = (Batch.run_id == run_id, Batch.rank == rank)
+    last = session.scalar(select(func.max(readable_last)).where(*mine))
     start = bucket * SUMMARY_STEPS
-    while True:
-        first, last = session.execute(
-            select(func.min(Batch.first_step), func.max(readable_last)).where(
-                Batch.run_id == run_id, Batch.rank == rank, readable_last >= start)).one()
+    while last is not None and start <= last:
+        first = session.scalar(select(func.min(Batch.first_step)).where(
+            *mine, readable_last >= start))
         if first is None:
             return
         start = max(start, first // SUMMARY_STEPS * SUMMARY_STEPS)  # skip gaps in step numbers

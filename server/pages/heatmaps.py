@@ -67,12 +67,12 @@ def heatmap_height(n_layers: int) -> int:
     return int(min(max(ROW_PX * n_layers + 100, 240), 720))
 
 
-def first_offender(matrix: LayerMatrix, order: list[int]) -> FirstOffender | None:
-    """The first non-finite cell of a layer matrix, rows taken in `order`."""
-    values = matrix.values
-    if not values.size:
+def first_offender(matrix: LayerMatrix) -> FirstOffender | None:
+    """The first non-finite cell of a layer matrix (its rows in forward order, as the
+    matrix queries return them)."""
+    rows = matrix.values
+    if not rows.size:
         return None
-    rows = values[order]
     bad = ~np.isfinite(rows)
     if not bad.any():
         return None
@@ -80,15 +80,16 @@ def first_offender(matrix: LayerMatrix, order: list[int]) -> FirstOffender | Non
     row = int(np.flatnonzero(bad[:, bucket])[0])
     cell = rows[row, bucket]
     return FirstOffender(
-        layer=matrix.layers[order[row]], step_start=int(matrix.step_start[bucket]),
+        layer=matrix.layers[row], step_start=int(matrix.step_start[bucket]),
         step_end=int(matrix.step_end[bucket]),
         value="NaN" if math.isnan(cell) else ("+inf" if cell > 0 else "-inf"),
     )
 
 
-def layer_heatmap_figure(matrix: LayerMatrix, order: list[int], *, quantity: str,
+def layer_heatmap_figure(matrix: LayerMatrix, *, quantity: str,
                          offender: str | None = None) -> go.Figure:
-    """Layers (rows, forward order, top first) x step buckets of `quantity`.
+    """Layers (rows in the matrix's order, forward order, top first) x step buckets of
+    `quantity`.
 
     Colour is log10 of the bucket's largest finite value; empty buckets stay blank;
     inf and NaN cells are drawn by red overlays, each layer's first bad bucket gets a
@@ -99,8 +100,7 @@ def layer_heatmap_figure(matrix: LayerMatrix, order: list[int], *, quantity: str
     fig = base_figure(heatmap_height(n_layers))
     if not values.size or empty.all():
         return note(fig, f"no {quantity} recorded yet")
-    values, empty = values[order], empty[order]
-    names = [label(matrix.layers[i]) for i in order]
+    names = [label(layer) for layer in matrix.layers]
     x = matrix.step_start
     edges = bucket_edges(matrix)
     finite = np.isfinite(values) & ~empty
@@ -126,7 +126,7 @@ def layer_heatmap_figure(matrix: LayerMatrix, order: list[int], *, quantity: str
             name="first non-finite of a layer", showlegend=True,
             hovertemplate="%{y}: first non-finite at step %{x}<extra></extra>",
         )
-        _mark_offender(fig, offender, matrix, order, names, x, bad)
+        _mark_offender(fig, offender, matrix, names, x, bad)
         fig.update_layout(showlegend=True)
     fig.update_yaxes(autorange="reversed", showgrid=False, type="category")
     fig.update_xaxes(showgrid=False)
@@ -157,10 +157,10 @@ def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np
     )
 
 
-def _mark_offender(fig: go.Figure, offender: str | None, matrix: LayerMatrix, order: list[int],
+def _mark_offender(fig: go.Figure, offender: str | None, matrix: LayerMatrix,
                    names: list[str], x: np.ndarray, bad: np.ndarray) -> None:
     """A star and a label at the offender layer's first non-finite bucket."""
-    rows = [r for r, i in enumerate(order) if matrix.layers[i] == offender]
+    rows = [r for r, layer in enumerate(matrix.layers) if layer == offender]
     if not rows or not bad[rows[0]].any():
         return
     row = rows[0]

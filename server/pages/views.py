@@ -180,9 +180,8 @@ def offender_layer(twin: dict, grads: LayerMatrix, acts: LayerMatrix) -> str | N
         found = [f for f in nonfinite if f["evidence"].get("cause") in causes]
         if found:
             return min(found, key=lambda f: f["step"])["layer"]
-    rows = list(range(len(acts.layers)))  # the twin's matrices are in forward order
-    for matrix in (acts, grads):
-        first = heatmaps.first_offender(matrix, rows)
+    for matrix in (acts, grads):  # the twin's matrices are in forward order
+        first = heatmaps.first_offender(matrix)
         if first is not None:
             return first.layer
     return None
@@ -193,12 +192,11 @@ def layers_figures(twin: dict) -> dict[str, Figure]:
     acts = LayerMatrix.from_twin(twin["act_absmax"])
     offender = offender_layer(twin, grads, acts)
     span = heatmaps.matrix_span([grads, acts])
-    rows = list(range(len(twin["page"]["indices"])))  # matrices come in forward order
     return {
         "grad_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
-            grads, rows, quantity="grad norm", offender=offender), span),
+            grads, quantity="grad norm", offender=offender), span),
         "act_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
-            acts, rows, quantity="abs-max", offender=offender), span),
+            acts, quantity="abs-max", offender=offender), span),
         "fwd_time": heatmaps.forward_time_figure(twin["layers"], twin["page"]["indices"]),
     }
 

@@ -73,18 +73,22 @@ def test_names_are_escaped_for_plotly():
     assert fig.data[0].name == "&lt;b&gt;x&lt;/b&gt;"
 
 
-def test_heatmap_marks_the_first_offender_in_forward_order():
-    matrix = LayerMatrix.from_twin({
-        "layers": ["head", "embed", "mid"], "step_start": [0, 10, 20], "step_end": [9, 19, 29],
-        "values": [[1.0, "Infinity", "NaN"], [0.5, 0.5, None], [2.0, "Infinity", 3.0]],
-    })
+def test_forward_order_puts_layers_never_seen_in_forward_last():
     layers = {"items": [{"index": 0, "forward_index": 2}, {"index": 1, "forward_index": 0},
-                        {"index": 2, "forward_index": 1}]}
-    order = heatmaps.forward_order(layers)
-    assert order == [1, 2, 0]
-    offender = heatmaps.first_offender(matrix, order)
+                        {"index": 2, "forward_index": None}, {"index": 3, "forward_index": 1}]}
+    assert heatmaps.forward_order(layers) == [1, 3, 0, 2]
+
+
+def test_heatmap_marks_the_first_offender_in_forward_order():
+    """Rows come in forward order (as the matrix queries return them): "mid" runs before
+    "head", so its inf in bucket 10 is the first offender, not head's."""
+    matrix = LayerMatrix.from_twin({
+        "layers": ["embed", "mid", "head"], "step_start": [0, 10, 20], "step_end": [9, 19, 29],
+        "values": [[0.5, 0.5, None], [2.0, "Infinity", 3.0], [1.0, "Infinity", "NaN"]],
+    })
+    offender = heatmaps.first_offender(matrix)
     assert (offender.layer, offender.step_start, offender.value) == ("mid", 10, "+inf")
-    fig = heatmaps.layer_heatmap_figure(matrix, order, quantity="grad norm", offender="mid")
+    fig = heatmaps.layer_heatmap_figure(matrix, quantity="grad norm", offender="mid")
     names = [trace.name for trace in fig.data]
     assert names == ["grad norm", "inf", "NaN", "first non-finite of a layer", "first offender"]
     assert fig.layout.annotations[0].text == "first offender: mid"
