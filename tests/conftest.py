@@ -60,7 +60,8 @@ def postgres_database() -> Iterator[str]:
         admin.dispose()
 
 
-def _empty_postgres(url: str) -> None:
+def empty_postgres(url: str) -> None:
+    """Empty every table of the test database (the schema and migrations stay)."""
     engine = create_engine(url)
     with engine.begin() as conn:
         tables = conn.execute(text(
@@ -72,14 +73,20 @@ def _empty_postgres(url: str) -> None:
     engine.dispose()
 
 
+def fresh_database_url(request: pytest.FixtureRequest, backend: str, directory: Path) -> str:
+    """An empty database: "sqlite", a new file in `directory`; "postgres", the session's
+    test database emptied (skips without a test Postgres). For fixtures of any scope."""
+    if backend == "sqlite":
+        return f"sqlite:///{directory / 'ampwatch.db'}"
+    url = request.getfixturevalue("postgres_database")
+    empty_postgres(url)
+    return url
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     """Each test using this runs once on SQLite and once on Postgres."""
-    if request.param == "sqlite":
-        return f"sqlite:///{tmp_path / 'ampwatch.db'}"
-    url = request.getfixturevalue("postgres_database")
-    _empty_postgres(url)
-    return url
+    return fresh_database_url(request, request.param, tmp_path)
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ import pytest
 from sqlalchemy import func, select
 
 from ampwatch.server.models import Batch, Finding, Layer, Run, RunRank
+from tests.conftest import fresh_database_url
 from tests.utils import make_steps, post_batch, register_run
 
 HUGE = [2**63, 10**400]
@@ -21,13 +22,8 @@ def shared_app(request, tmp_path_factory):
     registers its own runs and compares the database before and after."""
     from ampwatch.server.app import create_app
     from ampwatch.server.settings import Settings
-    from tests.conftest import _empty_postgres
 
-    if request.param == "sqlite":
-        url = f"sqlite:///{tmp_path_factory.mktemp('hostile') / 'hostile.db'}"
-    else:
-        url = request.getfixturevalue("postgres_database")
-        _empty_postgres(url)
+    url = fresh_database_url(request, request.param, tmp_path_factory.mktemp("hostile"))
     app = create_app(Settings(database_url=url))
     yield app
     app.state.engine.dispose()

@@ -19,7 +19,7 @@ from schemathesis.core.parameters import ParameterLocation  # noqa: E402
 
 from ampwatch.server.app import create_app  # noqa: E402
 from ampwatch.server.settings import Settings  # noqa: E402
-from tests.conftest import _empty_postgres  # noqa: E402
+from tests.conftest import fresh_database_url  # noqa: E402
 from tests.utils import make_steps, register_run  # noqa: E402
 
 TOKEN = "fuzz-token"
@@ -31,13 +31,9 @@ EXAMPLES = int(os.environ.get("AMPWATCH_FUZZ_EXAMPLES", "0"))
 @pytest.fixture(scope="module",
                 params=["sqlite-token", pytest.param("postgres", marks=pytest.mark.postgres)])
 def fuzz_app(request, tmp_path_factory):
-    if request.param == "postgres":
-        url = request.getfixturevalue("postgres_database")
-        _empty_postgres(url)
-        token = None
-    else:
-        url = f"sqlite:///{tmp_path_factory.mktemp('fuzz') / 'fuzz.db'}"
-        token = TOKEN
+    backend = request.param.removesuffix("-token")
+    url = fresh_database_url(request, backend, tmp_path_factory.mktemp("fuzz"))
+    token = TOKEN if request.param.endswith("-token") else None
     app = create_app(Settings(database_url=url, token=token))
     with TestClient(app, headers=auth_headers(app)) as client:  # data for reads to read
         register_run(client, "r1", n_layers=4)

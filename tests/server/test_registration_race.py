@@ -10,7 +10,7 @@ from concurrent.futures import ProcessPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, empty_postgres
 from tests.utils import make_layers
 
 PROCESSES = 8
@@ -51,9 +51,7 @@ def check_runs(url: str) -> None:
 
 @pytest.mark.postgres
 def test_eight_processes_register_one_run_on_postgres(postgres_database, tmp_path):
-    from tests.conftest import _empty_postgres
-
-    _empty_postgres(postgres_database)
+    empty_postgres(postgres_database)
     server = LiveServer(postgres_database, tmp_path / "server.log")
     server.start()
     try:
