@@ -108,7 +108,7 @@ def ingest(url: str, run_id: str, steps: int, layers: int) -> dict:
     headers = {"content-encoding": "gzip", "content-type": "application/json"}
     with httpx.Client(base_url=url, timeout=300) as http:
         for seq in range(batches):
-            if seq in (EARLY_BATCHES, batches - LATE_BATCHES):
+            if seq in (0, EARLY_BATCHES, batches - LATE_BATCHES):
                 marks[seq] = analysis_seconds(http)
             payload = ready.get()
             t0 = time.perf_counter()
@@ -124,17 +124,16 @@ def ingest(url: str, run_id: str, steps: int, layers: int) -> dict:
     return {"steps": batches * STEPS_PER_BATCH, "seconds": sending,
             "values_per_s": batches * STEPS_PER_BATCH * layers / sending,
             "first_ms": 1000 * statistics.median(head), "last_ms": 1000 * statistics.median(tail),
-            "analysis_early_ms": _mean_ms(marks, None, EARLY_BATCHES),
+            "analysis_early_ms": _mean_ms(marks, 0, EARLY_BATCHES),
             "analysis_late_ms": _mean_ms(marks, batches - LATE_BATCHES, batches)}
 
 
-def _mean_ms(marks: dict, start: int | None, end: int) -> float | None:
-    """Mean detector milliseconds per batch between two marks (None: from the start)."""
-    if end not in marks or (start is not None and start not in marks):
+def _mean_ms(marks: dict, start: int, end: int) -> float | None:
+    """Mean detector milliseconds per batch between the marks taken before batches
+    `start` and `end`."""
+    if start not in marks or end not in marks:
         return None
-    seconds, count = marks[end]
-    if start is not None:
-        seconds, count = seconds - marks[start][0], count - marks[start][1]
+    seconds, count = marks[end][0] - marks[start][0], marks[end][1] - marks[start][1]
     return 1000 * seconds / count if count else None
 
 
@@ -204,10 +203,10 @@ def run(backend: str, database_url: str, args: argparse.Namespace) -> None:
         build(database_url, args)
     proc, url = start_server(database_url, detect=True)  # a cold process for the reads
     try:
-        run = httpx.get(f"{url}/api/v1/runs/{RUN_ID}", timeout=60).raise_for_status().json()
+        stored = httpx.get(f"{url}/api/v1/runs/{RUN_ID}", timeout=60).raise_for_status().json()
         print(f"{'read (cold server process)':32} {'first ms':>9} {'warm ms':>9}   "
               f"(load average {os.getloadavg()[0]:.1f})")
-        for label, cold, warm in time_pages(url, RUN_ID, run["last_step"] + 1):
+        for label, cold, warm in time_pages(url, RUN_ID, stored["last_step"] + 1):
             print(f"{label:32} {1000 * cold:9.0f} {1000 * warm:9.0f}", flush=True)
     finally:
         proc.terminate()
