@@ -29,19 +29,21 @@ CLIENTS = 16  # the default cap on requests in flight
 GIVE_UP_S = 600
 
 
-def peak_rss(pid: int) -> int:
-    """The process's peak resident set so far, in bytes (Linux's VmHWM)."""
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A memory field of /proc/PID/status (Linux), in bytes."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM in /proc/PID/status")
+    raise AssertionError(f"no {field} in /proc/{pid}/status")
+
+
+def peak_rss(pid: int) -> int:
+    """The process's peak resident set so far (VmHWM)."""
+    return proc_status_bytes(pid, "VmHWM")
 
 
 def rss(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS in /proc/PID/status")
+    return proc_status_bytes(pid, "VmRSS")
 
 
 @pytest.fixture
