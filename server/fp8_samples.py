@@ -176,6 +176,7 @@ class _ShareBuckets:
 
     def __init__(self, n_rows: int, count: int, first: int, last: int, buckets: int) -> None:
         self.each = count <= buckets
+        self.n_rows = n_rows
         self.steps: list[int] = []
         self.columns: list[np.ndarray] = []
         if not self.each:
@@ -193,11 +194,11 @@ class _ShareBuckets:
         self.out[:, which] = np.maximum(self.out[:, which], np.nan_to_num(column, nan=-np.inf))
         self.used[which] = True
 
-    def result(self, n_rows: int) -> tuple[list[int], list[list[float]]]:
+    def result(self) -> tuple[list[int], list[list[float]]]:
         """(first step of each bucket, rows x buckets values)."""
         if self.each:
             matrix = (np.stack(self.columns, axis=1) if self.columns
-                      else np.zeros((n_rows, 0), np.float32))
+                      else np.zeros((self.n_rows, 0), np.float32))
             return self.steps, matrix.tolist()
         out = self.out[:, self.used]
         out[np.isneginf(out)] = np.nan
@@ -241,7 +242,7 @@ def fp8_report(session: Session, run_id: str, layers: list, rank: int, *,
             folded.add(row.step, values[row_role, STATS.index(name), row_layer])
     found = {}
     for name, folded in shares.items():
-        steps, found[name] = folded.result(len(rows))
+        steps, found[name] = folded.result()
     return {
         "layers": [{"index": x.index, "name": x.name, "recipe": x.attrs["fp8_recipe"],
                     "formats": {role: cast_formats(x.attrs).get(role) for role in ROLES},

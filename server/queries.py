@@ -18,7 +18,7 @@ from ampwatch.client.wire import encode_array, encode_float
 from ampwatch.server.downsample import always_kept, bucket_matrix, keep_extremes
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.models import Run, RunRank
-from ampwatch.server.responses import float_rows
+from ampwatch.server.responses import FloatRows
 from ampwatch.server.runs import run_ranks
 from ampwatch.server.series import (
     BOOL_FIELDS,
@@ -359,5 +359,5 @@ def matrix_query(
         "layers": names,
         "step_start": step_start.tolist(),
         "step_end": step_end.tolist(),
-        "values": float_rows(matrix, empty),
+        "values": FloatRows(matrix, empty),
     }

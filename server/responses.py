@@ -62,11 +62,6 @@ class FloatRows:
         return encode_array(self.matrix, missing=self.missing)
 
 
-def float_rows(matrix: np.ndarray, missing: np.ndarray) -> FloatRows:
-    """A layers x buckets float matrix (`missing`: cells sent as null) for a response."""
-    return FloatRows(matrix, missing)
-
-
 def _fragment(value: Any) -> orjson.Fragment:
     if isinstance(value, FloatRows):
         return value.fragment()

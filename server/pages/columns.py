@@ -25,7 +25,7 @@ def decode_values(values: list) -> tuple[np.ndarray, np.ndarray]:
 
 def decode_matrix(rows: list | FloatRows) -> tuple[np.ndarray, np.ndarray]:
     """A layers x buckets matrix, in wire form or as a query left it
-    (`server.responses.float_rows`): (float values, mask of empty cells)."""
+    (`server.responses.FloatRows`): (float values, mask of empty cells)."""
     if isinstance(rows, FloatRows):
         missing = np.asarray(rows.missing, dtype=bool)
         return np.where(missing, np.float32(np.nan), rows.matrix), missing.copy()
