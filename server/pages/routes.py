@@ -64,16 +64,19 @@ def _update(live: bool, figures: dict, panels: dict[str, str]) -> Response:
     return Response(to_json_plotly(body), media_type="application/json")
 
 
+def _query_with(request: Request, name: str, value: str) -> str:
+    """This page's query string with `name` set to `value` (and no `format`)."""
+    query = [(k, v) for k, v in request.query_params.multi_items() if k not in (name, "format")]
+    return urlencode([*query, (name, value)])
+
+
 def _page_href(request: Request, page: int) -> str:
-    """This page's query with another `page` (the layers page's pager and links)."""
-    query = [(k, v) for k, v in request.query_params.multi_items() if k not in ("page",
-                                                                                 "format")]
-    return f"?{urlencode([*query, ('page', str(page))])}"
+    """This page with another `page` (the layers page's pager and links)."""
+    return f"?{_query_with(request, 'page', str(page))}"
 
 
 def _live_url(request: Request) -> str:
-    query = [(k, v) for k, v in request.query_params.multi_items() if k != "format"]
-    return f"{request.url.path}?{urlencode([*query, ('format', 'update')])}"
+    return f"{request.url.path}?{_query_with(request, 'format', 'update')}"
 
 
 def _run_tab(request: Request, output: str, template: str, tab: str, figures: dict,
