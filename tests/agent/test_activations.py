@@ -302,10 +302,12 @@ class Block(nn.Module):
         return out
 
 
-def test_block_returning_its_layers_output_is_checked_again_when_changed(
-        attach, offline: Path, reduction: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Between samples (CPU, fp32), a block's output that is its last layer's output is
-    not summed twice, unless it was changed in place since: then the block is first."""
+def poisoned_steps(attach, offline: Path, model: nn.Module, monkeypatch: pytest.MonkeyPatch
+                   ) -> tuple[dict[int, int], dict[int, int | None], dict[int, int]]:
+    """Six unsampled fp32 CPU steps (step 0 sampled) of `model`, with an inf input at
+    step 2 and `model.poison` set at step 4: (the first non-finite layer per step from the
+    test's own hooks, the agent's `first_nonfinite_layer` per step, the number of sums
+    the agent took per step)."""
     summed: dict[int, int] = {}
     step = {"i": 0}
 
@@ -315,18 +317,14 @@ def test_block_returning_its_layers_output_is_checked_again_when_changed(
 
     check = activations.finite_check
     monkeypatch.setattr(activations, "finite_check", counted)
-    torch.manual_seed(0)
-    model = Block()
-    layers = discover_layers(model)
-    assert [layer.name for layer in layers] == ["model", "fc", "proj"]
-    first_bad: dict[int, int | None] = {}
+    first_bad: dict[int, int] = {}
 
     def reference(index: int, out: torch.Tensor) -> None:
         if not bool(torch.isfinite(out).all()):
             first_bad.setdefault(step["i"], index)
 
     handles = [layer.module.register_forward_hook(
-        lambda m, a, out, i=layer.index: reference(i, out)) for layer in layers]
+        lambda m, a, out, i=layer.index: reference(i, out)) for layer in discover_layers(model)]
     attachment = attach(model, sample_every=100, sample_after_anomaly=0)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for i, (x, y) in enumerate(batches(6, bad=lambda i: "inf" if i == 2 else None)):
@@ -339,9 +337,19 @@ def test_block_returning_its_layers_output_is_checked_again_when_changed(
         handle.remove()
     attachment.flush(5)
     steps = spooled_steps(offline, attachment.run_id)
+    return first_bad, {s["step"]: s["first_nonfinite_layer"] for s in steps}, summed
+
+
+def test_block_returning_its_layers_output_is_checked_again_when_changed(
+        attach, offline: Path, reduction: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Between samples (CPU, fp32), a block's output that is its last layer's output is
+    not summed twice, unless it was changed in place since: then the block is first."""
+    torch.manual_seed(0)
+    model = Block()
+    assert [layer.name for layer in discover_layers(model)] == ["model", "fc", "proj"]
+    first_bad, found, summed = poisoned_steps(attach, offline, model, monkeypatch)
     assert first_bad == {2: 1, 4: 0}
-    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == \
-        {i: first_bad.get(i) for i in range(6)}
+    assert found == {i: first_bad.get(i) for i in range(6)}
     if reduction == "host":  # step 0 is sampled (aminmax); fc and proj, the block when changed
         assert summed == {1: 2, 2: 2, 3: 2, 4: 3, 5: 2}
 
@@ -367,42 +375,12 @@ def test_activation_of_an_output_checked_finite_is_not_summed(
     """Between samples (CPU, fp32), a GELU whose input is the output just checked finite
     cannot be non-finite and is not summed; when that output was changed in place since
     its check, the GELU is checked and named first. Truth from the test's own hooks."""
-    summed: dict[int, int] = {}
-    step = {"i": 0}
-
-    def counted(tensor: torch.Tensor) -> tuple[float, float]:
-        summed[step["i"]] = summed.get(step["i"], 0) + 1
-        return check(tensor)
-
-    check = activations.finite_check
-    monkeypatch.setattr(activations, "finite_check", counted)
     torch.manual_seed(0)
     model = LinearGelu()
-    layers = discover_layers(model)
-    assert [layer.name for layer in layers] == ["fc", "act", "out"]
-    first_bad: dict[int, int] = {}
-
-    def reference(index: int, out: torch.Tensor) -> None:
-        if not bool(torch.isfinite(out).all()):
-            first_bad.setdefault(step["i"], index)
-
-    handles = [layer.module.register_forward_hook(
-        lambda m, a, out, i=layer.index: reference(i, out)) for layer in layers]
-    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    for i, (x, y) in enumerate(batches(6, bad=lambda i: "inf" if i == 2 else None)):
-        step["i"], model.poison = i, i == 4
-        loss = nn.functional.mse_loss(model(x), y)
-        loss.backward()
-        optimizer.zero_grad()  # the weights stay finite: each step is judged alone
-        optimizer.step()
-    for handle in handles:
-        handle.remove()
-    attachment.flush(5)
-    steps = spooled_steps(offline, attachment.run_id)
+    assert [layer.name for layer in discover_layers(model)] == ["fc", "act", "out"]
+    first_bad, found, summed = poisoned_steps(attach, offline, model, monkeypatch)
     assert first_bad == {2: 0, 4: 1}
-    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == \
-        {i: first_bad.get(i) for i in range(6)}
+    assert found == {i: first_bad.get(i) for i in range(6)}
     if reduction == "host":  # step 0 is sampled (aminmax); fc and out, and act when changed
         assert summed == {1: 2, 2: 3, 3: 2, 4: 3, 5: 2}
 
