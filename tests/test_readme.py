@@ -154,8 +154,12 @@ def test_readme_demo_command(tmp_path: Path) -> None:
     [readme_command] = [c for c in readme_commands() if c.startswith("ampwatch demo")]
     command, port = _as_test_runs_it(readme_command, tmp_path)
     env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "data")}
+    # Ctrl-C reaches the demo as in a terminal even when these tests run in a background
+    # job, whose children start with SIGINT ignored (Python then never raises
+    # KeyboardInterrupt)
     process = subprocess.Popen(shlex.split(command), cwd=tmp_path, env=env,
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                               preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     lines = []
     try:
         assert process.stdout is not None
