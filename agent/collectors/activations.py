@@ -13,8 +13,10 @@ by output dtype, a layer called several times keeps its largest value). On the C
 (`session.host_reduce`) both reductions are left to the worker, which reads the (min,
 max) pairs themselves, and on unsampled steps a bf16 or float32 output is checked by its
 sum instead (read in the hook; an inf/NaN sum is confirmed by aminmax, so a finite sum
-that overflowed is no false flag). The dtype each layer computed in and its forward time
-are worked out from the calls on the worker thread.
+that overflowed is no false flag), and an output needs no sum when it is the unchanged
+output just checked (a block returning its last layer's) or an elementwise activation of
+it (`FINITE_PRESERVING`). The dtype each layer computed in and its forward time are
+worked out from the calls on the worker thread.
 Does not synchronise the device.
 
 The first sampled training forward gives the forward order, and each Linear-like layer's

@@ -340,20 +340,6 @@ def poisoned_steps(attach, offline: Path, model: nn.Module, monkeypatch: pytest.
     return first_bad, {s["step"]: s["first_nonfinite_layer"] for s in steps}, summed
 
 
-def test_block_returning_its_layers_output_is_checked_again_when_changed(
-        attach, offline: Path, reduction: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Between samples (CPU, fp32), a block's output that is its last layer's output is
-    not summed twice, unless it was changed in place since: then the block is first."""
-    torch.manual_seed(0)
-    model = Block()
-    assert [layer.name for layer in discover_layers(model)] == ["model", "fc", "proj"]
-    first_bad, found, summed = poisoned_steps(attach, offline, model, monkeypatch)
-    assert first_bad == {2: 1, 4: 0}
-    assert found == {i: first_bad.get(i) for i in range(6)}
-    if reduction == "host":  # step 0 is sampled (aminmax); fc and proj, the block when changed
-        assert summed == {1: 2, 2: 2, 3: 2, 4: 3, 5: 2}
-
-
 class LinearGelu(nn.Module):
     """Linear, GELU, Linear; on one step the first Linear's output is poisoned in place
     after its hook ran and before the GELU reads it."""
@@ -370,19 +356,35 @@ class LinearGelu(nn.Module):
         return self.out(self.act(h))
 
 
-def test_activation_of_an_output_checked_finite_is_not_summed(
-        attach, offline: Path, reduction: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Between samples (CPU, fp32), a GELU whose input is the output just checked finite
-    cannot be non-finite and is not summed; when that output was changed in place since
-    its check, the GELU is checked and named first. Truth from the test's own hooks."""
+# Between samples (CPU, fp32), per model: its layers, the first non-finite layer at the
+# inf-input step 2 and the poisoned step 4 (the test's own hooks say so), and the sums
+# per step (step 0 is sampled: aminmax)
+REUSED_VERDICTS = {
+    # a block returning its last layer's output is not summed twice, unless that output
+    # was changed in place since: then the block is first (3 sums at step 4)
+    "block": (Block, ["model", "fc", "proj"], {2: 1, 4: 0},
+              {1: 2, 2: 2, 3: 2, 4: 3, 5: 2}),
+    # a GELU whose input is the output just checked finite cannot be non-finite and is
+    # not summed; when that input was changed in place since its check, the GELU is
+    # checked and named first (3 sums at step 4; at step 2 fc is not finite: 3 sums)
+    "activation": (LinearGelu, ["fc", "act", "out"], {2: 0, 4: 1},
+                   {1: 2, 2: 3, 3: 2, 4: 3, 5: 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(REUSED_VERDICTS))
+def test_an_unchanged_output_checked_finite_is_not_summed_again(
+        attach, offline: Path, reduction: str, monkeypatch: pytest.MonkeyPatch,
+        case: str) -> None:
+    model_type, names, expected_first, expected_sums = REUSED_VERDICTS[case]
     torch.manual_seed(0)
-    model = LinearGelu()
-    assert [layer.name for layer in discover_layers(model)] == ["fc", "act", "out"]
+    model = model_type()
+    assert [layer.name for layer in discover_layers(model)] == names
     first_bad, found, summed = poisoned_steps(attach, offline, model, monkeypatch)
-    assert first_bad == {2: 0, 4: 1}
+    assert first_bad == expected_first
     assert found == {i: first_bad.get(i) for i in range(6)}
-    if reduction == "host":  # step 0 is sampled (aminmax); fc and out, and act when changed
-        assert summed == {1: 2, 2: 3, 3: 2, 4: 3, 5: 2}
+    if reduction == "host":
+        assert summed == expected_sums
 
 
 def test_a_train_mode_forward_under_inference_mode_is_checked(attach, offline: Path) -> None:
