@@ -15,14 +15,14 @@ from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
 from ampwatch.server.analysis.fp8 import on_fp8_ingest
 from ampwatch.server.analysis.service import layer_tables
-from ampwatch.server.codec import encode_columns
+from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import Batch, Run, RunRank, utcnow
 from ampwatch.server.restarts import restart_from, stored_last_step, supersede
 from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
-from ampwatch.server.series import FIELD_INDEX, concat
+from ampwatch.server.series import COMPRESSED_FORMAT, FIELD_INDEX, concat
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import (
     clip_steps,
@@ -101,7 +101,7 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
         kept = session.execute(select(*_CONTENT).where(
             Batch.run_id == run_id, Batch.rank == batch.rank, Batch.seq == batch.seq)).one()
         session.rollback()
-        if not _same_content(kept, encoded):
+        if not _same_content(kept, row):
             raise SeqConflict(
                 f"seq {batch.seq} of rank {batch.rank} already holds steps "
                 f"{kept.first_step}..{kept.last_step} with other content: this batch is not "
@@ -190,15 +190,25 @@ def _all_ranks_through(run: Run, others: list[int | None], before: int | None,
 _STEP_COLUMNS = ("first_step", "last_step", "n_steps", "scalars", "present")
 _LAYER_COLUMNS = ("layer_grad", "act_step", "act_absmax", "act_dtype", "act_time",
                   "act_grad_zero")
-_CONTENT = [getattr(Batch, c) for c in (*_STEP_COLUMNS, *_LAYER_COLUMNS, "n_layers", "events")]
+_CONTENT = [getattr(Batch, c)
+            for c in (*_STEP_COLUMNS, *_LAYER_COLUMNS, "n_layers", "events", "format")]
 
 
 def _same_content(kept, row: dict) -> bool:
     """Byte-for-byte the same steps (a resent spool file is), and events of the same steps
-    and kinds."""
+    and kinds. `row` is the new batch raw; `kept` is compared decoded, so a batch stored
+    in an earlier storage format or codec layout is still recognised when resent."""
     columns = _STEP_COLUMNS + (_LAYER_COLUMNS if kept.n_layers == row["n_layers"] else ())
     return (_event_keys(kept.events) == _event_keys(row["events"])
-            and all(_plain(getattr(kept, c)) == _plain(row[c]) for c in columns))
+            and all(_raw(kept, c) == _plain(row[c]) for c in columns))
+
+
+def _raw(kept, column: str):
+    """A stored batch column as `storage.new_batch_row` packs it (uncompressed)."""
+    value = _plain(getattr(kept, column))
+    if value is None or column not in ITEMSIZE or kept.format != COMPRESSED_FORMAT:
+        return value
+    return decode_column(value, ITEMSIZE[column])
 
 
 def _event_keys(events: list[dict] | None) -> list[tuple]:

@@ -6,9 +6,12 @@ import gzip
 import json
 import math
 
+import numpy as np
 import pytest
+import zstandard
 from sqlalchemy import func, select
 
+from ampwatch.server.codec import ITEMSIZE, decode_column
 from ampwatch.server.models import Batch
 from tests.utils import make_steps, post_batch, register_run
 
@@ -62,6 +65,29 @@ def test_repeated_seq_is_acknowledged_and_ignored(api, app):
     run = api.get("/api/v1/runs/r1").json()
     assert run["steps"] == 5 and run["lost_batches"] == 0
     assert stored_batches(app) == 1
+
+
+def test_a_batch_stored_in_the_earlier_codec_layout_is_a_duplicate_when_resent(api, app):
+    """A spool resending a batch an older server stored (byte shuffle and zstd, no delta)
+    gets a duplicate ack, not a conflict: the stored columns are compared decoded."""
+    register_run(api, "r1")
+    steps = make_steps(0, 20, 4, sample_every=5)
+    first = post_batch(api, "r1", 0, steps).json()
+    shuffled = zstandard.ZstdCompressor(level=3)
+    with app.state.engine.begin() as conn:
+        stored = conn.execute(select(Batch)).one()
+        earlier = {}
+        for column, itemsize in ITEMSIZE.items():
+            data = getattr(stored, column)
+            if data is not None:  # as the earlier server wrote it
+                raw = np.frombuffer(decode_column(data, itemsize), np.uint8)
+                earlier[column] = shuffled.compress(raw.reshape(-1, itemsize).T.tobytes())
+        conn.execute(Batch.__table__.update().values(**earlier))
+    again = post_batch(api, "r1", 0, steps)
+    assert again.status_code == 200, again.text
+    assert again.json() == {**first, "duplicate": True, "stored_steps": 0}
+    changed = post_batch(api, "r1", 0, make_steps(0, 20, 4, sample_every=4))
+    assert changed.status_code == 409  # other content under that seq is still refused
 
 
 def test_gap_in_seq_is_reported_as_lost_batches(api):
