@@ -19,7 +19,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 import torch.optim.lr_scheduler as lr_scheduler
 
-from ampwatch.agent import guard
+from ampwatch.agent import grad_clip, guard
 
 Before = Callable[[tuple, dict], Any]
 After = Callable[[Any, tuple, dict, Any], None]
@@ -28,11 +28,18 @@ NOT_HANDLED = object()  # what a `replace` listener returns to let the original 
 
 
 class GlobalPatch:
-    """Replace `owner.attr` on every owner by one wrapper while listeners exist."""
+    """Replace `owner.attr` on every owner by one wrapper while listeners exist.
 
-    def __init__(self, name: str, targets: list[tuple[Any, str]]) -> None:
+    `bind(original, args, kwargs)`, when given, turns a call's arguments into keyword
+    arguments once, before any listener sees them (a generator argument can be read
+    once); a call it cannot bind goes to the original untouched, to fail as it would.
+    """
+
+    def __init__(self, name: str, targets: list[tuple[Any, str]],
+                 bind: Callable[[Callable, tuple, dict], dict] | None = None) -> None:
         self.name = name
         self._targets = targets
+        self._bind = bind
         self._originals: list[Any] = []
         self._wrappers: list[Any] = []
         self._listeners: list[tuple[Before | None, After | None]] = []
@@ -86,6 +93,11 @@ class GlobalPatch:
             depth = getattr(patch._depth, "n", 0)
             if depth or not patch._listeners:  # nested calls (chained schedulers) count once
                 return original(*args, **kwargs)
+            if patch._bind is not None:
+                try:
+                    args, kwargs = (), patch._bind(original, args, kwargs)
+                except Exception:  # noqa: BLE001 - the caller's mistake: torch's own error
+                    return original(*args, **kwargs)
             listeners = list(patch._listeners)
             tokens = []
             for before, _ in listeners:
@@ -124,7 +136,8 @@ def _scheduler_classes() -> list[tuple[Any, str]]:
 
 
 CLIP_GRAD_NORM = GlobalPatch("clip_grad_norm_", [(torch.nn.utils, "clip_grad_norm_"),
-                                                 (torch.nn.utils.clip_grad, "clip_grad_norm_")])
+                                                 (torch.nn.utils.clip_grad, "clip_grad_norm_")],
+                             bind=grad_clip.bind)
 BACKWARD = GlobalPatch("Tensor.backward", [(torch.Tensor, "backward")])
 SCHEDULER_STEP = GlobalPatch("LRScheduler.step", _scheduler_classes())
 COMPILE = GlobalPatch("torch.compile", [(torch, "compile")])

@@ -87,6 +87,7 @@ class Session:
         self.anomaly_until = -1  # sample activations through this step (worker sets it too)
         self.dropped_steps = 0
         self._grads_taken = False
+        self._clipping_ours = False  # set by _clip_before for the clip_grad_norm_ call under way
         self._in_scaler_step = False
         self._opt_stepped = False
         self._pending: tuple[int, bool, dict[str, Any]] | None = None
@@ -355,21 +356,27 @@ class Session:
             return state is not None and state["stage"] is OptState.UNSCALED
         return any(s["stage"] is OptState.UNSCALED for s in states.values())
 
-    def _clip_before(self, args: tuple, kwargs: dict) -> bool:
+    # clip_grad_norm_'s arguments arrive bound (patches.CLIP_GRAD_NORM): `parameters` is a list
+    def _clip_before(self, args: tuple, kwargs: dict) -> bool | None:
+        """Whether the grads were unscaled; None when the call clips no parameter of this
+        model (another model in the process: a discriminator, an EMA copy)."""
+        self._clipping_ours = self.live and not self._param_ids.isdisjoint(
+            map(id, kwargs["parameters"]))
+        if not self._clipping_ours:
+            return None
         unscaled = self._grads_unscaled()
-        if self.live:
-            if unscaled and patches.CLIP_GRAD_NORM._replace != self._clip_replace:
-                self._take_grads()
-            self.dispatch("on_clip_begin", unscaled)
+        if unscaled and patches.CLIP_GRAD_NORM._replace != self._clip_replace:
+            self._take_grads()
+        self.dispatch("on_clip_begin", unscaled)
         return unscaled
 
     def _clip_replace(self, original: Callable, args: tuple, kwargs: dict) -> Any:
         """Run `clip_grad_norm_` ourselves so its one norm pass also gives the per-layer
         norms (bitwise the same total and clipping); otherwise snapshot first, then run
         the original on the same arguments."""
-        if not self.live or self._grads_taken or not self._grads_unscaled():
+        if not self._clipping_ours or self._grads_taken or not self._grads_unscaled():
             return patches.NOT_HANDLED
-        arguments = grad_clip.bind(original, args, kwargs)  # user errors raise as usual
+        arguments = kwargs
         present = self._present()
         try:
             prepared = grad_clip.prepare(arguments, [self.params[i] for i in present])
@@ -383,9 +390,8 @@ class Session:
         return prepared.apply()
 
     def _clip_after(self, result: Any, args: tuple, kwargs: dict, unscaled: Any) -> None:
-        if self.live:
-            max_norm = args[1] if len(args) > 1 else kwargs.get("max_norm")
-            self.dispatch("on_clip_end", result, max_norm, bool(unscaled))
+        if unscaled is not None and self.live:
+            self.dispatch("on_clip_end", result, kwargs["max_norm"], unscaled)
 
     def _scheduler_before(self, args: tuple, kwargs: dict) -> None:
         scheduler = args[0]

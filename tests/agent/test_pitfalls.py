@@ -27,6 +27,26 @@ def test_clip_before_unscale_is_flagged(attach, offline: Path) -> None:
     assert steps[0]["grad_norm_clipped"] is None and steps[2]["grad_norm_clipped"] is not None
 
 
+def test_another_models_clip_is_not_the_watched_loops(attach, offline: Path) -> None:
+    """A second model in the process (a discriminator, an EMA, a plain copy) clipping
+    its own grads says nothing about the watched loop: no pitfall, and the watched
+    step's clipped norm is its own clip's."""
+    model, other = mlp(), mlp(seed=1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    other_optimizer = torch.optim.SGD(other.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    attachment = attach(model, scaler)
+    for x, y in batches(3):
+        nn.functional.mse_loss(other(x), y).backward()
+        nn.utils.clip_grad_norm_(other.parameters(), 1e-3)
+        other_optimizer.step()
+        other_optimizer.zero_grad()
+        fp16_loop(model, optimizer, scaler, [(x, y)], clip=1e9)
+    steps = _steps(attachment, offline)
+    assert [s["clip_before_unscale"] for s in steps] == [False, False, False]
+    assert all(s["grad_norm_clipped"] == s["grad_norm"] for s in steps)  # max_norm 1e9
+
+
 def test_scheduler_steps_and_updates_since_previous_step(attach, offline: Path) -> None:
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
