@@ -170,6 +170,8 @@ class ActivationCollector(Collector):
         self.order: list[int] = []
         self._hooks: list[Any] = []  # post hooks: every step
         self._sampled = False  # whether this step's forward is sampled (pre hooks are on)
+        self._host_checks = False  # an unsampled step on the CPU: the hooks' fast path
+        self._observed = False  # a fast-path hook ran this step (it records only inf/NaN)
         # the last sum-checked output, its version and verdict (attributes, not a tuple:
         # the hot path allocates as little as it can, every allocation brings the GC nearer)
         self._seen: torch.Tensor | None = None
@@ -215,6 +217,7 @@ class ActivationCollector(Collector):
 
     def _set_sampling(self, on: bool) -> None:
         self._sampled = on
+        self._host_checks = self.session.host_reduce and not on
         if not on:
             for handle in self._pre_hooks:
                 handle.remove()
@@ -250,7 +253,6 @@ class ActivationCollector(Collector):
         mark = session.clock.mark
         starts = self._starts
         aminmax = torch.aminmax
-        host_check = session.host_reduce
         preserves_finite = type(session.layers[index].module) in FINITE_PRESERVING
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
@@ -259,25 +261,25 @@ class ActivationCollector(Collector):
             try:
                 if not session.in_training_forward:
                     return
+                tensor = output if type(output) is torch.Tensor else first_float_tensor(output)
+                if self._host_checks and tensor is not None:
+                    dtype = tensor.dtype
+                    # finite_check reads a value: CPU tensors only, so no device to wait for
+                    if dtype in SUM_CHECKED and tensor.is_cpu:
+                        try:
+                            version = tensor._version
+                        except RuntimeError:  # an inference tensor: no version counter
+                            version = None
+                        if version is not None:
+                            source = args[0] if preserves_finite and args else None
+                            self._check_on_host(index, tensor, version, dtype, source)
+                            return
                 start = starts.pop(index, None) if starts else None
                 end = None if start is None else mark()
-                tensor = first_float_tensor(output)
                 if tensor is None:
                     self._calls.append((index, None, None, start, end))
                 elif tensor.numel() == 0:
                     self._calls.append((index, tensor.dtype, None, start, end))
-                # finite_check reads a value: CPU tensors only, so there is no device to wait for
-                elif (host_check and not self._sampled and tensor.dtype in SUM_CHECKED
-                      and tensor.is_cpu and not tensor.is_inference()):
-                    # a block returning its last layer's output, unchanged: same verdict
-                    if tensor is not self._seen or self._seen_version != tensor._version:
-                        seen = self._seen
-                        if not (preserves_finite and self._seen_stats is FINITE and args
-                                and seen is not None and args[0] is seen
-                                and seen._version == self._seen_version):
-                            self._seen_stats = finite_check(tensor.detach())
-                        self._seen, self._seen_version = tensor, tensor._version
-                    self._calls.append((index, tensor.dtype, self._seen_stats, start, end))
                 else:
                     self._calls.append((index, tensor.dtype, aminmax(tensor.detach()),
                                         start, end))
@@ -285,17 +287,37 @@ class ActivationCollector(Collector):
                 guard.report("activations.post", exc)
         return hook
 
+    def _check_on_host(self, index: int, tensor: torch.Tensor, version: int,
+                       dtype: torch.dtype, source: Any) -> None:
+        """An unsampled CPU step's verdict on one output, recorded only when not finite
+        (`source`: the input of an elementwise finite-preserving layer, else None).
+        The last verdict is reused for that same output unchanged (a block returning
+        its last layer's), and for such a layer applied to it unchanged when its sum was
+        finite (huge finite values can still overflow, GELU's among them)."""
+        seen = self._seen
+        if seen is not None and seen._version == self._seen_version and (
+                tensor is seen or (source is seen and self._seen_stats is FINITE)):
+            stats = self._seen_stats
+        else:
+            stats = finite_check(tensor.detach())
+        self._seen, self._seen_version, self._seen_stats = tensor, version, stats
+        self._observed = True
+        if stats is not FINITE:
+            self._calls.append((index, dtype, stats, None, None))
+
     def seal(self) -> Any:
-        sealed = (self.sampling, self._calls, dict(self._tokens) if self._tokens else None)
+        sealed = (self.sampling, self._calls, dict(self._tokens) if self._tokens else None,
+                  self._observed)
         self._calls = []
+        self._observed = False
         self._seen = None
         self._starts.clear()
         self._tokens.clear()
         return sealed
 
     def close(self, sealed: Any) -> Any:
-        sampled, calls, tokens = sealed
-        if not calls:
+        sampled, calls, tokens, observed = sealed
+        if not calls and not observed:
             return None
         host_reduce = self.session.host_reduce
         if host_reduce and not sampled:  # the worker reads the calls; nothing to plan
