@@ -12,11 +12,9 @@ the buffer with about a dozen device ops whatever the number of layers or calls 
 by output dtype, a layer called several times keeps its largest value). On the CPU
 (`session.host_reduce`) both reductions are left to the worker, which reads the (min,
 max) pairs themselves, and on unsampled steps a bf16 or float32 output is checked by its
-sum instead (read in the hook; an inf/NaN sum is confirmed by aminmax, so a finite sum
-that overflowed is no false flag), and an output needs no sum when it is the unchanged
-output just checked (a block returning its last layer's) or an elementwise activation of
-it (`FINITE_PRESERVING`). The dtype each layer computed in and its forward time are
-worked out from the calls on the worker thread.
+sum instead, read in the hook, and only outputs that held inf/NaN are recorded (see
+finite_checks.py: which outputs need no sum of their own). The dtype each layer computed
+in and its forward time are worked out from the calls on the worker thread.
 Does not synchronise the device.
 
 The first sampled training forward gives the forward order, and each Linear-like layer's
@@ -34,14 +32,17 @@ import torch
 
 from ampwatch.agent import guard
 from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.collectors.finite_checks import (
+    FINITE_PRESERVING,
+    SUM_CHECKED,
+    Call,
+    HostChecks,
+    first_nonfinite_call,
+)
 from ampwatch.agent.layers import dtype_name
 from ampwatch.client.wire import encode_array
 
 compiling = torch.compiler.is_compiling  # traced hooks return at once: no graph break
-
-# one hooked call: (layer index, output dtype or None, aminmax or None, start, end)
-Call = tuple[int, torch.dtype | None, Any, Any, Any]
-
 
 def first_float_tensor(output: Any) -> torch.Tensor | None:
     if isinstance(output, torch.Tensor):
@@ -61,42 +62,7 @@ def largest(*values: float) -> float:
     return math.nan if any(v != v for v in values) else max(values)
 
 
-# CPU, unsampled steps: whether an output is finite, from its sum (2-5x cheaper than
-# aminmax in bf16 and float32); fp16 sums overflow too often to gain (aminmax is used)
-SUM_CHECKED = frozenset({torch.bfloat16, torch.float32})
-FINITE = (0.0, 0.0)
-
-
-# Elementwise functions that map finite inputs to finite outputs (|f(x)| <= |x| or
-# bounded), exact types only (a subclass may override forward): on the CPU between samples,
-# such a layer whose input is the output just checked finite needs no check of its own
-# (the MLP activation after its Linear, the largest output of a transformer block)
-FINITE_PRESERVING = frozenset({torch.nn.ReLU, torch.nn.ReLU6, torch.nn.GELU, torch.nn.SiLU,
-                               torch.nn.Mish, torch.nn.Tanh, torch.nn.Sigmoid,
-                               torch.nn.Hardtanh, torch.nn.Softmax})
-
-
-def finite_check(tensor: torch.Tensor) -> tuple[float, float]:
-    """Host tensors only (reads a value): FINITE when the sum is finite, which needs every
-    element finite; otherwise the exact (min, max), since a sum of finite values can
-    overflow."""
-    if math.isfinite(tensor.sum().item()):
-        return FINITE
-    low, high = torch.aminmax(tensor)
-    return low.item(), high.item()
-
-
 NO_CALL = 1 << 40  # the first-non-finite slot when every output was finite
-
-
-def first_nonfinite_call(calls: list[Call]) -> int | None:
-    """Host: the position of the first call whose (min, max) is not finite (worker)."""
-    for position, call in enumerate(calls):
-        stats = call[2]
-        if stats is not None and stats is not FINITE and not (
-                math.isfinite(float(stats[0])) and math.isfinite(float(stats[1]))):
-            return position
-    return None
 
 
 class AbsMaxPlan:
@@ -171,12 +137,7 @@ class ActivationCollector(Collector):
         self._hooks: list[Any] = []  # post hooks: every step
         self._sampled = False  # whether this step's forward is sampled (pre hooks are on)
         self._host_checks = False  # an unsampled step on the CPU: the hooks' fast path
-        self._observed = False  # a fast-path hook ran this step (it records only inf/NaN)
-        # the last sum-checked output, its version and verdict (attributes, not a tuple:
-        # the hot path allocates as little as it can, every allocation brings the GC nearer)
-        self._seen: torch.Tensor | None = None
-        self._seen_version = 0
-        self._seen_stats: tuple[float, float] = FINITE
+        self._host = HostChecks()  # the fast path's verdicts
         self._pre_hooks: list[Any] = []  # pre hooks: sampled steps only
         self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
         self._calls: list[Call] = []
@@ -209,7 +170,7 @@ class ActivationCollector(Collector):
             self._set_sampling(sample)
 
     def on_forward_end(self, training: bool, output: Any) -> None:
-        self._seen = None  # not kept alive through the backward
+        self._host.end_forward()
 
     def on_step_end(self, step: int, stepped: bool) -> None:
         if not stepped:
@@ -271,8 +232,8 @@ class ActivationCollector(Collector):
                         except RuntimeError:  # an inference tensor: no version counter
                             version = None
                         if version is not None:
-                            source = args[0] if preserves_finite and args else None
-                            self._check_on_host(index, tensor, version, dtype, source)
+                            self._host.check(index, args, tensor, version, dtype,
+                                             preserves_finite, self._calls)
                             return
                 start = starts.pop(index, None) if starts else None
                 end = None if start is None else mark()
@@ -287,30 +248,13 @@ class ActivationCollector(Collector):
                 guard.report("activations.post", exc)
         return hook
 
-    def _check_on_host(self, index: int, tensor: torch.Tensor, version: int,
-                       dtype: torch.dtype, source: Any) -> None:
-        """An unsampled CPU step's verdict on one output, recorded only when not finite
-        (`source`: the input of an elementwise finite-preserving layer, else None).
-        The last verdict is reused for that same output unchanged (a block returning
-        its last layer's), and for such a layer applied to it unchanged when its sum was
-        finite (huge finite values can still overflow, GELU's among them)."""
-        seen = self._seen
-        if seen is not None and seen._version == self._seen_version and (
-                tensor is seen or (source is seen and self._seen_stats is FINITE)):
-            stats = self._seen_stats
-        else:
-            stats = finite_check(tensor.detach())
-        self._seen, self._seen_version, self._seen_stats = tensor, version, stats
-        self._observed = True
-        if stats is not FINITE:
-            self._calls.append((index, dtype, stats, None, None))
-
     def seal(self) -> Any:
+        host = self._host
+        host.end_forward()
         sealed = (self.sampling, self._calls, dict(self._tokens) if self._tokens else None,
-                  self._observed)
+                  host.observed)
         self._calls = []
-        self._observed = False
-        self._seen = None
+        host.observed = False
         self._starts.clear()
         self._tokens.clear()
         return sealed

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from ampwatch.agent.collectors import activations
+from ampwatch.agent.collectors import finite_checks
 from ampwatch.agent.layers import discover_layers
 from tests.agent.factories import (
     TinyGPT,
@@ -315,8 +315,8 @@ def poisoned_steps(attach, offline: Path, model: nn.Module, monkeypatch: pytest.
         summed[step["i"]] = summed.get(step["i"], 0) + 1
         return check(tensor)
 
-    check = activations.finite_check
-    monkeypatch.setattr(activations, "finite_check", counted)
+    check = finite_checks.finite_check
+    monkeypatch.setattr(finite_checks, "finite_check", counted)
     first_bad: dict[int, int] = {}
 
     def reference(index: int, out: torch.Tensor) -> None:

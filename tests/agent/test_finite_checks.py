@@ -1,0 +1,91 @@
+"""Between samples on the CPU, the first offender at every position of a chain of layers,
+with the truth taken by replaying each batch through the Sequential's children before
+the step (agent/collectors/finite_checks.py)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from ampwatch.agent.collectors import finite_checks
+from tests.agent.factories import batches, spooled_steps
+
+
+def chain_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 32), nn.LayerNorm(32),
+                         nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def first_bad_child(model: nn.Sequential, x: torch.Tensor) -> int | None:
+    """The truth: the first child whose output holds inf/NaN, replaying the batch."""
+    with torch.no_grad():
+        for position, child in enumerate(model):
+            x = child(x)
+            if not bool(x.isfinite().all()):
+                return position
+    return None
+
+
+def poison(model: nn.Sequential, step: int) -> None:
+    """One fault per step, at every kind of position in the chain."""
+    with torch.no_grad():
+        if step == 2:
+            model[0].bias.fill_(math.inf)  # the first layer
+        elif step == 3:
+            model[2].weight[0, 0] = math.nan  # a layer in the middle
+        elif step == 4:
+            model[4].bias.fill_(-math.inf)  # absorbed by the ReLU: the loss stays finite
+        elif step == 5:
+            model[0].weight.zero_()  # huge finite outputs, whose sums overflow
+            model[0].bias.fill_(3e38)
+        elif step == 6:
+            model[6].bias[0] = math.nan  # the last layer
+
+
+def test_first_offender_at_every_position_of_a_chain(attach, offline: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unsampled fp32 CPU steps, one fault per step. On step 7 a pre-hook of layer 2
+    writes inf into its input, GELU's output, after GELU's hook ran: GELU was finite when
+    it ran, layer 2 is first. Healthy steps take one sum per output, but for the GELU and
+    the ReLU applied to outputs just found finite."""
+    model = chain_model()
+    sums: dict[int, int] = {}
+    step = {"i": 0}
+    check = finite_checks.finite_check
+
+    def counted(tensor: torch.Tensor) -> tuple[float, float]:
+        sums[step["i"]] = sums.get(step["i"], 0) + 1
+        return check(tensor)
+
+    def poison_input(module: nn.Module, args: tuple) -> None:
+        if step["i"] == 7:
+            args[0][0, 0] = math.inf
+
+    monkeypatch.setattr(finite_checks, "finite_check", counted)
+    model[2].register_forward_pre_hook(poison_input)
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    clean = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    truth: dict[int, int | None] = {}
+    for i, (x, y) in enumerate(batches(9)):
+        step["i"] = i
+        poison(model, i)
+        truth[i] = first_bad_child(model, x)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss.backward()
+        optimizer.zero_grad()  # the weights stay as the test sets them: each step alone
+        optimizer.step()
+        model.load_state_dict(clean)
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == truth
+    assert {i: f for i, f in truth.items() if f is not None and i != 5} == \
+        {2: 0, 3: 2, 4: 4, 6: 6, 7: 2}
+    assert truth[5] is not None  # the huge outputs overflow somewhere after layer 0
+    assert [s["forward_nonfinite"] for s in steps] == [truth[i] is not None for i in range(9)]
+    assert [sums.get(i) for i in (1, 8)] == [5, 5]
