@@ -31,7 +31,7 @@ import numpy as np
 import torch
 
 from ampwatch.agent import guard
-from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.collectors.finite_checks import (
     FINITE_PRESERVING,
     SUM_CHECKED,
@@ -138,7 +138,7 @@ class ActivationCollector(Collector):
         self._sampled = False  # whether this step's forward is sampled (pre hooks are on)
         self._host_checks = False  # an unsampled step on the CPU: the hooks' fast path
         self._host = HostChecks()  # the fast path's verdicts
-        self._pre_hooks: list[Any] = []  # pre hooks: sampled steps only
+        self._pre_hooks = SampledHooks(self._register_pre_hooks)  # sampled steps only
         self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
         self._calls: list[Call] = []
         self._starts: dict[int, Any] = {}  # the hooks hold these two dicts: kept, cleared
@@ -155,7 +155,7 @@ class ActivationCollector(Collector):
                        for layer in session.layers]
 
     def unbind(self) -> None:
-        self._set_sampling(False)
+        self._pre_hooks.remove()
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -166,8 +166,13 @@ class ActivationCollector(Collector):
 
     def on_next_step(self, step: int) -> None:
         sample = self.session.samples(step)
-        if sample != self.sampling:
-            self._set_sampling(sample)
+        if sample != self._sampled:
+            self._sampled = sample
+            self._host_checks = self.session.host_reduce and not sample
+            self._pre_hooks.want(sample)
+
+    def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
+        self._pre_hooks.ensure()
 
     def on_forward_end(self, training: bool, output: Any) -> None:
         self._host.end_forward()
@@ -176,16 +181,8 @@ class ActivationCollector(Collector):
         if not stepped:
             self.session.note_anomaly(step)
 
-    def _set_sampling(self, on: bool) -> None:
-        self._sampled = on
-        self._host_checks = self.session.host_reduce and not on
-        if not on:
-            for handle in self._pre_hooks:
-                handle.remove()
-            self._pre_hooks = []
-            return
-        self._pre_hooks = [module.register_forward_pre_hook(pre)
-                           for module, pre in self._pre_by_layer]
+    def _register_pre_hooks(self) -> list[Any]:
+        return [module.register_forward_pre_hook(pre) for module, pre in self._pre_by_layer]
 
     # the layer hooks run once or twice per layer per step: the guard is inlined, not a
     # wrapper, and they do as little as possible (the rest happens at close or on the worker)

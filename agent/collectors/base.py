@@ -8,6 +8,7 @@ on the worker thread, a step later. Adding a signal means adding one collector.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -87,3 +88,29 @@ class Collector:
 
 def overrides(collector: Collector, event: str) -> bool:
     return getattr(type(collector), event) is not getattr(Collector, event)
+
+
+class SampledHooks:
+    """Hooks that exist only on sampled steps: `want()` as each step is set up (the session's
+    `on_next_step`), `ensure()` as each forward begins. They go on as a sampled step's first
+    forward begins and come off as the next unsampled step is set up, so all their cost
+    falls on the sampled step itself, not on the step before it."""
+
+    def __init__(self, register: Callable[[], list[Any]]) -> None:
+        self._register = register  # registers the hooks; returns their handles
+        self._wanted = False
+        self._handles: list[Any] = []
+
+    def want(self, on: bool) -> None:
+        self._wanted = on
+        if not on:
+            self.remove()
+
+    def ensure(self) -> None:
+        if self._wanted and not self._handles:
+            self._handles = self._register()
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []

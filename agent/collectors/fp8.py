@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from ampwatch.agent import guard
-from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.fp8 import N_STATS, ROLES, STATS, Fp8Layer, cast_stats
 from ampwatch.client.wire import encode_array
 
@@ -40,7 +40,8 @@ class Fp8Collector(Collector):
             if layer.casting():
                 layers[layer.index].attrs.update(layer.attrs())
         self.slots = len(fp8_layers) * len(ROLES) * N_STATS
-        self._hooks: list[Any] = []
+        self._sampled = False
+        self._hooks = SampledHooks(self._register_hooks)  # sampled steps only
         self._stats: dict[tuple[int, int], torch.Tensor] = {}  # (fp8 position, role) -> 5
         self._flagged: set[tuple[int, str, int]] = set()  # worker: the last sample's flags
 
@@ -49,25 +50,27 @@ class Fp8Collector(Collector):
         self._missing = torch.zeros(N_STATS, dtype=torch.float32, device=session.device)
 
     def unbind(self) -> None:
-        self._set_sampling(False)
+        self._hooks.remove()
 
     @property
     def sampling(self) -> bool:
-        return bool(self._hooks)
+        return self._sampled
 
     def on_next_step(self, step: int) -> None:
         sample = self.session.samples(step)
-        if sample != self.sampling:
-            self._set_sampling(sample)
+        if sample != self._sampled:
+            self._sampled = sample
+            self._hooks.want(sample)
 
-    def _set_sampling(self, on: bool) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
-        if on:
-            for position, layer in enumerate(self.fp8_layers):
-                self._hooks.append(layer.module.register_forward_pre_hook(self._pre(position)))
-                self._hooks.append(layer.module.register_forward_hook(self._post(position)))
+    def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
+        self._hooks.ensure()
+
+    def _register_hooks(self) -> list[Any]:
+        handles = []
+        for position, layer in enumerate(self.fp8_layers):
+            handles.append(layer.module.register_forward_pre_hook(self._pre(position)))
+            handles.append(layer.module.register_forward_hook(self._post(position)))
+        return handles
 
     def _measure(self, position: int, role: str, tensor: Any) -> None:
         layer = self.fp8_layers[position]

@@ -95,6 +95,26 @@ def test_accumulated_calls_keep_each_layers_largest_value_and_nan(attach, offlin
     assert second["dtype"][0] == "mixed"
 
 
+def test_a_sampled_steps_hooks_cost_only_that_step(attach, offline: Path) -> None:
+    """The pre hooks of sampled step 10 go on as its forward begins and come off as step
+    11 is set up: step 9 registers nothing, and steps 11 on run without them."""
+    model = mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    attachment = attach(model, sample_every=10)
+    pre_hooks_seen: list[int] = []
+    model[0].register_forward_hook(
+        lambda m, a, out: pre_hooks_seen.append(len(m._forward_pre_hooks)))
+    data = batches(12)
+    bf16_loop(model, optimizer, data[:10])
+    assert [len(layer._forward_pre_hooks) for layer in model] == [0, 0, 0, 0]
+    bf16_loop(model, optimizer, data[10:])
+    assert pre_hooks_seen == [1] + [0] * 9 + [1, 0]
+    assert [len(layer._forward_pre_hooks) for layer in model] == [0, 0, 0, 0]
+    attachment.flush(5)
+    assert [s["step"] for s in spooled_steps(offline, attachment.run_id)
+            if "activations" in s] == [0, 10]
+
+
 def test_every_step_sampled_after_a_skipped_step(attach, offline: Path) -> None:
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
