@@ -34,6 +34,8 @@ class PreparedClip:
     error_if_nonfinite: bool
     foreach: bool | None
     with_grad: list[torch.Tensor]  # the params that have a grad, in the call's order
+    grads: list[torch.Tensor]  # their grads, same order
+    model_order: bool  # whether that order is the model's (its parameter order)
     norms: list[torch.Tensor]  # their grad norms, same order
     stacked: torch.Tensor  # the norms stacked as the total's pass stacked them
     in_param_order: bool  # whether `stacked` is in `with_grad` order (one device and dtype)
@@ -59,7 +61,7 @@ class PreparedClip:
 
 
 def _same(a: list, b: list) -> bool:
-    return len(a) == len(b) and all(map(operator.is_, a, b))
+    return a is b or (len(a) == len(b) and all(map(operator.is_, a, b)))
 
 
 def _arguments(parameters: Any, max_norm: float, norm_type: float = 2.0,
@@ -103,18 +105,25 @@ def bind(original: Callable, args: tuple, kwargs: dict) -> dict[str, Any]:
     return arguments
 
 
-def prepare(a: dict[str, Any], model_with_grad: list[torch.Tensor]) -> PreparedClip | None:
+def prepare(a: dict[str, Any], model_params: list[torch.Tensor],
+            model_with_grad: list[torch.Tensor]) -> PreparedClip | None:
     """Norms of the grads a `clip_grad_norm_` call (arguments from `bind`) would clip, or
     None when the call is not the plain case (another norm type, other parameters than
     the model's with grads, `model_with_grad`, or no grads): the caller then runs the
-    original."""
+    original. `model_params`: all the model's parameters, in order (the usual call clips
+    exactly those)."""
     if float(a["norm_type"]) != 2.0 or not isinstance(a["parameters"], list):
         return None
     params = a["parameters"]
-    with_grad = [p for p in params if p.grad is not None]
-    if not with_grad or not (_same(with_grad, model_with_grad) or (
-            len(with_grad) == len(model_with_grad)
-            and {id(p) for p in with_grad} == {id(p) for p in model_with_grad})):
+    if _same(params, model_params):
+        with_grad = model_with_grad
+    else:
+        with_grad = [p for p in params if p.grad is not None]
+        if not (_same(with_grad, model_with_grad) or (
+                len(with_grad) == len(model_with_grad)
+                and {id(p) for p in with_grad} == {id(p) for p in model_with_grad})):
+            return None
+    if not with_grad:
         return None
     grads = [p.grad for p in with_grad]
     foreach = a["foreach"]
@@ -137,5 +146,6 @@ def prepare(a: dict[str, Any], model_with_grad: list[torch.Tensor]) -> PreparedC
         stacked = torch.stack([n.to(first_device) for n in in_order])
         total = torch.linalg.vector_norm(stacked, 2.0)
     return PreparedClip(params, float(a["max_norm"]), total, bool(a["error_if_nonfinite"]),
-                        foreach, with_grad, norms, stacked,  # type: ignore[arg-type]
+                        foreach, with_grad, grads, _same(with_grad, model_with_grad),
+                        norms, stacked,  # type: ignore[arg-type]
                         in_param_order=_same(in_order, norms))

@@ -9,8 +9,10 @@ issues its one non-blocking host copy. No method here synchronises the device.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
+from itertools import compress, repeat
 from typing import Any
 
 import torch
@@ -28,6 +30,7 @@ from ampwatch.agent.layers import Layer
 _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
 _compiling = torch.compiler.is_compiling  # dynamo folds it to True while tracing a hook
+_GRAD = operator.attrgetter("grad")
 
 
 @dataclass
@@ -200,12 +203,15 @@ class Session:
             return
         self._grads_taken = True
         self.close_pending()
-        params = self.params
         if present is None:
             present = self._present()
-        with_grad = [params[i] for i in present]
+        if clip is not None and clip.model_order:  # the clip's lists, already built
+            with_grad, grads = clip.with_grad, clip.grads
+        else:
+            with_grad = [self.params[i] for i in present]
+            grads = [p.grad for p in with_grad]
         norms = None if clip is None else clip.norms_for(with_grad)
-        self.dispatch("on_grads", [p.grad for p in with_grad], present, divisor, norms)
+        self.dispatch("on_grads", grads, present, divisor, norms)
 
     @property
     def computes_in_fp16(self) -> bool:
@@ -216,7 +222,10 @@ class Session:
                 or self.training_autocast == "float16")
 
     def _present(self) -> tuple[int, ...]:
-        return tuple(i for i, p in enumerate(self.params) if p.grad is not None)
+        """The positions of the params that have a grad (iterated in C: once per step)."""
+        params = self.params
+        return tuple(compress(range(len(params)),
+                              map(operator.is_not, map(_GRAD, params), repeat(None))))
 
     def _step_begin(self) -> None:
         self.close_pending()
@@ -379,7 +388,8 @@ class Session:
         arguments = kwargs
         present = self._present()
         try:
-            prepared = grad_clip.prepare(arguments, [self.params[i] for i in present])
+            prepared = grad_clip.prepare(arguments, self.params,
+                                         [self.params[i] for i in present])
         except Exception as exc:  # noqa: BLE001
             guard.report("session.clip", exc)
             prepared = None
