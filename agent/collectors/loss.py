@@ -14,7 +14,8 @@ from ampwatch.agent.collectors.base import Collector
 
 
 class LossCollector(Collector):
-    """Keeps references to the loss tensors; sums them on the device at close."""
+    """Keeps references to the loss tensors; sums them on the device at close (on the CPU,
+    `session.host_reduce`, the worker sums them: no op on the training thread)."""
 
     name = "loss"
     slots = 1
@@ -45,11 +46,20 @@ class LossCollector(Collector):
 
     def close(self, sealed: Any) -> Any:
         if not sealed:
-            return False
-        total = sealed[0] if len(sealed) == 1 else torch.stack(
-            [t.float().reshape(()) for t in sealed]).sum()
-        self._slot.copy_(total)
+            return None
+        if self.session.host_reduce:
+            return sealed
+        self._slot.copy_(_total(sealed))
         return True
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
-        record["loss"] = float(host[0]) if meta else None
+        if meta is None:
+            record["loss"] = None
+        else:
+            record["loss"] = float(host[0]) if meta is True else float(_total(meta))
+
+
+def _total(losses: list[torch.Tensor]) -> torch.Tensor:
+    """A step's loss: its one loss, or the sum of its micro-batch losses in float32."""
+    return losses[0] if len(losses) == 1 else torch.stack(
+        [t.float().reshape(()) for t in losses]).sum()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+import torch
 
 from ampwatch.agent.collectors.base import Collector
 
@@ -12,15 +13,16 @@ from ampwatch.agent.collectors.base import Collector
 class ScalerCollector(Collector):
     """`loss_scale` is the scaler's scale tensor copied on the device when the step begins
     (nothing changes it before that step's `update()`); `scale_after` is copied right
-    after `update()`. Never calls `get_scale()`, which synchronises."""
+    after `update()`. Never calls `get_scale()`, which synchronises. A scale held in host
+    memory (a CPU scaler) is read as it is, a step's values travel in its meta."""
 
     name = "scaler"
     slots = 2
 
     def __init__(self) -> None:
         super().__init__()
-        self._before = False
-        self._after = False
+        self._before: float | bool | None = None
+        self._after: float | bool | None = None
 
     def bind(self, session: Any) -> None:
         super().bind(session)
@@ -32,27 +34,37 @@ class ScalerCollector(Collector):
             return None
         return getattr(scaler, "_scale", None)
 
+    def _take(self, scale: torch.Tensor, slot: torch.Tensor) -> float | bool:
+        """The scale's value (a host tensor: reading it waits for no device), or True once
+        it is copied into `slot` on the device."""
+        if scale.is_cpu:
+            return scale.item()
+        slot.copy_(scale)  # 1 element
+        return True
+
     def on_step_begin(self, step: int) -> None:
         scale = self._scale_tensor()
-        self._before = scale is not None
-        if scale is not None:
-            self._slot_before.copy_(scale)  # 1 element
+        self._before = None if scale is None else self._take(scale, self._slot_before)
 
     def seal(self) -> Any:
-        before, self._before = self._before, False
-        self._after = False
+        before, self._before = self._before, None
+        self._after = None
         return before
 
     def on_update_end(self, closing: bool) -> None:
         scale = self._scale_tensor()
         if closing and scale is not None:
-            self._slot_after.copy_(scale)
-            self._after = True
+            self._after = self._take(scale, self._slot_after)
 
     def close(self, sealed: Any) -> Any:
-        after, self._after = self._after, False
-        return {"before": bool(sealed), "after": after}
+        after, self._after = self._after, None
+        return {"before": sealed, "after": after}
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
-        record["loss_scale"] = float(host[0]) if meta["before"] else None
-        record["scale_after"] = float(host[1]) if meta["after"] else None
+        record["loss_scale"] = _value(meta["before"], host[0])
+        record["scale_after"] = _value(meta["after"], host[1])
+
+
+def _value(taken: float | bool | None, slot: float) -> float | None:
+    """A value from `ScalerCollector._take` (None: not taken; True: in the slot)."""
+    return None if taken is None else float(slot) if taken is True else taken
