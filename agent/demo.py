@@ -74,7 +74,8 @@ def default_database_url() -> str:
 
 class ServerProcess:
     """`ampwatch serve` in a child process (its own session, so Ctrl-C reaches only the
-    demo, which then stops it by PID)."""
+    demo, which then stops it by PID; a demo killed outright leaves no server behind: it
+    exits with its parent)."""
 
     def __init__(self, port: int, database_url: str, log_path: Path,
                  env: dict[str, str] | None = None) -> None:
@@ -91,7 +92,7 @@ class ServerProcess:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "ampwatch.client.cli", "serve", "--host", "127.0.0.1",
                  "--port", str(self.port), "--database-url", self.database_url,
-                 "--log-level", "warning"],
+                 "--log-level", "warning", "--exit-with-parent"],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                 env=self.env, start_new_session=True)
         deadline = time.monotonic() + START_TIMEOUT_S

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
+import signal
 import sys
+import threading
+import time
 from collections.abc import Iterator
 
 from pydantic import ValidationError
@@ -26,6 +30,8 @@ def register(commands: argparse._SubParsersAction) -> None:
     serve.add_argument("--log-level", default="info",
                        choices=["critical", "error", "warning", "info", "debug"],
                        help="uvicorn's log level (default %(default)s)")
+    # `ampwatch demo` starts its server with this: a demo killed by SIGKILL cannot stop it
+    serve.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
 
     db = commands.add_parser("db", help="database schema commands",
@@ -71,9 +77,23 @@ def _serve(args: argparse.Namespace) -> int:
     # top of the requests the app itself admits (GuardMiddleware)
     options = uvicorn_options(settings.header_timeout_s,
                               max_connections=settings.max_concurrent_requests * 8 + 64)
+    if args.exit_with_parent:
+        _exit_when_orphaned(os.getppid())
     uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
                 **options)
     return 0
+
+
+def _exit_when_orphaned(parent: int, poll_s: float = 1.0) -> None:
+    """Shut this server down cleanly (SIGTERM to itself, which uvicorn handles) once the
+    process `parent` is gone: the parent PID changes when it dies. Checks every `poll_s`
+    on a daemon thread."""
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="ampwatch-parent-watch", daemon=True).start()
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:

@@ -4,9 +4,12 @@ server, trains on the CPU), then its database reopened with `ampwatch serve`."""
 from __future__ import annotations
 
 import os
+import select
+import signal
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -127,3 +130,48 @@ def test_a_rerun_keeps_the_earlier_runs_and_adds_new_ones(demo, reopened: Client
     assert {k: v for k, v in after.items() if k in before} == before  # untouched
     assert set(after) - set(before) == {f"{run_id}-2" for run_id in before}
     assert all(after[f"{run_id}-2"] == STEPS - 1 for run_id in before)
+
+
+def _running(pid: int) -> bool:
+    """Whether `pid` is alive (a zombie nobody reaped yet counts as gone)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="reads process states from /proc")
+def test_a_demo_killed_outright_leaves_no_server_behind(tmp_path: Path) -> None:
+    """The process that started the demo's server is SIGKILLed (no chance to stop the
+    server itself): the server notices and shuts down on its own."""
+    script = (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from ampwatch.agent.demo import ServerProcess\n"
+        f"server = ServerProcess({free_port()}, 'sqlite:///{tmp_path}/demo.db', "
+        f"Path('{tmp_path}/server.log'))\n"
+        "server.start()\n"
+        "print(server.process.pid, flush=True)\n"
+        "time.sleep(600)\n")
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE,
+                              text=True)
+    server_pid = None
+    try:
+        ready, _, _ = select.select([parent.stdout], [], [], 60)
+        assert ready, "the server did not start within 60 s"
+        server_pid = int(parent.stdout.readline())
+        assert _running(server_pid)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while _running(server_pid) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _running(server_pid)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+        parent.stdout.close()
+        if server_pid is not None and _running(server_pid):
+            os.kill(server_pid, signal.SIGKILL)
