@@ -221,7 +221,7 @@ class ActivationCollector(Collector):
                     return
                 tensor = output if type(output) is torch.Tensor else first_float_tensor(output)
                 if self._host_checks and tensor is not None:
-                    dtype = tensor.dtype
+                    dtype = tensor.dtype  # SUM_CHECKED holds floating dtypes only
                     # finite_check reads a value: CPU tensors only, so no device to wait for
                     if dtype in SUM_CHECKED and tensor.is_cpu:
                         try:
@@ -234,7 +234,7 @@ class ActivationCollector(Collector):
                             return
                 start = starts.pop(index, None) if starts else None
                 end = None if start is None else mark()
-                if tensor is None:
+                if tensor is None or not tensor.is_floating_point():
                     self._calls.append((index, None, None, start, end))
                 elif tensor.numel() == 0:
                     self._calls.append((index, tensor.dtype, None, start, end))

@@ -115,6 +115,38 @@ def test_a_sampled_steps_hooks_cost_only_that_step(attach, offline: Path) -> Non
             if "activations" in s] == [0, 10]
 
 
+class Pick(nn.Module):
+    """A leaf layer whose output is integer indices."""
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        return h.argmax(dim=1, keepdim=True)
+
+
+class PickedLinear(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc, self.pick = nn.Linear(16, 4), Pick()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.fc(x)
+        return h.gather(1, self.pick(h)).expand(-1, 4)
+
+
+def test_a_layer_with_an_integer_output_has_no_statistics(attach, offline: Path) -> None:
+    """Only floating outputs are checked and measured: an integer output is not."""
+    torch.manual_seed(0)
+    model = PickedLinear()
+    assert [layer.name for layer in discover_layers(model)] == ["fc", "pick"]
+    attachment = attach(model, sample_every=2)
+    bf16_loop(model, torch.optim.SGD(model.parameters(), lr=0.01), batches(3))
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert [s["first_nonfinite_layer"] for s in steps] == [None, None, None]
+    for sampled in (steps[0], steps[2]):
+        assert sampled["activations"]["absmax"][1] is None
+        assert sampled["activations"]["dtype"] == ["bfloat16", None]
+
+
 def test_every_step_sampled_after_a_skipped_step(attach, offline: Path) -> None:
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
