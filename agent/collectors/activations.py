@@ -166,9 +166,9 @@ class ActivationCollector(Collector):
 
     def on_next_step(self, step: int) -> None:
         sample = self.session.samples(step)
+        self._host_checks = self.session.host_reduce and not sample
         if sample != self._sampled:
             self._sampled = sample
-            self._host_checks = self.session.host_reduce and not sample
             self._pre_hooks.want(sample)
 
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:

@@ -89,3 +89,23 @@ def test_first_offender_at_every_position_of_a_chain(attach, offline: Path,
     assert truth[5] is not None  # the huge outputs overflow somewhere after layer 0
     assert [s["forward_nonfinite"] for s in steps] == [truth[i] is not None for i in range(9)]
     assert [sums.get(i) for i in (1, 8)] == [5, 5]
+
+
+def test_sampling_off_still_checks_by_sums(attach, offline: Path,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """With sampling off (sample_every=0) no step is ever sampled: the CPU checks every
+    output by its sum from the first step, not by aminmax."""
+    sums = []
+    check = finite_checks.finite_check
+    monkeypatch.setattr(finite_checks, "finite_check", lambda t: sums.append(1) or check(t))
+    model = chain_model()
+    attachment = attach(model, sample_every=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for x, y in batches(2):
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    attachment.flush(5)
+    assert len(sums) == 10  # 5 a step, as in the test above
+    assert [s["first_nonfinite_layer"] for s in spooled_steps(offline, attachment.run_id)] \
+        == [None, None]
