@@ -16,7 +16,6 @@ pulls towards 0). Device ops only; nothing synchronises the device.
 from __future__ import annotations
 
 import math
-from typing import Any
 
 import torch
 from torch import nn

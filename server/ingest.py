@@ -15,6 +15,7 @@ from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
 from ampwatch.server.analysis.fp8 import on_fp8_ingest
 from ampwatch.server.analysis.service import layer_tables
+from ampwatch.server.analysis.spikes import on_spike_ingest
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
@@ -24,6 +25,7 @@ from ampwatch.server.restarts import restart_from, stored_last_step, supersede
 from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
 from ampwatch.server.series import COMPRESSED_FORMAT, FIELD_INDEX, concat
 from ampwatch.server.settings import Settings
+from ampwatch.server.spike_samples import spike_length_errors, store_spike_samples
 from ampwatch.server.storage import (
     clip_steps,
     new_batch_row,
@@ -62,8 +64,9 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
         session.rollback()
         raise NotFound(f"no run with id {run_id!r}: register it with PUT /api/v1/runs/{run_id}")
     n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
-    errors = vector_length_errors(batch.steps, n_layers) + fp8_length_errors(batch.steps,
-                                                                             n_layers)
+    errors = (vector_length_errors(batch.steps, n_layers)
+              + fp8_length_errors(batch.steps, n_layers)
+              + spike_length_errors(batch.steps, n_layers))
     if errors:
         session.rollback()
         raise InvalidInput("; ".join(errors))
@@ -144,11 +147,16 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
         if on_analysed is not None and settings.analysis.enabled:
             on_analysed(time.perf_counter() - analysis_start)
     stored_fp8 = store_fp8_samples(session, run_id, batch.rank, batch.steps, n_layers)
+    store_spike_samples(session, run_id, batch.rank, batch.steps, n_layers)
     last_step = int(series.steps[-1]) if len(series) else -1
     if stored_fp8 and (rank_last_step is None or last_step >= rank_last_step):
         run = session.get(Run, run_id)
         on_fp8_ingest(session, run, layer_tables.get(session, run), batch.rank, last_step,
                       settings.analysis)
+    if len(series) and (rank_last_step is None or last_step >= rank_last_step):
+        run = session.get(Run, run_id)
+        on_spike_ingest(session, run, layer_tables.get(session, run), batch.rank, last_step,
+                        settings.analysis)
     session.commit()
     return ack
 

@@ -11,7 +11,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.db import writing
 from ampwatch.server.errors import Conflict
-from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, utcnow
+from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, SpikeSample, utcnow
 from ampwatch.server.restarts import rebuild_summaries
 from ampwatch.server.runs import get_run, run_ranks
 from ampwatch.server.summaries import summarised_steps
@@ -32,6 +32,7 @@ def archive_run(session: Session, run_id: str) -> Run:
             _summarise_all_steps(session, rank_row)
         session.execute(delete(Batch).where(Batch.run_id == run_id))
         session.execute(delete(Fp8Sample).where(Fp8Sample.run_id == run_id))
+        session.execute(delete(SpikeSample).where(SpikeSample.run_id == run_id))
         run.archived_at = utcnow()
         session.commit()
         return run

@@ -23,6 +23,9 @@ FindingKind = Literal[
     "fp8_saturation",
     "fp8_stale_scale",
     "ranks",
+    "loss_spike",
+    "spike_precursor",
+    "optimizer_state",
 ]
 
 
