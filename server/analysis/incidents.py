@@ -15,6 +15,8 @@ from typing import Any
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.localize import fix_for_cause
+from ampwatch.server.analysis.spikes import KINDS as SPIKE_KINDS
+from ampwatch.server.analysis.spikes import spike_story
 
 # what a finding says happened, in the order a root cause plays out
 STAGES = {
@@ -85,6 +87,8 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
         return "forward_overflow", layer
     if kind == "misaligned_layer":  # one fix for all of them: pad to the table's sizes
         return "misaligned", "-"
+    if kind in SPIKE_KINDS and evidence.get("spike_step") is not None:  # one per spike
+        return "loss_spike", f"step {evidence['spike_step']}"
     if kind in ("nonfinite", "scaler_divergence", "ranks") and evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
@@ -138,6 +142,9 @@ def _incident(members: list[Any]) -> Incident:
                               severity=_get(f, "severity")) for f in members]
     if cause is not None and cause[0] == "misaligned":
         layer, headline, fix, timeline = _misaligned(members)
+    elif cause is not None and cause[0] == "loss_spike":
+        layer, headline, fix = spike_story([(_get(f, "kind"), _get(f, "layer"),
+                                             _get(f, "evidence") or {}) for f in members])
     elif cause is not None:
         headline = HEADLINES.get(cause[0], "Steps went inf/NaN").format(layer=layer)
         # the remedy after "what happened: " (the headline already says what happened)

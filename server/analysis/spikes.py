@@ -215,3 +215,20 @@ def on_spike_ingest(session: Session, run: Run, table: LayerTable, rank: int, la
     since = int(series.steps[0]) if len(series) else None
     change = apply_detections(session, run.id, rank, [detection], settings, since=since)
     update_run_health(session, run, change)
+
+
+def spike_story(members: list[tuple[str, str | None, dict[str, Any]]]
+                ) -> tuple[str | None, str, str]:
+    """(layer, headline, fix) of the incident of one spike, from its findings' (kind,
+    layer, evidence)."""
+    spike = next(((layer, ev) for kind, layer, ev in members if kind == "loss_spike"), None)
+    if spike is None:  # its spike has left the window the findings were read in
+        layer, evidence = members[0][1], members[0][2]
+        return layer, f"Loss spike at step {evidence.get('spike_step')}", str(
+            evidence.get("fix", ""))
+    layer, evidence = spike
+    label = str(evidence.get("label", "unknown"))
+    where = f" in {layer!r}" if layer else ""
+    headline = f"Loss spike at step {evidence.get('spike_step')}: {CAUSE_WORDS.get(label, label)}"
+    fix = FIXES.get(label, "")
+    return layer, headline + where, fix[0].upper() + fix[1:] + "." if fix else ""
