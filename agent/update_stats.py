@@ -6,7 +6,7 @@ while their gradient was not zero.
 
 The update is rebuilt from the state, never from a copy of the weights:
 - Adam, AdamW (and subclasses keeping `exp_avg`/`exp_avg_sq`): `lr * m_hat / (sqrt(v_hat) +
-  eps)`, plus `lr * weight_decay * w` when the decay is decoupled (AdamW), with the bias
+  eps)`, plus `lr * weight_decay * w_before` when the decay is decoupled (AdamW), with the bias
   corrections of the state's step count (the `max_exp_avg_sq` under amsgrad);
 - SGD: `lr * momentum_buffer` (Nesterov: `lr * (g + momentum * buffer)`), or `lr * g` without
   momentum, the weight decay folded in as SGD does;
@@ -20,8 +20,9 @@ can differ from the true answer only at a binade edge.
 
 Shares are over the elements whose gradient is not zero (an unused embedding row has
 zero gradient and zero moments: it is neither eps-dominated nor underflowed). Everything
-is device ops on the optimizer's tensors: nothing here synchronises the device; a step
-count or learning rate held in a CPU tensor is read on the host (no device involved).
+is tensor ops on the optimizer's tensors (a step count or learning rate held in a tensor
+stays one: a 0-d CPU tensor combines with device tensors without a copy back): nothing
+here synchronises the device.
 """
 
 from __future__ import annotations
@@ -45,13 +46,6 @@ def kind_of(optimizer: Any) -> str | None:
     return None
 
 
-def _host_number(value: Any) -> Any:
-    """A CPU tensor or number as a float (no device is involved); a device tensor stays."""
-    if isinstance(value, torch.Tensor) and value.device.type != "cpu":
-        return value
-    return float(value)
-
-
 def _decoupled(optimizer: Any, group: dict) -> bool:
     return isinstance(optimizer, torch.optim.AdamW) or bool(
         group.get("decoupled_weight_decay", False))
@@ -62,21 +56,23 @@ def _adam_update(optimizer: Any, group: dict, p: torch.Tensor, state: dict,
     """(update, eps-dominated mask, zero second moment mask) of one Adam parameter."""
     beta1, beta2 = group["betas"]
     eps = group["eps"]
-    lr = _host_number(group["lr"])
-    step = _host_number(state["step"])
+    lr = group["lr"]
+    step = state["step"]
     v = state["max_exp_avg_sq"] if group.get("amsgrad") else state["exp_avg_sq"]
-    bias1 = 1 - _host_number(beta1) ** step
-    bias2 = 1 - _host_number(beta2) ** step
+    bias1 = 1 - beta1 ** step
+    bias2 = 1 - beta2 ** step
     root = (v.float() / bias2).sqrt()
     update = state["exp_avg"].float() / bias1 / (root + eps) * lr
     weight_decay = group.get("weight_decay", 0.0)
     if weight_decay and _decoupled(optimizer, group):
-        update = update + p.detach().float() * (lr * weight_decay)
+        # the step was w_new = w_old * (1 - lr * wd) - update: the decay is of w_old
+        decay = lr * weight_decay
+        update = update + (p.detach().float() + update) * (decay / (1 - decay))
     return update, root < eps, state["exp_avg_sq"] == 0
 
 
 def _sgd_update(group: dict, p: torch.Tensor, state: dict, grad: torch.Tensor) -> torch.Tensor:
-    lr = _host_number(group["lr"])
+    lr = group["lr"]
     buffer = state.get("momentum_buffer")
     momentum = group.get("momentum", 0.0)
     if momentum and buffer is not None:
