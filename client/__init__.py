@@ -36,6 +36,7 @@ from ampwatch.client.models import (
     RankTotals,
     Records,
     Run,
+    Spike,
     Step,
 )
 
@@ -68,5 +69,6 @@ __all__ = [
     "RankTotals",
     "Records",
     "Run",
+    "Spike",
     "Step",
 ]

@@ -23,11 +23,14 @@ from ampwatch.client.models import (
     LayerSeries,
     Records,
     Run,
+    Spike,
     Step,
 )
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
-MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms"]
+MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms", "update_ratio",
+                       "update_lost", "adam_eps_share", "adam_v_zero_share",
+                       "attn_max_logit", "logit_absmax", "logit_lse"]
 
 
 def _segment(run_id: str) -> str:
@@ -228,6 +231,13 @@ class Client:
         path = f"/runs/{_segment(run_id)}/findings" if run_id is not None else "/findings"
         return Records(self._pages(path, Finding, self.FINDINGS_PAGE, limit,
                                    kind=kind, severity=severity, status=status), of=Finding)
+
+    def spikes(self, run_id: str, *, rank: int | None = None) -> Records[Spike]:
+        """A run's loss spikes in step order, each with its likely cause (the `loss_spike`
+        findings, open and resolved, read as `Spike`s); of one rank when given."""
+        found = [Spike.of(f) for f in self.findings(run_id, kind="loss_spike")
+                 if rank is None or f.rank == rank]
+        return Records(sorted(found, key=lambda spike: spike.step), of=Spike)
 
     def incidents(self, run_id: str, *, status: str | None = None,
                   severity: str | None = None) -> Records[Incident]:

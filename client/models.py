@@ -289,6 +289,39 @@ class Finding(Model):
 
 
 @dataclasses.dataclass(frozen=True)
+class Spike(Model):
+    """A loss spike the server found (a `loss_spike` finding): its first and last step,
+    peak, the median it rose from, its likely cause (`label`) with the layer, the first
+    step of the precursor and the lead time it gave, and the fix (docs/spikes.md)."""
+
+    finding: int
+    step: int
+    end_step: int | None = None
+    peak: float | None = None
+    median: float | None = None
+    ratio: float | None = None
+    label: str = "unknown"
+    layer: str | None = None
+    precursor_step: int | None = None
+    lead_steps: int | None = None
+    recovered_at: int | None = None
+    fix: str | None = None
+    incident: int | None = None
+
+    @classmethod
+    def of(cls, finding: Finding) -> Spike:
+        evidence = finding.evidence
+        return cls(finding=finding.id, step=finding.step if finding.step is not None else -1,
+                   end_step=evidence.get("end_step"), peak=evidence.get("peak"),
+                   median=evidence.get("median"), ratio=evidence.get("ratio"),
+                   label=finding.code or evidence.get("label") or "unknown",
+                   layer=finding.layer, precursor_step=evidence.get("precursor_step"),
+                   lead_steps=evidence.get("lead_steps"),
+                   recovered_at=evidence.get("recovered_at"), fix=evidence.get("fix"),
+                   incident=finding.incident)
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchAck(Model):
     """The server's receipt for one batch; `duplicate` when it already had it."""
 
