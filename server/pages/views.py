@@ -16,7 +16,7 @@ from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
-from ampwatch.server.pages import figures, heatmaps
+from ampwatch.server.pages import figures, heatmaps, spikes
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import ranks_panel
@@ -116,7 +116,7 @@ def overview_figures(twin: dict) -> dict[str, Figure]:
     charts = {
         "loss_scale": figures.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
-        "loss": figures.loss_figure(lines),
+        "loss": spikes.mark_spikes(figures.loss_figure(lines), twin["findings"]),
         "lr": figures.lr_figure(lines),
         "phases": figures.phase_times_figure(lines),
         "memory": figures.peak_memory_figure(lines),
@@ -164,6 +164,9 @@ def layers_twin(session: Session, settings: Settings, run_id: str, *, rank: int,
                                   buckets=BUCKETS, layers=indices, **steps.query()),
         "act_absmax": matrix_query(session, run, metric="act_absmax", rank=rank,
                                    buckets=BUCKETS, layers=indices, **steps.query()),
+        **{key: matrix_query(session, run, metric=metric, rank=rank, buckets=BUCKETS,
+                             layers=indices, **steps.query())
+           for key, (metric, _) in spikes.HEATMAPS.items()},
         "findings": findings,
     }
 
@@ -198,6 +201,7 @@ def layers_figures(twin: dict) -> dict[str, Figure]:
         "act_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
             acts, quantity="abs-max", offender=offender), span),
         "fwd_time": heatmaps.forward_time_figure(twin["layers"], twin["page"]["indices"]),
+        **spikes.spike_heatmaps(twin, span),
     }
 
 
