@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.client.wire import encode_float
 from ampwatch.server.codec import decode_column, encode_array
-from ampwatch.server.db import dialect_insert
+from ampwatch.server.db import dialect_insert, rows_by_step
 from ampwatch.server.models import SpikeSample
 from ampwatch.server.schemas import SpikesIn, StepIn
 
@@ -93,14 +93,7 @@ def _samples(session: Session, run_id: str, rank: int, start: int | None, end: i
         SpikeSample.run_id == run_id, SpikeSample.rank == rank)
     if end is not None:
         query = query.where(SpikeSample.step <= end)
-    after = None if start is None else start - 1
-    while True:
-        page = query if after is None else query.where(SpikeSample.step > after)
-        rows = session.execute(page.order_by(SpikeSample.step).limit(READ_ROWS)).all()
-        yield from rows
-        if len(rows) < READ_ROWS:
-            return
-        after = rows[-1].step
+    return rows_by_step(session, query, SpikeSample.step, start, READ_ROWS)
 
 
 def _fit(values: np.ndarray, n_layers: int) -> np.ndarray:

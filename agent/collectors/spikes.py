@@ -101,8 +101,9 @@ class SpikeCollector(Collector):
             self._hooks.want(sample)
 
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
-        self._stack.clear()  # a forward that raised left its layers on it
-        self._hooks.ensure()
+        if self._sampled:
+            self._stack.clear()  # a forward that raised left its layers on it
+            self._hooks.ensure()
 
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self) -> list[Any]:
@@ -204,13 +205,17 @@ class SpikeCollector(Collector):
         self._kind = kind
 
     def seal(self) -> Any:
-        sealed = (self._sampled, self._sums, self._kind, self._attn, self._head)
+        if not self._sampled:  # nothing was measured: the hooks are off
+            return None
+        sealed = (self._sums, self._kind, self._attn, self._head)
         self._sums, self._kind, self._attn, self._head = None, None, {}, None
         return sealed
 
     def close(self, sealed: Any) -> Any:
-        sampled, sums, kind, attn, head = sealed
-        if not sampled or (sums is None and not attn and head is None):
+        if sealed is None:
+            return None
+        sums, kind, attn, head = sealed
+        if sums is None and not attn and head is None:
             return None
         measured_rows = None
         if sums is not None:
