@@ -147,13 +147,15 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
         if on_analysed is not None and settings.analysis.enabled:
             on_analysed(time.perf_counter() - analysis_start)
     stored_fp8 = store_fp8_samples(session, run_id, batch.rank, batch.steps, n_layers)
-    store_spike_samples(session, run_id, batch.rank, batch.steps, n_layers)
+    stored_spikes = store_spike_samples(session, run_id, batch.rank, batch.steps, n_layers)
     last_step = int(series.steps[-1]) if len(series) else -1
     if stored_fp8 and (rank_last_step is None or last_step >= rank_last_step):
         run = session.get(Run, run_id)
         on_fp8_ingest(session, run, layer_tables.get(session, run), batch.rank, last_step,
                       settings.analysis)
-    if len(series) and (rank_last_step is None or last_step >= rank_last_step):
+    # spikes are judged on the loss: a batch without one (and no samples) changes nothing
+    if ((stored_spikes or series.has("loss").any())
+            and (rank_last_step is None or last_step >= rank_last_step)):
         run = session.get(Run, run_id)
         on_spike_ingest(session, run, layer_tables.get(session, run), batch.rank, last_step,
                         settings.analysis)
