@@ -49,12 +49,41 @@ class Spike:
         return self.end - self.start + 1
 
 
+def _row_medians(rows: np.ndarray) -> np.ndarray:
+    """np.median(rows, axis=1) by a sort: 100x faster on a strided window view."""
+    ordered = np.sort(rows, axis=1)
+    half = rows.shape[1] // 2
+    return (ordered[:, half] if rows.shape[1] % 2
+            else (ordered[:, half - 1] + ordered[:, half]) / 2)
+
+
+def _may_spike(loss: np.ndarray, reference: int, min_history: int, spread_factor: float,
+               min_rise: float) -> bool:
+    """Whether any loss could be a spike: the same test against the median and spread of
+    the `reference` losses before it, spikes included, at half the thresholds (a spike in
+    the reference moves a median little; halving covers it). Vectorised: on a healthy
+    window (nearly every batch) it is the only pass."""
+    if loss.size <= min_history:
+        return False
+    width = min(reference, loss.size - 1)
+    windows = np.lib.stride_tricks.sliding_window_view(loss[:-1], width)
+    later = loss[width:]
+    median = _row_medians(windows)
+    mad = MAD_TO_SIGMA * _row_medians(np.abs(windows - median[:, None]))
+    spread = np.maximum(np.maximum(mad, SPREAD_FLOOR * np.abs(median)), 1e-12)
+    over = ((later > median + spread_factor / 2 * spread)
+            & (later - median >= min_rise / 2 * np.abs(median)))
+    return bool(over.any())
+
+
 def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_history: int,
                 spread_factor: float, min_rise: float) -> list[Spike]:
     """Every spike of `loss` (per step, NaN where absent) in step order. A non-finite loss
     is not a spike here (the non-finite detector reports it)."""
     keep = np.isfinite(loss)
     steps, loss = steps[keep], loss[keep]
+    if not _may_spike(loss, reference, min_history, spread_factor, min_rise):
+        return []
     clean: list[float] = []  # losses outside spikes, most recent last
     spikes: list[Spike] = []
     i, n = 0, loss.size
