@@ -13,8 +13,6 @@ from sqlalchemy.orm import Session
 
 from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
-from ampwatch.server.analysis.fp8 import on_fp8_ingest
-from ampwatch.server.analysis.service import layer_tables
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
@@ -130,6 +128,7 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
     _note_finished(rank_row, batch, now)
     update_layer_stats(rank_row, series)
     fold_batch(session, run_id, batch.rank, series)
+    stored_fp8 = store_fp8_samples(session, run_id, batch.rank, batch.steps, n_layers)
     session.flush()
     # a batch holding only the detach's "finished" event has nothing to analyse (an empty
     # window would look like every condition had ended)
@@ -137,18 +136,12 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
         analysis_start = time.perf_counter()
         run = session.get(Run, run_id)
         analysis.on_ingest(session, run, batch.rank, series, settings.analysis,
-                           rank_last_step=rank_last_step)
+                           rank_last_step=rank_last_step, fp8=stored_fp8)
         through = _all_ranks_through(run, others, rank_last_step, rank_row.last_step)
         if through is not None:
             analysis.on_ranks_advanced(session, run, through, settings.analysis)
         if on_analysed is not None and settings.analysis.enabled:
             on_analysed(time.perf_counter() - analysis_start)
-    stored_fp8 = store_fp8_samples(session, run_id, batch.rank, batch.steps, n_layers)
-    last_step = int(series.steps[-1]) if len(series) else -1
-    if stored_fp8 and (rank_last_step is None or last_step >= rank_last_step):
-        run = session.get(Run, run_id)
-        on_fp8_ingest(session, run, layer_tables.get(session, run), batch.rank, last_step,
-                      settings.analysis)
     session.commit()
     return ack
 

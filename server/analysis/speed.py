@@ -6,12 +6,12 @@ from __future__ import annotations
 import math
 
 from ampwatch.client.wire import decode_tree
-from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.series import StepSeries
+from ampwatch.server.analysis.window import Window
 
-KIND = "speed"
+KIND = FindingKind.SPEED
 EVENT = "speed_check"
 
 
@@ -37,9 +37,10 @@ def verdict(speedup: float, settings: AnalysisSettings) -> tuple[str, str]:
     return "use_amp", "AMP pays off for this model: keep it"
 
 
-def detect_speed(series: StepSeries, run: RunContext, settings: AnalysisSettings) -> Detection:
+def detect_speed(window: Window, settings: AnalysisSettings) -> Detection:
     """The latest speed check in the window, as one finding per run and rank (a newer
     check replaces the verdict)."""
+    series = window.series
     checks = [e for e in series.events if e.get("kind") == EVENT]
     for event in reversed(checks):
         detail = decode_tree(event.get("detail") or {})
