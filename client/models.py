@@ -1,7 +1,7 @@
 """Typed results of the REST API: frozen dataclasses built from API v1 JSON.
 
 Non-finite floats arrive as "NaN"/"Infinity"/"-Infinity" and become real floats
-(client/wire.py); `None` always means missing. Fields the server adds later are ignored,
+(wire/floats.py); `None` always means missing. Fields the server adds later are ignored,
 so an older client keeps working against a newer server.
 """
 
@@ -15,7 +15,7 @@ from datetime import datetime
 from functools import cache
 from typing import Any, Self, TypeVar
 
-from ampwatch.client.wire import decode_float, decode_tree, encode_tree
+from ampwatch.wire import decode_float, decode_tree, encode_tree
 
 T = TypeVar("T")
 SEVERITIES = ("info", "warning", "critical")

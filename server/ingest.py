@@ -11,7 +11,6 @@ import numpy as np
 from sqlalchemy import select, update
 from sqlalchemy.orm import Session
 
-from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import dialect_insert, writing
@@ -30,8 +29,7 @@ from ampwatch.server.storage import (
     vector_length_errors,
 )
 from ampwatch.server.summaries import fold_batch
-
-FINISHED_EVENT = "finished"  # agent/attachment.py sends it on detach
+from ampwatch.wire import FINISHED_EVENT, encode_tree
 
 
 def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings, *,

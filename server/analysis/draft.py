@@ -11,8 +11,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ampwatch.client.wire import encode_tree
 from ampwatch.server.analysis.kinds import FindingKind
+from ampwatch.wire import encode_tree
 
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 
-from ampwatch.client.wire import decode_tree
 from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
+from ampwatch.wire import SPEED_CHECK_EVENT as EVENT
+from ampwatch.wire import decode_tree
 
 KIND = FindingKind.SPEED
-EVENT = "speed_check"
 
 
 def _speedup(detail: dict) -> float | None:
