@@ -1,5 +1,6 @@
 """Analysis: detectors that turn stored steps into findings (what is wrong, where, and how
-to fix it), run incrementally on ingest. See DESIGN.md "Analysis: what gets flagged".
+to fix it), run incrementally on ingest. See docs/architecture.md,
+"Finding kinds and detectors".
 
 Detectors are pure functions `detect_*(window, settings) -> Detection` (window.py), each
 registered with its inputs and finding kinds in `registry` (kinds: `kinds`); `service`

@@ -61,3 +61,12 @@ def test_openapi_lists_the_kinds_as_an_enum(api):
         assert f"`{kind}`" in kind_param["description"]
         assert api.get("/api/v1/findings", params={"kind": kind}).status_code == 200
     assert api.get("/api/v1/findings", params={"kind": "no_such_kind"}).status_code == 422
+
+
+def test_the_architecture_doc_names_every_kind():
+    """docs/architecture.md's table of kinds is the one a newcomer reads."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[3] / "docs" / "architecture.md").read_text()
+    missing = [kind for kind in FindingKind if f"`{kind}`" not in text]
+    assert not missing, f"docs/architecture.md does not name {missing}"
