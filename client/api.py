@@ -26,8 +26,8 @@ from ampwatch.client.models import (
     Spike,
     Step,
 )
+from ampwatch.wire import DEFAULT_SERVER
 
-DEFAULT_SERVER = "http://127.0.0.1:8000"
 MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms", "update_ratio",
                        "update_lost", "adam_eps_share", "adam_v_zero_share",
                        "attn_max_logit", "logit_absmax", "logit_lse"]
@@ -233,11 +233,11 @@ class Client:
                                    kind=kind, severity=severity, status=status), of=Finding)
 
     def spikes(self, run_id: str, *, rank: int | None = None) -> Records[Spike]:
-        """A run's loss spikes in step order, each with its likely cause (the `loss_spike`
-        findings, open and resolved, read as `Spike`s); of one rank when given."""
-        found = [Spike.of(f) for f in self.findings(run_id, kind="loss_spike")
-                 if rank is None or f.rank == rank]
-        return Records(sorted(found, key=lambda spike: spike.step), of=Spike)
+        """A run's loss spikes in step order (its `loss_spike` findings, open and
+        resolved, read as spikes), each with its likely cause; of one rank when given."""
+        body = self._request("GET", f"/runs/{_segment(run_id)}/spikes",
+                             params={"rank": rank})
+        return Records((Spike.from_json(item) for item in body["items"]), of=Spike)
 
     def incidents(self, run_id: str, *, status: str | None = None,
                   severity: str | None = None) -> Records[Incident]:

@@ -1,7 +1,7 @@
 """Typed results of the REST API: frozen dataclasses built from API v1 JSON.
 
 Non-finite floats arrive as "NaN"/"Infinity"/"-Infinity" and become real floats
-(client/wire.py); `None` always means missing. Fields the server adds later are ignored,
+(wire/floats.py); `None` always means missing. Fields the server adds later are ignored,
 so an older client keeps working against a newer server.
 """
 
@@ -15,7 +15,7 @@ from datetime import datetime
 from functools import cache
 from typing import Any, Self, TypeVar
 
-from ampwatch.client.wire import decode_float, decode_tree, encode_tree
+from ampwatch.wire import decode_float, decode_tree, encode_tree
 
 T = TypeVar("T")
 SEVERITIES = ("info", "warning", "critical")
@@ -67,6 +67,7 @@ class Health(Model):
     status: str
     version: str
     database: str
+    reason: str | None = None  # why the database is degraded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +181,13 @@ class Layer(Model):
 
 @dataclasses.dataclass(frozen=True)
 class LayerPoint(Model):
-    """One step of a layer: its grad norm, or (sampled steps) its activation stats."""
+    """One step of a layer: its grad norm, or (sampled steps) its activation stats. On a
+    zoomed-out read, one bucket of steps from `step`: `grad_norm` its largest (or
+    non-finite) grad norm, `grad_norm_min` its smallest."""
 
     step: int
     grad_norm: float | None = None
+    grad_norm_min: float | None = None
     act_absmax: float | None = None
     act_dtype: str | None = None
     act_time_ms: float | None = None
@@ -290,12 +294,14 @@ class Finding(Model):
 
 @dataclasses.dataclass(frozen=True)
 class Spike(Model):
-    """A loss spike the server found (a `loss_spike` finding): its first and last step,
-    peak, the median it rose from, its likely cause (`label`) with the layer, the first
-    step of the precursor and the lead time it gave, and the fix (docs/spikes.md)."""
+    """A loss spike the server found (a `loss_spike` finding, `finding` its id): its first
+    and last step, peak, the median it rose from, its likely cause (`label`) with the
+    layer, the first step of the precursor and the lead time it gave, the step the loss
+    came back (None: not yet), and the fix (docs/spikes.md)."""
 
     finding: int
     step: int
+    rank: int = 0
     end_step: int | None = None
     peak: float | None = None
     median: float | None = None
@@ -307,18 +313,6 @@ class Spike(Model):
     recovered_at: int | None = None
     fix: str | None = None
     incident: int | None = None
-
-    @classmethod
-    def of(cls, finding: Finding) -> Spike:
-        evidence = finding.evidence
-        return cls(finding=finding.id, step=finding.step if finding.step is not None else -1,
-                   end_step=evidence.get("end_step"), peak=evidence.get("peak"),
-                   median=evidence.get("median"), ratio=evidence.get("ratio"),
-                   label=finding.code or evidence.get("label") or "unknown",
-                   layer=finding.layer, precursor_step=evidence.get("precursor_step"),
-                   lead_steps=evidence.get("lead_steps"),
-                   recovered_at=evidence.get("recovered_at"), fix=evidence.get("fix"),
-                   incident=finding.incident)
 
 
 @dataclasses.dataclass(frozen=True)

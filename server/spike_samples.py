@@ -16,11 +16,11 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.client.wire import encode_float
 from ampwatch.server.codec import decode_column, encode_array
 from ampwatch.server.db import dialect_insert, rows_by_step
 from ampwatch.server.models import SpikeSample
 from ampwatch.server.schemas import SpikesIn, StepIn
+from ampwatch.wire import encode_float
 
 SIGNALS = tuple(SpikesIn.model_fields)  # storage order follows the wire schema
 READ_ROWS = 1000  # samples read per query: memory does not grow with the run

@@ -30,7 +30,7 @@ from ampwatch.agent.attention_logits import mha_max_logit, output_stats, sdpa_ma
 from ampwatch.agent.collectors.activations import first_float_tensor
 from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.update_stats import N_SUMS, SUMS, kind_of, param_sums
-from ampwatch.client.wire import encode_array
+from ampwatch.wire import encode_float_array
 
 SDPA = patches.GlobalPatch("scaled_dot_product_attention",
                            [(nn.functional, "scaled_dot_product_attention")])
@@ -278,4 +278,4 @@ def _per_layer(n: int, layers: np.ndarray, values: np.ndarray, valid: np.ndarray
     missing = np.ones(n, dtype=bool)
     full[layers[valid]] = values[valid]
     missing[layers[valid]] = False
-    return encode_array(full, missing=missing)
+    return encode_float_array(full, missing=missing)

@@ -57,8 +57,7 @@ def show_run(args: argparse.Namespace) -> int:
         run = client.run(args.run)
         findings = client.findings(run.id)
         incidents = client.incidents(run.id)
-    spikes = sorted((Spike.of(f) for f in findings if f.kind == "loss_spike"),
-                    key=lambda spike: spike.step)
+        spikes = client.spikes(run.id)
     if args.json:
         print_json({"run": run, "incidents": incidents, "findings": findings,
                     "spikes": spikes})

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS
 from ampwatch.server.analysis.localize import fix_for_cause
-from ampwatch.server.analysis.spikes import KINDS as SPIKE_KINDS
-from ampwatch.server.analysis.spikes import spike_story
+from ampwatch.server.analysis.spikes import SPIKE_CAUSE, spike_story
 
 # what a finding says happened, in the order a root cause plays out
 STAGES = {
@@ -81,15 +81,18 @@ def _get(finding: Any, name: str) -> Any:
 def root_cause(finding: Any) -> tuple[str, str] | None:
     """(cause, layer) that the finding is a symptom of; None when the data names none.
     An overflow risk is the early sign of the forward overflow of its layer."""
-    kind, layer = _get(finding, "kind"), _get(finding, "layer")
+    spec = KINDS.get(_get(finding, "kind"))
+    if spec is None or spec.cause is None:
+        return None
+    if not spec.per_layer:  # one fix for all of them (misaligned: pad to the table's sizes)
+        return spec.cause, "-"
+    layer = _get(finding, "layer")
+    if spec.cause != FROM_EVIDENCE:
+        return (spec.cause, layer) if layer else None
     evidence = _get(finding, "evidence") or {}
-    if kind == "overflow_risk" and layer:
-        return "forward_overflow", layer
-    if kind == "misaligned_layer":  # one fix for all of them: pad to the table's sizes
-        return "misaligned", "-"
-    if kind in SPIKE_KINDS and evidence.get("spike_step") is not None:  # one per spike
-        return "loss_spike", f"step {evidence['spike_step']}"
-    if kind in ("nonfinite", "scaler_divergence", "ranks") and evidence.get("cause"):
+    if evidence.get("cause") == SPIKE_CAUSE:  # one incident per spike, named by its step
+        return SPIKE_CAUSE, f"step {evidence.get('spike_step')}"
+    if evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
         if cause in ("forward_overflow", "absorbed_overflow", "grad_overflow") and not culprit:
@@ -142,7 +145,7 @@ def _incident(members: list[Any]) -> Incident:
                               severity=_get(f, "severity")) for f in members]
     if cause is not None and cause[0] == "misaligned":
         layer, headline, fix, timeline = _misaligned(members)
-    elif cause is not None and cause[0] == "loss_spike":
+    elif cause is not None and cause[0] == SPIKE_CAUSE:
         layer, headline, fix = spike_story([(_get(f, "kind"), _get(f, "layer"),
                                              _get(f, "evidence") or {}) for f in members])
     elif cause is not None:

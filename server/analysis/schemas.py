@@ -7,26 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.schemas import Severity, WireNumber
 
 FindingStatus = Literal["open", "resolved"]
-FindingKind = Literal[
-    "scaler_divergence",
-    "nonfinite",
-    "overflow_risk",
-    "underflow_risk",
-    "misaligned_layer",
-    "precision_map",
-    "pitfall",
-    "speed",
-    "fp8_underflow",
-    "fp8_saturation",
-    "fp8_stale_scale",
-    "ranks",
-    "loss_spike",
-    "spike_precursor",
-    "optimizer_state",
-]
 
 
 class FindingPublic(BaseModel):
@@ -34,7 +18,7 @@ class FindingPublic(BaseModel):
 
     id: int
     run_id: str
-    kind: str
+    kind: FindingKind
     code: str | None
     severity: Severity
     status: FindingStatus
@@ -114,3 +98,29 @@ class Fp8Public(BaseModel):
     saturated: list[list[WireNumber | None]]
     samples: int
     findings: list[FindingPublic]
+
+
+class SpikePublic(BaseModel):
+    """A loss spike (a `loss_spike` finding, read as a spike; docs/spikes.md): its first
+    and last step, peak, the median it rose from and the ratio, its likely cause
+    (`label`) with the layer, the precursor's first step and the lead time it gave, the
+    step the loss came back (null: not yet) and the fix."""
+
+    finding: int
+    rank: int
+    step: int
+    end_step: int | None
+    peak: WireNumber | None
+    median: WireNumber | None
+    ratio: WireNumber | None
+    label: str
+    layer: str | None
+    precursor_step: int | None
+    lead_steps: int | None
+    recovered_at: int | None
+    fix: str | None
+    incident: int | None
+
+
+class SpikesPublic(BaseModel):
+    items: list[SpikePublic]

@@ -15,20 +15,16 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
-from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.context import LayerTable, RunContext
+from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_causes import FIXES, LEVEL_FLOOR, Cause, label_spike
 from ampwatch.server.analysis.spike_finder import Spike, find_spikes
-from ampwatch.server.analysis.store import apply_detections, update_run_health
-from ampwatch.server.models import Run
-from ampwatch.server.series import StepSeries
-from ampwatch.server.spike_samples import SpikeWindow, load_spike_window
-from ampwatch.server.storage import load_series
+from ampwatch.server.analysis.window import Window
+from ampwatch.server.spike_samples import SpikeWindow
 
-KINDS = ("loss_spike", "spike_precursor", "optimizer_state")
+SPIKE_CAUSE = "loss_spike"  # evidence.cause of the findings of one spike (incidents.py)
 CAUSE_WORDS = {
     "attention_logit_growth": "attention logits grew",
     "output_logit_divergence": "the output logits diverged (log-partition drifting)",
@@ -40,9 +36,12 @@ CAUSE_WORDS = {
 }
 
 
-def detect_spikes(series: StepSeries, signals: SpikeWindow, run: RunContext,
-                  settings: AnalysisSettings) -> Detection:
-    """Every spike, precursor and optimizer-state finding of the window; pure."""
+def detect_spikes(window: Window, settings: AnalysisSettings) -> Detection:
+    """Every spike, precursor and optimizer-state finding of the window (its steps' loss
+    and grad norm, and `window.spikes`, the sampled signals over the same span); pure."""
+    series, run = window.series, window.run
+    signals = (window.spikes if window.spikes is not None
+               else SpikeWindow.empty(series.n_layers))
     spikes = find_spikes(series.steps, series.column("loss"),
                          reference=settings.spike_reference_steps,
                          min_history=settings.spike_min_history,
@@ -69,7 +68,8 @@ def _spike_draft(spike: Spike, cause: Cause, run: RunContext) -> FindingDraft:
                f"of {spike.median:.4g} ({spike.size:.0f} spreads, {spike.ratio:.2f}x), {back}. "
                f"Likely cause: {CAUSE_WORDS[cause.label]}{where}{since}. "
                f"Fix: {FIXES[cause.label]}.")
-    evidence = {"label": cause.label, "spike_step": spike.start, "end_step": spike.end,
+    evidence = {"cause": SPIKE_CAUSE, "label": cause.label, "spike_step": spike.start,
+                "end_step": spike.end,
                 "peak_step": spike.peak_step, "peak": spike.peak, "median": spike.median,
                 "spread": spike.spread, "size_spreads": spike.size, "ratio": spike.ratio,
                 "recovered_at": spike.recovered_at, "precursor_step": cause.precursor_step,
@@ -127,7 +127,7 @@ def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.
                                 "peak": float(v.max()), "first_step": first,
                                 "steps": [int(s) for s in flagged[-20:]], "fix": FIXES[code]}
     if spike is not None:
-        evidence["spike_step"] = spike
+        evidence.update(cause=SPIKE_CAUSE, spike_step=spike)
     return FindingDraft(kind="spike_precursor", code=code,
                         key=f"spike_precursor:{code}:{layer_name}", severity="warning",
                         message=message, step=first, last_step=int(flagged[-1]),
@@ -188,33 +188,12 @@ def _state_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.ndar
                                 "steps": [int(s) for s in flagged[-20:]], "fix": FIXES[code]}
     spike = _spike_after(labelled, code, layer, int(flagged[0]))
     if spike is not None:
-        evidence["spike_step"] = spike
+        evidence.update(cause=SPIKE_CAUSE, spike_step=spike)
     return FindingDraft(kind="optimizer_state", code=code,
                         key=f"optimizer_state:{code}:{layer_name}", severity="warning",
                         message=message, step=int(flagged[0]), last_step=int(flagged[-1]),
                         layer=layer_name, evidence=evidence, occurrences=flagged,
                         active=bool(streak[-1]))
-
-
-def on_spike_ingest(session: Session, run: Run, table: LayerTable, rank: int, last_step: int,
-                    settings: AnalysisSettings) -> None:
-    """Judge the rank's loss and spike signals of the last `history_steps` through
-    `last_step`, just stored by ingest (the caller commits). Reads the window's step
-    scalars and spike samples."""
-    if not settings.enabled or last_step < 0:
-        return
-    start = last_step - settings.history_steps
-    series = load_series(session, run.id, rank, start=start, end=last_step,
-                         n_layers=run.n_layers, with_layers=False, with_acts=False)
-    signals = load_spike_window(session, run.id, rank, run.n_layers, start=start,
-                                end=last_step)
-    if not series.has("loss").any() and not len(signals):
-        return
-    context = RunContext.build(table, run.environment, rank)
-    detection = detect_spikes(series, signals, context, settings)
-    since = int(series.steps[0]) if len(series) else None
-    change = apply_detections(session, run.id, rank, [detection], settings, since=since)
-    update_run_health(session, run, change)
 
 
 def spike_story(members: list[tuple[str, str | None, dict[str, Any]]]

@@ -31,6 +31,7 @@ def test_spikes_are_read_with_their_cause(ampwatch, server_api, server) -> None:
     seed_spike(server_api, "spiky")
     with Client(server.url) as client:
         (spike,) = client.spikes("spiky")
+        assert not client.spikes("spiky", rank=1)
         matrix = client.layer_matrix("spiky", metric="update_ratio", buckets=3)
     assert isinstance(spike, Spike)
     assert (spike.step, spike.label, spike.recovered_at, spike.peak) == (250, "bad_batch",

@@ -10,6 +10,7 @@ import pytest
 from ampwatch.server.analysis.incidents import group_incidents
 from ampwatch.server.analysis.spike_finder import find_spikes
 from ampwatch.server.analysis.spikes import detect_spikes
+from ampwatch.server.analysis.window import Window
 from ampwatch.server.spike_samples import SIGNALS, SpikeWindow
 from tests.server.analysis.factories import SETTINGS, context, series, step
 
@@ -74,6 +75,10 @@ def test_a_run_that_breaks_down_is_one_spike_not_recovered() -> None:
     assert spike.start == 150 and spike.recovered_at is None
 
 
+def detect(steps, samples: SpikeWindow):
+    return detect_spikes(Window(steps, context(N_LAYERS), spikes=samples), SETTINGS)
+
+
 def labels(detection) -> dict[str, tuple]:
     return {d.kind: (d.code, d.layer, d.step, d.evidence) for d in detection.drafts}
 
@@ -85,7 +90,7 @@ def labels(detection) -> dict[str, tuple]:
 ])
 def test_a_spike_is_labelled_by_what_grew_before_it(grow, label, layer) -> None:
     loss = losses(spikes={150: 4.0})
-    found = detect_spikes(run_series(loss), signals(**grow), context(N_LAYERS), SETTINGS)
+    found = detect(run_series(loss), signals(**grow))
     spike = next(d for d in found.drafts if d.kind == "loss_spike")
     assert (spike.code, spike.layer, spike.step, spike.severity) == (label, layer, 150,
                                                                     "warning")
@@ -98,8 +103,7 @@ def test_optimizer_states_label_a_spike_and_warn_on_their_own() -> None:
     window = signals()
     window.values[10:, SIGNALS.index("adam_v_zero_share"), 2] = 0.4
     window.values[5:, SIGNALS.index("adam_eps_share"), 0] = 0.9
-    found = detect_spikes(run_series(losses(spikes={150: 4.0})), window, context(N_LAYERS),
-                          SETTINGS)
+    found = detect(run_series(losses(spikes={150: 4.0})), window)
     spike = next(d for d in found.drafts if d.kind == "loss_spike")
     assert (spike.code, spike.layer, spike.evidence["precursor_step"]) == (
         "second_moment_underflow", "fc2", 100)
@@ -113,16 +117,15 @@ def test_a_one_step_spike_with_the_grad_norm_is_a_bad_batch() -> None:
     loss = losses(spikes={150: 4.0})
     grads = np.ones(loss.size)
     grads[150] = 5.0
-    found = detect_spikes(run_series(loss, grads), signals(), context(N_LAYERS), SETTINGS)
+    found = detect(run_series(loss, grads), signals())
     assert labels(found)["loss_spike"][:3] == ("bad_batch", None, 150)
-    found = detect_spikes(run_series(loss), signals(), context(N_LAYERS), SETTINGS)
+    found = detect(run_series(loss), signals())
     assert labels(found)["loss_spike"][:3] == ("unknown", None, 150)
     assert "seen" in labels(found)["loss_spike"][3]
 
 
 def test_growth_before_any_spike_is_a_precursor_warning() -> None:
-    found = detect_spikes(run_series(losses()), signals(attn_max_logit=(ATTN, 100, 1.5)),
-                          context(N_LAYERS), SETTINGS)
+    found = detect(run_series(losses()), signals(attn_max_logit=(ATTN, 100, 1.5)))
     (draft,) = found.drafts
     assert (draft.kind, draft.code, draft.layer, draft.severity) == (
         "spike_precursor", "attention_logit_growth", "fc1", "warning")
@@ -132,14 +135,14 @@ def test_growth_before_any_spike_is_a_precursor_warning() -> None:
 
 
 def test_a_healthy_run_raises_nothing() -> None:
-    found = detect_spikes(run_series(losses()), signals(), context(N_LAYERS), SETTINGS)
+    found = detect(run_series(losses()), signals())
     assert found.drafts == []
     assert "spike_precursor:" in found.covers and "optimizer_state:" in found.covers
 
 
 def test_the_findings_of_one_spike_are_one_incident() -> None:
-    found = detect_spikes(run_series(losses(spikes={150: 4.0})),
-                          signals(logit_lse=(HEAD, 100, 2.0)), context(N_LAYERS), SETTINGS)
+    found = detect(run_series(losses(spikes={150: 4.0})),
+                          signals(logit_lse=(HEAD, 100, 2.0)))
     rows = [{"id": i, "run_id": "r", "rank": 0, "kind": d.kind, "layer": d.layer,
              "evidence": d.evidence, "status": "open", "severity": d.severity,
              "step": d.step, "last_step": d.last_step} for i, d in enumerate(found.drafts)]
