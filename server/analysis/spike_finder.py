@@ -69,11 +69,14 @@ def _may_spike(loss: np.ndarray, reference: int, min_history: int, spread_factor
     windows = np.lib.stride_tricks.sliding_window_view(loss[:-1], width)
     later = loss[width:]
     median = _row_medians(windows)
+    # the rise over the median first: only its rows need a spread (a sort each)
+    rising = later - median >= min_rise / 2 * np.abs(median)
+    if not rising.any():
+        return False
+    windows, later, median = windows[rising], later[rising], median[rising]
     mad = MAD_TO_SIGMA * _row_medians(np.abs(windows - median[:, None]))
     spread = np.maximum(np.maximum(mad, SPREAD_FLOOR * np.abs(median)), 1e-12)
-    over = ((later > median + spread_factor / 2 * spread)
-            & (later - median >= min_rise / 2 * np.abs(median)))
-    return bool(over.any())
+    return bool((later > median + spread_factor / 2 * spread).any())
 
 
 def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_history: int,
