@@ -216,3 +216,29 @@ def test_unsampled_steps_carry_no_spike_signals(attach, offline: Path) -> None:
     sampled = next(s for s in steps if "spikes" in s)["spikes"]
     assert "adam_eps_share" not in sampled  # SGD: no second moment
     assert any(v for v in sampled["update_ratio"] if v is not None)
+
+
+def test_a_large_parameter_is_read_on_a_strided_sample(attach, offline: Path) -> None:
+    """Over SAMPLE_ELEMENTS elements the sums come from every stride-th element, scaled:
+    the ratio stays within a few percent of the truth."""
+    from ampwatch.agent.update_stats import SAMPLE_ELEMENTS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 4))
+    assert model[0].weight.numel() > 8 * SAMPLE_ELEMENTS
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    attachment = attach(model, run="spike-strided", sample_every=1)
+    seen = []
+    for _ in range(3):
+        F.mse_loss(model(torch.randn(32, 256)), torch.randn(32, 4)).backward()
+        before = [p.detach().clone() for p in model[0].parameters()]
+        optimizer.step()
+        after = [p.detach() for p in model[0].parameters()]
+        moved = sum(float((a - b).square().sum()) for a, b in zip(after, before, strict=True))
+        seen.append(math.sqrt(moved) / math.sqrt(sum(float(a.square().sum()) for a in after)))
+        optimizer.zero_grad(set_to_none=True)
+    attachment.detach()
+    names = layer_names(model)
+    for record, truth in zip(spooled_steps(offline, "spike-strided"), seen, strict=True):
+        assert record["spikes"]["update_ratio"][names.index("0")] == pytest.approx(truth,
+                                                                                   rel=0.05)
