@@ -13,8 +13,10 @@ window). On a sampled step, as its first forward begins: a forward pre-hook on e
 (the last layer in forward order with a matrix weight). All of them come off as the next
 unsampled step is set up. Only training forwards are measured; a layer called several
 times keeps its largest logit, the output layer its first call. The optimizer's update is
-rebuilt from its state as the step ends. Nothing synchronises the device: the values
-reach the step buffer at close and the host a step later, on the worker.
+rebuilt from its state as the step ends, on sampled steps that are also a multiple of
+`max(sample_every, UPDATE_EVERY_MIN)` (every 20th step by default). Nothing synchronises
+the device: the values reach the step buffer at close and the host a step later, on the
+worker.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ class SpikeCollector(Collector):
     attn_max_logit, logit_absmax, logit_lse}`, per layer, on sampled steps."""
 
     name = "spikes"
+    # steps between update statistics, at the least: rebuilding the update reads every
+    # parameter's state (on a CPU about 2/3 of the optimizer step itself), while the
+    # logits cost a few small ops; an update ratio is a slow trend until it jumps
+    UPDATE_EVERY_MIN = 20
 
     def __init__(self, layers: list[Any]) -> None:
         super().__init__()
@@ -189,7 +195,8 @@ class SpikeCollector(Collector):
     # ------------------------------------------------------------------ the update
     def on_step_end(self, step: int, stepped: bool) -> None:
         optimizer = self.session.optimizer
-        if not (self._sampled and stepped) or optimizer is None:
+        every = max(self.session.settings.sample_every, self.UPDATE_EVERY_MIN)
+        if not (self._sampled and stepped) or optimizer is None or step % every:
             return
         kind = kind_of(optimizer)
         if kind is None:

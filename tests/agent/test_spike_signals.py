@@ -12,10 +12,20 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from ampwatch.agent.collectors.spikes import SpikeCollector
 from tests.agent.factories import TinyGPT, spooled_steps
 from tests.spikes.model import VOCAB, Attention, TinyLM, batch
 
 STEPS = 4
+
+
+@pytest.fixture(autouse=True)
+def _update_stats_every_step(request: pytest.FixtureRequest,
+                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """These tests compare every step with the truth; the default reads the update every
+    20th step at most (test_the_update_is_read_every_twentieth_step)."""
+    if request.function.__name__ != "test_the_update_is_read_every_twentieth_step":
+        monkeypatch.setattr(SpikeCollector, "UPDATE_EVERY_MIN", 1)
 
 
 def layer_names(model: nn.Module) -> list[str]:
@@ -242,3 +252,20 @@ def test_a_large_parameter_is_read_on_a_strided_sample(attach, offline: Path) ->
     for record, truth in zip(spooled_steps(offline, "spike-strided"), seen, strict=True):
         assert record["spikes"]["update_ratio"][names.index("0")] == pytest.approx(truth,
                                                                                    rel=0.05)
+
+
+def test_the_update_is_read_every_twentieth_step(attach, offline: Path) -> None:
+    """By default the logits are sampled every 10 steps, the update every 20th."""
+    model = TinyLM()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    attachment = attach(model, run="spike-every")
+    for step in range(45):
+        x, y = batch(step)
+        F.cross_entropy(model(x).reshape(-1, VOCAB), y.reshape(-1)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    attachment.detach()
+    steps = spooled_steps(offline, "spike-every")
+    assert [s["step"] for s in steps if "attn_max_logit" in s.get("spikes", {})] == [
+        0, 10, 20, 30, 40]
+    assert [s["step"] for s in steps if "update_ratio" in s.get("spikes", {})] == [0, 20, 40]

@@ -37,6 +37,7 @@ from tests.spikes.model import VOCAB, Attention, TinyLM, batch
 
 STEPS = 160
 SAMPLE_EVERY = 10  # the agent's default: what a sampled signal can show
+UPDATE_EVERY = 20  # the steps the agent rebuilds the optimizer's update on (its minimum)
 BATCH = 16
 LR = 3e-3
 # the truth's rules (docs/spikes.md): a spike is a loss over SPIKE_RISE x the median of the
@@ -225,11 +226,12 @@ def _grew(series: list[float], at: int) -> bool:
 
 
 def _states(shares: list[dict[str, float]], threshold: float) -> set[str]:
-    """Layers at or over `threshold` on STATE_SAMPLES consecutive sampled steps."""
+    """Layers at or over `threshold` on STATE_SAMPLES consecutive steps the agent reads
+    the optimizer's state on."""
     out = set()
     for name in {n for step in shares for n in step}:
         run = 0
-        for step in shares[::SAMPLE_EVERY]:
+        for step in shares[::UPDATE_EVERY]:
             run = run + 1 if step.get(name, 0.0) >= threshold else 0
             if run >= STATE_SAMPLES:
                 out.add(name)
