@@ -101,3 +101,30 @@ def _replace(path: Path, text: str) -> None:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(text)
     os.replace(tmp, path)
+
+
+@dataclass
+class Context:
+    """What every check group is given: where to train and send, how big, how long."""
+
+    device: Any  # torch.device
+    smoke: bool
+    report: Report
+    budget: Budget
+    server: str
+    batch: int  # GPT-2 batch rows for the device
+    runs: dict[str, str] = field(default_factory=dict)  # check -> run id, for the pages
+
+    @property
+    def compile_backend(self) -> str:
+        # the smoke run exercises the agent's compiled-model path without inductor's
+        # minutes of C++ code generation on a CPU
+        return "aot_eager" if self.smoke else "inductor"
+
+    def steps(self, gpu: int, smoke: int) -> int:
+        return smoke if self.smoke else gpu
+
+    def fits(self, gpu_s: float, smoke_s: float) -> bool:
+        """Whether a check of about this many seconds fits, keeping the pages' reserve."""
+        reserve = 10.0 if self.smoke else 30.0
+        return self.budget.enough((smoke_s if self.smoke else gpu_s) + reserve)

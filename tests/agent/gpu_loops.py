@@ -106,19 +106,21 @@ class Loop:
     fp16_scaler: fp16 autocast, torch.amp.GradScaler, unscale_, clip_grad_norm_;
     deprecated_cuda_scaler: the same with torch.cuda.amp.GradScaler;
     bf16: bf16 autocast, no scaler, clipping; accumulation: fp16 with a scaler over
-    `micro` micro-batches; compiled: the fp16 loop on a torch.compile'd model (`backend`);
+    `micro` micro-batches; compiled: the fp16 loop on a torch.compile'd model (`backend`;
+    `compile=True` compiles any recipe's model);
     fp8_torchao: torchao Float8Linear layers (emulated off CUDA) under bf16 autocast.
     """
 
     def __init__(self, recipe: str, device: torch.device, config: GPTConfig = TINY, *,
                  batch: int = 4, seed: int = 0, backend: str = "inductor",
-                 micro: int = 4) -> None:
+                 micro: int = 4, compile: bool = False) -> None:
         self.recipe, self.device, self.config, self.batch = recipe, device, config, batch
         torch.manual_seed(seed)
         self.model = GPT(config).to(device)
         if recipe == "fp8_torchao":
             convert_to_fp8(self.model, "tensorwise", emulate=device.type != "cuda")
-        self.call: Any = (torch.compile(self.model, backend=backend) if recipe == "compiled"
+        self.compiled = compile or recipe == "compiled"
+        self.call: Any = (torch.compile(self.model, backend=backend) if self.compiled
                           else self.model)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4)
         self.dtype = torch.bfloat16 if recipe in ("bf16", "fp8_torchao") else torch.float16

@@ -114,7 +114,8 @@ def peak_truth_before(scaler: Any, optimizer: Any, device: torch.device
     peaks: list[int] = []
 
     def read(*args: Any, **kwargs: Any) -> None:
-        peaks.append(torch.cuda.max_memory_allocated(device))
+        if device.type == "cuda":
+            peaks.append(torch.cuda.max_memory_allocated(device))
 
     handle = None
     if scaler is not None:
