@@ -29,15 +29,20 @@ Exit status: 0 when nothing failed, 1 when a check failed, 2 when cut short.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime
+import importlib.metadata
 import importlib.util
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import traceback
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 START = time.monotonic()
 REPO = Path(__file__).resolve().parents[1]
@@ -60,16 +65,17 @@ def _alarm(signum: int, frame: object) -> None:
 def ensure_installed(out: Path, install: bool, deadline_s: float) -> list[str]:
     """Install what is missing (the server stack, ampwatch itself, torchao) with pip,
     torch pinned; returns what was done, in words."""
-    import torch
-
     constraints = out / "constraints.txt"
-    constraints.write_text(f"torch=={torch.__version__}\n")
+    constraints.write_text(f"torch=={importlib.metadata.version('torch')}\n")
     wanted = []
     if importlib.util.find_spec("ampwatch") is None or any(
             importlib.util.find_spec(m) is None for m in SERVER_MODULES):
-        wanted.append(f"-e{REPO}[server]")
-    if importlib.util.find_spec("torchao") is None:
-        wanted.append("torchao")
+        wanted += ["-e", f"{REPO}[server]"]
+    # the check's local server is the test suite's (tests/conftest.py imports pytest), and
+    # `pytest -m cuda` is the acceptance's second half
+    for module in ("pytest", "torchao"):
+        if importlib.util.find_spec(module) is None:
+            wanted.append(module)
     if not wanted:
         return ["nothing to install"]
     if not install:
@@ -109,14 +115,60 @@ def check_pages(ctx: object) -> None:
                failed=bad, run=gpt2)
 
 
+@contextlib.contextmanager
+def local_server(url: str | None, out: Path) -> Iterator[tuple[str, Callable[[], None]]]:
+    """`ampwatch serve` on a free port with its SQLite file in `out` (kept: the runs can be
+    looked at after), started in a thread so that it boots while torch imports. Yields its
+    URL and `ready()`, which waits for it to answer (raises if it did not start)."""
+    if url:
+        yield url, lambda: None
+        return
+    from tests.conftest import LiveServer
+
+    os.environ["AMPWATCH_SPOOL_DIR"] = str(out / "spool")
+    (out / "gpu_check.db").unlink(missing_ok=True)
+    server = LiveServer(f"sqlite:///{out / 'gpu_check.db'}", out / "server.log")
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            server.start(timeout=120)
+        except Exception as exc:  # noqa: BLE001 - raised in the main thread below
+            failed.append(exc)
+
+    def ready() -> None:
+        starting.join()
+        if failed:
+            raise failed[0]
+
+    starting = threading.Thread(target=start, daemon=True)
+    starting.start()
+    try:
+        yield server.url, ready
+    finally:
+        starting.join()
+        server.stop()
+
+
 def run_checks(args: argparse.Namespace) -> int:
+    from gpu_report import Budget
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    budget = Budget(args.budget, START)
+    installs = ensure_installed(out, args.install and not args.smoke,
+                                min(90.0, budget.left() / 4))
+    with local_server(args.server, out) as (server, ready):
+        return _run_checks(args, budget, installs, server, ready)
+
+
+def _run_checks(args: argparse.Namespace, budget: Any, installs: list[str], server: str,
+                ready: Callable[[], None]) -> int:
     import torch
-    from agent_overhead import local_server
-    from gpu_report import Budget, Context, Report
+    from gpu_report import Context, Report
 
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
-    budget = Budget(args.budget, START)
     name = torch.cuda.get_device_name(device) if cuda else "CPU (smoke: CUDA checks skipped)"
     memory = torch.cuda.get_device_properties(device).total_memory if cuda else 0
     meta = {"device": name, "torch": torch.__version__, "cuda": torch.version.cuda,
@@ -125,8 +177,7 @@ def run_checks(args: argparse.Namespace) -> int:
             "load_average": os.getloadavg()[0], "budget_s": args.budget,
             "memory_gib": round(memory / 2**30, 1)}
     report = Report(Path(args.out), budget, meta)
-    report.note("installs", ensure_installed(Path(args.out), args.install and not args.smoke,
-                                             min(90.0, budget.left() / 4)))
+    report.note("installs", installs)
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(max(1, int(budget.left())))
     from gpu_correctness import check_no_sync, check_values
@@ -137,25 +188,25 @@ def run_checks(args: argparse.Namespace) -> int:
     if not cuda:
         torch.set_num_threads(1)
     try:
-        with local_server(args.server) as server:
-            ctx = Context(device, args.smoke, report, budget, server,
-                          batch=args.batch or (16 if memory >= 70 * 2**30 else 8) if cuda else 2)
-            report.note("server", server)
-            install_te = args.install and not args.smoke
-            groups = [("no-sync", check_no_sync), ("values", check_values), ("fp8", check_fp8),
-                      ("overhead", check_overhead),
-                      ("fp8", lambda c: check_transformer_engine(c, install_te)),
-                      ("pages", check_pages)]
-            for group, check in groups:
-                if group not in args.groups:
-                    continue
-                try:
-                    check(ctx)
-                except OutOfTime:
-                    raise
-                except Exception as exc:  # noqa: BLE001 - one group's crash is its row
-                    report.add(group, "(group)", "fail", f"{type(exc).__name__}: {exc}"[:300],
-                               traceback=traceback.format_exc()[-2000:])
+        ready()
+        ctx = Context(device, args.smoke, report, budget, server,
+                      batch=args.batch or (16 if memory >= 70 * 2**30 else 8) if cuda else 2)
+        report.note("server", server)
+        install_te = args.install and not args.smoke
+        groups = [("no-sync", check_no_sync), ("values", check_values), ("fp8", check_fp8),
+                  ("overhead", check_overhead),
+                  ("fp8", lambda c: check_transformer_engine(c, install_te)),
+                  ("pages", check_pages)]
+        for group, check in groups:
+            if group not in args.groups:
+                continue
+            try:
+                check(ctx)
+            except OutOfTime:
+                raise
+            except Exception as exc:  # noqa: BLE001 - one group's crash is its row
+                report.add(group, "(group)", "fail", f"{type(exc).__name__}: {exc}"[:300],
+                           traceback=traceback.format_exc()[-2000:])
     except OutOfTime:
         report.note("interrupted", f"budget of {args.budget:.0f} s reached; later checks "
                                    "did not run")
