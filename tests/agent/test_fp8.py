@@ -261,6 +261,7 @@ def _transformer_engine():
                                reason="transformer_engine is not installed (it needs CUDA)")
 
 
+@pytest.mark.cuda
 def test_transformer_engine_delayed_scaling_end_to_end(attach, offline):
     """On a GPU with TE: te.Linear layers under fp8_autocast with delayed scaling enter
     the layer table as FP8 once they cast; the recorded scale of each tensor is the one
