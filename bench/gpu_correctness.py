@@ -24,8 +24,8 @@ from tests.agent.gpu_loops import (
     Loop,
     SwallowedErrors,
     allow_loop_syncs,
+    host_waits,
     overflow_factors,
-    set_sync_debug,
     sync_errors,
 )
 from tests.agent.gpu_timing import (
@@ -96,16 +96,17 @@ def _no_sync(ctx: Context, recipe: str) -> None:
         for i in range(warmup):  # compiles, first allocations: not checked
             loop.step(tokens[i], factors[i])
         allow_loop_syncs(loop.scaler, device)
-        for i in range(warmup, warmup + steps):
-            try:
-                with sync_errors(device):
-                    loop.step(tokens[i], factors[i])
-            except RuntimeError as exc:
-                if SYNC_MESSAGE not in str(exc):
-                    raise
-                where = "agent" if _agent_frames(exc) else "loop"
-                loop_syncs.append(f"step {i}: {where}: {str(exc).splitlines()[0]}")
-                set_sync_debug("default", device)
+        with host_waits() as waits:
+            for i in range(warmup, warmup + steps):
+                try:
+                    with sync_errors(device):
+                        loop.step(tokens[i], factors[i])
+                except RuntimeError as exc:
+                    if SYNC_MESSAGE not in str(exc):
+                        raise
+                    where = "agent" if _agent_frames(exc) else "loop"
+                    loop_syncs.append(f"step {i}: {where}: {str(exc).splitlines()[0]} at "
+                                      + "; ".join(traceback.format_tb(exc.__traceback__)[-2:]))
         delivered = attachment.flush(60)
         attachment.detach()
     records = recorded_steps(ctx, attachment.run_id)
@@ -114,18 +115,20 @@ def _no_sync(ctx: Context, recipe: str) -> None:
     sampled = ("none (a compiled model is never sampled)" if loop.compiled else
                f"every {SAMPLE_EVERY}th" + (f" and {ANOMALY_WINDOW} after the overflow at "
                                             f"step {warmup + overflow}" if overflow else ""))
-    ok = (not agent_syncs and not loop_syncs and not other and delivered
+    ok = (not agent_syncs and not loop_syncs and not other and not waits and delivered
           and len(records) == warmup + steps)
     status = "pass" if ok else "fail"
     if device.type != "cuda":
         status = "skip" if ok else "fail"
     ctx.report.add(
         "no-sync", recipe, status,
-        (f"{len(agent_syncs)} agent syncs, {len(loop_syncs)} raised in {steps} checked steps; "
+        (f"{len(agent_syncs)} agent syncs, {len(loop_syncs)} raised, {len(waits)} host waits "
+         f"on the training thread in {steps} checked steps; "
          f"{len(records)}/{warmup + steps} steps stored; sampled: {sampled}"
          + ("" if device.type == "cuda" else "; the sync debug mode is CUDA only: the "
             "code path ran, nothing was checked")),
-        "0 agent syncs", agent_syncs=agent_syncs[:20], loop_syncs=loop_syncs[:20],
+        "0 agent syncs, 0 waits", agent_syncs=agent_syncs[:20], loop_syncs=loop_syncs[:20],
+        host_waits=waits[:20],
         other_errors=other[:20], delivered=delivered)
 
 

@@ -54,9 +54,8 @@ class TimedLoop:
         return (time.perf_counter() - start) * 1000.0
 
 
-def _release(*loops: TimedLoop) -> None:
-    for loop in loops:
-        del loop.loop, loop.tokens
+def _free_memory() -> None:
+    """Let the previous configuration's two GPT-2 copies go before the next ones load."""
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -75,13 +74,14 @@ def check_overhead(ctx: Context) -> None:
         name = f"{'A/B' if kind == 'ab' else 'per process'} {precision} {mode} {sampling}"
         cost = {"processes": (100, 20), "compiled": (70, 10), "eager": (25, 4)}[
             "processes" if kind == "processes" else mode]
-        if not ctx.fits(*cost):
-            ctx.report.add("overhead", name, "skip", "out of time")
-            continue
         if ctx.smoke and compiled and precision == "fp16":
             ctx.report.add("overhead", name, "skip", "smoke: the path of the bf16 compiled "
                            "A/B (another compile of the same model would add only time)")
             continue
+        if not ctx.fits(*cost):
+            ctx.report.add("overhead", name, "skip", "out of time")
+            continue
+        _free_memory()
         try:
             if kind == "ab":
                 _ab(ctx, name, precision, compiled, every)
@@ -115,7 +115,6 @@ def _ab(ctx: Context, name: str, precision: str, compiled: bool, every: int) -> 
         watched.step()
     a, b = alternate(watched, plain, pairs)
     attachment.detach()
-    _release(plain, watched)
     rows = {r["config"]: r for r in summarize({"no agent": b, "agent": a}, "no agent")}
     paired = statistics.median(x / y for x, y in zip(a, b, strict=True))
     ratio = rows["agent"]["ratio"]

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -128,7 +129,7 @@ class Loop:
             self.dtype = torch.bfloat16  # CPU autocast: bf16 is the fast one; same code path
         self.scaler: Any = None
         if recipe == "deprecated_cuda_scaler":
-            with contextlib.suppress(FutureWarning), _quiet_deprecation():
+            with _quiet_deprecation():
                 self.scaler = torch.cuda.amp.GradScaler()
         elif recipe not in ("bf16", "fp8_torchao"):
             self.scaler = torch.amp.GradScaler(device.type)
@@ -228,6 +229,42 @@ def allow_loop_syncs(scaler: Any, device: torch.device) -> None:
         return None if found else optimizer.step(*args, **kwargs)
 
     scaler._maybe_opt_step = maybe_opt_step
+
+
+# host waits the sync debug mode does not flag (c10 flags only the synchronising copies
+# and stream/device syncs it wraps): an event or stream waited on from the training thread
+WAITS = (("Event", "synchronize"), ("Event", "elapsed_time"), ("Stream", "synchronize"))
+
+
+@contextlib.contextmanager
+def host_waits() -> Iterator[list[str]]:
+    """Counts, on the thread that enters it, the Python-level waits on the device that the
+    sync debug mode misses: `torch.cuda.synchronize()`, `Event.synchronize()` and
+    `.elapsed_time()`, `Stream.synchronize()`. The agent's worker makes such waits (on
+    its own thread); the training thread must not."""
+    seen: list[str] = []
+    thread = threading.get_ident()
+    patched: list[tuple[Any, str, Any]] = []
+
+    def counting(owner: Any, name: str) -> None:
+        original = getattr(owner, name)
+
+        def wait(*args: Any, **kwargs: Any) -> Any:
+            if threading.get_ident() == thread:
+                seen.append(f"{getattr(owner, '__name__', owner)}.{name}")
+            return original(*args, **kwargs)
+
+        patched.append((owner, name, original))
+        setattr(owner, name, wait)
+
+    counting(torch.cuda, "synchronize")
+    for owner, name in WAITS:
+        counting(getattr(torch.cuda, owner), name)
+    try:
+        yield seen
+    finally:
+        for owner, name, original in reversed(patched):
+            setattr(owner, name, original)
 
 
 class SwallowedErrors:

@@ -6,6 +6,7 @@ and real FP8 casts. The truth comes from the tests' own hooks, never from the ag
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,6 +19,7 @@ from tests.agent.gpu_loops import (
     GPTConfig,
     Loop,
     allow_loop_syncs,
+    host_waits,
     overflow_factors,
     sync_errors,
 )
@@ -64,9 +66,11 @@ def test_no_host_sync_in_any_recipe(attach, offline: Path, recipe: str) -> None:
     for i in range(warmup):
         loop.step(tokens[i], factors[i])
     allow_loop_syncs(loop.scaler, CUDA)
-    for i in range(warmup, warmup + steps):
-        with sync_errors(CUDA):
-            loop.step(tokens[i], factors[i])
+    with host_waits() as waits:
+        for i in range(warmup, warmup + steps):
+            with sync_errors(CUDA):
+                loop.step(tokens[i], factors[i])
+    assert waits == []  # no event or stream waited on by the training thread
     assert attachment.flush(60)
     records = spooled_steps(offline, attachment.run_id)
     assert [r["step"] for r in records] == list(range(warmup + steps))
@@ -81,6 +85,18 @@ def test_the_loops_own_sync_raises_where_it_is_not_excluded() -> None:
     loop.step(tokens[0])
     with pytest.raises(RuntimeError, match="synchronizing"), sync_errors(CUDA):
         loop.step(tokens[1])
+
+
+def test_host_waits_are_counted_on_the_entering_thread_only() -> None:
+    event = torch.cuda.Event()
+    event.record()
+    with host_waits() as waits:
+        event.synchronize()
+        torch.cuda.synchronize()
+        worker = threading.Thread(target=event.synchronize)
+        worker.start()
+        worker.join()
+    assert waits == ["Event.synchronize", "torch.cuda.synchronize"]
 
 
 def test_cuda_event_phase_times_match_the_profiler(attach, offline: Path) -> None:
