@@ -5,7 +5,6 @@ norms, phase times against torch.profiler, peak memory per step)."""
 from __future__ import annotations
 
 import dataclasses
-import importlib.util
 import traceback
 from pathlib import Path
 from typing import Any
@@ -24,6 +23,7 @@ from tests.agent.gpu_loops import (
     Loop,
     SwallowedErrors,
     allow_loop_syncs,
+    fp8_unavailable,
     host_waits,
     overflow_factors,
     sync_errors,
@@ -49,19 +49,10 @@ def recorded_steps(ctx: Context, run_id: str) -> dict[int, dict[str, Any]]:
         return {s.step: dataclasses.asdict(s) for s in client.steps(run_id)}
 
 
-def _why_not(ctx: Context, recipe: str) -> str | None:
-    if recipe == "fp8_torchao":
-        if importlib.util.find_spec("torchao") is None:
-            return "torchao is not installed"
-        if ctx.device.type == "cuda" and torch.cuda.get_device_capability(ctx.device) < (8, 9):
-            return "real FP8 needs compute capability 8.9 or later"
-    return None
-
-
 def check_no_sync(ctx: Context) -> None:
     """Group 1: each recipe trains under the sync debug mode with the agent attached."""
     for recipe in RECIPES:
-        reason = _why_not(ctx, recipe)
+        reason = fp8_unavailable(ctx.device) if recipe == "fp8_torchao" else None
         cost = (25, 10) if recipe == "compiled" else (8, 3)
         if reason is None and not ctx.fits(*cost):
             reason = "out of time"
@@ -155,8 +146,11 @@ def _values_fp16(ctx: Context) -> None:
     warmup, profiled = ctx.steps(4, 3), ctx.steps(6, 5)
     n = warmup + profiled
     tokens, factors = loop.batches(n), overflow_factors(n, 1, device)
+    # the overflow's anomaly window (3 steps) samples the first profiled step, the rest
+    # are ordinary steps: timings are compared on both kinds
     attachment = agent.attach(loop.call, loop.scaler, server=ctx.server,
-                              name="gpu-check-values", sample_every=SAMPLE_EVERY)
+                              name="gpu-check-values", sample_every=SAMPLE_EVERY,
+                              sample_after_anomaly=3)
     ctx.runs["values fp16"] = attachment.run_id
     marks, refs, stepped = PhaseMarks(), [], []
     loop.optimizer.register_step_post_hook(lambda *a: stepped.__setitem__(-1, True))

@@ -15,7 +15,7 @@ import torch
 from gpu_report import Context
 
 from ampwatch import agent
-from tests.agent.gpu_loops import SwallowedErrors, sync_errors
+from tests.agent.gpu_loops import SwallowedErrors, fp8_unavailable, sync_errors
 
 REL = 1e-6  # float32 division apart, as the FP8 suite compares
 TE_INSTALL_S = 150.0
@@ -26,17 +26,9 @@ class _Server:
         self.url = url
 
 
-def _why_not(ctx: Context) -> str | None:
-    if importlib.util.find_spec("torchao") is None:
-        return "torchao is not installed"
-    if ctx.device.type == "cuda" and torch.cuda.get_device_capability(ctx.device) < (8, 9):
-        return "real FP8 needs compute capability 8.9 or later"
-    return None
-
-
 def check_fp8(ctx: Context) -> None:
     """torchao Float8Linear, tensorwise and rowwise."""
-    reason = _why_not(ctx)
+    reason = fp8_unavailable(ctx.device)
     for recipe in ("tensorwise", "rowwise"):
         name = f"torchao {recipe} ({'emulated' if ctx.device.type != 'cuda' else 'real FP8'})"
         why = reason or (None if ctx.fits(20, 4) else "out of time")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import importlib.util
 import math
 import threading
 from collections.abc import Callable, Iterator
@@ -183,6 +184,16 @@ def _quiet_deprecation() -> Iterator[None]:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the deprecation (and, off CUDA, "disabling") notes
         yield
+
+
+def fp8_unavailable(device: torch.device) -> str | None:
+    """Why torchao FP8 training cannot run on `device`, or None: emulated casts off CUDA,
+    real ones on CUDA from compute capability 8.9 (Ada, Hopper)."""
+    if importlib.util.find_spec("torchao") is None:
+        return "torchao (ampwatch[fp8]) is not installed"
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 9):
+        return "real FP8 casts need compute capability 8.9 or later (Ada, Hopper)"
+    return None
 
 
 def convert_to_fp8(model: nn.Module, recipe: str, *, emulate: bool) -> None:

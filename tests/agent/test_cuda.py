@@ -19,6 +19,7 @@ from tests.agent.gpu_loops import (
     GPTConfig,
     Loop,
     allow_loop_syncs,
+    fp8_unavailable,
     host_waits,
     overflow_factors,
     sync_errors,
@@ -39,9 +40,9 @@ BUSY = GPTConfig(vocab=8192, block=256, layers=4, heads=8, embd=512)
 
 
 def _needs_fp8() -> None:
-    if torch.cuda.get_device_capability() < (8, 9):
-        pytest.skip("real FP8 casts need compute capability 8.9 or later (Ada, Hopper)")
-    pytest.importorskip("torchao", reason="torchao (ampwatch[fp8]) is not installed")
+    reason = fp8_unavailable(CUDA)
+    if reason:
+        pytest.skip(reason)
 
 
 # importing inductor warns once per process (torch 2.13's pre_grad passes use torch.jit)
