@@ -60,7 +60,8 @@ def test_smoke_run_reaches_every_check(smoke) -> None:
 def test_cuda_only_checks_are_skipped_with_the_reason(smoke) -> None:
     _, _, report, markdown, stdout = smoke
     rows = report["rows"]
-    skipped = {r["check"]: r["figure"] for r in rows if r["status"] == "skip"}
+    skipped = {r["check"]: r["figure"] for r in rows if r["status"] == "skip"
+               and not r["figure"].startswith("out of time")}  # see the test above
     assert all("CUDA" in why or why.startswith("smoke:") for why in skipped.values()), skipped
     assert {"peak memory per step (fp16 GradScaler)", "Transformer Engine (delayed scaling)",
             "fp16_scaler"} <= set(skipped)
