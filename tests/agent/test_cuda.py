@@ -36,7 +36,7 @@ from tests.conftest import LiveServer
 pytestmark = pytest.mark.cuda
 CUDA = torch.device("cuda")
 # big enough that the GPU, not the kernel launches, sets each phase's time
-BUSY = GPTConfig(vocab=8192, block=256, layers=4, heads=8, embd=512)
+BUSY = GPTConfig(vocab=8192, block=512, layers=8, heads=16, embd=1024)  # ~110M parameters
 
 
 def _needs_fp8() -> None:
