@@ -105,8 +105,9 @@ def ensure_installed(out: Path, install: bool, deadline_s: float) -> list[str]:
 
 
 def gpt2_batch(memory: int) -> int:
-    """GPT-2 rows of 1024 tokens for a device of `memory` bytes: a step of batch 16 peaks
-    near 25 GiB with the plain and the watched copy loaded (H100 80 GB: 16; H200: 32)."""
+    """GPT-2 rows of 1024 tokens for a device of `memory` bytes (H100 80 GB: 16; H200: 32).
+    By estimate, not yet measured: a bf16 step of batch 16 peaks near 25 GiB with the plain
+    and the watched copy loaded (the fp32 logits and their grad are 6.6 GiB of it)."""
     gib = memory / 2**30
     return 32 if gib >= 120 else 16 if gib >= 70 else 8
 
