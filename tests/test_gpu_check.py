@@ -72,3 +72,23 @@ def test_cuda_only_checks_are_skipped_with_the_reason(smoke) -> None:
             "GPT-2 run pages"} <= passed
     # the table printed as it went and the markdown file carry every row
     assert all(r["check"] in stdout and r["check"] in markdown for r in rows)
+
+
+def test_a_run_cut_short_still_says_what_it_measured(tmp_path: Path) -> None:
+    """The budget is the script's own: what does not fit is skipped as out of time, or the
+    alarm stops the run; either way both files hold every row measured until then."""
+    budget = 25
+    started = time.monotonic()
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_check.py"), "--smoke",
+                           "--budget", str(budget), "--groups", "no-sync,pages",
+                           "--out", str(tmp_path)], capture_output=True, text=True,
+                          timeout=budget + 60, cwd=ROOT)
+    assert time.monotonic() - started < budget + 30  # the alarm, then the server's stop
+    report = json.loads((tmp_path / "gpu_check.json").read_text())
+    rows = report["rows"]
+    cut = report["meta"].get("interrupted") or any(
+        r["figure"].startswith("out of time") for r in rows)
+    assert cut and done.returncode in (0, 2)
+    assert (done.returncode == 2) == bool(report["meta"].get("interrupted"))
+    markdown = (tmp_path / "gpu_check.md").read_text()
+    assert all(r["check"] in markdown for r in rows)
