@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import traceback
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -27,6 +26,7 @@ from tests.agent.gpu_loops import (
     host_waits,
     overflow_factors,
     sync_errors,
+    sync_origin,
 )
 from tests.agent.gpu_timing import (
     PhaseMarks,
@@ -36,7 +36,6 @@ from tests.agent.gpu_timing import (
     profiled_trace,
 )
 
-AGENT_DIR = str(Path(agent.__file__).resolve().parent)
 SAMPLE_EVERY = 10
 ANOMALY_WINDOW = 20  # the agent's default sample_after_anomaly
 TIMING_TOLERANCE = 0.10
@@ -66,11 +65,6 @@ def check_no_sync(ctx: Context) -> None:
                            traceback=traceback.format_exc()[-2000:])
 
 
-def _agent_frames(exc: BaseException) -> bool:
-    return any(frame.filename.startswith(AGENT_DIR)
-               for frame, _ in traceback.walk_tb(exc.__traceback__))
-
-
 def _no_sync(ctx: Context, recipe: str) -> None:
     device = ctx.device
     loop = Loop(recipe, device, TINY, batch=4, backend=ctx.compile_backend)
@@ -93,16 +87,15 @@ def _no_sync(ctx: Context, recipe: str) -> None:
                     with sync_errors(device):
                         loop.step(tokens[i], factors[i])
                 except RuntimeError as exc:
-                    if SYNC_MESSAGE not in str(exc):
+                    origin = sync_origin(exc)
+                    if origin is None:
                         raise
-                    where = "agent" if _agent_frames(exc) else "loop"
-                    loop_syncs.append(f"step {i}: {where}: {str(exc).splitlines()[0]} at "
-                                      + "; ".join(traceback.format_tb(exc.__traceback__)[-2:]))
+                    loop_syncs.append(f"step {i}: {origin}")
                     break  # the step stopped half-way: later steps would not be the recipe
         delivered = attachment.flush(60)
         attachment.detach()
     records = recorded_steps(ctx, attachment.run_id)
-    agent_syncs = swallowed.syncs + [(s, "") for s in loop_syncs if ": agent:" in s]
+    agent_syncs = swallowed.syncs + [(s, "") for s in loop_syncs if ": agent: " in s]
     other = [e for e in swallowed.errors if SYNC_MESSAGE not in e[1]]
     sampled = ("none (a compiled model is never sampled)" if loop.compiled else
                f"every {SAMPLE_EVERY}th" + (f" and {ANOMALY_WINDOW} after the overflow at "

@@ -15,7 +15,8 @@ import torch
 from gpu_report import Context
 
 from ampwatch import agent
-from tests.agent.gpu_loops import SwallowedErrors, fp8_unavailable, sync_errors
+from tests.agent.fp8_scenario import fp8_report
+from tests.agent.gpu_loops import SwallowedErrors, fp8_unavailable, sync_errors, sync_origin
 
 REL = 1e-6  # float32 division apart, as the FP8 suite compares
 TE_INSTALL_S = 150.0
@@ -136,27 +137,49 @@ def _transformer_engine(ctx: Context, install: bool) -> None:
     model = nn.Sequential(te.Linear(64, 128), nn.ReLU(), te.Linear(128, 16)).to(device)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     recipe = DelayedScaling(fp8_format=Format.HYBRID, amax_history_len=16)
+    scales: dict[int, torch.Tensor] = {}  # step -> the input scale TE casts with (device)
+    step = 0
+
+    def truth(module: nn.Module, args: tuple) -> None:
+        meta = module.fp8_meta.get("scaling_fwd")
+        if meta is not None:
+            scales[step] = meta.scale[0].clone()
+
+    model[0].register_forward_pre_hook(truth)
     watch = agent.attach(model, server=ctx.server, name="gpu-check-te", sample_every=5,
                          sample_after_anomaly=0)
     ctx.runs["fp8 transformer engine"] = watch.run_id
+    raised: list[str] = []
     with SwallowedErrors() as swallowed:
-        for _ in range(12):
+        for step in range(12):
             x, y = torch.randn(32, 64, device=device), torch.randn(32, 16, device=device)
-            with sync_errors(device), te.fp8_autocast(enabled=True, fp8_recipe=recipe):
-                loss = nn.functional.mse_loss(model(x), y)
-            with sync_errors(device):
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+            try:
+                with sync_errors(device):
+                    with te.fp8_autocast(enabled=True, fp8_recipe=recipe):
+                        loss = nn.functional.mse_loss(model(x), y)
+                    loss.backward()
+                    optimizer.step()
+                    optimizer.zero_grad()
+            except RuntimeError as exc:
+                origin = sync_origin(exc)
+                if origin is None:
+                    raise
+                raised.append(f"step {step}: {origin}")
+                break  # TE's own sync, or the agent's: the row says which
         watch.flush(60)
     watch.detach()
-    from ampwatch.client import Client
-
-    with Client(ctx.server) as client:
-        layers = {layer.name: layer for layer in client.layers(watch.run_id)}
-    attrs = layers["0"].attrs if "0" in layers else {}
-    ok = (attrs.get("fp8_recipe") == "delayed (amax history 16)" and not swallowed.errors)
+    report = fp8_report(_Server(ctx.server), watch.run_id)
+    layer = next((x for x in report["layers"] if x["name"] == "0"), None)
+    latest = (layer or {}).get("latest", {}).get("input")
+    truth_scale = (float(scales[latest["step"]]) if latest and latest["step"] in scales
+                   else None)
+    scale_ok = latest is not None and truth_scale is not None and abs(
+        latest["scale"] - truth_scale) <= REL * abs(truth_scale)
+    ok = (layer is not None and layer["recipe"] == "delayed (amax history 16)" and scale_ok
+          and not swallowed.errors and not raised)
     ctx.report.add("fp8", name, "pass" if ok else "fail",
-                   f"layer 0 recorded as {attrs.get('fp8_recipe')!r}; "
-                   f"{len(swallowed.syncs)} agent syncs", "delayed (amax history 16), 0 syncs",
-                   errors=swallowed.errors[:20])
+                   f"layer 0 recorded as {(layer or {}).get('recipe')!r}; input scale "
+                   f"{latest and latest['scale']} against TE's {truth_scale}; "
+                   f"{len(swallowed.syncs)} agent syncs swallowed, {len(raised)} raised",
+                   "delayed (amax history 16), TE's scale, 0 syncs",
+                   errors=swallowed.errors[:20], raised=raised)

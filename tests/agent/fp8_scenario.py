@@ -16,9 +16,6 @@ from typing import Any
 import httpx
 import torch
 from torch import nn
-from torchao import float8
-from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
-from torchao.float8.float8_utils import tensor_to_scale
 
 from ampwatch import agent
 
@@ -37,6 +34,8 @@ class Net(nn.Module):
         self.norm = nn.LayerNorm(128)
         self.fc2 = nn.Linear(128, 128)
         self.fc3 = nn.Linear(128, 16)
+        from torchao import float8  # the report helpers below need no torchao
+
         config = float8.Float8LinearConfig.from_recipe_name(recipe)
         float8.convert_to_float8_training(
             self, config=dataclasses.replace(config, emulate=emulate))
@@ -60,6 +59,10 @@ class Truth:
 
     def cast(self, name: str, role: str, tensor: torch.Tensor, module: nn.Module,
              dim: int) -> None:
+        from torchao import float8
+        from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
+        from torchao.float8.float8_utils import tensor_to_scale
+
         config = module.config
         cast = {"input": config.cast_config_input, "weight": config.cast_config_weight,
                 "grad": config.cast_config_grad_output}[role]

@@ -23,7 +23,9 @@ import dataclasses
 import importlib.util
 import math
 import threading
+import traceback
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -276,6 +278,21 @@ def host_waits() -> Iterator[list[str]]:
     finally:
         for owner, name, original in reversed(patched):
             setattr(owner, name, original)
+
+
+AGENT_DIR = str(Path(guard.__file__).resolve().parent)
+
+
+def sync_origin(exc: BaseException) -> str | None:
+    """For an error of the sync debug mode that reached the loop: "agent" when an agent
+    frame is on its traceback, else "loop", with the innermost frames; None for any other
+    error."""
+    if SYNC_MESSAGE not in str(exc):
+        return None
+    frames = list(traceback.walk_tb(exc.__traceback__))
+    who = "agent" if any(f.f_code.co_filename.startswith(AGENT_DIR) for f, _ in frames) else "loop"
+    where = "; ".join(f"{Path(f.f_code.co_filename).name}:{line}" for f, line in frames[-3:])
+    return f"{who}: {str(exc).splitlines()[0]} at {where}"
 
 
 class SwallowedErrors:
