@@ -215,7 +215,9 @@ def _run_checks(args: argparse.Namespace, budget: Any, installs: list[str], serv
     try:
         ready()
         ctx = Context(device, args.smoke, report, budget, server,
-                      batch=args.batch or gpt2_batch(memory) if cuda else 2)
+                      # the smoke: the no-sync recipes' batch, so the compiled A/B reuses
+                      # their compiled graph
+                      batch=args.batch or gpt2_batch(memory) if cuda else 4)
         report.note("server", server)
         install_te = args.install and not args.smoke
         groups = [("no-sync", check_no_sync), ("values", check_values), ("fp8", check_fp8),
