@@ -213,7 +213,12 @@ def _run_checks(args: argparse.Namespace, budget: Any, installs: list[str], serv
     if not cuda:
         torch.set_num_threads(1)
     try:
-        ready()
+        try:
+            ready()
+        except Exception as exc:  # noqa: BLE001 - nothing can be checked without it
+            report.add("server", "local ampwatch server", "fail",
+                       f"{type(exc).__name__}: {exc}"[:300], log=str(Path(args.out) / "server.log"))
+            return 1
         ctx = Context(device, args.smoke, report, budget, server,
                       # the smoke: the no-sync recipes' batch, so the compiled A/B reuses
                       # their compiled graph
