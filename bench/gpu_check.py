@@ -69,8 +69,8 @@ def _alarm(signum: int, frame: object) -> None:
 
 
 def ensure_installed(out: Path, install: bool, deadline_s: float) -> list[str]:
-    """Install what is missing (the server stack, ampwatch itself, torchao) with pip,
-    torch pinned; returns what was done, in words."""
+    """Install what is missing (the server stack, ampwatch itself, pytest, torchao) with
+    pip, torch pinned; returns what was done, in words."""
     constraints = out / "constraints.txt"
     constraints.write_text(f"torch=={importlib.metadata.version('torch')}\n")
     wanted = []
@@ -87,8 +87,9 @@ def ensure_installed(out: Path, install: bool, deadline_s: float) -> list[str]:
             os.environ.get("AMPWATCH_GPU_CHECK_INSTALLED", "")]
     if not install:
         return [f"missing, not installed (--no-install): {wanted}"]
-    command = [sys.executable, "-m", "pip", "install", "--quiet", "--constraint",
-               str(constraints), *wanted]
+    from gpu_report import pip_install
+
+    command = [*pip_install(out), *wanted]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=deadline_s)
     except subprocess.TimeoutExpired:

@@ -7,12 +7,11 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
-import sys
 import traceback
 from typing import Any
 
 import torch
-from gpu_report import Context
+from gpu_report import Context, pip_install
 
 from ampwatch import agent
 from tests.agent.fp8_scenario import fp8_report
@@ -104,9 +103,7 @@ def _ensure_transformer_engine(ctx: Context, install: bool) -> str | None:
     seconds = min(TE_INSTALL_S, ctx.budget.left() - 60)
     if seconds < 30:
         return "not installed: no time left to try"
-    command = [sys.executable, "-m", "pip", "install", "--only-binary=:all:",
-               "--constraint", str(ctx.report.out / "constraints.txt"),
-               "transformer_engine[pytorch]"]
+    command = [*pip_install(ctx.report.out), "--only-binary=:all:", "transformer_engine[pytorch]"]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=seconds)
     except subprocess.TimeoutExpired:

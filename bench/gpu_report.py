@@ -1,17 +1,29 @@
-"""bench/gpu_check.py's time budget and its report: rows printed as they come and both
-files (gpu_check.json, gpu_check.md) rewritten after every row, so a run cut short, even
-killed, still says what it measured."""
+"""bench/gpu_check.py's time budget, its report (rows printed as they come and both files,
+gpu_check.json and gpu_check.md, rewritten after every row, so a run cut short, even
+killed, still says what it measured) and how it installs what it lacks."""
 
 from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 STATUSES = ("pass", "fail", "skip", "info")
+
+
+def pip_install(out: Path) -> list[str]:
+    """The pip command the check installs with: torch pinned to the installed version, and
+    `AMPWATCH_WHEELS` (a folder of wheels carried to a machine without the registry, e.g.
+    made here with `pip download`) searched too."""
+    command = [sys.executable, "-m", "pip", "install", "--quiet", "--constraint",
+               str(out / "constraints.txt")]
+    if os.environ.get("AMPWATCH_WHEELS"):
+        command += ["--find-links", os.environ["AMPWATCH_WHEELS"]]
+    return command
 
 
 class Budget:
