@@ -45,9 +45,11 @@ def _needs_fp8() -> None:
         pytest.skip(reason)
 
 
-# importing inductor warns once per process (torch 2.13's pre_grad passes use torch.jit)
-INDUCTOR = pytest.mark.filterwarnings(
-    "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning")
+# inductor's own warnings: importing it (torch 2.13's pre_grad passes use torch.jit), and
+# compiling on an Ampere-or-later GPU while float32 matmuls do not use TF32
+INDUCTOR = [pytest.mark.filterwarnings(
+                "ignore:`torch.jit.script_method` is deprecated:DeprecationWarning"),
+            pytest.mark.filterwarnings("ignore:TensorFloat32 tensor cores")]
 
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, marks=INDUCTOR) if r == "compiled" else r
