@@ -4,14 +4,16 @@ Phase times come from `torch.profiler`: the loop marks each phase with `record_f
 (`ampwatch.<phase>.<step>`). On the CPU a phase's time is that range's host duration, as
 the agent's host clock measures it. On CUDA the agent's CUDA events measure the stream's
 timeline between the phase's start and end marks, so the comparable figure is the GPU
-span of the work the phase launched: from the first to the last end of the kernels,
+span of the work the phase launched: from the first start to the last end of the kernels,
 copies and memsets whose launch (a runtime or driver call, on any thread: backward
 launches from autograd's device thread) lies inside the range, joined by the profiler's
-correlation ids. Both agree when the GPU, not the launching, is the bottleneck.
+correlation ids; GPU work whose launch the trace lacks goes with the work just before it
+on the GPU. Both agree when the GPU, not the launching, is the bottleneck.
 """
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import json
 import re
@@ -60,25 +62,36 @@ def phase_ms(trace: dict[str, Any], device: torch.device) -> dict[tuple[str, int
     """(phase, step) -> milliseconds, summed over the step's ranges of that phase (one per
     micro-batch)."""
     events = [e for e in trace.get("traceEvents", ()) if e.get("ph") == "X"]
-    ranges = [(m.group(1), int(m.group(2)), e["ts"], e["ts"] + e["dur"]) for e in events
-              if e.get("cat") == "user_annotation" and (m := _RANGE.match(e.get("name", "")))]
+    ranges = sorted((e["ts"], e["ts"] + e["dur"], m.group(1), int(m.group(2))) for e in events
+                    if e.get("cat") == "user_annotation"
+                    and (m := _RANGE.match(e.get("name", ""))))
     out: dict[tuple[str, int], float] = defaultdict(float)
     if device.type != "cuda":
-        for phase, step, start, end in ranges:
+        for start, end, phase, step in ranges:
             out[(phase, step)] += (end - start) / 1000.0
         return dict(out)
-    launches = sorted((e["ts"], e["args"]["correlation"]) for e in events
-                      if e.get("cat") in _LAUNCHES and "correlation" in e.get("args", {}))
-    work: dict[int, list[tuple[float, float]]] = defaultdict(list)
+    starts = [r[0] for r in ranges]
+    owner: dict[int, int | None] = {}  # correlation id -> index of the range it launched in
     for e in events:
-        if e.get("cat") in _GPU_WORK and "correlation" in e.get("args", {}):
-            work[e["args"]["correlation"]].append((e["ts"], e["ts"] + e["dur"]))
-    for phase, step, start, end in ranges:
-        spans = [span for ts, corr in launches if start <= ts <= end for span in work[corr]]
-        if spans:
-            first = min(s for s, _ in spans)
-            last = max(e for _, e in spans)
-            out[(phase, step)] += (last - first) / 1000.0
+        if e.get("cat") in _LAUNCHES and "correlation" in e.get("args", {}):
+            i = bisect.bisect_right(starts, e["ts"]) - 1
+            owner[e["args"]["correlation"]] = (
+                i if i >= 0 and e["ts"] <= ranges[i][1] else None)
+    work = sorted((e["ts"], e["ts"] + e["dur"], e.get("args", {}).get("correlation"))
+                  for e in events if e.get("cat") in _GPU_WORK)
+    spans: dict[int, list[float]] = {}
+    current: int | None = None
+    for start, end, correlation in work:
+        if correlation in owner:
+            current = owner[correlation]
+        # else a launch the trace did not record (a library's own driver call): the work
+        # belongs with what ran just before it on the GPU
+        if current is not None:
+            first, last = spans.get(current, (start, end))
+            spans[current] = [min(first, start), max(last, end)]
+    for index, (first, last) in spans.items():
+        _, _, phase, step = ranges[index]
+        out[(phase, step)] += (last - first) / 1000.0
     return dict(out)
 
 

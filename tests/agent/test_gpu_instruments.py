@@ -35,6 +35,7 @@ def test_cuda_phase_time_is_the_gpu_span_of_the_work_launched_in_the_range() -> 
         _event("cuda_runtime", "cudaEventRecord", 180, 1, correlation=5),  # no GPU work
         _event("cuda_runtime", "cudaLaunchKernel", 300, 2, correlation=6),  # outside
         _event("kernel", "later", 400, 10, tid=7, correlation=6),
+        _event("kernel", "unlaunched", 420, 10, tid=7, correlation=99),  # follows "later"
     ]}
     spans = phase_ms(trace, CUDA)
     assert spans == {("forward", 3): pytest.approx((275 - 200) / 1000),
@@ -43,12 +44,37 @@ def test_cuda_phase_time_is_the_gpu_span_of_the_work_launched_in_the_range() -> 
     assert cpu == {("forward", 3): pytest.approx(0.05), ("backward", 3): pytest.approx(0.04)}
 
 
+def test_gpu_work_without_a_recorded_launch_goes_with_the_work_before_it() -> None:
+    """A library kernel whose launch the trace lacks (cuBLAS's own driver call) extends the
+    span of the phase whose kernel ran just before it, not the next phase's."""
+    trace = {"traceEvents": [
+        _event("user_annotation", "ampwatch.forward.0", 0, 100),
+        _event("cuda_runtime", "cudaLaunchKernel", 10, 2, correlation=1),
+        _event("kernel", "layernorm", 50, 10, correlation=1),
+        _event("kernel", "cublas_gemm", 60, 40, correlation=77),
+        _event("cuda_runtime", "cudaLaunchKernel", 120, 2, correlation=2),  # the loss
+        _event("kernel", "loss", 100, 5, correlation=2),
+        _event("kernel", "loss_reduce", 105, 5, correlation=78),
+        _event("user_annotation", "ampwatch.backward.0", 150, 100),
+        _event("cuda_runtime", "cudaLaunchKernel", 160, 2, correlation=3),
+        _event("kernel", "gemm_bwd", 200, 30, correlation=3),
+    ]}
+    assert phase_ms(trace, CUDA) == {("forward", 0): pytest.approx(0.05),
+                                     ("backward", 0): pytest.approx(0.03)}
+
+
 def test_micro_batches_add_up_and_phases_compare_by_step() -> None:
     trace = {"traceEvents": [_event("user_annotation", "ampwatch.forward.1", 0, 1000),
                              _event("user_annotation", "ampwatch.forward.1", 2000, 1000),
-                             _event("user_annotation", "ampwatch.forward.2", 4000, 1000)]}
+                             _event("user_annotation", "ampwatch.forward.2", 4000, 1000),
+                             _event("cuda_runtime", "cudaLaunchKernel", 10, 1, correlation=1),
+                             _event("kernel", "a", 100, 500, correlation=1),
+                             _event("cuda_runtime", "cudaLaunchKernel", 2010, 1, correlation=2),
+                             _event("kernel", "b", 2100, 300, correlation=2)]}
     truth = phase_ms(trace, torch.device("cpu"))
     assert truth == {("forward", 1): pytest.approx(2.0), ("forward", 2): pytest.approx(1.0)}
+    # on CUDA each micro-batch's span counts apart: the gap between them is not forward time
+    assert phase_ms(trace, CUDA) == {("forward", 1): pytest.approx(0.8)}
     result = compare_phases(truth, {1: {"t_forward_ms": 2.1}, 2: {"t_forward_ms": 0.5}})
     assert result["forward"]["steps"] == 2
     assert result["forward"]["median"] == pytest.approx((0.05 + 0.5) / 2)
