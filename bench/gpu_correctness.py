@@ -37,7 +37,7 @@ from tests.agent.gpu_timing import (
 )
 
 SAMPLE_EVERY = 10
-ANOMALY_WINDOW = 20  # the agent's default sample_after_anomaly
+ANOMALY_WINDOW = 20  # the agent's default sample_after_anomaly (up to: the worker sets it)
 TIMING_TOLERANCE = 0.10
 NORM_TOLERANCE = 1e-4  # relative: the agent's fused norms against get_total_norm
 
@@ -46,6 +46,12 @@ def recorded_steps(ctx: Context, run_id: str) -> dict[int, dict[str, Any]]:
     """The run's stored steps, by step (as the server answers them)."""
     with Client(ctx.server) as client:
         return {s.step: dataclasses.asdict(s) for s in client.steps(run_id)}
+
+
+def sampled_steps(ctx: Context, run_id: str, layer: str = "h.0.attn.c_attn") -> set[int]:
+    """The steps whose activations the server holds for `layer`: the sampled ones."""
+    with Client(ctx.server) as client:
+        return {point.step for point in client.layer_series(run_id, layer).activations}
 
 
 def check_no_sync(ctx: Context) -> None:
@@ -97,11 +103,15 @@ def _no_sync(ctx: Context, recipe: str) -> None:
     records = recorded_steps(ctx, attachment.run_id)
     agent_syncs = swallowed.syncs + [(s, "") for s in loop_syncs if ": agent: " in s]
     other = [e for e in swallowed.errors if SYNC_MESSAGE not in e[1]]
-    sampled = ("none (a compiled model is never sampled)" if loop.compiled else
-               f"every {SAMPLE_EVERY}th" + (f" and {ANOMALY_WINDOW} after the overflow at "
-                                            f"step {warmup + overflow}" if overflow else ""))
+    checked_sampled = sorted(i for i in sampled_steps(ctx, attachment.run_id)
+                             if i >= warmup)
+    sampled = (f"{len(checked_sampled)} of the checked steps"
+               + (" (a compiled model is never sampled)" if loop.compiled else
+                  f" (every {SAMPLE_EVERY}th, and up to {ANOMALY_WINDOW} after an anomaly"
+                  + (f" such as the overflow at step {warmup + overflow}" if overflow else "")
+                  + ")"))
     ok = (not agent_syncs and not loop_syncs and not other and not waits and delivered
-          and len(records) == warmup + steps)
+          and len(records) == warmup + steps and (loop.compiled or bool(checked_sampled)))
     status = "pass" if ok else "fail"
     if device.type != "cuda":
         status = "skip" if ok else "fail"
@@ -113,7 +123,7 @@ def _no_sync(ctx: Context, recipe: str) -> None:
          + ("" if device.type == "cuda" else "; the sync debug mode is CUDA only: the "
             "code path ran, nothing was checked")),
         "0 agent syncs, 0 waits", agent_syncs=agent_syncs[:20], loop_syncs=loop_syncs[:20],
-        host_waits=waits[:20],
+        host_waits=waits[:20], sampled_steps=checked_sampled,
         other_errors=other[:20], delivered=delivered)
 
 
