@@ -77,6 +77,8 @@ def test_no_host_sync_in_any_recipe(attach, offline: Path, recipe: str) -> None:
     assert attachment.flush(60)
     records = spooled_steps(offline, attachment.run_id)
     assert [r["step"] for r in records] == list(range(warmup + steps))
+    sampled = [r["step"] for r in records if "activations" in r and r["step"] >= warmup]
+    assert bool(sampled) != loop.compiled  # sampled steps were checked (never when compiled)
     if scaled:
         assert records[warmup + 30]["skipped"]
 
