@@ -207,6 +207,23 @@ def step_span(lines: list[StepColumns]) -> tuple[int, int] | None:
     return min(a for a, _ in spans), max(b for _, b in spans)
 
 
+def step_span_of(step_arrays: list[np.ndarray]) -> tuple[int, int] | None:
+    """First and last step over arrays of steps (empty ones ignored)."""
+    spans = [(int(a.min()), int(a.max())) for a in step_arrays if a.size]
+    if not spans:
+        return None
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def mark_step(fig: go.Figure, step: int | None) -> go.Figure:
+    """A vertical line at `step` (the step a link from a problem opened the page at)."""
+    if step is not None and fig.layout.xaxis.visible is not False:
+        fig.add_vline(x=step, line={"color": CRITICAL, "width": 1.5, "dash": "dash"},
+                      annotation_text=f"step {step:,}", annotation_position="top",
+                      annotation_font_color=CRITICAL, name="mark")
+    return fig
+
+
 def share_x(fig: go.Figure, x_range: tuple[int, int] | None) -> go.Figure:
     """One x range for every chart of a page: from its first step to its last, so charts
     line up and none stops short where its values end (a scale of 0, a NaN loss)."""

@@ -36,6 +36,16 @@ def forward_order(layers: dict) -> list[int]:
         layers["items"], key=lambda x: forward_key(x["index"], x["forward_index"]))]
 
 
+def layer_title(item: dict) -> str:
+    """A layer's name with its type, as `nn.Sequential` names say nothing alone:
+    "6 · Linear(256, 256)" (in, out features from its weight's shape), "norm · LayerNorm"."""
+    kind = item.get("type") or ""
+    weight = (item.get("shapes") or {}).get("weight")
+    if kind == "Linear" and weight and len(weight) == 2:
+        kind = f"Linear({weight[1]}, {weight[0]})"
+    return f"{item['name']} · {kind}" if kind else item["name"]
+
+
 @dataclass(frozen=True)
 class FirstOffender:
     """The earliest non-finite cell: its layer (first in forward order) and bucket."""
@@ -87,20 +97,22 @@ def first_offender(matrix: LayerMatrix) -> FirstOffender | None:
 
 
 def layer_heatmap_figure(matrix: LayerMatrix, *, quantity: str,
-                         offender: str | None = None) -> go.Figure:
+                         offender: str | None = None,
+                         titles: dict[str, str] | None = None) -> go.Figure:
     """Layers (rows in the matrix's order, forward order, top first) x step buckets of
     `quantity`.
 
     Colour is log10 of the bucket's largest finite value; empty buckets stay blank;
     inf and NaN cells are drawn by red overlays, each layer's first bad bucket gets a
     marker and the `offender` layer (the run's first offender) a labelled star.
+    `titles`: the row label of each layer name (its name with its type).
     """
     values, empty = matrix.values, matrix.empty
     n_layers = len(matrix.layers)
     fig = base_figure(heatmap_height(n_layers))
     if not values.size or empty.all():
         return note(fig, f"no {quantity} recorded yet")
-    names = [label(layer) for layer in matrix.layers]
+    names = [label((titles or {}).get(layer, layer)) for layer in matrix.layers]
     x = matrix.step_start
     edges = bucket_edges(matrix)
     finite = np.isfinite(values) & ~empty
@@ -173,7 +185,7 @@ def _mark_offender(fig: go.Figure, offender: str | None, matrix: LayerMatrix,
         hovertemplate="first offender: %{y}<br>non-finite from step %{x}<extra></extra>",
     )
     fig.add_annotation(x=x[bucket], y=names[row], ax=60, ay=-18, xanchor="left",
-                       text=f"first offender: {names[row]}", font={"color": CRITICAL},
+                       text=f"first offender: {label(offender)}", font={"color": CRITICAL},
                        arrowcolor=CRITICAL, bgcolor="rgba(255,255,255,0.9)")
 
 

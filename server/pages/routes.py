@@ -18,8 +18,8 @@ from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.errors import NotFound
 from ampwatch.server.fields import NO_NUL
-from ampwatch.server.pages import auth, fp8, views
-from ampwatch.server.pages.figures import DASHES, colour
+from ampwatch.server.pages import auth, cards, fp8, layer, views
+from ampwatch.server.pages.figures import DASHES, colour, mark_step
 from ampwatch.server.pages.rendering import render_fragment, render_page
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import MAX_STEP, Health
@@ -36,6 +36,8 @@ Format = Annotated[Literal["html", "json", "update"],
                    Query(alias="format", description="json: the page's JSON twin")]
 Start = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 End = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
+Mark = Annotated[int | None, Query(ge=0, le=MAX_STEP,
+                                   description="a step to draw a line at on every chart")]
 
 
 @router.get("/static/plotly.min.js")
@@ -137,6 +139,7 @@ def run_page(
     rank: RankChoice = None,
     start: Start = None,
     end: End = None,
+    mark: Mark = None,
     output: Format = "html",
 ) -> Response:
     """A run's overview: scaler, grad norm, loss, lr, timings, memory and findings."""
@@ -147,8 +150,8 @@ def run_page(
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
-    figures = views.overview_figures(twin)
-    context = {"twin": twin, "run": twin["run"], "cards": views.incident_panel(twin),
+    figures = views.overview_figures(twin, mark)
+    context = {"twin": twin, "run": twin["run"], "cards": cards.incident_panel(twin),
                "start": start, "end": end}
     return _run_tab(request, output, "run.html", "overview", figures, context,
                     {"findings": "_findings.html",
@@ -166,6 +169,7 @@ def layers_page(
     end: End = None,
     page: Annotated[int, Query(ge=1, le=1_000_000, description="a page of "
                                f"{views.LAYERS_PER_PAGE} layers in forward order")] = 1,
+    mark: Mark = None,
     output: Format = "html",
 ) -> Response:
     """Per-layer heatmaps, the misaligned-layer table and the precision map, a page of
@@ -177,13 +181,41 @@ def layers_page(
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
-    figures = views.layers_figures(twin)
+    figures = views.layers_figures(twin, mark)
     context = {"twin": twin, "run": twin["run"], "start": start, "end": end,
                "paging": twin["page"], "page_href": partial(_page_href, request),
                "misaligned": views.misaligned_rows(twin),
                "precision": views.precision_rows(twin)}
     return _run_tab(request, output, "layers.html", "layers", figures, context,
                     {"layer-tables": "_layer_tables.html"})
+
+
+@pages.get("/runs/{run_id}/layers/{index}", response_class=HTMLResponse)
+def layer_page(
+    request: Request,
+    run_id: RunIdPath,
+    index: Annotated[int, Path(ge=0, le=1_000_000)],
+    session: SessionDep,
+    settings: SettingsDep,
+    rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    start: Start = None,
+    end: End = None,
+    mark: Mark = None,
+    output: Format = "html",
+) -> Response:
+    """One layer: its grad norm, output abs-max against its dtype's maximum, share of
+    zero grad elements, and the findings that name it."""
+    try:
+        twin = layer.layer_twin(session, settings, run_id, index, rank=rank,
+                                steps=views.StepRange(start, end))
+    except NotFound as exc:
+        return _not_found(request, exc)
+    if output == "json":
+        return WireJSONResponse(twin)
+    figures = {name: mark_step(fig, mark) for name, fig in layer.layer_figures(twin).items()}
+    context = {"twin": twin, "run": twin["run"], "start": start, "end": end}
+    return _run_tab(request, output, "layer.html", "layers", figures, context,
+                    {"layer-findings": "_layer_findings.html"})
 
 
 @pages.get("/runs/{run_id}/fp8", response_class=HTMLResponse)

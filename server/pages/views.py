@@ -18,6 +18,7 @@ from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
+from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import ranks_panel
 from ampwatch.server.runs import get_run, list_runs, public_run
@@ -73,45 +74,33 @@ def findings_of(session: Session, run_id: str, kind: str | None = None) -> dict:
     return {"open": found["open"], "resolved": found["resolved"]}
 
 
+def named_layers(session: Session, run_id: str, findings: dict) -> dict[str, int]:
+    """Index of each layer the findings name (their links open its own view)."""
+    named = {f["layer"] for items in findings.values() for f in items if f["layer"]}
+    return {row.name: row.index for row in layer_rows(session, run_id) if row.name in named}
+
+
 def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: int | None,
                   steps: StepRange) -> dict:
     """/runs/{id}: the run, its downsampled steps (all ranks unless one is picked), its
     findings and its incidents (the findings grouped by root cause)."""
     run = get_run(session, run_id)
     public = page_run(session, run_id, settings)
+    findings = findings_of(session, run_id)
     return {
         "run": public,
         "rank": rank,
         "ranks": ranks_panel(session, run) if len(public["ranks"]) > 1 else [],
         "steps": steps_query(session, run, rank=rank, max_points=MAX_POINTS, **steps.query()),
-        "findings": findings_of(session, run_id),
+        "findings": findings,
         "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
+        "layer_index": named_layers(session, run_id, findings),
     }
 
 
-def incident_panel(twin: dict) -> dict:
-    """The overview's findings panel: one card per incident (root cause), split into
-    problems (open, warning or critical), notes (open, info) and resolved ones. Each
-    card carries its findings (for their messages) and, for misaligned layers, a link
-    to the Layers page's table. Every count shown is the length of a list here."""
-    findings = {f["id"]: f for items in twin["findings"].values() for f in items}
-    run_id = twin["run"]["id"]
-    cards: dict[str, list[dict]] = {"problems": [], "notes": [], "resolved": []}
-    for incident in twin["incidents"]:
-        members = [findings[i] for i in incident["findings"] if i in findings]
-        if not members:
-            continue
-        card = {**incident, "members": members, "message": members[0]["message"],
-                "href": (f"/runs/{quote(run_id)}/layers#misaligned"
-                         if incident["cause"] == "misaligned" else None)}
-        group = ("resolved" if incident["status"] != "open" else
-                 "problems" if incident["problem"] else "notes")
-        cards[group].append(card)
-    return cards
-
-
-def overview_figures(twin: dict) -> dict[str, Figure]:
-    """The overview's charts, all over one step range (app.js also shares the zoom)."""
+def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
+    """The overview's charts, all over one step range (app.js also shares the zoom), with
+    a line at step `mark` on each."""
     lines = by_rank(twin["steps"])
     charts = {
         "loss_scale": figures.loss_scale_figure(lines),
@@ -122,7 +111,8 @@ def overview_figures(twin: dict) -> dict[str, Figure]:
         "memory": figures.peak_memory_figure(lines),
     }
     span = figures.step_span(lines)
-    return {name: figures.share_x(fig, span) for name, fig in charts.items()}
+    return {name: figures.mark_step(figures.share_x(fig, span), mark)
+            for name, fig in charts.items()}
 
 
 def layer_page(layers: list[Row], page: int, named: set[str]) -> dict:
@@ -139,6 +129,7 @@ def layer_page(layers: list[Row], page: int, named: set[str]) -> dict:
                                     ordered[first:first + LAYERS_PER_PAGE]],
         "page_of": {layer.name: position // LAYERS_PER_PAGE + 1
                     for position, layer in enumerate(ordered) if layer.name in named},
+        "index_of": {layer.name: layer.index for layer in ordered if layer.name in named},
     }
 
 
@@ -187,18 +178,34 @@ def offender_layer(twin: dict, grads: LayerMatrix, acts: LayerMatrix) -> str | N
     return None
 
 
-def layers_figures(twin: dict) -> dict[str, Figure]:
+def layers_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     grads = LayerMatrix.from_twin(twin["grad_norm"])
     acts = LayerMatrix.from_twin(twin["act_absmax"])
     offender = offender_layer(twin, grads, acts)
     span = heatmaps.matrix_span([grads, acts])
+    titles = {item["name"]: layer_title(item) for item in twin["layers"]["items"]}
+    maps = {}
+    for name, matrix, quantity in (("grad_heatmap", grads, "grad norm"),
+                                   ("act_heatmap", acts, "abs-max")):
+        fig = heatmaps.layer_heatmap_figure(matrix, quantity=quantity, offender=offender,
+                                            titles=titles)
+        maps[name] = figures.mark_step(figures.share_x(fig, span), mark)
+        layer_links(maps[name], twin, matrix, titles)
     return {
-        "grad_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
-            grads, quantity="grad norm", offender=offender), span),
-        "act_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
-            acts, quantity="abs-max", offender=offender), span),
+        **maps,
         "fwd_time": heatmaps.forward_time_figure(twin["layers"], twin["page"]["indices"]),
     }
+
+
+def layer_links(fig: Figure, twin: dict, matrix: LayerMatrix, titles: dict[str, str]) -> None:
+    """The layer view each heatmap row opens (app.js follows a click on a row): row
+    labels and their links in the figure's `meta`."""
+    index = {item["name"]: item["index"] for item in twin["layers"]["items"]}
+    path = f"/runs/{quote(twin['run']['id'])}/layers"
+    rows = [name for name in matrix.layers if name in index]
+    fig.update_layout(meta={
+        "layer_rows": [figures.label(titles.get(name, name)) for name in rows],
+        "layer_links": [f"{path}/{index[name]}?rank={twin['rank']}" for name in rows]})
 
 
 @dataclass(frozen=True)
@@ -213,6 +220,7 @@ class MisalignedRow:
     severity: str
     message: str
     page: int  # the layers page whose precision map holds the layer
+    index: int | None  # the layer's index: its own view
 
 
 def misaligned_rows(twin: dict) -> list[MisalignedRow]:
@@ -230,6 +238,7 @@ def misaligned_rows(twin: dict) -> list[MisalignedRow]:
             flops_share=evidence.get("flops_share"), severity=finding["severity"],
             message=finding["message"],
             page=page_of.get(finding["layer"], twin["page"]["page"]),
+            index=twin["page"]["index_of"].get(finding["layer"]),
         ))
     return sorted(rows, key=lambda r: (-(r.flops_share or 0), r.layer, r.dimension))
 

@@ -70,6 +70,25 @@
     });
   }
 
+  // A heatmap row opens its layer's own view: the figure's meta lists each row's label
+  // and link (server/pages/views.py layer_links).
+  function followRows() {
+    document.querySelectorAll(".plot").forEach(function (el) {
+      var meta = el.layout && el.layout.meta;
+      if (!meta || !meta.layer_links || el.dataset.rowsFollowed) {
+        return;
+      }
+      el.dataset.rowsFollowed = "1";
+      el.on("plotly_click", function (event) {
+        var point = event.points && event.points[0];
+        var row = point ? meta.layer_rows.indexOf(point.y) : -1;
+        if (row >= 0) {
+          window.location.href = meta.layer_links[row];
+        }
+      });
+    });
+  }
+
   function swapPanels(panels) {
     Object.keys(panels).forEach(function (id) {
       var el = document.getElementById(id);
@@ -119,6 +138,7 @@
     if (embedded) {
       draw(JSON.parse(embedded.textContent), false);
       shareZoom();
+      followRows();
     }
     var live = document.querySelector("[data-live-url]");
     if (live) {
