@@ -47,7 +47,8 @@ LEADING_STEP = re.compile(r"^Step [\d,]+: ")
 def incident_panel(twin: dict) -> dict:
     """The overview's findings panel: one card per incident (root cause), split into
     problems (open, warning or critical), notes (open, info) and resolved ones, each
-    ordered by severity, then by the first step of its leading signal. Each card
+    ordered by severity, then cards of symptoms alone last, then by the first step of
+    its leading signal. Each card
     carries its findings (for their messages), a title that names its first step, and
     links: its steps (a window centred on them, marked), its layer's own view and, for
     misaligned layers, the Layers page's table. Every count shown is the length of a
@@ -85,9 +86,15 @@ def incident_panel(twin: dict) -> dict:
                  "problems" if incident["problem"] else "notes")
         cards[group].append(card)
     for group in cards.values():
-        group.sort(key=lambda c: (-SEVERITY_RANK[c["severity"]], c["lead_step"] is None,
-                                  c["lead_step"] or 0, c["id"]))
+        group.sort(key=lambda c: (-SEVERITY_RANK[c["severity"]], symptoms_only(c["members"]),
+                                  c["lead_step"] is None, c["lead_step"] or 0, c["id"]))
     return cards
+
+
+def symptoms_only(members: list[dict]) -> bool:
+    """A card of symptoms alone (zero gradients) follows the cards with a signal of their
+    own: while grouping has not folded it into its cause, the cause reads first."""
+    return all(f["kind"] in SYMPTOM_KINDS for f in members)
 
 
 def lead_step(incident: dict, members: list[dict]) -> int | None:

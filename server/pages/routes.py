@@ -85,7 +85,8 @@ def _run_tab(request: Request, output: str, template: str, tab: str, figures: di
              context: dict, fragments: dict[str, str]) -> Response:
     """A run page (overview or layers) whole, or as the update a live page polls for:
     its figures and its panels (the run's stats plus the tab's own `fragments`)."""
-    panels = {"run-stats": render_fragment("_run_stats.html", **context)}
+    panels = {"run-stats": render_fragment("_run_stats.html", **context),
+              "run-status": render_fragment("_run_status.html", **context)}
     panels |= {panel: render_fragment(name, **context) for panel, name in fragments.items()}
     live = context["run"]["live"]
     if output == "update":
@@ -154,7 +155,7 @@ def run_page(
     context = {"twin": twin, "run": twin["run"], "cards": cards.incident_panel(twin),
                "start": start, "end": end}
     return _run_tab(request, output, "run.html", "overview", figures, context,
-                    {"findings": "_findings.html",
+                    {"findings": "_findings.html", "steps-footer": "_steps_footer.html",
                      **({"ranks-panel": "_ranks_panel.html"} if twin["ranks"] else {})})
 
 

@@ -74,8 +74,8 @@ class FieldRuns:
 @pytest.fixture(scope="session")
 def field_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FieldRuns]:
     """A live server holding "growing-fp16" (a 6-Linear nn.Sequential MLP in fp16 autocast
-    with a GradScaler, whose layer "6" has its weights multiplied by 1.025 after every
-    step until its output overflows fp16, about step 350) and "sgd-bf16" (the same MLP
+    with a GradScaler, whose layer "6" has a gain on its output that grows 2.5% a step
+    until the output overflows fp16, about step 400) and "sgd-bf16" (the same MLP
     in bf16 autocast trained with plain SGD at lr=30: it diverges from its first steps).
     About 5 s of training; shared by every page test that needs them."""
     tmp = tmp_path_factory.mktemp("field")
@@ -83,9 +83,7 @@ def field_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FieldRuns]:
     server.start()
     try:
         model = mlp(seed=0)
-        with torch.no_grad():  # start near fp16's range so that it overflows in ~350 steps
-            model[6].weight.mul_(100.0)
-        growth = GrowingGain(model, GROWING_LAYER)
+        growth = GrowingGain(model, GROWING_LAYER, start=8.0)  # overflows near step 400
         Trainer(server.url, "growing-fp16", "growing fp16", model, after_step=growth,
                 tags=["fp16"]).train(FIELD_STEPS).close()
         assert growth.first_nonfinite is not None, "layer 6 never overflowed"

@@ -59,26 +59,29 @@ def mlp(width: int = 64, depth: int = 6, features: int = 16, *, seed: int = 0) -
 
 
 class GrowingGain:
-    """Multiplies one layer's weights by `rate` after every optimizer step: its output
-    grows 2.5% a step (by default) until it overflows fp16. Records, through a forward
-    hook of its own, the first step whose output held an inf or NaN: the ground truth
-    the tests compare the pages with."""
+    """A gain on one layer's output that grows by `rate` (2.5% by default) after every
+    optimizer step, from `start`, until the output overflows the autocast dtype. A
+    forward hook applies it (in the layer's output dtype, as a scale inside the layer
+    would) and records, as the test's ground truth, the output's abs-max at each step
+    and the first step whose output held inf/NaN. Attach it before the agent, whose own
+    hook then sees the grown output."""
 
-    def __init__(self, model: nn.Module, layer: str, rate: float = 1.025) -> None:
-        self.layer = dict(model.named_modules())[layer]
-        self.rate, self.step = rate, 0
+    def __init__(self, model: nn.Module, layer: str, rate: float = 1.025,
+                 start: float = 1.0) -> None:
+        self.rate, self.gain, self.step = rate, start, 0
         self.first_nonfinite: int | None = None
         self.absmax: list[float] = []
-        self.layer.register_forward_hook(self._seen)
+        dict(model.named_modules())[layer].register_forward_hook(self._grow)
 
-    def _seen(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> None:
+    def _grow(self, module: nn.Module, inputs: tuple, output: torch.Tensor) -> torch.Tensor:
+        output = output * self.gain
         self.absmax.append(float(output.detach().abs().float().max()))
         if self.first_nonfinite is None and not torch.isfinite(output).all():
             self.first_nonfinite = self.step
+        return output
 
     def __call__(self) -> None:
-        with torch.no_grad():
-            self.layer.weight.mul_(self.rate)
+        self.gain *= self.rate
         self.step += 1
 
 
