@@ -124,9 +124,12 @@ def layer_heatmap_figure(matrix: LayerMatrix, *, quantity: str,
                                   (np.isnan(values) & ~empty, "NaN", NAN_COLOUR)):
             if not cells.any():
                 continue
+            # hoverongaps off: the overlay's empty cells (every finite one) must not take
+            # the hover from the value heatmap below
             fig.add_heatmap(
                 x=edges, y=names, z=np.where(cells, 1.0, np.nan).astype(np.float32), zmin=0,
                 zmax=1, showscale=False, name=name, colorscale=[[0, fill], [1, fill]],
+                hoverongaps=False,
                 hovertemplate=f"%{{y}}<br>step %{{x:.0f}}: {name}<extra></extra>",
             )
         rows = np.flatnonzero(bad.any(axis=1))
@@ -160,12 +163,15 @@ def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np
     high = max(math.ceil(float(np.max(z, where=finite, initial=-np.inf))), low + 1)
     stride = max(1, math.ceil((high - low) / 6))
     ticks = list(range(low, high + 1, stride))
+    # app.js fills customdata with 10**z once drawn (meta "log10"): the hover reads 0.5,
+    # not 10^-0.30, without sending every value twice
     fig.add_heatmap(
         x=x, y=names, z=z, zmin=low, zmax=high, colorscale="Viridis", name=quantity,
         colorbar={"title": {"text": "log10", "side": "right"}, "tickvals": ticks,
                   "ticktext": [f"1e{k}" for k in ticks], "thickness": 12, "len": 0.9},
+        hoverongaps=False, meta="log10",
         hovertemplate="%{y}<br>step %{x:.0f}<br>" + quantity
-        + " 10<sup>%{z:.2f}</sup><extra></extra>",
+        + " %{customdata:.4~g}<extra></extra>",
     )
 
 

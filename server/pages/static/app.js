@@ -16,12 +16,33 @@
         return;
       }
       var fig = figures[name];
-      if (update) {
-        Plotly.react(el, fig.data, fig.layout, PLOT_CONFIG);
-      } else {
-        Plotly.newPlot(el, fig.data, fig.layout, PLOT_CONFIG);
-      }
+      var drawn = update ? Plotly.react(el, fig.data, fig.layout, PLOT_CONFIG)
+        : Plotly.newPlot(el, fig.data, fig.layout, PLOT_CONFIG);
+      drawn.then(function () {
+        hoverValues(el);
+      });
     });
+  }
+
+  // Heatmaps coloured by log10 (meta "log10") hover with the value itself: customdata
+  // is filled here with 10**z, from the z Plotly decoded.
+  function hoverValues(el) {
+    var update = [];
+    var indices = [];
+    (el._fullData || []).forEach(function (trace, i) {
+      if (trace.type !== "heatmap" || trace.meta !== "log10" || !trace.z) {
+        return;
+      }
+      update.push(Array.prototype.map.call(trace.z, function (row) {
+        return Array.prototype.map.call(row, function (z) {
+          return z === null || isNaN(z) ? null : Math.pow(10, z);
+        });
+      }));
+      indices.push(i);
+    });
+    if (indices.length) {
+      Plotly.restyle(el, { customdata: update }, indices);
+    }
   }
 
   // The page's step charts share one x range (set by the server) and one zoom: zooming
