@@ -18,8 +18,8 @@ from ampwatch.server.pages.columns import StepColumns
 
 # One meaning per colour, everywhere (server/pages/static/app.css uses the same values).
 CRITICAL = "#d93025"
-WARNING = "#e37400"
-HEALTHY = "#188038"
+WARNING = "#b45309"
+HEALTHY = "#137333"
 MUTED = "#5f6368"
 GRID = "#eceff1"
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")

@@ -4,7 +4,8 @@ panels that a live page swaps in without reloading)."""
 
 from __future__ import annotations
 
-from functools import partial
+import gzip
+from functools import cache, partial
 from pathlib import Path as FilePath
 from typing import Annotated, Literal
 from urllib.parse import urlencode
@@ -19,7 +20,14 @@ from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.errors import NotFound
 from ampwatch.server.fields import NO_NUL
 from ampwatch.server.pages import auth, cards, fp8, layer, views
-from ampwatch.server.pages.figures import DASHES, colour, mark_step
+from ampwatch.server.pages.figures import (
+    CHART_HEIGHT,
+    DASHES,
+    base_figure,
+    colour,
+    mark_step,
+    note,
+)
 from ampwatch.server.pages.rendering import render_fragment, render_page
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import MAX_STEP, Health
@@ -40,12 +48,23 @@ Mark = Annotated[int | None, Query(ge=0, le=MAX_STEP,
                                    description="a step to draw a line at on every chart")]
 
 
+@cache
+def _plotly_gzip() -> bytes:
+    """plotly.min.js gzipped, once per process (4.8 MB to 1.4 MB; about 0.3 s)."""
+    return gzip.compress(PLOTLY_JS.read_bytes(), compresslevel=9, mtime=0)
+
+
 @router.get("/static/plotly.min.js")
-def plotly_js() -> FileResponse:
-    """plotly.js from the installed plotly package: pages load nothing from elsewhere."""
-    return FileResponse(PLOTLY_JS, media_type="text/javascript",
-                        headers={"Cache-Control": f"public, max-age=86400, "
-                                 f"stale-while-revalidate=86400; v={plotly.__version__}"})
+def plotly_js(request: Request) -> Response:
+    """plotly.js from the installed plotly package (pages load nothing from elsewhere),
+    gzipped for a browser that takes it. Pages ask for it as ?v=<plotly version>, so it
+    is cached for a year: a new plotly is a new address."""
+    headers = {"Cache-Control": "public, max-age=31536000, immutable",
+               "Vary": "Accept-Encoding"}
+    if "gzip" in request.headers.get("accept-encoding", ""):
+        return Response(_plotly_gzip(), media_type="text/javascript",
+                        headers={**headers, "Content-Encoding": "gzip"})
+    return FileResponse(PLOTLY_JS, media_type="text/javascript", headers=headers)
 
 
 @router.get("/static/{name}")
@@ -58,6 +77,30 @@ def static_file(name: Annotated[str, Path(pattern=r"^[a-z]+\.(css|js)$")]) -> Fi
 
 def _not_found(request: Request, exc: NotFound) -> HTMLResponse:
     return render_page(request, "error.html", status_code=404, message=exc.message)
+
+
+def wants_page(request: Request) -> bool:
+    """A browser asking for a page (not the API, not a page's JSON or update twin)."""
+    return (not request.url.path.startswith(("/api/", "/metrics", "/static/"))
+            and request.query_params.get("format", "html") == "html"
+            and "text/html" in request.headers.get("accept", ""))
+
+
+def invalid_page(request: Request, errors: list | str) -> HTMLResponse:
+    """A page's query a person mistyped (?start=abc, ?page=0): said in words, with a way
+    back, rather than the API's JSON 422."""
+    problems = errors if isinstance(errors, list) else [errors]
+    return render_page(request, "error.html", status_code=400, title="Not a valid address",
+                       message="This address asks for something the page cannot show: "
+                       + "; ".join(_error_words(p) for p in problems) + ".",
+                       back=request.url.path)
+
+
+def _error_words(problem: object) -> str:
+    if isinstance(problem, dict):
+        where = ".".join(str(p) for p in problem.get("loc", [])[1:]) or "the address"
+        return f"{where}: {problem.get('msg', 'not valid')}"
+    return str(problem)
 
 
 def _update(live: bool, figures: dict, panels: dict[str, str]) -> Response:
@@ -81,17 +124,29 @@ def _live_url(request: Request) -> str:
     return f"{request.url.path}?{_query_with(request, 'format', 'update')}"
 
 
+def _past_end(figures: dict, run: dict, start: int | None) -> dict:
+    """Charts of a range that starts after the run's last step say so, rather than that
+    nothing was recorded."""
+    last = run.get("last_step")
+    if start is None or last is None or start <= last:
+        return figures
+    return {name: note(base_figure(fig.layout.height or CHART_HEIGHT),
+                       f"past the run's end: its last step is {last:,}")
+            for name, fig in figures.items()}
+
+
 def _run_tab(request: Request, output: str, template: str, tab: str, figures: dict,
              context: dict, fragments: dict[str, str]) -> Response:
     """A run page (overview or layers) whole, or as the update a live page polls for:
     its figures and its panels (the run's stats plus the tab's own `fragments`)."""
+    figures = _past_end(figures, context["run"], context.get("start"))
     panels = {"run-stats": render_fragment("_run_stats.html", **context),
               "run-status": render_fragment("_run_status.html", **context)}
     panels |= {panel: render_fragment(name, **context) for panel, name in fragments.items()}
     live = context["run"]["live"]
     if output == "update":
         return _update(live, figures, panels)
-    return render_page(request, template, tab=tab, panels=panels,
+    return render_page(request, template, tab=tab, panels=panels, charts=list(figures),
                        figures=figures, live_url=_live_url(request) if live else None,
                        poll_ms=LIVE_POLL_MS, **context)
 

@@ -98,18 +98,29 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
     }
 
 
+def has_scaler(run: dict, lines: list[StepColumns]) -> bool:
+    """Whether the run uses a GradScaler: it reported one, a scale or a skipped step."""
+    return bool((run.get("environment") or {}).get("scaler") or run.get("loss_scale")
+                or run.get("skipped")
+                or any(line.present["loss_scale"].any() for line in lines))
+
+
 def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     """The overview's charts, all over one step range (app.js also shares the zoom), with
     a line at step `mark` on each."""
     lines = by_rank(twin["steps"])
     charts = {
-        "loss_scale": figures.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
         "loss": figures.loss_figure(lines),
         "lr": figures.lr_figure(lines),
         "phases": figures.phase_times_figure(lines),
-        "memory": figures.peak_memory_figure(lines),
     }
+    # what a run cannot have is left out (a bf16 run has no loss scale, a CPU run no
+    # device memory); the loss scale leads where there is one: fp16's first signal
+    if has_scaler(twin["run"], lines):
+        charts = {"loss_scale": figures.loss_scale_figure(lines), **charts}
+    if any(line.finite("peak_mem_bytes").any() for line in lines):
+        charts["memory"] = figures.peak_memory_figure(lines)
     span = figures.step_span(lines)
     return {name: figures.mark_step(figures.share_x(fig, span), mark)
             for name, fig in charts.items()}
@@ -121,10 +132,10 @@ def layer_page(layers: list[Row], page: int, named: set[str]) -> dict:
     ordered = sorted(layers, key=lambda layer: heatmaps.forward_key(layer.index,
                                                                      layer.forward_index))
     pages = max(1, math.ceil(len(ordered) / LAYERS_PER_PAGE))
-    page = min(page, pages)
-    first = (page - 1) * LAYERS_PER_PAGE
+    first = (min(page, pages) - 1) * LAYERS_PER_PAGE
     return {
-        "page": page, "pages": pages, "per_page": LAYERS_PER_PAGE, "total": len(ordered),
+        "page": min(page, pages), "asked": page, "pages": pages, "per_page": LAYERS_PER_PAGE,
+        "total": len(ordered),
         "first": first, "indices": [layer.index for layer in
                                     ordered[first:first + LAYERS_PER_PAGE]],
         "page_of": {layer.name: position // LAYERS_PER_PAGE + 1
@@ -368,7 +379,9 @@ def _same_line(a: StepColumns, b: StepColumns, names: tuple[str, ...]) -> bool:
 
 def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:
     """The compare charts over one shared step range, each run in its own dash style."""
-    totals = [twin["steps"][run["id"]]["total"] for run in twin["runs"]]
+    # a run without a GradScaler skips no step by design: no flat line at 0% for it
+    totals = [twin["steps"][run["id"]]["total"] if has_scaler(run, [line]) else 0
+              for run, line in zip(twin["runs"], lines, strict=True)]
     charts = {
         "loss_scale": figures.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
