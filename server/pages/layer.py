@@ -12,17 +12,11 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.pages import figures
 from ampwatch.server.pages.columns import decode_values
-from ampwatch.server.pages.heatmaps import layer_title
+from ampwatch.server.pages.heatmaps import DTYPE_MAX, SHORT_DTYPE, layer_title
 from ampwatch.server.pages.views import MAX_POINTS, StepRange, findings_of, page_run
 from ampwatch.server.queries import layer_series_query, layers_query
 from ampwatch.server.runs import get_run
 from ampwatch.server.settings import Settings
-
-# the largest finite value of each dtype a layer may compute in (server has no torch)
-DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
-             "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32",
-               "float8_e4m3fn": "fp8 e4m3", "float8_e5m2": "fp8 e5m2"}
 
 
 def layer_twin(session: Session, settings: Settings, run_id: str, index: int, *, rank: int,

@@ -309,7 +309,8 @@ def compare_page(
                                       description="old form: ids, comma-separated")] = None,
     output: Format = "html",
 ) -> Response:
-    """Loss scale, grad norm, skip rate and step time of several runs overlaid.
+    """Loss, learning rate, loss scale, grad norm, skip rate and step time of several
+    runs overlaid.
     `?run=a&run=b` is the one form; the old `?runs=a,b` redirects to it."""
     if runs is not None:
         ids = [*run, *(r.strip() for r in runs.split(",") if r.strip())]

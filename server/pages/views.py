@@ -18,7 +18,7 @@ from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
-from ampwatch.server.pages.heatmaps import layer_title
+from ampwatch.server.pages.heatmaps import DTYPE_MAX, SHORT_DTYPE, layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import ranks_panel
 from ampwatch.server.runs import get_run, list_runs, public_run
@@ -198,14 +198,26 @@ def layers_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     maps = {}
     for name, matrix, quantity in (("grad_heatmap", grads, "grad norm"),
                                    ("act_heatmap", acts, "abs-max")):
-        fig = heatmaps.layer_heatmap_figure(matrix, quantity=quantity, offender=offender,
-                                            titles=titles)
+        fig = heatmaps.layer_heatmap_figure(
+            matrix, quantity=quantity, offender=offender, titles=titles,
+            limit=dtype_limit(twin) if name == "act_heatmap" else None)
         maps[name] = figures.mark_step(figures.share_x(fig, span), mark)
         layer_links(maps[name], twin, matrix, titles)
     return {
         **maps,
         "fwd_time": heatmaps.forward_time_figure(twin["layers"], twin["page"]["indices"]),
     }
+
+
+def dtype_limit(twin: dict) -> tuple[str, float] | None:
+    """The short name and largest value of the dtype the page's layers computed in, when
+    one 16-bit or 8-bit dtype (the only ones whose maximum a layer's output can reach)."""
+    dtypes = {item["summary"]["act_dtype"] for item in twin["layers"]["items"]} - {None}
+    dtypes &= DTYPE_MAX.keys() - {"bfloat16"}
+    if len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    return SHORT_DTYPE[dtype], DTYPE_MAX[dtype]
 
 
 def layer_links(fig: Figure, twin: dict, matrix: LayerMatrix, titles: dict[str, str]) -> None:
@@ -340,7 +352,8 @@ def compare_lines(twin: dict) -> list[StepColumns]:
             for run in twin["runs"]]
 
 
-COMPARED_VALUES = {"loss_scale": ("loss_scale",), "grad_norm": ("grad_norm",),
+COMPARED_VALUES = {"loss": ("loss",), "lr": ("lr",),
+                   "loss_scale": ("loss_scale",), "grad_norm": ("grad_norm",),
                    "skip_rate": ("skipped",), "step_time": ("t_step_ms", "t_forward_ms",
                                                             "t_backward_ms", "t_optimizer_ms")}
 
@@ -383,6 +396,8 @@ def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:
     totals = [twin["steps"][run["id"]]["total"] if has_scaler(run, [line]) else 0
               for run, line in zip(twin["runs"], lines, strict=True)]
     charts = {
+        "loss": figures.loss_figure(lines),
+        "lr": figures.lr_figure(lines),
         "loss_scale": figures.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
         "skip_rate": figures.skip_rate_figure(lines, totals),

@@ -20,6 +20,9 @@
         : Plotly.newPlot(el, fig.data, fig.layout, PLOT_CONFIG);
       drawn.then(function () {
         hoverValues(el);
+        if (update) {
+          applyTools(el);  // a live update redraws the server's smoothing: keep the user's
+        }
       });
     });
   }
@@ -43,6 +46,56 @@
     if (indices.length) {
       Plotly.restyle(el, { customdata: update }, indices);
     }
+  }
+
+  // The loss chart's tools: a smoothing slider (the debiased EMA of figures.smooth) over
+  // each "loss-raw" trace into the "loss-smooth" trace after it, and a log-axis toggle.
+  function ema(values, weight) {
+    var last = 0;
+    var debias = 0;
+    return Array.prototype.map.call(values, function (value) {
+      last = last * weight + (1 - weight) * value;
+      debias = debias * weight + (1 - weight);
+      return last / debias;
+    });
+  }
+
+  function applyTools(el) {
+    var tools = document.querySelector(".chart-tools[data-for='" + el.id + "']");
+    if (!tools || !el._fullData) {
+      return;
+    }
+    var weight = Number(tools.querySelector(".smoothing").value);
+    var ys = [];
+    var indices = [];
+    el._fullData.forEach(function (trace, i) {
+      var raw = el._fullData[i - 1];
+      if (trace.meta === "loss-smooth" && raw && raw.meta === "loss-raw") {
+        ys.push(ema(raw.y, weight));
+        indices.push(trace.index);
+      }
+    });
+    if (indices.length) {
+      Plotly.restyle(el, { y: ys }, indices);
+    }
+    var log = tools.querySelector(".log-axis").checked ? "log" : "linear";
+    if (el.layout.yaxis.type !== log) {
+      Plotly.relayout(el, { "yaxis.type": log, "yaxis.autorange": true });
+    }
+  }
+
+  function chartTools() {
+    document.querySelectorAll(".chart-tools").forEach(function (tools) {
+      var el = document.getElementById(tools.dataset.for);
+      if (!el) {
+        return;
+      }
+      tools.querySelectorAll("input").forEach(function (input) {
+        input.addEventListener("input", function () {
+          applyTools(el);
+        });
+      });
+    });
   }
 
   // The page's step charts share one x range (set by the server) and one zoom: zooming
@@ -114,8 +167,18 @@
     Object.keys(panels).forEach(function (id) {
       var el = document.getElementById(id);
       if (el) {
+        // boxes ticked (runs picked to compare) stay ticked across the swap
+        var ticked = Array.prototype.map.call(
+          el.querySelectorAll("input[type=checkbox]:checked"), function (box) {
+            return box.name + "=" + box.value;
+          });
         // server-rendered by autoescaping templates
         el.innerHTML = panels[id];
+        el.querySelectorAll("input[type=checkbox]").forEach(function (box) {
+          if (ticked.indexOf(box.name + "=" + box.value) >= 0) {
+            box.checked = true;
+          }
+        });
       }
     });
   }
@@ -160,6 +223,7 @@
       draw(JSON.parse(embedded.textContent), false);
       shareZoom();
       followRows();
+      chartTools();
     }
     var live = document.querySelector("[data-live-url]");
     if (live) {

@@ -68,6 +68,7 @@ class FieldRuns:
 
     server: LiveServer
     first_overflow: int  # growing-fp16: first step layer GROWING_LAYER's output was inf/NaN
+    scales: list[float]  # growing-fp16: the loss scale each step ran with
     steps: int = FIELD_STEPS
 
 
@@ -84,12 +85,14 @@ def field_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FieldRuns]:
     try:
         model = mlp(seed=0)
         growth = GrowingGain(model, GROWING_LAYER, start=8.0)  # overflows near step 400
-        Trainer(server.url, "growing-fp16", "growing fp16", model, after_step=growth,
-                tags=["fp16"]).train(FIELD_STEPS).close()
+        growing = Trainer(server.url, "growing-fp16", "growing fp16", model,
+                          after_step=growth, tags=["fp16"])
+        growing.train(FIELD_STEPS).close()
         assert growth.first_nonfinite is not None, "layer 6 never overflowed"
         Trainer(server.url, "sgd-bf16", "sgd lr=30 bf16", mlp(seed=1), dtype=torch.bfloat16,
                 lr=30.0, sgd=True, tags=["bf16"]).train(150).close()
-        yield FieldRuns(server=server, first_overflow=growth.first_nonfinite)
+        yield FieldRuns(server=server, first_overflow=growth.first_nonfinite,
+                        scales=growing.scales)
     finally:
         server.stop()
 

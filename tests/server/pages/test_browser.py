@@ -101,7 +101,7 @@ def test_names_a_client_sent_are_shown_as_text(browser):
     browser.goto("/")
     row = browser.page.locator("tr[data-run-id='xss-run']")
     assert row.locator(".run-name a").inner_text() == XSS
-    assert row.locator("td").nth(2).inner_text() == XSS_PROJECT
+    assert row.locator("td").nth(3).inner_text() == XSS_PROJECT
     browser.goto("/runs/xss-run")
     browser.wait_for_plots("loss_scale")
     assert browser.page.locator("h1").inner_text() == XSS

@@ -114,7 +114,7 @@ def test_a_healthy_run_has_no_open_problems_and_its_notes_are_apart(page, glance
     summary = page.page.locator("#findings details.notes summary").inner_text()
     assert summary.startswith(f"{len(notes)} note")
     page.goto("/")
-    assert page.page.locator("tr[data-run-id='healthy'] td").nth(6).inner_text() == "0"
+    assert page.page.locator("tr[data-run-id='healthy'] td").nth(7).inner_text() == "0"
 
 
 def test_a_detached_run_shows_finished_at_once(page):

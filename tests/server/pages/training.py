@@ -104,6 +104,7 @@ class Trainer:
         linears = [m for m in model.modules() if isinstance(m, nn.Linear)]
         self.features = (linears[0].in_features, linears[-1].out_features)
         self.generator = torch.Generator().manual_seed(1)
+        self.scales: list[float] = []  # the loss scale each step ran with: ground truth
         self.attachment = agent.attach(model, self.scaler, run=run, name=name, project=project,
                                        tags=tags or [], server=server, sample_every=5,
                                        flush_interval=0.5)
@@ -122,6 +123,7 @@ class Trainer:
                 loss.backward()
                 optimizer.step()
             else:
+                self.scales.append(scaler.get_scale())
                 scaler.scale(loss).backward()
                 scaler.unscale_(optimizer)
                 nn.utils.clip_grad_norm_(model.parameters(), 10.0)
