@@ -210,7 +210,9 @@ def _mark_offender(fig: go.Figure, offender: str | None, matrix: LayerMatrix,
         name="first offender", showlegend=True,
         hovertemplate="first offender: %{y}<br>non-finite from step %{x}<extra></extra>",
     )
-    fig.add_annotation(x=x[bucket], y=names[row], ax=60, ay=-18, xanchor="left",
+    right = bucket > len(x) / 2  # the label points inwards, clear of the colour bar
+    fig.add_annotation(x=x[bucket], y=names[row], ax=-60 if right else 60, ay=-18,
+                       xanchor="right" if right else "left",
                        text=f"first offender: {label(offender)}", font={"color": CRITICAL},
                        arrowcolor=CRITICAL, bgcolor="rgba(255,255,255,0.9)")
 
