@@ -194,6 +194,8 @@ def loss_scale_figure(lines: list[StepColumns]) -> go.Figure:
                colour=tint, legend=f"skipped-{i}" if len(lines) > 1 else "skipped",
                owner=label(line.label), several=len(lines) > 1)
     ticks = log2_ticks(low + 2 if any_fallen and lows else low, high)
+    if any_fallen:  # room for the fallen row's label
+        ticks = [k for k in ticks if k - low >= 4 or k == high] or ticks[-1:]
     text = [f"2<sup>{k}</sup>" for k in ticks]
     if any_fallen:
         zeros = any((line.values["loss_scale"][fallen] == 0).any() for _, line, fallen in drawn)
@@ -224,10 +226,12 @@ def _fallen(fig: go.Figure, line: StepColumns, fallen: np.ndarray, row: float, *
         hovertemplate="scale %{customdata:.3g}",
     )
     first = int(line.steps[fallen][0])
-    to = "0" if values[0] == 0 else f"{values[0]:.3g}"
+    to = "0" if values[0] == 0 else f"below 2^{SCALE_FLOOR}"
+    # the note reads leftwards from a fall late in the run, so that it stays in the chart
+    late = first > (int(line.steps[0]) + int(line.steps[-1])) / 2
     fig.add_annotation(x=first, y=row, text=f"{owner}fell to {to} at step {first:,}",
-                       showarrow=False, xanchor="left", yanchor="bottom",
-                       font={"color": CRITICAL, "size": 11})
+                       showarrow=False, xanchor="right" if late else "left",
+                       yanchor="bottom", font={"color": CRITICAL, "size": 11})
 
 
 def _tint(hex_colour: str, alpha: float = 0.14) -> str:

@@ -137,7 +137,7 @@ def test_loss_scale_chart_spans_every_step_with_even_ticks_and_shaded_streaks(pa
     assert "skipped step" not in traces and traces["scale below 2^-24"]["points"] > 0
     fill = page.page.evaluate("""() => document.getElementById('fig-loss_scale')._fullData
         .filter(t => t.name === 'skipped steps').map(t => t.fill)""")
-    assert fill == ["toself"]
+    assert fill == ["toself", "none"]  # the shaded spans, and their steps' hover points
     x = page.x_values("loss_scale", [t["name"] for t in page.traces("loss_scale")]
                       .index("skipped steps"))
     assert sum(v is None for v in x) == 2  # steps 100-179 and 181-499: two streaks
