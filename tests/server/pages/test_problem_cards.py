@@ -107,3 +107,16 @@ def test_a_risk_reads_as_a_risk_and_a_live_page_stays_current(field_browser, fie
     finally:
         trainer.close()
     browser.assert_clean()
+
+
+def test_the_diverging_bf16_run_is_told_it_diverged_in_its_own_dtype(field_browser):
+    browser = field_browser
+    browser.goto("/runs/sgd-bf16")
+    cards = browser.page.locator("#findings").inner_text()
+    first = browser.page.locator("#problems .finding").first
+    assert "Training diverged" in first.locator(".message").inner_text()
+    assert "lower the learning rate" in first.locator(".fix").inner_text().lower()
+    assert "fp16" not in cards and "float16" not in cards
+    assert "train in bf16" not in cards and "run it in fp32" not in cards
+    browser.shoot("sgd-bf16")
+    browser.assert_clean()
