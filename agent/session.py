@@ -21,6 +21,7 @@ from torch import nn
 from torch.amp.grad_scaler import OptState
 
 from ampwatch.agent import distributed, grad_clip, guard, patches
+from ampwatch.agent.attribution import ScaledLosses, reaches_params
 from ampwatch.agent.buffer import StepBuffer
 from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
@@ -31,6 +32,9 @@ _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
 _compiling = torch.compiler.is_compiling  # dynamo folds it to True while tracing a hook
 _GRAD = operator.attrgetter("grad")
+# parameters that autograd never accumulates into (the all-gathered copies are): every
+# backward is taken as the model's, as the agent cannot tell
+_UNWALKABLE = ("fsdp1", "fsdp2", "dtensor")
 
 
 @dataclass
@@ -77,6 +81,9 @@ class Session:
         self.rank, self.world_size = settings.rank, settings.world_size
         self.parallelism = distributed.parallelism(model, self.params)
         self.grad_layout = distributed.grad_layout(self.parallelism, self.world_size)
+        self._walk = self.parallelism not in _UNWALKABLE
+        self._scaled = ScaledLosses()
+        self._backward_ours = False  # the backward under way is the model's own
         self.buffer = StepBuffer(self.device)
         self.clock: HostClock | CudaClock = (
             CudaClock() if self.device_type == "cuda" else HostClock())
@@ -119,6 +126,7 @@ class Session:
         self._handles.append(optim_hooks.register_optimizer_step_post_hook(self._opt_post))
         self._patch_tokens = [
             (patches.BACKWARD, patches.BACKWARD.add(self._backward_before, self._backward_after)),
+            (patches.ZERO_GRAD, patches.ZERO_GRAD.add(self._zero_grad_before)),
             (patches.CLIP_GRAD_NORM, patches.CLIP_GRAD_NORM.add(
                 self._clip_before, self._clip_after, replace=self._clip_replace)),
             (patches.SCHEDULER_STEP, patches.SCHEDULER_STEP.add(self._scheduler_before)),
@@ -243,6 +251,7 @@ class Session:
         self._pending = (step, stepped, sealed)
         self.step = step + 1
         self._grads_taken = False
+        self._scaled.clear()
         if not self.scaler_enabled:
             self.close_pending()
         self.dispatch("on_next_step", self.step)
@@ -348,13 +357,39 @@ class Session:
         module._compiled_call_impl = call_with_hooks
         self._inplace_compiled.append((module, compiled))
 
+    # Tensor.backward is wrapped for the whole process: only the model's own backward
+    # (its graph reaches the model's parameters) is dispatched (agent/attribution.py)
     def _backward_before(self, args: tuple, kwargs: dict) -> None:
-        if self.live:
-            self.dispatch("on_backward_begin", args[0])
+        self._backward_ours = False
+        if not self.live:
+            return
+        tensor = args[0]
+        loss = self._scaled.pop(tensor) if self.scaler_enabled else tensor
+        if self._walk and not reaches_params(tensor, self._param_ids):
+            return
+        if loss is None:
+            loss = self._scaled.latest()
+        self._backward_ours = True
+        self.dispatch("on_backward_begin", loss)
 
     def _backward_after(self, result: Any, args: tuple, kwargs: dict, token: Any) -> None:
-        if self.live:
+        if self._backward_ours and self.live:
+            self._backward_ours = False
             self.dispatch("on_backward_end")
+
+    def _zero_grad_before(self, args: tuple, kwargs: dict) -> None:
+        """The loop drops the model's grads (its optimizer's or the model's `zero_grad`):
+        the losses and backwards that made them do not belong to the next step."""
+        owner = args[0]
+        if self.live and (owner is self.optimizer or owner is self.model
+                          or owner is self.inner):
+            self.dispatch("on_zero_grad")
+
+    def log_loss(self, loss: Any) -> None:
+        """Record `loss` as (part of) the next step's loss, in place of what the agent
+        sees by itself; does not synchronise the device."""
+        if self.live:
+            self.dispatch("on_loss_logged", loss)
 
     def _grads_unscaled(self) -> bool:
         if not self.scaler_enabled:
@@ -461,9 +496,15 @@ class Session:
     # ------------------------------------------------------------------ scaler wrappers
     def _wrap_scale(self, original: Callable) -> Callable:
         def scale(outputs: Any) -> Any:
-            if self.live:
-                self.dispatch("on_scale", outputs)
-            return original(outputs)
+            if not self.live:
+                return original(outputs)
+            self.dispatch("on_scale", outputs)
+            scaled = original(outputs)
+            try:
+                self._scaled.note(outputs, scaled)
+            except Exception as exc:  # noqa: BLE001
+                guard.report("session.scale", exc)
+            return scaled
         return scale
 
     def _wrap_unscale(self, original: Callable) -> Callable:
