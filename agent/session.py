@@ -9,6 +9,7 @@ issues its one non-blocking host copy. No method here synchronises the device.
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
 from ampwatch.agent.compiled import CompileCounter, is_compiled, is_compiled_wrapper, unwrap
 from ampwatch.agent.layers import Layer
+from ampwatch.agent.split_params import SplitParams
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
@@ -83,6 +85,7 @@ class Session:
         self.grad_layout = distributed.grad_layout(self.parallelism, self.world_size)
         self._walk = self.parallelism not in _UNWALKABLE
         self._scaled = ScaledLosses()
+        self._split = SplitParams(self.params)
         self._backward_ours = False  # the backward under way is the model's own
         self.buffer = StepBuffer(self.device)
         self.clock: HostClock | CudaClock = (
@@ -113,6 +116,14 @@ class Session:
         self._step_end_guarded = guard.guarded("session.step_end")(self._step_end)
         self.on_run_change: Callable[[], None] = lambda: None
         self.on_event: Callable[[str, dict[str, Any]], Any] = lambda kind, detail: None
+
+    def __deepcopy__(self, memo: dict) -> Session:
+        """A deep copy of the watched model (an EMA copy, `AveragedModel`) copies its hooks,
+        bound to this session: they get an inactive twin, so the copy trains and
+        evaluates unwatched and the copy needs no thread lock copied."""
+        twin = copy.copy(self)
+        twin.active = False
+        return twin
 
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
@@ -218,6 +229,8 @@ class Session:
         else:
             with_grad = [self.params[i] for i in present]
             grads = [p.grad for p in with_grad]
+            if divisor is None and self.scaler_enabled and self.optimizer is not None:
+                grads = self._split.unscale(self.optimizer, present, grads, self.scaler._scale)
         norms = None if clip is None else clip.norms_for(with_grad)
         self.dispatch("on_grads", grads, present, divisor, norms)
 
@@ -514,7 +527,9 @@ class Session:
                 try:
                     # outside scaler.step the snapshot waits for clip_grad_norm_ (whose
                     # norm pass it shares) or the step; inside, the grads are final
-                    if self._adopt(optimizer) and self._in_scaler_step:
+                    if not self._adopt(optimizer):
+                        self._split.unscaled_by(optimizer)
+                    elif self._in_scaler_step:
                         self._take_grads()
                 except Exception as exc:  # noqa: BLE001
                     guard.report("session.unscale_", exc)
@@ -548,6 +563,7 @@ class Session:
             if self.live:
                 self.dispatch("on_update_begin")
             original(new_scale)
+            self._split.updated()
             if self.live:
                 closing = self._pending is not None
                 self.dispatch("on_update_end", closing)

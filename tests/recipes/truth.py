@@ -31,21 +31,23 @@ class StepTruth:
 
 
 class Truth:
-    """One watched model's steps, as the loop knows them. `optimizer` is the optimizer
-    whose steps are the run's steps; `params`, when given, the parameters whose grads
-    make the step's grad norm (default: the model's)."""
+    """One watched model's steps, as the loop knows them: the model's grads are read
+    when `optimizer` steps (None: the loop calls `stepped()` itself)."""
 
-    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer | None,
                  scaler: torch.amp.GradScaler | None = None) -> None:
         self.params = list(dict.fromkeys(model.parameters()))
         self.scaler = scaler
         self.steps: list[StepTruth] = []
         self.current = StepTruth()
-        self._handle = optimizer.register_step_pre_hook(self._stepping)
+        if optimizer is not None:
+            optimizer.register_step_pre_hook(self._stepping)
 
     def _stepping(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        if self.current.grad_norm is not None:
-            return  # LBFGS: later closure evaluations are the line search
+        self.stepped()
+
+    def stepped(self) -> None:
+        """The optimizer steps now, with the model's grads as they are (unscaled)."""
         grads = [p.grad.detach().double().flatten() for p in self.params if p.grad is not None]
         self.current.grad_norm = torch.cat(grads).norm().item()
         self.current.skipped = False
@@ -64,8 +66,6 @@ class Truth:
         self.steps.append(self.current)
         self.current = StepTruth()
 
-    def close(self) -> None:
-        self._handle.remove()
 
 
 def close(a: float | None, b: float | None, rel: float) -> bool:
