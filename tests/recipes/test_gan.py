@@ -33,7 +33,7 @@ def gan_loop(G: nn.Module, D: nn.Module, oG: torch.optim.Optimizer, oD: torch.op
             real[0, 0] = math.nan
         poison["on"] = fault == "G" and i == INF_IN_G
         z = torch.randn(8, 8)
-        oD.zero_grad(set_to_none=True)
+        D.zero_grad()  # DCGAN's netD.zero_grad(): the module's, not the optimizer's
         if truth_d:
             truth_d.forget()  # G's last backward wrote D's grads; they are dropped here
         with torch.autocast("cpu", dtype=torch.float16):
