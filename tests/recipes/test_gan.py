@@ -1,12 +1,15 @@
 """A GAN as DCGAN writes it (discriminator step, then generator step), fp16 autocast, with
 one scaler shared by both optimizers or one scaler each; watching G, D, or both as two
-runs, with a fault in the model that is not watched. G's backward runs through D (and
+runs, with a fault in the model that is not watched, and a slow backward in D's loss
+only (whose time it is shows in `t_backward_ms`). G's backward runs through D (and
 writes D's grads, which D's next `zero_grad` drops); D's backward never reaches G (the
 fake batch is detached)."""
 
 from __future__ import annotations
 
 import math
+import time
+from typing import Any
 
 import pytest
 import torch
@@ -19,6 +22,27 @@ from tests.recipes.watch import watch
 
 NAN_IN_REAL = 5  # a NaN in the real batch of this step: D's loss and grads are NaN
 INF_IN_G = 7  # an inf in G's grads at this step: G's step is skipped
+D_BACKWARD_S = 0.03  # D's loss takes this long to backpropagate: whose time is it?
+
+
+class SlowBackward(torch.autograd.Function):
+    """Identity; its backward sleeps, so a backward that includes it is long."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        time.sleep(D_BACKWARD_S)
+        return grad
+
+
+def timed_backward(tensor: torch.Tensor) -> float:
+    """Backpropagate `tensor`; the milliseconds the call took, as the loop sees them."""
+    start = time.perf_counter()
+    tensor.backward()
+    return (time.perf_counter() - start) * 1000
 
 
 def gan_loop(G: nn.Module, D: nn.Module, oG: torch.optim.Optimizer, oD: torch.optim.Optimizer,
@@ -39,11 +63,12 @@ def gan_loop(G: nn.Module, D: nn.Module, oG: torch.optim.Optimizer, oD: torch.op
         with torch.autocast("cpu", dtype=torch.float16):
             fake = G(z)
             d_real, d_fake = D(real), D(fake.detach())
-            loss_d = (bce(d_real.float(), torch.ones_like(d_real, dtype=torch.float32))
-                      + bce(d_fake.float(), torch.zeros_like(d_fake, dtype=torch.float32)))
-        scaler_d.scale(loss_d).backward()
+            loss_d = SlowBackward.apply(
+                bce(d_real.float(), torch.ones_like(d_real, dtype=torch.float32))
+                + bce(d_fake.float(), torch.zeros_like(d_fake, dtype=torch.float32)))
+        took = timed_backward(scaler_d.scale(loss_d))
         if truth_d:
-            truth_d.backprop(loss_d)
+            truth_d.backprop(loss_d, took)
         scaler_d.step(oD)
         if truth_d:
             truth_d.end_step()
@@ -53,11 +78,11 @@ def gan_loop(G: nn.Module, D: nn.Module, oG: torch.optim.Optimizer, oD: torch.op
         with torch.autocast("cpu", dtype=torch.float16):
             out = D(fake)
             loss_g = bce(out.float(), torch.ones_like(out, dtype=torch.float32))
-        scaler_g.scale(loss_g).backward()
+        took = timed_backward(scaler_g.scale(loss_g))
         if truth_g:
-            truth_g.backprop(loss_g)
+            truth_g.backprop(loss_g, took)
         if truth_d:
-            truth_d.backprop(loss_g)  # it wrote D's grads too, until D's next zero_grad
+            truth_d.backprop(loss_g, took)  # it wrote D's grads too, until D.zero_grad()
         scaler_g.step(oG)
         scaler_g.update()
         if truth_g:
@@ -98,3 +123,5 @@ def test_gan(client, recipe_server, shared: bool, watched: str) -> None:
         # a NaN input batch is D's own fault, a warning on the skipped step; G's inf is not
         expected = {("nonfinite", None, NAN_IN_REAL, "warning")} if fault == "D" else set()
         check(client, runs["D"].run_id, truth_d, expected)
+        # D's own backward is D's: it includes the slow part
+        assert all(s.t_backward_ms >= D_BACKWARD_S * 1000 for s in client.steps(runs["D"].run_id))

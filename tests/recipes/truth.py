@@ -28,6 +28,7 @@ class StepTruth:
     loss_scale: float | None = None
     skipped: bool = True  # until the optimizer's pre-hook says it stepped
     grad_norm: float | None = None
+    backward_ms: float | None = None  # the loop's own timing of those backward calls
 
 
 class Truth:
@@ -52,15 +53,19 @@ class Truth:
         self.current.grad_norm = torch.cat(grads).norm().item()
         self.current.skipped = False
 
-    def backprop(self, loss: torch.Tensor) -> None:
-        """The loop backpropagates `loss` (unscaled) into the watched model."""
+    def backprop(self, loss: torch.Tensor, took_ms: float | None = None) -> None:
+        """The loop backpropagated `loss` (unscaled) into the watched model (in
+        `took_ms`, when the loop timed the call)."""
         self.current.losses.append(float(loss.detach()))
+        if took_ms is not None:
+            self.current.backward_ms = (self.current.backward_ms or 0.0) + took_ms
         if self.scaler is not None and self.scaler.is_enabled():
             self.current.loss_scale = self.scaler.get_scale()
 
     def forget(self) -> None:
         """The loop zeroed the watched model's grads: what it backpropagated so far is gone."""
         self.current.losses.clear()
+        self.current.backward_ms = None
 
     def end_step(self) -> None:
         self.steps.append(self.current)
@@ -104,6 +109,8 @@ def check(client: Client, run_id: str, truth: Truth,
         assert got.skipped is want.skipped, where
         assert close(got.loss, sum(want.losses) if want.losses else None, 1e-4), where
         assert got.loss_scale == want.loss_scale, where
+        if want.backward_ms is not None:  # the agent times inside the loop's own window
+            assert got.t_backward_ms is not None and got.t_backward_ms <= want.backward_ms, where
         if want.skipped:
             assert got.grad_norm is not None and not math.isfinite(got.grad_norm), where
         else:
