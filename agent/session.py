@@ -87,6 +87,7 @@ class Session:
         self._scaled = ScaledLosses()
         self._split = SplitParams(self.params)
         self._backward_ours = False  # the backward under way is the model's own
+        self._ran = self._ran_ever = False  # a forward of the model since its last step
         self.buffer = StepBuffer(self.device)
         self.clock: HostClock | CudaClock = (
             CudaClock() if self.device_type == "cuda" else HostClock())
@@ -265,6 +266,7 @@ class Session:
         self.step = step + 1
         self._grads_taken = False
         self._scaled.clear()
+        self._ran = False
         if not self.scaler_enabled:
             self.close_pending()
         self.dispatch("on_next_step", self.step)
@@ -314,6 +316,7 @@ class Session:
         if _compiling() or not self.live or self._forward_owner is not None:
             return
         self._forward_owner = module
+        self._ran = self._ran_ever = True
         training = self.inner.training
         self.in_training_forward = training
         self.dispatch("on_forward_begin", training, args, kwargs)
@@ -378,7 +381,8 @@ class Session:
             return
         tensor = args[0]
         loss = self._scaled.pop(tensor) if self.scaler_enabled else tensor
-        if self._walk and not reaches_params(tensor, self._param_ids):
+        if self._walk and ((self._ran_ever and not self._ran)  # cheap: it has not run
+                           or not reaches_params(tensor, self._param_ids)):
             return
         if loss is None:
             loss = self._scaled.latest()

@@ -18,7 +18,7 @@ from tests.conftest import LiveServer
 def recipe_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     root = tmp_path_factory.mktemp("recipes")
     live = LiveServer(f"sqlite:///{root / 'recipes.db'}", root / "server.log")
-    live.start()
+    live.start(timeout=120)  # a loaded CI machine can take a while to import the server
     yield live
     live.stop()
 
