@@ -75,3 +75,38 @@ class ScaledLosses:
 
     def clear(self) -> None:
         self._by_output.clear()
+
+
+class BackwardOwner:
+    """One session's view: is the backward about to run the model's own, and with which
+    loss. Training thread only; no device work."""
+
+    # parameters autograd never accumulates into (the all-gathered copies are): every
+    # backward is taken as the model's, as the agent cannot tell
+    UNWALKABLE = ("fsdp1", "fsdp2", "dtensor")
+
+    def __init__(self, param_ids: set[int], parallelism: str | None) -> None:
+        self._param_ids = param_ids
+        self._walk = parallelism not in self.UNWALKABLE
+        self.scaled = ScaledLosses()
+        self._ran = self._ran_ever = False  # a forward of the model since its last step
+
+    def forward_ran(self) -> None:
+        self._ran = self._ran_ever = True
+
+    def step_ended(self) -> None:
+        self.scaled.clear()
+        self._ran = False
+
+    def claim(self, tensor: torch.Tensor, scaler_enabled: bool
+              ) -> tuple[bool, torch.Tensor | None]:
+        """(whether backpropagating `tensor` is the model's own backward, its unscaled
+        loss). Once the model's forward has been seen, a backward before its next one
+        cannot be the model's: no walk then (a foreign backward costs nothing)."""
+        loss = self.scaled.pop(tensor) if scaler_enabled else tensor
+        if self._walk and ((self._ran_ever and not self._ran)
+                           or not reaches_params(tensor, self._param_ids)):
+            return False, None
+        if loss is None:
+            loss = self.scaled.latest()
+        return True, loss

@@ -22,7 +22,7 @@ from torch import nn
 from torch.amp.grad_scaler import OptState
 
 from ampwatch.agent import distributed, grad_clip, guard, patches
-from ampwatch.agent.attribution import ScaledLosses, reaches_params
+from ampwatch.agent.attribution import BackwardOwner
 from ampwatch.agent.buffer import StepBuffer
 from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
@@ -34,9 +34,6 @@ _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
 _compiling = torch.compiler.is_compiling  # dynamo folds it to True while tracing a hook
 _GRAD = operator.attrgetter("grad")
-# parameters that autograd never accumulates into (the all-gathered copies are): every
-# backward is taken as the model's, as the agent cannot tell
-_UNWALKABLE = ("fsdp1", "fsdp2", "dtensor")
 
 
 @dataclass
@@ -83,11 +80,9 @@ class Session:
         self.rank, self.world_size = settings.rank, settings.world_size
         self.parallelism = distributed.parallelism(model, self.params)
         self.grad_layout = distributed.grad_layout(self.parallelism, self.world_size)
-        self._walk = self.parallelism not in _UNWALKABLE
-        self._scaled = ScaledLosses()
+        self._owner = BackwardOwner(self._param_ids, self.parallelism)
         self._split = SplitParams(self.params)
         self._backward_ours = False  # the backward under way is the model's own
-        self._ran = self._ran_ever = False  # a forward of the model since its last step
         self.buffer = StepBuffer(self.device)
         self.clock: HostClock | CudaClock = (
             CudaClock() if self.device_type == "cuda" else HostClock())
@@ -265,8 +260,7 @@ class Session:
         self._pending = (step, stepped, sealed)
         self.step = step + 1
         self._grads_taken = False
-        self._scaled.clear()
-        self._ran = False
+        self._owner.step_ended()
         if not self.scaler_enabled:
             self.close_pending()
         self.dispatch("on_next_step", self.step)
@@ -316,7 +310,7 @@ class Session:
         if _compiling() or not self.live or self._forward_owner is not None:
             return
         self._forward_owner = module
-        self._ran = self._ran_ever = True
+        self._owner.forward_ran()
         training = self.inner.training
         self.in_training_forward = training
         self.dispatch("on_forward_begin", training, args, kwargs)
@@ -379,15 +373,9 @@ class Session:
         self._backward_ours = False
         if not self.live:
             return
-        tensor = args[0]
-        loss = self._scaled.pop(tensor) if self.scaler_enabled else tensor
-        if self._walk and ((self._ran_ever and not self._ran)  # cheap: it has not run
-                           or not reaches_params(tensor, self._param_ids)):
-            return
-        if loss is None:
-            loss = self._scaled.latest()
-        self._backward_ours = True
-        self.dispatch("on_backward_begin", loss)
+        self._backward_ours, loss = self._owner.claim(args[0], self.scaler_enabled)
+        if self._backward_ours:
+            self.dispatch("on_backward_begin", loss)
 
     def _backward_after(self, result: Any, args: tuple, kwargs: dict, token: Any) -> None:
         if self._backward_ours and self.live:
@@ -518,7 +506,7 @@ class Session:
             self.dispatch("on_scale", outputs)
             scaled = original(outputs)
             try:
-                self._scaled.note(outputs, scaled)
+                self._owner.scaled.note(outputs, scaled)
             except Exception as exc:  # noqa: BLE001
                 guard.report("session.scale", exc)
             return scaled

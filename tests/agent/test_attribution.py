@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ampwatch.agent.attribution import ScaledLosses, reaches_params
+from ampwatch.agent.attribution import BackwardOwner, ScaledLosses, reaches_params
 from tests.agent.factories import mlp
 
 
@@ -50,3 +50,19 @@ def test_scaled_losses_map_back_to_their_loss_once() -> None:
     scaled.note(loss, out)
     scaled.clear()
     assert scaled.pop(out) is None
+
+
+def test_the_owner_claims_its_models_backward_with_the_unscaled_loss() -> None:
+    G, D = mlp(0), mlp(1)
+    owner = BackwardOwner(ids(G), parallelism=None)
+    owner.forward_ran()
+    loss_g = G(torch.randn(2, 16)).sum()
+    scaled = loss_g * 1024
+    owner.scaled.note(loss_g, scaled)
+    ours, loss = owner.claim(scaled, scaler_enabled=True)
+    assert ours and loss.item() == loss_g.item()
+    assert owner.claim(D(torch.randn(2, 16)).sum(), scaler_enabled=True) == (False, None)
+    owner.step_ended()  # G has not run since its step: nothing backpropagated now is G's
+    assert owner.claim(D(torch.randn(2, 16)).sum(), scaler_enabled=True) == (False, None)
+    fsdp = BackwardOwner(ids(G), parallelism="fsdp2")  # no walk: every backward counts
+    assert fsdp.claim(D(torch.randn(2, 16)).sum(), scaler_enabled=False)[0]
