@@ -26,6 +26,7 @@ from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
 from ampwatch.agent.compiled import CompileCounter, is_compiled, is_compiled_wrapper, unwrap
 from ampwatch.agent.layers import Layer
+from ampwatch.agent.settings import AgentSettings
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
@@ -43,7 +44,7 @@ class StepItem:
     meta: dict[str, Any]
 
 
-class Session:
+class LoopWatch:
     """Owns the hooks of one attachment and the step lifecycle (training thread).
 
     `host_reduce`: the model's device is the host (CPU), so statistics tensors are already
@@ -57,7 +58,7 @@ class Session:
 
     def __init__(self, model: nn.Module, scaler: Any, optimizer: Any, layers: list[Layer],
                  collectors: list[Collector], sink: Callable[[StepItem], bool],
-                 settings: Any) -> None:
+                 settings: AgentSettings) -> None:
         self.model = model
         self.inner = unwrap(model)  # the user's model inside torch.compile wrappers
         self.compiled = is_compiled(model)  # no per-layer hooks (see agent/compiled.py)
