@@ -25,6 +25,7 @@ class AlertRulePublic(BaseModel):
     kinds: list[str]
     on_resolve: bool
     targets: list[str]
+    per: Literal["incident", "finding"]
 
 
 class AlertsPublic(BaseModel):
