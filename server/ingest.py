@@ -55,8 +55,11 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
     # The first statement is a write (touching the run), so a writer from another process
     # queues on SQLite's busy timeout instead of failing on a read-to-write lock upgrade.
     now = utcnow()
+    # steps that arrive after an archive are live data again (the next archive drops
+    # them too); a batch that turns out a replay or is refused rolls this back
+    unarchive = {"archived_at": None} if batch.steps else {}
     touched = session.execute(
-        update(Run).where(Run.id == run_id).values(last_seen_at=now)
+        update(Run).where(Run.id == run_id).values(last_seen_at=now, **unarchive)
     ).rowcount
     if not touched:
         session.rollback()
