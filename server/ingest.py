@@ -15,12 +15,19 @@ from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
 from ampwatch.server.analysis.fp8 import on_fp8_ingest
 from ampwatch.server.analysis.service import layer_tables
+from ampwatch.server.analysis.store import refresh_run_health
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import Batch, Run, RunRank, utcnow
-from ampwatch.server.restarts import restart_from, stored_last_step, supersede
+from ampwatch.server.restarts import (
+    forget_findings,
+    rebuild_summaries,
+    restart_from,
+    stored_last_step,
+    supersede,
+)
 from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
 from ampwatch.server.series import COMPRESSED_FORMAT, FIELD_INDEX, concat
 from ampwatch.server.settings import Settings
@@ -81,10 +88,11 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
     events = encode_tree([e.model_dump() for e in batch.events])
     restart_event = restart_from(events)
     restart = None if restart_event is None else restart_event["step"]
-    superseded = (0, 0)
+    superseded, forgot = (0, 0), False
     if restart is not None:
         previous_last = stored_last_step(session, run_id, batch.rank)
         superseded = supersede(session, run_id, batch.rank, restart)
+        forgot = forget_findings(session, run_id, batch.rank, restart)
         restart_event["detail"] = {**restart_event.get("detail", {}),
                                    "previous_last_step": previous_last,
                                    "superseded_steps": superseded[0]}
@@ -124,7 +132,10 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
         rank_row.steps -= superseded[0]
         rank_row.skipped -= superseded[1]
         rank_row.last_step = restart - 1 if restart > 0 else None
-    elif len(series) and rank_last_step is not None and row["first_step"] <= rank_last_step:
+    # steps that may repeat stored ones (no restart): counted and summarised once
+    behind = (restart is None and len(series) > 0 and rank_last_step is not None
+              and row["first_step"] <= rank_last_step)
+    if behind:
         session.flush()
         new_steps, new_skipped = _unique_step_delta(session, run_id, batch.rank, batch.seq,
                                                     row["first_step"], row["last_step"])
@@ -132,7 +143,10 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
     rank_row.last_seen_at = now
     _note_finished(rank_row, batch, now)
     update_layer_stats(rank_row, series)
-    fold_batch(session, run_id, batch.rank, series)
+    if behind:  # refold the buckets it touches from what reads see (its copy wins)
+        rebuild_summaries(session, run_id, batch.rank, row["first_step"], row["last_step"])
+    else:
+        fold_batch(session, run_id, batch.rank, series)
     session.flush()
     # a batch holding only the detach's "finished" event has nothing to analyse (an empty
     # window would look like every condition had ended)
@@ -146,6 +160,8 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
             analysis.on_ranks_advanced(session, run, through, settings.analysis)
         if on_analysed is not None and settings.analysis.enabled:
             on_analysed(time.perf_counter() - analysis_start)
+    if forgot:  # findings went with the superseded steps: recount the run's health
+        refresh_run_health(session, session.get(Run, run_id))
     stored_fp8 = store_fp8_samples(session, run_id, batch.rank, batch.steps, n_layers)
     last_step = int(series.steps[-1]) if len(series) else -1
     if stored_fp8 and (rank_last_step is None or last_step >= rank_last_step):
