@@ -19,7 +19,8 @@ from sqlalchemy.engine import Connection
 
 from ampwatch.server.alerts.settings import AlertRule
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.incidents import Incident, group_incidents
+from ampwatch.server.analysis.incidents import SYMPTOMS, Incident, group_incidents
+from ampwatch.server.analysis.queries import layer_orders
 from ampwatch.server.models import AlertNotification, Finding
 
 OPEN = "open"
@@ -34,13 +35,16 @@ FINDING_COLUMNS = (Finding.id, Finding.run_id, Finding.rank, Finding.kind, Findi
 def run_incidents(connection: Connection, run_id: str,
                   ranks: Iterable[int]) -> tuple[list[Incident], dict[int, Mapping[str, Any]]]:
     """The run's incidents on `ranks` as stored now (inside the flush that changed them),
-    and its findings by id. One query; the cost grows with the run's findings, and it is
-    paid only by a flush that changed a finding's status or severity."""
+    and its findings by id. One query (two with zero-gradient findings, which need the
+    layer order); the cost grows with the run's findings, and it is paid only by a flush
+    that changed a finding's status or severity."""
     rows = connection.execute(
         select(*FINDING_COLUMNS).where(Finding.run_id == run_id,
                                        Finding.rank.in_(sorted(set(ranks))))
     ).mappings().all()
-    return group_incidents(rows), {row["id"]: row for row in rows}
+    order = (layer_orders(connection, [run_id]).get(run_id)
+             if any(row["kind"] in SYMPTOMS for row in rows) else None)
+    return group_incidents(rows, order), {row["id"]: row for row in rows}
 
 
 def incident_state(members: list[Mapping[str, Any]],
