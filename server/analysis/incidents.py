@@ -4,9 +4,9 @@ A layer whose fp16 output grows until it overflows raises up to four findings: a
 overflow risk, then non-finite steps, then a skip streak, then the scale at or below 1.
 They have one cause (forward overflow) and one layer, so they form one incident with a
 headline, the first step, the fix and a timeline. An overflow that a later op absorbed
-(a ReLU turning -inf into 0) is the same cause a step earlier, and zero gradients of the
-layer or of layers after it (in forward order) while it overflows are its symptoms: both
-join its incident. Findings with no known cause are an incident of their own. Pure
+(a ReLU turning -inf into 0) is the same cause a step earlier; zero gradients of the layer
+or of layers after it (in forward order), and the overflow risk of a layer after it that
+carries its values on, are its symptoms: all join its incident. Findings with no known cause are an incident of their own. Pure
 functions of the findings (API or ORM shaped) and the layer order: no database.
 """
 
@@ -39,6 +39,7 @@ SAME_CAUSE = {"absorbed_overflow": "forward_overflow"}
 OVERFLOW = "forward_overflow"
 # findings that are symptoms of an overflowing layer upstream (or of the layer itself)
 SYMPTOMS = ("underflow_risk",)
+RISK = "overflow_risk"
 HEADLINES = {
     "divergence": "Training diverged: the gradients ran away before any value overflowed",
     "forward_overflow": "Layer {layer!r} overflows {dtype} in the forward pass",
@@ -122,15 +123,17 @@ def _order(finding: Any) -> tuple:
 
 def group_incidents(findings: Iterable[Any],
                     layer_order: Mapping[str, int] | None = None) -> list[Incident]:
-    """Group a run's findings (open and resolved) by (rank, cause, layer); zero-gradient
-    findings join the incident of the nearest overflowing layer at or before theirs in
-    `layer_order` (layer name -> forward position; without it, only of their own layer)
-    when they began at or after its first step (a symptom follows its cause).
+    """Group a run's findings (open and resolved) by (rank, cause, layer). With
+    `layer_order` (layer name -> forward position), what a layer after an overflowing one
+    shows of it joins its incident: zero gradients (of the layer itself too, also without
+    the order), and an overflow risk begun no earlier than it, when the overflowing layer
+    went non-finite (its values carried on through a ReLU or a residual).
 
     Returns incidents open first, most severe first, then by first step. An incident is
     open while any of its findings is; its severity is the worst of its open findings
-    (of all of them once resolved). O(n log n) in the number of findings.
+    (of all of them once resolved). O(n log n + n x overflowing layers).
     """
+    order = layer_order or {}
     groups: dict[tuple, list[Any]] = {}
     symptoms = []
     for finding in findings:
@@ -142,38 +145,53 @@ def group_incidents(findings: Iterable[Any],
                 SAME_CAUSE.get(cause[0], cause[0]), cause[1]) if cause
                else ("finding", _get(finding, "id")))
         groups.setdefault(key, []).append(finding)
+    _fold_downstream_risks(groups, order)
     for symptom in symptoms:
-        key = _overflow_upstream(symptom, groups, layer_order or {})
+        key = _overflow_upstream(groups, order, _get(symptom, "run_id"), _get(symptom, "rank"),
+                                 _get(symptom, "layer"))
         groups.setdefault(key or ("finding", _get(symptom, "id")), []).append(symptom)
     incidents = [_incident(sorted(members, key=_order), key) for key, members in groups.items()]
     return sorted(incidents, key=lambda i: (i.status != "open", -SEVERITY_RANK[i.severity],
                                             i.step is None, i.step or 0, i.id))
 
 
-def _overflow_upstream(symptom: Any, groups: Mapping[tuple, list[Any]],
-                       layer_order: Mapping[str, int]) -> tuple | None:
-    """The key of the overflow incident `symptom` (zero gradients) belongs to, or None."""
-    run_id, rank, layer = (_get(symptom, n) for n in ("run_id", "rank", "layer"))
-    first = _get(symptom, "step")
-    position = layer_order.get(layer)
+def _overflow_upstream(groups: Mapping[tuple, list[Any]], order: Mapping[str, int],
+                       run_id: str, rank: int, layer: str, *,
+                       before: bool = False) -> tuple | None:
+    """The key of the overflow incident of (run, rank) nearest at or before `layer` in
+    forward order (`before`: strictly before, and only one that went non-finite)."""
+    position = order.get(layer)
     best, best_position = None, None
     for key, members in groups.items():
-        if key[:3] != (run_id, rank, OVERFLOW):
+        if key[:3] != (run_id, rank, OVERFLOW) or (before and key[3] == layer):
             continue
-        culprit = key[3]
-        if culprit == layer:
-            culprit_position = position if position is not None else 0
-        elif position is None or layer_order.get(culprit) is None \
-                or layer_order[culprit] > position:
+        if before and all(_get(f, "kind") == RISK for f in members):
             continue
-        else:
-            culprit_position = layer_order[culprit]
-        began = min((s for f in members if (s := _get(f, "step")) is not None), default=None)
-        if first is None or began is None or first < began:
-            continue  # zero gradients from before the layer showed any sign of overflow
-        if best_position is None or culprit_position > best_position:
-            best, best_position = key, culprit_position
+        culprit = order.get(key[3])
+        if key[3] != layer and (position is None or culprit is None or culprit > position):
+            continue
+        culprit = culprit if culprit is not None else 0
+        if best_position is None or culprit > best_position:
+            best, best_position = key, culprit
     return best
+
+
+def _fold_downstream_risks(groups: dict[tuple, list[Any]], order: Mapping[str, int]) -> None:
+    """Move each overflow-risk-only group of a layer after an overflowing one, begun no
+    earlier than it, into that layer's group."""
+    risks = [key for key, members in groups.items()
+             if key[0] != "finding" and key[2] == OVERFLOW
+             and all(_get(f, "kind") == RISK for f in members)]
+    for key in risks:
+        target = _overflow_upstream(groups, order, key[0], key[1], key[3], before=True)
+        began, target_began = _first_step(groups[key]), target and _first_step(groups[target])
+        if target is not None and began is not None and target_began is not None \
+                and began >= target_began:
+            groups[target] += groups.pop(key)
+
+
+def _first_step(members: list[Any]) -> int | None:
+    return min((s for f in members if (s := _get(f, "step")) is not None), default=None)
 
 
 def _incident(members: list[Any], key: tuple) -> Incident:

@@ -129,22 +129,36 @@ def zeros(layer: str, step: int, **common) -> dict:
 def test_zero_gradients_after_an_overflowing_layer_are_its_symptoms():
     story = overflow_story("6")  # first sign at step 134
     downstream, itself = zeros("8", 150), zeros("6", 140)
-    upstream = zeros("2", 150)  # before the overflowing layer: not its symptom
-    earlier = zeros("4", 20)  # began before any sign of the overflow
+    # zero gradients show long before the overflow when the scaler fell for it (the
+    # growing layer's gradients overflowed first)
+    early = zeros("8", 20, rank=0)
+    upstream = zeros("2", 150)  # before the overflowing layer: not known to be its symptom
     other_rank = zeros("8", 150, rank=1)
-    incidents = group_incidents([*story, downstream, itself, upstream, earlier, other_rank],
+    incidents = group_incidents([*story, downstream, itself, early, upstream, other_rank],
                                 ORDER)
     overflow = next(i for i in incidents if i.cause == "forward_overflow")
     assert sorted(overflow.findings) == sorted(
-        [f["id"] for f in story] + [downstream["id"], itself["id"]])
-    assert overflow.layer == "6" and overflow.step == 134
+        [f["id"] for f in story] + [downstream["id"], itself["id"], early["id"]])
+    assert overflow.layer == "6" and overflow.step == 20
     assert "in layer '8'" in next(e.what for e in overflow.timeline
                                    if e.finding == downstream["id"])
     alone = [i.findings for i in incidents if i.cause is None]
-    assert sorted(alone) == sorted([[upstream["id"]], [earlier["id"]], [other_rank["id"]]])
+    assert sorted(alone) == sorted([[upstream["id"]], [other_rank["id"]]])
     # without the layer order only the layer's own zero gradients are known to follow it
     unordered = group_incidents([*story, downstream, itself])
     assert len(unordered) == 2
+
+
+def test_the_risk_of_a_layer_that_carries_an_overflow_on_joins_it():
+    story = overflow_story("6")
+    carried = finding("overflow_risk", 134, layer="8", last_step=140)
+    (incident,) = group_incidents([*story, carried], ORDER)
+    assert incident.layer == "6" and carried["id"] in incident.findings
+    # a risk that began first, or next to a layer that never went non-finite, is its own
+    first = finding("overflow_risk", 100, layer="8", last_step=140)
+    assert len(group_incidents([*story, first], ORDER)) == 2
+    risk_only = finding("overflow_risk", 134, layer="6", last_step=140)
+    assert len(group_incidents([risk_only, carried], ORDER)) == 2
 
 
 def test_zero_gradients_join_the_nearest_overflowing_layer_before_them():
