@@ -79,26 +79,28 @@ def rule_members(rule: AlertRule, incident: Incident,
     return [m for m in members if not rule.kinds or m["kind"] in rule.kinds]
 
 
-def announced_incident(connection: Connection, incident: Incident,
-                       created_at: str | None) -> dict[str, str]:
-    """Per rule, the highest severity `incident` was announced at since its last announced
-    resolution; `created_at`: its first finding's, which tells a reused id apart."""
+def announced_severities(connection: Connection, subject_id: int, run_id: str,
+                         created_at: str | None, subject: str = "incident") -> dict[str, str]:
+    """Per rule, the highest severity the incident (or, with subject "finding", the
+    finding) `subject_id` was announced at since its last announced resolution, read back
+    from the outbox; `created_at`, its (first) finding's, tells a reused id apart (SQLite
+    reuses the largest id after a delete)."""
     rows = connection.execute(
         select(AlertNotification.rule, AlertNotification.event, AlertNotification.severity,
                AlertNotification.payload)
-        .where(AlertNotification.finding_id == incident.id,
-               AlertNotification.run_id == incident.run_id)
+        .where(AlertNotification.finding_id == subject_id,
+               AlertNotification.run_id == run_id)
         .order_by(AlertNotification.id)
     ).all()
-    announced: dict[str, str] = {}
+    found: dict[str, str] = {}
     for rule, what, severity, payload in rows:
-        if (payload or {}).get("incident", {}).get("created_at") != created_at:
+        if (payload or {}).get(subject, {}).get("created_at") != created_at:
             continue
         if what == "resolved":
-            announced.pop(rule, None)
-        elif SEVERITY_RANK.get(severity, 0) >= SEVERITY_RANK.get(announced.get(rule), -1):
-            announced[rule] = severity
-    return announced
+            found.pop(rule, None)
+        elif SEVERITY_RANK.get(severity, 0) >= SEVERITY_RANK.get(found.get(rule), -1):
+            found[rule] = severity
+    return found
 
 
 def incident_json(incident: Incident, state: State, created_at: str | None, run_url: str,

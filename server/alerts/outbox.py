@@ -26,7 +26,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server.alerts.incidents import (
-    announced_incident,
+    announced_severities,
     incident_json,
     incident_state,
     rule_members,
@@ -100,7 +100,8 @@ class AlertOutbox:
         rules = [r for r in rules if not r.kinds or finding.kind in r.kinds]
         if not rules:
             return []
-        announced = {} if before is None else _announced(connection, finding)
+        announced = {} if before is None else announced_severities(
+            connection, finding.id, finding.run_id, _iso(finding.created_at), "finding")
         rows = []
         for rule in rules:
             what = _event(rule, before, after, announced.get(rule.name))
@@ -131,7 +132,8 @@ class AlertOutbox:
                     continue
                 was, now = incident_state(members, before)
                 if announced is None:
-                    announced = announced_incident(connection, incident, created)
+                    announced = announced_severities(connection, incident.id,
+                                                     incident.run_id, created)
                 what = _event(rule, was, now, announced.get(rule.name))
                 if what is None:
                     continue
@@ -202,29 +204,6 @@ def _event(rule: AlertRule, before: tuple[str, str] | None, after: tuple[str, st
     if status == RESOLVED and was_open and announced is not None and rule.on_resolve:
         return "resolved"
     return None
-
-
-def _announced(connection: Connection, finding: Finding) -> dict[str, str]:
-    """Per rule, the highest severity this finding was announced at since its last
-    announced resolution. Rows of an older finding whose id was reused (SQLite reuses
-    the largest id after a delete) are told apart by the finding's creation time."""
-    created = _iso(finding.created_at)
-    rows = connection.execute(
-        select(AlertNotification.rule, AlertNotification.event, AlertNotification.severity,
-               AlertNotification.payload)
-        .where(AlertNotification.finding_id == finding.id,
-               AlertNotification.run_id == finding.run_id)
-        .order_by(AlertNotification.id)
-    ).all()
-    announced: dict[str, str] = {}
-    for rule, what, severity, payload in rows:
-        if (payload or {}).get("finding", {}).get("created_at") != created:
-            continue
-        if what == "resolved":
-            announced.pop(rule, None)
-        elif SEVERITY_RANK.get(severity, 0) >= SEVERITY_RANK.get(announced.get(rule), -1):
-            announced[rule] = severity
-    return announced
 
 
 def _run_info(connection: Connection, run_id: str) -> dict[str, str]:
