@@ -6,8 +6,9 @@ They have one cause (forward overflow) and one layer, so they form one incident 
 headline, the first step, the fix and a timeline. An overflow that a later op absorbed
 (a ReLU turning -inf into 0) is the same cause a step earlier; zero gradients of the layer
 or of layers after it (in forward order), and the overflow risk of a layer after it that
-carries its values on, are its symptoms: all join its incident. Findings with no known cause are an incident of their own. Pure
-functions of the findings (API or ORM shaped) and the layer order: no database.
+carries its values on, are its symptoms: all join its incident. Findings with no known
+cause are an incident of their own. Pure functions of the findings (API or ORM shaped)
+and the layer order: no database.
 """
 
 from __future__ import annotations
