@@ -320,6 +320,7 @@ class AlertRule(Model):
     projects: list[str] = dataclasses.field(default_factory=list)
     kinds: list[str] = dataclasses.field(default_factory=list)
     on_resolve: bool = False
+    per: str = "incident"  # one notification per incident, or per finding
 
 
 @dataclasses.dataclass(frozen=True)
