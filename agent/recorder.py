@@ -18,8 +18,9 @@ a bundle then needs the model's parameters as the step began:
 from __future__ import annotations
 
 import math
+import statistics
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -40,8 +41,9 @@ class Held:
     batches: list[tuple[tuple, dict]]
     rng: dict[str, torch.Tensor]
     applied_at_begin: int  # optimizer steps applied before this step began
-    pre: dict[str, torch.Tensor] | None = None  # state dict copied before the update
-    info: dict[str, Any] = field(default_factory=dict)
+    pre: dict[str, torch.Tensor] | None = None  # state dict copied before any update
+    skipped: bool = False  # the optimizer did not step (a scaler found inf/NaN)
+    judged: bool = False  # the worker has read the step
 
 
 def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
@@ -83,6 +85,8 @@ class Recorder(Collector):
         self._requests: deque[tuple[Held, dict[str, Any]]] = deque()
         self._host_losses: deque[float] = deque(maxlen=max(1, settings.loss_window))
         self._applied = 0
+        self._stepped = True
+        self._last_held: Held | None = None
         self._held_out = 0  # sealed minus read: batches waiting for the worker
         self._bound = False
         self._reset()
@@ -127,28 +131,37 @@ class Recorder(Collector):
             self._take(tensor)
 
     def on_step_begin(self, step: int) -> None:
-        """CPU only: a non-finite or spiking loss is seen before the update, so the
-        parameters are copied now, exactly as the step began."""
+        """CPU only (no device to wait for): copy the parameters while they are still as
+        the suspect step began, before an update changes them."""
         self._serve()
         session = self.session
-        if not (session.host_reduce and self._losses and self._rng is not None):
+        if not session.host_reduce or self.triggers.started >= self.settings.max_bundles:
             return
-        loss = sum(float(t) for t in self._losses)  # host tensors: no device to wait for
-        suspect = not math.isfinite(loss) or self.triggers.spike(loss, self._host_losses)
-        if suspect and self.triggers.started < self.settings.max_bundles:
+        last = self._last_held
+        if last is not None and last.skipped and not last.judged and last.pre is None:
+            # skipped and not yet judged: this step's update would end exactness
+            last.pre = self._state_dict()
+        if session.scaler_enabled or not self._losses or self._rng is None:
+            return
+        # no scaler: this update applies whatever the step did, so judge the loss now
+        loss = sum(float(t) for t in self._losses)  # host tensors: reading waits for nothing
+        if not math.isfinite(loss) or self.triggers.spike(loss, self._host_losses):
             self._pre = self._state_dict()
-        elif math.isfinite(loss):
+        else:
             self._host_losses.append(loss)
 
     def on_step_end(self, step: int, stepped: bool) -> None:
+        self._stepped = stepped
         if stepped:
             self._applied += 1
 
     def seal(self) -> Any:
         held = None
         if self._batches and self._held_out < self.MAX_HELD:
-            held = Held(self._batches, self._rng or {}, self._applied_at_begin, self._pre)
+            held = Held(self._batches, self._rng or {}, self._applied_at_begin, self._pre,
+                        skipped=not self._stepped)
             self._held_out += 1
+        self._last_held = held
         self._reset()
         return held
 
@@ -169,11 +182,12 @@ class Recorder(Collector):
         held: Held | None = meta
         if held is not None:
             self._held_out -= 1
+            held.judged = True
         trigger = self.triggers.judge(record)
         if trigger is None or held is None:
             return
         description = self._describe(record, trigger)
-        if held.pre is not None or not self._bound:
+        if held.pre is not None or not self._bound:  # (pre: `judged` stops further copies)
             self._capture(held, description)
         else:
             self._requests.append((held, description))
@@ -194,6 +208,9 @@ class Recorder(Collector):
                                       if isinstance(first, int) else None),
             "loss": record.get("loss"), "skipped": record.get("skipped"),
             "grad_norm": record.get("grad_norm"),
+            "loss_baseline": (statistics.median(self.triggers.losses)
+                              if self.triggers.losses else None),
+            "loss_spike_factor": self.settings.loss_spike,
             "input_nonfinite": record.get("input_nonfinite"),
             "autocast": {"device_type": session.device_type,
                          "dtype": record.get("autocast_dtype")},
@@ -221,7 +238,7 @@ class Recorder(Collector):
                 since = self._applied - held.applied_at_begin
                 params, exact = self._state_dict(), since == 0
             meta["params"] = {"exact": exact, "steps_applied_since": since,
-                              "taken": "before the update" if held.pre is not None
+                              "taken": "before any update" if held.pre is not None
                               else "at capture"}
             meta["micro_batches"] = len(held.batches)
             batches, rng = held.batches, held.rng
