@@ -30,6 +30,7 @@ FORMAT = 1
 META_NAME = "bundle.json"  # server/bundles.py reads this member by the same name
 STATE_NAME = "state.pt"
 SUFFIX = ".ampbundle"
+BUNDLE_FOLDER = "bundles"  # in the run's spool directory: delivered like its batches
 UNSUPPORTED = "__ampwatch_unsupported__"  # a batch value that is not data (its repr kept)
 
 
@@ -85,18 +86,18 @@ class BundleWriter:
         self.written: list[Path] = []
         self._items: deque = deque()
         self._wake = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
+        self._done = threading.Condition()
+        self._submitted = 0
+        self._finished = 0
         self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
 
     def submit(self, meta: dict[str, Any], state: Callable[[], dict[str, Any]]) -> bool:
         """Queue a capture (`state()` builds the tensors on the writer thread)."""
         if len(self._items) >= self.MAX_QUEUE:
             self.dropped += 1
             return False
-        with self._lock:
-            self._idle.clear()
+        with self._done:
+            self._submitted += 1
             self._items.append((meta, state))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="ampwatch-recorder",
@@ -107,19 +108,19 @@ class BundleWriter:
 
     def flush(self, timeout: float) -> bool:
         """Wait up to `timeout` seconds for every queued bundle to be written."""
-        return self._idle.wait(timeout)
+        with self._done:
+            return self._done.wait_for(lambda: self._finished >= self._submitted, timeout)
 
     def _run(self) -> None:
         while True:
             self._wake.wait(1.0)
             self._wake.clear()
             while self._items:
-                meta, state = self._items[0]
+                meta, state = self._items.popleft()
                 guard.guarded("recorder.write")(self._write)(meta, state)
-                with self._lock:
-                    self._items.popleft()
-                    if not self._items:
-                        self._idle.set()
+                with self._done:
+                    self._finished += 1
+                    self._done.notify_all()
 
     def _write(self, meta: dict[str, Any], state: Callable[[], dict[str, Any]]) -> None:
         path, reason = None, None

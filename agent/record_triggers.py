@@ -104,9 +104,10 @@ class Triggers:
             return False
         return abs(loss) > factor * abs(statistics.median(losses))
 
-    def judge(self, record: dict[str, Any]) -> str | None:
+    def judge(self, record: dict[str, Any], kept: bool = True) -> str | None:
         """The trigger that asks for a bundle of this step; None for a healthy step, for
-        one of an incident already recorded, or once the run's cap is reached."""
+        one of an incident already recorded, or once the run's cap is reached. A bad step
+        whose batch was not `kept` leaves the incident open for its next bad step."""
         s = self.settings
         skipped = bool(record.get("skipped"))
         loss = record.get("loss")
@@ -136,6 +137,8 @@ class Triggers:
         if trigger is None:
             return None  # a skip that is not an incident (the scaler calibrating, growing)
         self.quiet = 0
+        if not kept:
+            return None
         if self.incident or self.started >= s.max_bundles:
             self.incident = True
             return None

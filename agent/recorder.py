@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from ampwatch.agent import guard
-from ampwatch.agent.bundle import FORMAT, BundleWriter, to_host
+from ampwatch.agent.bundle import BUNDLE_FOLDER, FORMAT, BundleWriter, to_host
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.agent.environment import scaler_config
 from ampwatch.agent.record_triggers import RecordSettings, Triggers
@@ -71,7 +71,9 @@ class Recorder(Collector):
     the step's whole record."""
 
     name = "recorder"
-    MAX_HELD = 8  # steps whose batch may wait for the worker at once; more are not kept
+    # steps whose batch may wait for the worker at once (it reads every 50 ms: a fast
+    # loop of small steps has many in flight); past it a step is not kept
+    MAX_HELD = 64
 
     def __init__(self, settings: RecordSettings, folder: Path) -> None:
         super().__init__()
@@ -87,7 +89,8 @@ class Recorder(Collector):
         self._applied = 0
         self._stepped = True
         self._last_held: Held | None = None
-        self._held_out = 0  # sealed minus read: batches waiting for the worker
+        self._sealed = 0  # steps held (training thread) ...
+        self._read = 0  # ... and judged (worker): each counter has one writer
         self._bound = False
         self._reset()
 
@@ -105,8 +108,8 @@ class Recorder(Collector):
     def unbind(self) -> None:
         """At detach: capture what the worker asked for; later asks capture on the worker
         (training has stopped, the parameters hold still)."""
-        self._serve()
         self._bound = False
+        self._serve()
 
     # ------------------------------------------------------------------ training thread
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
@@ -157,10 +160,10 @@ class Recorder(Collector):
 
     def seal(self) -> Any:
         held = None
-        if self._batches and self._held_out < self.MAX_HELD:
+        if self._batches and self._sealed - self._read < self.MAX_HELD:
             held = Held(self._batches, self._rng or {}, self._applied_at_begin, self._pre,
                         skipped=not self._stepped)
-            self._held_out += 1
+            self._sealed += 1
         self._last_held = held
         self._reset()
         return held
@@ -181,16 +184,18 @@ class Recorder(Collector):
     def read(self, host: Any, meta: Any, record: dict[str, Any]) -> None:
         held: Held | None = meta
         if held is not None:
-            self._held_out -= 1
+            self._read += 1
             held.judged = True
-        trigger = self.triggers.judge(record)
+        trigger = self.triggers.judge(record, kept=held is not None)
         if trigger is None or held is None:
             return
         description = self._describe(record, trigger)
-        if held.pre is not None or not self._bound:  # (pre: `judged` stops further copies)
+        if held.pre is not None:  # (`judged` stops the training thread copying again)
             self._capture(held, description)
-        else:
-            self._requests.append((held, description))
+            return
+        self._requests.append((held, description))
+        if not self._bound:  # detached: training has stopped, the parameters hold still
+            self._serve()
 
     def _describe(self, record: dict[str, Any], trigger: str) -> dict[str, Any]:
         session = self.session
@@ -274,17 +279,26 @@ class Recorder(Collector):
             ("event", {"step": None, "kind": "bundle", "detail": detail}))
 
     def flush(self, timeout: float) -> bool:
-        """Wait up to `timeout` for the bundles queued so far to be on disk."""
+        """Capture what the worker asked for (the caller's thread: the training thread, at
+        `flush()` or `detach()`), then wait up to `timeout` for the bundles to be on disk."""
+        self._serve()
         return self.writer.flush(timeout)
 
 
 def make_recorder(parsed: RecordSettings | None, settings: Any) -> Recorder | None:
     """The recorder of `attach(record=...)` (None: off). Bundles go to
-    `RecordSettings.folder`, by default `bundles/` in the run's spool directory."""
+    `RecordSettings.folder`; by default delivered ones to `bundles/` in the run's spool
+    directory (the sender uploads them from there), local ones to
+    `<spool dir>/../bundles/<run>/rank-<rank>`."""
     from ampwatch.agent.transport.spool import run_dir
 
     if parsed is None:
         return None
-    folder = parsed.folder or run_dir(Path(settings.spool_dir), settings.run_id,
-                                      settings.rank) / "bundles"
+    spool = Path(settings.spool_dir)
+    if parsed.folder is not None:
+        folder = parsed.folder
+    elif parsed.mode == "local":
+        folder = run_dir(spool.parent / "bundles", settings.run_id, settings.rank)
+    else:
+        folder = run_dir(spool, settings.run_id, settings.rank) / BUNDLE_FOLDER
     return Recorder(parsed, folder)

@@ -65,7 +65,8 @@ def bisect(model: nn.Module, bundle: Bundle, trial: Trial) -> BisectResult:
         rest = [n for n in chosen if n != name]
         if rest and fixes(rest):
             chosen = rest
-    fp8 = {layer.name for layer in find_fp8_layers(discover_layers(model))}
+    layers = discover_layers(model)
+    fp8 = {layers[f.index].name for f in find_fp8_layers(layers)}
     return BisectResult(chosen, True, count, fp8_modules=[n for n in chosen if n in fp8])
 
 

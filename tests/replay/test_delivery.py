@@ -1,0 +1,42 @@
+"""A bundle travels like batches: the agent's sender uploads it to a real server process
+once the run's batches are in; `ampwatch bundles` lists it, `ampwatch bundles pull` brings
+it back, and `ampwatch replay` runs the pulled file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from ampwatch import agent
+from ampwatch.client import Client
+from ampwatch.client.cli import main
+from tests.replay.faults import FAULTS, train
+
+
+def test_bundle_reaches_the_server_and_comes_back(live_server, tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture) -> None:
+    fault = FAULTS[2]  # NaN in the input at step 8
+    _, attachment = train(fault, lambda m, s, record: agent.attach(
+        m, s, run="flight-1", server=live_server.url, spool_dir=tmp_path / "spool",
+        record=record))
+    assert attachment.detach(timeout=30)
+    with Client(live_server.url) as client:
+        (info,) = client.bundles("flight-1")
+    assert (info.step, info.trigger, info.first_nonfinite_layer) == (8, "forward_nonfinite",
+                                                                      "inp")
+    assert not list((tmp_path / "spool").rglob("*.ampbundle"))  # delivered, so gone
+
+    assert main(["bundles", "flight-1", "--server", live_server.url]) == 0
+    assert "forward_nonfinite" in capsys.readouterr().out
+    assert main(["bundles", "pull", "flight-1", "8", "--server", live_server.url,
+                 "-o", str(tmp_path)]) == 0
+    pulled = tmp_path / "step-000000008.ampbundle"
+    assert pulled.is_file()
+
+    factory = tmp_path / "nan_model.py"
+    factory.write_text("from tests.replay.faults import FAULTS, build\n\n\n"
+                       "def make():\n    return build(FAULTS[2])\n")
+    assert main(["replay", str(pulled), "--model", f"{factory}:make"]) == 0
+    out = capsys.readouterr().out
+    assert "reproduced: yes" in out and "first non-finite layer inp" in out
