@@ -14,6 +14,8 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.queries import list_findings, list_incidents
+from ampwatch.server.api.bundles import public_bundle
+from ampwatch.server.bundles import list_bundles
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
@@ -86,7 +88,19 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
         "steps": steps_query(session, run, rank=rank, max_points=MAX_POINTS, **steps.query()),
         "findings": findings_of(session, run_id),
         "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
+        "bundles": [public_bundle(b).model_dump(mode="json")
+                    for b in list_bundles(session, run_id)],
     }
+
+
+def incident_bundle(incident: dict, bundles: list[dict]) -> dict | None:
+    """The flight-recorder bundle of an incident: the first of its rank within its steps."""
+    first, last = incident.get("step"), incident.get("last_step")
+    if first is None:
+        return None
+    last = first if last is None else last
+    return next((b for b in bundles if b["rank"] == incident.get("rank", 0)
+                 and first <= b["step"] <= last), None)
 
 
 def incident_panel(twin: dict) -> dict:
@@ -103,7 +117,8 @@ def incident_panel(twin: dict) -> dict:
             continue
         card = {**incident, "members": members, "message": members[0]["message"],
                 "href": (f"/runs/{quote(run_id)}/layers#misaligned"
-                         if incident["cause"] == "misaligned" else None)}
+                         if incident["cause"] == "misaligned" else None),
+                "bundle": incident_bundle(incident, twin.get("bundles") or [])}
         group = ("resolved" if incident["status"] != "open" else
                  "problems" if incident["problem"] else "notes")
         cards[group].append(card)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ampwatch import agent
@@ -26,6 +27,8 @@ def test_bundle_reaches_the_server_and_comes_back(live_server, tmp_path: Path,
     assert (info.step, info.trigger, info.first_nonfinite_layer) == (8, "forward_nonfinite",
                                                                       "inp")
     assert not list((tmp_path / "spool").rglob("*.ampbundle"))  # delivered, so gone
+    page = httpx.get(f"{live_server.url}/runs/flight-1", timeout=30).text
+    assert 'class="bundle-link" href="/api/v1/runs/flight-1/bundles/0/8"' in page
 
     assert main(["bundles", "flight-1", "--server", live_server.url]) == 0
     assert "forward_nonfinite" in capsys.readouterr().out
