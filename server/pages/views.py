@@ -93,14 +93,18 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
     }
 
 
-def incident_bundle(incident: dict, bundles: list[dict]) -> dict | None:
-    """The flight-recorder bundle of an incident: the first of its rank within its steps."""
-    first, last = incident.get("step"), incident.get("last_step")
-    if first is None:
-        return None
-    last = first if last is None else last
-    return next((b for b in bundles if b["rank"] == incident.get("rank", 0)
-                 and first <= b["step"] <= last), None)
+def incident_bundles(incidents: list[dict], bundles: list[dict]) -> dict[int, dict]:
+    """Incident id -> its flight-recorder bundle: each bundle goes to the incident of its
+    rank that covers its step and began last (the one the bad step started, not a
+    condition that was already open)."""
+    found: dict[int, dict] = {}
+    for bundle in bundles:
+        covering = [i for i in incidents if i.get("step") is not None
+                    and i.get("rank", 0) == bundle["rank"]
+                    and i["step"] <= bundle["step"] <= (i.get("last_step") or i["step"])]
+        if covering:
+            found.setdefault(max(covering, key=lambda i: i["step"])["id"], bundle)
+    return found
 
 
 def incident_panel(twin: dict) -> dict:
@@ -111,6 +115,7 @@ def incident_panel(twin: dict) -> dict:
     findings = {f["id"]: f for items in twin["findings"].values() for f in items}
     run_id = twin["run"]["id"]
     cards: dict[str, list[dict]] = {"problems": [], "notes": [], "resolved": []}
+    bundles = incident_bundles(twin["incidents"], twin.get("bundles") or [])
     for incident in twin["incidents"]:
         members = [findings[i] for i in incident["findings"] if i in findings]
         if not members:
@@ -118,7 +123,7 @@ def incident_panel(twin: dict) -> dict:
         card = {**incident, "members": members, "message": members[0]["message"],
                 "href": (f"/runs/{quote(run_id)}/layers#misaligned"
                          if incident["cause"] == "misaligned" else None),
-                "bundle": incident_bundle(incident, twin.get("bundles") or [])}
+                "bundle": bundles.get(incident["id"])}
         group = ("resolved" if incident["status"] != "open" else
                  "problems" if incident["problem"] else "notes")
         cards[group].append(card)
