@@ -147,6 +147,14 @@ class Client:
             raise ConnectionFailed(f"cannot reach {self.base_url}: {exc}") from exc
         return target
 
+    def upload_bundle(self, run_id: str, step: int, path: str | Path, *,
+                      rank: int = 0) -> BundleInfo:
+        """PUT a bundle file (streamed) for `step` of `rank`; a re-sent step replaces it."""
+        with open(path, "rb") as body:
+            data = self._request("PUT", f"/runs/{_segment(run_id)}/bundles/{rank}/{step}",
+                                 content=body, headers={"Content-Type": "application/zip"})
+        return BundleInfo.from_json(data)
+
     def register_run(self, run_id: str, body: dict[str, Any]) -> Run:
         """PUT the run registration `body` (wire form, docs/wire-format.md); idempotent."""
         return Run.from_json(self._request("PUT", f"/runs/{_segment(run_id)}", json=body))

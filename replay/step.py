@@ -120,6 +120,19 @@ def _restore_dtypes(module: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
         getattr(module, n).data = getattr(module, n).data.to(dtype)
 
 
+WRAPPER_PREFIXES = ("module.", "_orig_mod.")  # DDP / DataParallel, torch.compile
+
+
+def matching_keys(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:
+    """The recorded state dict with the prefixes of wrappers the training model had (DDP's
+    `module.`, torch.compile's `_orig_mod.`) and the replay model lacks taken off."""
+    wanted = set(model.state_dict())
+    for prefix in WRAPPER_PREFIXES:
+        if not set(state) & wanted and all(k.startswith(prefix) for k in state):
+            state = {k.removeprefix(prefix): v for k, v in state.items()}
+    return state
+
+
 def run_step(model: nn.Module, bundle: Bundle, *, loss_fn: LossFn | None = None,
              device: str | torch.device = "cpu", upcast_names: Iterable[str] = (),
              loss_limit: float | None = None) -> StepOutcome:
@@ -127,7 +140,7 @@ def run_step(model: nn.Module, bundle: Bundle, *, loss_fn: LossFn | None = None,
     under the recorded autocast and its backward from the loss scaled as the scaler
     scaled it. Synchronises the device (it reads the results)."""
     device = torch.device(device)
-    model.load_state_dict(bundle.model_state)
+    model.load_state_dict(matching_keys(bundle.model_state, model))
     model.to(device)
     model.train()
     model.zero_grad(set_to_none=True)

@@ -43,3 +43,17 @@ def test_bundle_reaches_the_server_and_comes_back(live_server, tmp_path: Path,
     assert main(["replay", str(pulled), "--model", f"{factory}:make"]) == 0
     out = capsys.readouterr().out
     assert "reproduced: yes" in out and "first non-finite layer inp" in out
+
+
+def test_offline_bundle_uploads_with_ampwatch_sync(live_server, tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    spool = tmp_path / "spool"
+    _, attachment = train(FAULTS[2], lambda m, s, record: agent.attach(
+        m, s, run="offline-1", spool_dir=spool, record=record))
+    assert attachment.detach(timeout=30)
+    assert len(list(spool.rglob("*.ampbundle"))) == 1
+    assert main(["sync", str(spool), "--server", live_server.url, "--no-progress"]) == 0
+    with Client(live_server.url) as client:
+        assert [b.step for b in client.bundles("offline-1")] == [8]
+    assert not list(spool.rglob("*.ampbundle"))
