@@ -29,6 +29,7 @@ from ampwatch.server.bundles import (
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.errors import InvalidInput
 from ampwatch.server.models import Bundle, as_utc
+from ampwatch.server.runs import get_run
 
 router = APIRouter(prefix="/runs", tags=["bundles"])
 BUNDLE_TYPES = ("application/zip", "application/octet-stream")
@@ -59,12 +60,24 @@ def public_bundle(row: Bundle) -> BundlePublic:
                         url=f"/api/v1/runs/{row.run_id}/bundles/{row.rank}/{row.step}")
 
 
+BUNDLE_BODY = {"requestBody": {"required": True, "content": {
+    media: {"schema": {"type": "string", "format": "binary"}} for media in BUNDLE_TYPES}}}
+
+
 @router.put("/{run_id}/bundles/{rank}/{step}", response_model=BundlePublic,
-            responses=WRITE | NOT_FOUND)
+            responses=WRITE | NOT_FOUND, openapi_extra=BUNDLE_BODY)
 async def put_bundle(run_id: RunIdPath, rank: Rank, step: Step, request: Request,
                      settings: SettingsDep) -> Any:
     """Upload a bundle (the file's bytes, `Content-Type: application/zip`); a re-sent
-    step replaces it. 413 over `bundle_max_bytes`, 507 past `bundle_total_bytes`."""
+    step replaces it. 404 for a run the server does not know (before reading the body),
+    413 over `bundle_max_bytes`, 507 past `bundle_total_bytes`."""
+    sessionmaker = request.app.state.sessionmaker
+
+    def known_run() -> None:
+        with sessionmaker() as session:
+            get_run(session, run_id)
+
+    await run_in_threadpool(known_run)
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media not in BUNDLE_TYPES:
         raise InvalidInput(f"Content-Type must be one of {', '.join(BUNDLE_TYPES)}")
@@ -81,8 +94,6 @@ async def put_bundle(run_id: RunIdPath, rank: Rank, step: Step, request: Request
                     raise BundleTooLarge(f"bundle over the limit of {settings.bundle_max_bytes}"
                                          " bytes (AMPWATCH_BUNDLE_MAX_BYTES)")
                 await run_in_threadpool(out.write, chunk)
-        sessionmaker = request.app.state.sessionmaker
-
         def store() -> BundlePublic:
             with sessionmaker() as session:
                 return public_bundle(store_bundle(session, settings, run_id, rank, step,
