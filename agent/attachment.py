@@ -25,9 +25,14 @@ from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve
 from ampwatch.agent.session import CLOSE_FAILED, Session, StepItem
 from ampwatch.agent.settings import AgentSettings, make_run_id
 from ampwatch.agent.transport.worker import Worker
-from ampwatch.client.wire import encode_float, encode_tree
+from ampwatch.wire import (
+    FINISHED_EVENT,
+    RESTART_EVENT,
+    SPEED_CHECK_EVENT,
+    encode_float,
+    encode_tree,
+)
 
-FINISHED_EVENT = "finished"  # server/ingest.py: the rank is done
 _live: weakref.WeakSet[Attachment] = weakref.WeakSet()
 
 
@@ -151,7 +156,7 @@ class Attachment:
             return None
         finally:
             session.suspended = False
-        self.event("speed_check", detail)
+        self.event(SPEED_CHECK_EVENT, detail)
         return detail["speedup"]
 
     def event(self, kind: str, detail: dict[str, Any]) -> bool:
@@ -292,7 +297,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     _live.add(attachment)
     if step is not None and settings.resume:
         # a checkpoint restart: the server lets these steps supersede its stored copies
-        attachment.event("restart", {})
+        attachment.event(RESTART_EVENT, {})
     return attachment
 
 

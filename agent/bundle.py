@@ -24,18 +24,11 @@ from typing import Any
 import torch
 
 from ampwatch.agent import guard
-from ampwatch.client.wire import encode_tree
+from ampwatch.wire import encode_tree
+from ampwatch.wire.bundles import META_NAME, STATE_NAME, SUFFIX, bundle_name
 
 FORMAT = 1
-META_NAME = "bundle.json"  # server/bundles.py reads this member by the same name
-STATE_NAME = "state.pt"
-SUFFIX = ".ampbundle"
-BUNDLE_FOLDER = "bundles"  # in the run's spool directory: delivered like its batches
 UNSUPPORTED = "__ampwatch_unsupported__"  # a batch value that is not data (its repr kept)
-
-
-def bundle_name(step: int) -> str:
-    return f"step-{step:09d}{SUFFIX}"
 
 
 def to_host(value: Any, depth: int = 0) -> Any:

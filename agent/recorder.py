@@ -27,11 +27,12 @@ from typing import Any
 import torch
 
 from ampwatch.agent import guard
-from ampwatch.agent.bundle import BUNDLE_FOLDER, FORMAT, BundleWriter, to_host
+from ampwatch.agent.bundle import FORMAT, BundleWriter, to_host
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.agent.environment import scaler_config
 from ampwatch.agent.record_triggers import RecordSettings, Triggers
-from ampwatch.client.wire import encode_tree
+from ampwatch.wire import encode_tree
+from ampwatch.wire.bundles import BUNDLE_EVENT, BUNDLE_FOLDER
 
 
 @dataclass
@@ -276,7 +277,7 @@ class Recorder(Collector):
         self.step_number = lambda step: (step if worker.explicit_steps
                                          else step + worker.step_offset)
         self.emit = lambda detail: worker.submit(
-            ("event", {"step": None, "kind": "bundle", "detail": detail}))
+            ("event", {"step": None, "kind": BUNDLE_EVENT, "detail": detail}))
 
     def flush(self, timeout: float) -> bool:
         """Capture what the worker asked for (the caller's thread: the training thread, at

@@ -27,8 +27,9 @@ from ampwatch.client.models import (
     Run,
     Step,
 )
+from ampwatch.wire import DEFAULT_SERVER
+from ampwatch.wire.bundles import bundle_name
 
-DEFAULT_SERVER = "http://127.0.0.1:8000"
 MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms"]
 
 
@@ -130,7 +131,7 @@ class Client:
         url = f"{self.base_url}/api/v1/runs/{_segment(run_id)}/bundles/{rank}/{step}"
         target = Path(destination)
         if target.is_dir():
-            target = target / f"step-{step:09d}.ampbundle"
+            target = target / bundle_name(step)
         try:
             with self._http.stream("GET", url, headers=self._headers) as response:
                 if response.is_error:

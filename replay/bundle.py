@@ -11,8 +11,9 @@ from typing import Any
 
 import torch
 
-from ampwatch.agent.bundle import META_NAME, STATE_NAME, UNSUPPORTED
-from ampwatch.client.wire import decode_tree
+from ampwatch.agent.bundle import UNSUPPORTED
+from ampwatch.wire import decode_tree
+from ampwatch.wire.bundles import META_NAME, STATE_NAME
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 

@@ -19,8 +19,8 @@ from ampwatch.server.errors import AmpwatchServerError, InvalidInput, NotFound
 from ampwatch.server.models import Bundle
 from ampwatch.server.runs import get_run
 from ampwatch.server.settings import Settings
+from ampwatch.wire.bundles import META_NAME, bundle_name
 
-META_NAME = "bundle.json"  # agent/bundle.py writes the member by this name
 MAX_META_BYTES = 1 << 20
 
 
@@ -34,7 +34,7 @@ class BundleSpaceFull(AmpwatchServerError):
 
 def bundle_path(settings: Settings, run_id: str, rank: int, step: int) -> Path:
     """The file of one bundle; run ids are checked by the API (no path can escape)."""
-    return settings.bundle_folder / run_id / f"rank-{rank}" / f"step-{step:09d}.ampbundle"
+    return settings.bundle_folder / run_id / f"rank-{rank}" / bundle_name(step)
 
 
 def read_meta(path: Path) -> dict[str, Any]:

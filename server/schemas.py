@@ -17,7 +17,6 @@ from pydantic import (
     model_validator,
 )
 
-from ampwatch.client.wire import LABEL_MAX_CHARS, LABEL_PATTERN, RUN_ID_PATTERN
 from ampwatch.server.fields import (
     INT32_MAX,
     JSON_INT_MAX,
@@ -33,6 +32,7 @@ from ampwatch.server.fields import (
     text,
 )
 from ampwatch.server.series import DTYPES
+from ampwatch.wire import LABEL_MAX_CHARS, LABEL_PATTERN, RUN_ID_PATTERN
 
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
@@ -52,7 +52,7 @@ MAX_SEQ = INT32_MAX  # run_ranks.max_seq is an INTEGER column
 MAX_SEQ_GAP = 1_000_000
 MAX_CONFIG_BYTES = 64 * 1024  # config and environment, each, as JSON; listed with every run
 Scalar = ShortText | JsonInt | WireFloat | bool | None
-# a run's name, project or tag: what the agent's `attach` checks too (client/wire.py)
+# a run's name, project or tag: what the agent's `attach` checks too (wire/runs.py)
 Label = Annotated[str, StringConstraints(min_length=1, max_length=LABEL_MAX_CHARS,
                                          pattern=LABEL_PATTERN), AfterValidator(storable)]
 PerLayer = Annotated[WireFloats, Field(max_length=MAX_LAYERS)]

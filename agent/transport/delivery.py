@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from ampwatch.agent import guard
-from ampwatch.agent.bundle import BUNDLE_FOLDER
-from ampwatch.agent.bundle import SUFFIX as BUNDLE_SUFFIX
 from ampwatch.agent.transport.sender import Outcome, Response, Sender
 from ampwatch.agent.transport.spool import Spool, leftover_dirs, read_entry
+from ampwatch.wire.bundles import BUNDLE_FOLDER, bundle_step
+from ampwatch.wire.bundles import SUFFIX as BUNDLE_SUFFIX
 
 logger = logging.getLogger("ampwatch.agent")
 
@@ -161,7 +161,7 @@ class Delivery:
         if not folder.is_dir():
             return
         for path in sorted(folder.glob(f"*{BUNDLE_SUFFIX}")):
-            step = int(path.stem.removeprefix("step-"))
+            step = bundle_step(path.name)
             reply = self.sender.put_bundle(self.settings.run_id, self.settings.rank, step, path)
             if reply.outcome is Outcome.OK:
                 path.unlink(missing_ok=True)

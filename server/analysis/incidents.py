@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS
 from ampwatch.server.analysis.localize import fix_for_cause
 
 # what a finding says happened, in the order a root cause plays out
@@ -79,13 +80,16 @@ def _get(finding: Any, name: str) -> Any:
 def root_cause(finding: Any) -> tuple[str, str] | None:
     """(cause, layer) that the finding is a symptom of; None when the data names none.
     An overflow risk is the early sign of the forward overflow of its layer."""
-    kind, layer = _get(finding, "kind"), _get(finding, "layer")
+    spec = KINDS.get(_get(finding, "kind"))
+    if spec is None or spec.cause is None:
+        return None
+    if not spec.per_layer:  # one fix for all of them (misaligned: pad to the table's sizes)
+        return spec.cause, "-"
+    layer = _get(finding, "layer")
+    if spec.cause != FROM_EVIDENCE:
+        return (spec.cause, layer) if layer else None
     evidence = _get(finding, "evidence") or {}
-    if kind == "overflow_risk" and layer:
-        return "forward_overflow", layer
-    if kind == "misaligned_layer":  # one fix for all of them: pad to the table's sizes
-        return "misaligned", "-"
-    if kind in ("nonfinite", "scaler_divergence", "ranks") and evidence.get("cause"):
+    if evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
         if cause in ("forward_overflow", "absorbed_overflow", "grad_overflow") and not culprit:

@@ -13,6 +13,7 @@ import numpy as np
 
 from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.localize import (
     CAUSES,
     FORWARD,
@@ -22,13 +23,12 @@ from ampwatch.server.analysis.localize import (
     NO_LAYER,
     Localization,
     fix_for_cause,
-    localize,
 )
 from ampwatch.server.analysis.scaler import calibration_mask
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.series import StepSeries
+from ampwatch.server.analysis.window import Window
 
-KIND = "nonfinite"
+KIND = FindingKind.NONFINITE
 MAX_LAYERS_LISTED = 20
 ABSORBED = len(CAUSES)  # a group of its own: forward inf/NaN that never reached the grads
 GROUPS = (*CAUSES, "absorbed_overflow")
@@ -71,8 +71,7 @@ def _severity(group: int, reached_weights: np.ndarray) -> str:
     return "info"
 
 
-def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSettings,
-                     loc: Localization | None = None) -> Detection:
+def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
     """Group the window's non-finite steps by cause and offender.
 
     Gradient overflows that the GradScaler skipped during its initial calibration are
@@ -81,10 +80,11 @@ def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSett
     state); warning when a step was lost to a forward, loss or input fault, or a forward
     overflow was absorbed; info for gradient overflows the scaler skipped.
     """
+    series, run = window.series, window.run
     covers = (f"{KIND}:",)
     if not len(series):
         return Detection(covers=covers)
-    loc = loc or localize(series, run)
+    loc = window.loc
     skipped = series.skipped
     benign = (loc.cause >= GRAD) & skipped & calibration_mask(series, run, settings)
     rows = np.flatnonzero(loc.nonfinite & ~benign)

@@ -8,11 +8,13 @@ import numpy as np
 
 from ampwatch.server.analysis.context import RunContext, scale_column
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
-from ampwatch.server.analysis.localize import Localization, explain, fix_for_cause, localize
+from ampwatch.server.analysis.kinds import FindingKind
+from ampwatch.server.analysis.localize import explain, fix_for_cause
 from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.window import Window
 from ampwatch.server.series import StepSeries
 
-KIND = "scaler_divergence"
+KIND = FindingKind.SCALER_DIVERGENCE
 
 
 def true_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -164,15 +166,15 @@ def _decline(series, loc, run, settings, uncounted) -> FindingDraft | None:
                    "loss_scale": float(before[np.isfinite(before)][-1])}, settings)
 
 
-def detect_scaler_divergence(series: StepSeries, run: RunContext, settings: AnalysisSettings,
-                             loc: Localization | None = None) -> Detection:
+def detect_scaler_divergence(window: Window, settings: AnalysisSettings) -> Detection:
     """The four scaler checks over the window. The slow ones (skip share, decline) stay
     quiet while a collapse or a streak is active and ignore the skips of reported streaks:
     they would repeat its story."""
+    series, run = window.series, window.run
     covers = (f"{KIND}:",)
     if not len(series) or not series.has("loss_scale").any():
         return Detection(covers=covers)
-    loc = loc or localize(series, run)
+    loc = window.loc
     calibrating = calibration_mask(series, run, settings)
     fast = [d for d in (_collapse(series, loc, run, settings),
                         _streak(series, loc, run, settings, calibrating)) if d]

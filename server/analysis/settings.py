@@ -10,7 +10,8 @@ FP16_MIN_NORMAL = 6.103515625e-05
 
 
 class AnalysisSettings(BaseModel):
-    """Defaults follow DESIGN.md "Analysis: what gets flagged"."""
+    """Detector thresholds (docs/architecture.md, "Finding kinds and detectors"); what
+    the defaults flag is checked by the fault suite of docs/diagnosis.md."""
 
     enabled: bool = True
 

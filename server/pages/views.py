@@ -13,6 +13,7 @@ from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.kinds import Section, kinds_in
 from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.api.bundles import public_bundle
 from ampwatch.server.bundles import list_bundles
@@ -31,7 +32,7 @@ BUCKETS = 1000  # heatmap columns
 RUNS_PER_PAGE = 25
 MAX_COMPARED = 8
 MAX_FINDINGS = 200
-LAYER_FINDING_KINDS = ("misaligned_layer", "precision_map")
+LAYER_FINDING_KINDS = kinds_in(Section.LAYERS)
 LAYERS_PER_PAGE = 200  # rows of the layers page's heatmaps and table
 # non-finite causes that name the offending layer, the forward pass's first
 FORWARD_CAUSES = ("forward_overflow", "absorbed_overflow")
