@@ -17,13 +17,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ampwatch.replay.bisect import BisectResult, bisect, fix_code
+    from ampwatch.replay.bisection import BisectResult, bisect, fix_code
     from ampwatch.replay.bundle import Bundle, load, read_meta
     from ampwatch.replay.step import StepOutcome, run_step, upcast
 
 # torch is imported on first use: the `ampwatch` CLI imports ampwatch.replay.cli (its
 # `replay` command) on every call, and the client must not need torch
-_WHERE = {"BisectResult": "bisect", "bisect": "bisect", "fix_code": "bisect",
+_WHERE = {"BisectResult": "bisection", "bisect": "bisection", "fix_code": "bisection",
           "Bundle": "bundle", "load": "bundle", "read_meta": "bundle",
           "StepOutcome": "step", "run_step": "step", "upcast": "step"}
 __all__ = ["BisectResult", "Bundle", "StepOutcome", "bisect", "fix_code", "load",

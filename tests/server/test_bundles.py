@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from ampwatch import agent
+from ampwatch.server.api.bundles import BundlePublic
 from tests.replay.faults import FAULTS, train
 from tests.utils import register_run
 
@@ -37,7 +38,9 @@ def _upload(api, run_id: str, step: int, body: bytes, rank: int = 0,
 
 def test_upload_list_download_delete(api, app, bundle: bytes) -> None:
     register_run(api, "run-b")
-    assert _upload(api, "run-b", 8, bundle).status_code == 200
+    stored = _upload(api, "run-b", 8, bundle)
+    assert stored.status_code == 200
+    assert set(stored.json()) == set(BundlePublic.model_fields)  # its declared model
     listed = api.get("/api/v1/runs/run-b/bundles").json()["items"]
     assert [(b["step"], b["trigger"], b["first_nonfinite_layer"], b["exact"], b["bytes"])
             for b in listed] == [(8, "forward_nonfinite", "inp", True, len(bundle))]
