@@ -28,6 +28,10 @@ class BundleTooLarge(AmpwatchServerError):
     status_code = 413
 
 
+class BundleTimeout(AmpwatchServerError):
+    status_code = 408
+
+
 class BundleSpaceFull(AmpwatchServerError):
     status_code = 507
 

@@ -7,6 +7,7 @@ RequestBodyMiddleware passes this one path through and the route enforces
 
 from __future__ import annotations
 
+import asyncio
 import os
 import tempfile
 from datetime import datetime
@@ -21,6 +22,7 @@ from starlette.concurrency import run_in_threadpool
 from ampwatch.server.api.error_responses import NOT_FOUND, READ, WRITE
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.bundles import (
+    BundleTimeout,
     BundleTooLarge,
     get_bundle,
     list_bundles,
@@ -81,19 +83,30 @@ async def put_bundle(run_id: RunIdPath, rank: Rank, step: Step, request: Request
     media = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if media not in BUNDLE_TYPES:
         raise InvalidInput(f"Content-Type must be one of {', '.join(BUNDLE_TYPES)}")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > settings.bundle_max_bytes:
+        raise BundleTooLarge(_too_large(settings))
     incoming = settings.bundle_folder / ".incoming"
     await run_in_threadpool(incoming.mkdir, parents=True, exist_ok=True)
     fd, name = tempfile.mkstemp(dir=incoming, suffix=".part")
     upload = FilePath(name)
     try:
         size = 0
+        chunks = request.stream().__aiter__()
         with os.fdopen(fd, "wb") as out:
-            async for chunk in request.stream():
+            while True:
+                try:  # each piece within the body timeout: a stalled upload ends (408)
+                    chunk = await asyncio.wait_for(anext(chunks), settings.body_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError as exc:
+                    raise BundleTimeout(f"the bundle stopped arriving for "
+                                        f"{settings.body_timeout_s:g} s") from exc
                 size += len(chunk)
                 if size > settings.bundle_max_bytes:
-                    raise BundleTooLarge(f"bundle over the limit of {settings.bundle_max_bytes}"
-                                         " bytes (AMPWATCH_BUNDLE_MAX_BYTES)")
+                    raise BundleTooLarge(_too_large(settings))
                 await run_in_threadpool(out.write, chunk)
+
         def store() -> BundlePublic:
             with sessionmaker() as session:
                 return public_bundle(store_bundle(session, settings, run_id, rank, step,
@@ -102,6 +115,11 @@ async def put_bundle(run_id: RunIdPath, rank: Rank, step: Step, request: Request
         return await run_in_threadpool(store)
     finally:
         upload.unlink(missing_ok=True)
+
+
+def _too_large(settings: Any) -> str:
+    return f"bundle over the limit of {settings.bundle_max_bytes} bytes " \
+           "(AMPWATCH_BUNDLE_MAX_BYTES)"
 
 
 @router.get("/{run_id}/bundles", response_model=BundlesPublic, responses=READ | NOT_FOUND)
