@@ -260,9 +260,12 @@ def layer_series_query(
     if series.act_absmax is not None:
         dtype_names = [DTYPES[c] or None for c in series.act_dtype[:, 0].tolist()]
         times = encode_float_array(series.act_time[:, 0], missing=series.act_time[:, 0] == MISSING)
+        extra = {"act_dtype": dtype_names, "act_time_ms": times}
+        if series.act_grad_zero is not None:
+            zeros = series.act_grad_zero[:, 0]
+            extra["grad_zero_share"] = encode_float_array(zeros, missing=zeros == MISSING)
         acts, act_cut, act_events = _points(series.act_step, series.act_absmax[:, 0],
-                                            max_points,
-                                            {"act_dtype": dtype_names, "act_time_ms": times})
+                                            max_points, extra)
         for p in acts + act_events:
             p["act_absmax"] = p.pop("value")
             p["grad_norm"] = None

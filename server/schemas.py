@@ -358,6 +358,8 @@ class LayerPointPublic(BaseModel):
     act_absmax: WireNumber | None = None
     act_dtype: str | None = None
     act_time_ms: WireNumber | None = None
+    grad_zero_share: WireNumber | None = Field(
+        None, description="share of the layer's grad elements that were exactly zero")
 
 
 class LayerSeriesPublic(BaseModel):

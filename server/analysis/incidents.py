@@ -15,7 +15,7 @@ from typing import Any
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS
-from ampwatch.server.analysis.localize import fix_for_cause
+from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
 
 # what a finding says happened, in the order a root cause plays out
 STAGES = {
@@ -30,7 +30,8 @@ STAGES = {
     ("scaler_divergence", "scale_collapse"): (4, "loss scale at or below 1"),
 }
 HEADLINES = {
-    "forward_overflow": "Layer {layer!r} overflows fp16 in the forward pass",
+    "divergence": "Training diverged: the gradients ran away before any value overflowed",
+    "forward_overflow": "Layer {layer!r} overflows {dtype} in the forward pass",
     "absorbed_overflow": "Layer {layer!r} overflows in the forward pass; a later op "
                          "silently clipped it",
     "grad_overflow": "Gradients of layer {layer!r} are inf/NaN",
@@ -143,9 +144,13 @@ def _incident(members: list[Any]) -> Incident:
     if cause is not None and cause[0] == "misaligned":
         layer, headline, fix, timeline = _misaligned(members)
     elif cause is not None:
-        headline = HEADLINES.get(cause[0], "Steps went inf/NaN").format(layer=layer)
+        # the run's compute dtype, as its findings' evidence names it (fp16 when none does)
+        dtype = next((e["dtype"] for e in (_get(f, "evidence") or {} for f in members)
+                      if e.get("dtype")), None)
+        headline = HEADLINES.get(cause[0], "Steps went inf/NaN").format(
+            layer=layer, dtype=dtype_word(dtype))
         # the remedy after "what happened: " (the headline already says what happened)
-        fix = fix_for_cause(cause[0], layer).split(": ", 1)[-1]
+        fix = fix_for_cause(cause[0], layer, dtype).split(": ", 1)[-1]
         fix = fix[0].upper() + fix[1:] + "."
     return Incident(
         id=min(_get(f, "id") for f in members), run_id=_get(lead, "run_id"),
