@@ -22,9 +22,9 @@ from ampwatch.agent.layers import discover_layers
 from ampwatch.agent.record_triggers import RecordSettings
 from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
-from ampwatch.agent.session import CLOSE_FAILED, Session, StepItem
+from ampwatch.agent.session import CLOSE_FAILED, LoopWatch, StepItem
 from ampwatch.agent.settings import AgentSettings, make_run_id
-from ampwatch.agent.transport.worker import Worker
+from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
 from ampwatch.wire import (
     FINISHED_EVENT,
     RESTART_EVENT,
@@ -43,7 +43,7 @@ class Attachment:
     attachment (`enabled=False`) does nothing.
     """
 
-    def __init__(self, run_id: str | None, session: Session | None = None,
+    def __init__(self, run_id: str | None, session: LoopWatch | None = None,
                  worker: Worker | None = None, describe: dict[str, Any] | None = None,
                  recorder: Recorder | None = None) -> None:
         self._run_id = run_id
@@ -120,7 +120,7 @@ class Attachment:
             session.uninstall()
             self._flush_bundles(timeout)
             # the server then shows the run finished at once, not after `live_seconds`
-            worker.submit(("event", {"step": None, "kind": FINISHED_EVENT, "detail": {}}))
+            worker.submit(EventMessage({"step": None, "kind": FINISHED_EVENT, "detail": {}}))
             delivered = worker.stop(timeout)
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.detach", exc)
@@ -171,8 +171,8 @@ class Attachment:
         """Queue an event for the next batch; never blocks."""
         if self._detached or self._worker is None or self._session is None:
             return False
-        return self._worker.submit(("event", {"step": self._session.step, "kind": kind,
-                                              "detail": encode_tree(detail)}))
+        return self._worker.submit(EventMessage({"step": self._session.step, "kind": kind,
+                                                 "detail": encode_tree(detail)}))
 
     # ------------------------------------------------------------------ internals
     def _on_error(self, site: str, exc: BaseException) -> None:
@@ -180,7 +180,7 @@ class Attachment:
 
     def _run_changed(self) -> None:
         if self._worker is not None:
-            self._worker.submit(("run", self._body()))
+            self._worker.submit(RunMessage(self._body()))
 
     def _body(self) -> dict[str, Any]:
         session = self._session
@@ -281,23 +281,22 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         recorder = make_recorder(record_settings, settings)
         if recorder is not None:
             collectors.append(recorder)  # last: its worker-side read sees the whole record
-        session = Session(model, scaler, optimizer, layers, collectors,
-                          sink=lambda item: False, settings=settings)
-        describe = describe_run(name, project, tags, config)
-        attachment = Attachment(settings.run_id, session, None, describe, recorder)
-        worker = Worker(settings, attachment._body(), attachment._decode,
-                        lambda: session.dropped_steps)
-        attachment._worker = worker
+        # in order: the worker, the session that hands it steps, the handle over both
+        worker = Worker(settings)
+        session = LoopWatch(model, scaler, optimizer, layers, collectors, sink=worker.submit,
+                            settings=settings)
+        attachment = Attachment(settings.run_id, session, worker,
+                                describe_run(name, project, tags, config), recorder)
         if recorder is not None:
             recorder.connect(worker)
-        session.sink = worker.submit
         session.on_run_change = guard.guarded("attachment.run_change")(attachment._run_changed)
         session.on_event = attachment.event
         if step is not None:
             worker.explicit_steps = True
             session.step = step
+        body = attachment._body()  # the run as attach() found it, before any hook ran
         session.install()
-        worker._start()
+        worker.start(body, attachment._decode, lambda: session.dropped_steps)
     except Exception as exc:  # noqa: BLE001
         guard.report("attach", exc)
         return Attachment(run)

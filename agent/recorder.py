@@ -31,6 +31,7 @@ from ampwatch.agent.bundle import FORMAT, BundleWriter, to_host
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.agent.environment import scaler_config
 from ampwatch.agent.record_triggers import RecordSettings, Triggers
+from ampwatch.agent.transport.worker import EventMessage
 from ampwatch.wire import encode_tree
 from ampwatch.wire.bundles import BUNDLE_EVENT, BUNDLE_FOLDER
 
@@ -277,7 +278,7 @@ class Recorder(Collector):
         self.step_number = lambda step: (step if worker.explicit_steps
                                          else step + worker.step_offset)
         self.emit = lambda detail: worker.submit(
-            ("event", {"step": None, "kind": BUNDLE_EVENT, "detail": detail}))
+            EventMessage({"step": None, "kind": BUNDLE_EVENT, "detail": detail}))
 
     def flush(self, timeout: float) -> bool:
         """Capture what the worker asked for (the caller's thread: the training thread, at

@@ -28,6 +28,7 @@ from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
 from ampwatch.agent.compiled import CompileCounter, is_compiled, is_compiled_wrapper, unwrap
 from ampwatch.agent.layers import Layer
+from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.split_params import SplitParams
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update")
@@ -46,7 +47,7 @@ class StepItem:
     meta: dict[str, Any]
 
 
-class Session:
+class LoopWatch:
     """Owns the hooks of one attachment and the step lifecycle (training thread).
 
     `host_reduce`: the model's device is the host (CPU), so statistics tensors are already
@@ -60,7 +61,7 @@ class Session:
 
     def __init__(self, model: nn.Module, scaler: Any, optimizer: Any, layers: list[Layer],
                  collectors: list[Collector], sink: Callable[[StepItem], bool],
-                 settings: Any) -> None:
+                 settings: AgentSettings) -> None:
         self.model = model
         self.inner = unwrap(model)  # the user's model inside torch.compile wrappers
         self.compiled = is_compiled(model)  # no per-layer hooks (see agent/compiled.py)
@@ -113,7 +114,7 @@ class Session:
         self.on_run_change: Callable[[], None] = lambda: None
         self.on_event: Callable[[str, dict[str, Any]], Any] = lambda kind, detail: None
 
-    def __deepcopy__(self, memo: dict) -> Session:
+    def __deepcopy__(self, memo: dict) -> LoopWatch:
         """A deep copy of the watched model (an EMA copy, `AveragedModel`) copies its hooks,
         bound to this session: they get an inactive twin, so the copy trains and
         evaluates unwatched and the copy needs no thread lock copied."""

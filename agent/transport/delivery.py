@@ -14,9 +14,9 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 from ampwatch.agent import guard
+from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.transport.sender import Outcome, Response, Sender
 from ampwatch.agent.transport.spool import Spool, leftover_dirs, read_entry
 from ampwatch.wire.bundles import BUNDLE_FOLDER, bundle_step
@@ -42,7 +42,7 @@ class Delivery:
     IDLE_S = 0.5  # how often an idle sender looks at the spool (new batches wake it)
     LEFTOVER_EVERY_S = 30.0
 
-    def __init__(self, settings: Any, spool: Spool, sender: Sender) -> None:
+    def __init__(self, settings: AgentSettings, spool: Spool, sender: Sender) -> None:
         self.settings = settings
         self.spool = spool
         self.sender = sender
