@@ -23,6 +23,7 @@ Peers (wandb.watch, transformers' DebugUnderflowOverflow) run only when installe
     python bench/agent_overhead.py --mode ab --steps 100
     python bench/agent_overhead.py --mode processes --processes 3 --steps 200
     python bench/agent_overhead.py --mode ab --steps 100 --compile   # torch.compile'd model
+    python bench/agent_overhead.py --mode ab --steps 100 --record off  # no flight recorder
 
 With --compile both copies are `torch.compile`d (inductor) and the agent is attached to the
 compiled model, as nanoGPT users write it; the table also gives dynamo's graph-break and
@@ -252,7 +253,8 @@ def mode_ab(args: argparse.Namespace, server: str) -> None:
     for every in (10,) if args.compile else (10, 1):
         plain, watched = Trainer(compiled=args.compile), Trainer(compiled=args.compile)
         attachment = agent.attach(watched.call, watched.scaler, server=server,
-                                  sample_every=every, name="bench-ab")
+                                  sample_every=every, name="bench-ab",
+                                  record=args.record == "on")
         for _ in range(args.warmup):
             plain.step()
         if args.compile:
@@ -353,6 +355,8 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true",
                         help="ab mode: torch.compile both copies (the agent on the compiled one)")
     parser.add_argument("--server", default=None, help="use this server instead of a local one")
+    parser.add_argument("--record", choices=["on", "off"], default="on",
+                        help="ab mode: the flight recorder (attach's record=, on by default)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
