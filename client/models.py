@@ -191,6 +191,7 @@ class LayerPoint(Model):
     act_absmax: float | None = None
     act_dtype: str | None = None
     act_time_ms: float | None = None
+    grad_zero_share: float | None = None  # share of its grad elements exactly zero
 
 
 @dataclasses.dataclass(frozen=True)
