@@ -17,7 +17,7 @@ from ampwatch.server.analysis.kinds import Section, kinds_in
 from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
-from ampwatch.server.pages import figures, heatmaps
+from ampwatch.server.pages import figures, heatmaps, scale_chart
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import DTYPE_MAX, SHORT_DTYPE, layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
@@ -119,7 +119,7 @@ def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     # what a run cannot have is left out (a bf16 run has no loss scale, a CPU run no
     # device memory); the loss scale leads where there is one: fp16's first signal
     if has_scaler(twin["run"], lines):
-        charts = {"loss_scale": figures.loss_scale_figure(lines), **charts}
+        charts = {"loss_scale": scale_chart.loss_scale_figure(lines), **charts}
     if any(line.finite("peak_mem_bytes").any() for line in lines):
         charts["memory"] = figures.peak_memory_figure(lines)
     span = figures.step_span(lines)
@@ -399,7 +399,7 @@ def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:
     charts = {
         "loss": figures.loss_figure(lines),
         "lr": figures.lr_figure(lines),
-        "loss_scale": figures.loss_scale_figure(lines),
+        "loss_scale": scale_chart.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
         "skip_rate": figures.skip_rate_figure(lines, totals),
         "step_time": figures.step_time_figure(lines),
