@@ -11,10 +11,11 @@ import numpy as np
 import plotly.graph_objects as go
 from sqlalchemy.orm import Session
 
+from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
 from ampwatch.server.fp8_samples import fp8_report
 from ampwatch.server.pages import figures
 from ampwatch.server.pages.columns import decode_values
-from ampwatch.server.pages.heatmaps import DTYPE_MAX, SHORT_DTYPE, layer_title
+from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.pages.views import MAX_POINTS, StepRange, findings_of, page_run
 from ampwatch.server.queries import layer_series_query, layers_query
 from ampwatch.server.runs import get_run
@@ -92,7 +93,7 @@ def layer_figures(twin: dict) -> dict[str, go.Figure]:
             limit = DTYPE_MAX[dtype]
             if limit in shown:
                 acts.add_hline(y=limit, line={"color": figures.CRITICAL, "dash": "dot"},
-                               annotation_text=f"{SHORT_DTYPE[dtype]} max {limit:g}",
+                               annotation_text=f"{dtype_word(dtype)} max {limit:g}",
                                annotation_position="top left",
                                annotation_font_color=figures.CRITICAL)
                 acts.update_yaxes(range=[math.log10(max(float(finite.min()), 1e-30)) - 0.2,

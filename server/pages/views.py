@@ -14,12 +14,13 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.kinds import Section, kinds_in
+from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
 from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps, scale_chart
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
-from ampwatch.server.pages.heatmaps import DTYPE_MAX, SHORT_DTYPE, layer_title
+from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import ranks_panel
 from ampwatch.server.runs import get_run, list_runs, public_run
@@ -214,11 +215,11 @@ def dtype_limit(twin: dict) -> tuple[str, float] | None:
     """The short name and largest value of the dtype the page's layers computed in, when
     one 16-bit or 8-bit dtype (the only ones whose maximum a layer's output can reach)."""
     dtypes = {item["summary"]["act_dtype"] for item in twin["layers"]["items"]} - {None}
-    dtypes &= DTYPE_MAX.keys() - {"bfloat16"}
+    dtypes &= DTYPE_MAX.keys() - {"bfloat16", "float32"}
     if len(dtypes) != 1:
         return None
     dtype = dtypes.pop()
-    return SHORT_DTYPE[dtype], DTYPE_MAX[dtype]
+    return dtype_word(dtype), DTYPE_MAX[dtype]
 
 
 def layer_links(fig: Figure, twin: dict, matrix: LayerMatrix, titles: dict[str, str]) -> None:
