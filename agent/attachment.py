@@ -76,6 +76,14 @@ class Attachment:
             self._worker.explicit_steps = True
         self._session.set_step(value)
 
+    def log_loss(self, loss: Any) -> None:
+        """Name the loss of the next step yourself: `loss` (a one-element tensor, or a
+        number) is stored as that step's loss, summed with the others logged before the
+        step (micro-batches), in place of the losses the agent saw backpropagated into the
+        model. Keeps a reference to the tensor; does not synchronise the device."""
+        if not self._detached and self._session is not None:
+            self._session.log_loss(loss)
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Hand over the last step, spool everything and try to deliver it.
 
