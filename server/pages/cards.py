@@ -8,6 +8,7 @@ import re
 from urllib.parse import quote, urlencode
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.localize import dtype_word
 
 LINK_WINDOW = 200  # steps a link to a step opens around it
 
@@ -131,9 +132,9 @@ def card_title(incident: dict, members: list[dict], run: dict) -> str:
     if risks and open_kinds <= {*RISK_KINDS, *SYMPTOM_KINDS}:
         evidence = max(risks, key=lambda f: float(f["evidence"].get("absmax") or 0))["evidence"]
         limit = float(evidence.get("limit") or 65504.0)
-        dtype = DTYPE_WORDS.get((run.get("environment") or {}).get("autocast_dtype"), "fp16")
+        dtype = dtype_word((run.get("environment") or {}).get("autocast_dtype"))
         text = (f"Layer {incident['layer']!r} is approaching {dtype}'s maximum: "
-                f"{human_number(float(evidence.get('absmax') or 0), 2)} of {limit:g}")
+                f"{short_number(float(evidence.get('absmax') or 0), 2)} of {limit:g}")
     else:
         text = LEADING_STEP.sub("", incident["headline"] or members[0]["message"])
     if incident["step"] is None:
@@ -141,10 +142,9 @@ def card_title(incident: dict, members: list[dict], run: dict) -> str:
     return f"Step {incident['step']:,}: {text}"
 
 
-def human_number(value: float, digits: int) -> str:
+def short_number(value: float, digits: int) -> str:
     """5.5e4 for 54,800 at 2 digits (a number read at a glance, not copied)."""
     mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
     return f"{mantissa}e{int(exponent)}" if abs(value) >= 1e4 else f"{value:.{digits}g}"
 
 
-DTYPE_WORDS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}
