@@ -37,6 +37,19 @@ _compiling = torch.compiler.is_compiling  # dynamo folds it to True while tracin
 _GRAD = operator.attrgetter("grad")
 
 
+def _unwrap_scaler_method(scaler: Any, name: str, wrapper: Callable) -> None:
+    """Put back what `wrapper` wrapped, skipping the wrappers of attachments detached
+    since (two runs sharing one scaler, detached in either order)."""
+    previous = wrapper.__ampwatch_previous__  # type: ignore[attr-defined]
+    while previous is not None and getattr(previous, "__ampwatch_session__", None) is not None \
+            and not previous.__ampwatch_session__.active:
+        previous = previous.__ampwatch_previous__
+    if previous is None:
+        scaler.__dict__.pop(name, None)
+    else:
+        setattr(scaler, name, previous)
+
+
 @dataclass
 class StepItem:
     """A closed step on its way to the worker: the host copy and each collector's meta."""
@@ -105,7 +118,7 @@ class LoopWatch:
         self._inplace_compiled: list[tuple[nn.Module, Callable]] = []
         self._handles: list[Any] = []
         self._patch_tokens: list[tuple[patches.GlobalPatch, object]] = []
-        self._scaler_wrapped: list[str] = []
+        self._scaler_wrapped: list[tuple[str, Callable]] = []  # (method, our wrapper)
         # per event, the bound handlers of the collectors that implement it
         self._listeners = {e: [(getattr(c, e), f"{c.name}.{e}") for c in collectors
                                if overrides(c, e)] for e in EVENTS}
@@ -143,9 +156,11 @@ class LoopWatch:
         ]
         if self.scaler is not None:
             for name in _SCALER_METHODS:
-                original = getattr(self.scaler, name)
-                setattr(self.scaler, name, getattr(self, f"_wrap_{name.rstrip('_')}")(original))
-                self._scaler_wrapped.append(name)
+                wrapper = getattr(self, f"_wrap_{name.rstrip('_')}")(getattr(self.scaler, name))
+                wrapper.__ampwatch_previous__ = self.scaler.__dict__.get(name)  # type: ignore[attr-defined]
+                wrapper.__ampwatch_session__ = self  # type: ignore[attr-defined]
+                setattr(self.scaler, name, wrapper)
+                self._scaler_wrapped.append((name, wrapper))
         self.active = True
         if self.compiled:
             self.compiles.start()
@@ -168,8 +183,11 @@ class LoopWatch:
         for patch, token in self._patch_tokens:
             patch.remove(token)
         self._patch_tokens.clear()
-        for name in self._scaler_wrapped:
-            self.scaler.__dict__.pop(name, None)
+        for name, wrapper in self._scaler_wrapped:
+            if self.scaler.__dict__.get(name) is wrapper:
+                _unwrap_scaler_method(self.scaler, name, wrapper)
+            # else another attachment sharing the scaler wrapped ours: ours stays in its
+            # chain, passing calls through, until that one is detached
         self._scaler_wrapped.clear()
         for module, compiled in self._inplace_compiled:
             if getattr(module, "_compiled_call_impl", None) is not compiled:

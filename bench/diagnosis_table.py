@@ -40,6 +40,9 @@ optimizer's own step hook (skipped or applied) and the scaler's own scale. The r
   applied), else the loss, else the last layer in forward order with non-finite grads;
   **critical** when a step of the group was applied with non-finite grads (inf/NaN
   reached the weights), else warning; gradient overflows the scaler skipped are info;
+  when the grad norm grew 10^4-fold before the first such step while no sampled output
+  came within 2x of its dtype's maximum, one `nonfinite` (no layer) for all of them but
+  a bad input: a divergence;
 - `overflow_risk` at the first sampled step where a finite fp16 output is within 2x of
   65504; `underflow_risk` (fp16) for a layer whose grads are at least 50% exact zeros on
   most measured steps; `scaler_divergence` critical when the scale fell to 1 or below;

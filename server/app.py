@@ -21,6 +21,7 @@ from ampwatch.server.alerts import AlertService
 from ampwatch.server.api import (
     alerts,
     batches,
+    bundles,
     findings,
     fp8,
     health,
@@ -122,7 +123,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(health.router)
     protected = APIRouter(dependencies=token_dependencies(settings),
                           responses=PROTECTED if settings.token is not None else {})
-    for module in (runs, batches, series, findings, fp8, spikes, retention, alerts):
+    for module in (runs, batches, series, findings, fp8, spikes, retention, alerts,
+                   bundles):
         protected.include_router(module.router)
     api.include_router(protected)
     app.include_router(api)

@@ -65,9 +65,9 @@ def _notify_apprise(url: str, payload: dict[str, Any]) -> SendResult:
     notifier = apprise.Apprise()
     if not notifier.add(url):
         return SendResult(False, error="apprise does not understand this target's URL")
-    finding = payload.get("finding", {})
+    judged = payload.get("incident") or payload.get("finding", {})
     kind = "success" if payload.get("event") == "resolved" else \
-        APPRISE_TYPES.get(finding.get("severity"), "info")
+        APPRISE_TYPES.get(judged.get("severity"), "info")
     # apprise's messages may quote the target URL: keep them out of the server's log
     # (only the dispatcher thread sends through apprise) and record them scrubbed
     apprise_log = logging.getLogger("apprise")
@@ -87,6 +87,9 @@ def _notify_apprise(url: str, payload: dict[str, Any]) -> SendResult:
 def notification_body(payload: dict[str, Any]) -> str:
     """The plain-text body of a chat or mail notification."""
     finding, run = payload.get("finding", {}), payload.get("run", {})
+    incident = payload.get("incident")
+    if incident is not None:
+        return "\n".join(line for line in incident_lines(incident) if line)
     lines = [finding.get("message", "")]
     if finding.get("last_step") is not None and finding.get("step") is not None:
         lines.append(f"steps {finding['step']}..{finding['last_step']}, "
@@ -108,3 +111,15 @@ def scrub(text: str, url: str) -> str:
     for secret in sorted((s for s in secrets if len(s) >= 4), key=len, reverse=True):
         text = text.replace(secret, "***")
     return text[:ERROR_CHARS]
+
+
+def incident_lines(incident: dict[str, Any]) -> list[str]:
+    """What an incident's notification says: what happened, its cause and layer, the first
+    step, the fix and the link to the run page around that step."""
+    cause = (incident.get("cause") or "").replace("_", " ")
+    where = [f"cause: {cause}" if cause else "",
+             f"layer: {incident['layer']}" if incident.get("layer") else "",
+             f"first step: {incident['step']}" if incident.get("step") is not None else "",
+             f"rank {incident.get('rank', 0)}"]
+    return [incident.get("headline") or "", ", ".join(w for w in where if w),
+            f"Fix: {incident['fix']}" if incident.get("fix") else "", incident.get("url", "")]

@@ -135,7 +135,7 @@ def explain(loc: Localization, rows: np.ndarray, run: RunContext) -> dict:
 DTYPE_WORDS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32",
                "float8_e4m3fn": "fp8 e4m3", "float8_e5m2": "fp8 e5m2"}
 DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
-             "float32": 3.4028234663852886e38}
+             "float32": 3.4028234663852886e38, "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
 
 
 def dtype_word(dtype: str | None) -> str:

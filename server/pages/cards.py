@@ -8,6 +8,7 @@ import re
 from urllib.parse import quote, urlencode
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.localize import dtype_word
 
 LINK_WINDOW = 200  # steps a link to a step opens around it
 
@@ -44,6 +45,20 @@ RISK_KINDS = ("overflow_risk",)
 LEADING_STEP = re.compile(r"^Step [\d,]+: ")
 
 
+def incident_bundles(incidents: list[dict], bundles: list[dict]) -> dict[int, dict]:
+    """Incident id -> its flight-recorder bundle (docs/replay.md): each bundle goes to the
+    incident of its rank that covers its step and began last (the one the bad step
+    started, not a condition that was already open)."""
+    found: dict[int, dict] = {}
+    for bundle in bundles:
+        covering = [i for i in incidents if i.get("step") is not None
+                    and i.get("rank", 0) == bundle["rank"]
+                    and i["step"] <= bundle["step"] <= (i.get("last_step") or i["step"])]
+        if covering:
+            found.setdefault(max(covering, key=lambda i: i["step"])["id"], bundle)
+    return found
+
+
 def incident_panel(twin: dict) -> dict:
     """The overview's findings panel: one card per incident (root cause), split into
     problems (open, warning or critical), notes (open, info) and resolved ones, each
@@ -59,6 +74,7 @@ def incident_panel(twin: dict) -> dict:
     path = f"/runs/{quote(run_id)}"
     layer_index = twin.get("layer_index", {})
     cards: dict[str, list[dict]] = {"problems": [], "notes": [], "resolved": []}
+    bundles = incident_bundles(twin["incidents"], twin.get("bundles") or [])
     for incident in twin["incidents"]:
         members = [findings[i] for i in incident["findings"] if i in findings]
         if not members:
@@ -68,7 +84,8 @@ def incident_panel(twin: dict) -> dict:
                 "title": card_title(incident, members, run),
                 "lead_step": lead_step(incident, members),
                 "href": (f"{path}/layers#misaligned"
-                         if incident["cause"] == "misaligned" else None)}
+                         if incident["cause"] == "misaligned" else None),
+                "bundle": bundles.get(incident["id"])}
         if incident["step"] is not None:
             card["step_href"] = step_href(path, incident["step"], incident["last_step"],
                                           run_last, rank=rank)
@@ -115,9 +132,9 @@ def card_title(incident: dict, members: list[dict], run: dict) -> str:
     if risks and open_kinds <= {*RISK_KINDS, *SYMPTOM_KINDS}:
         evidence = max(risks, key=lambda f: float(f["evidence"].get("absmax") or 0))["evidence"]
         limit = float(evidence.get("limit") or 65504.0)
-        dtype = DTYPE_WORDS.get((run.get("environment") or {}).get("autocast_dtype"), "fp16")
+        dtype = dtype_word((run.get("environment") or {}).get("autocast_dtype"))
         text = (f"Layer {incident['layer']!r} is approaching {dtype}'s maximum: "
-                f"{human_number(float(evidence.get('absmax') or 0), 2)} of {limit:g}")
+                f"{short_number(float(evidence.get('absmax') or 0), 2)} of {limit:g}")
     else:
         text = LEADING_STEP.sub("", incident["headline"] or members[0]["message"])
     if incident["step"] is None:
@@ -125,10 +142,9 @@ def card_title(incident: dict, members: list[dict], run: dict) -> str:
     return f"Step {incident['step']:,}: {text}"
 
 
-def human_number(value: float, digits: int) -> str:
+def short_number(value: float, digits: int) -> str:
     """5.5e4 for 54,800 at 2 digits (a number read at a glance, not copied)."""
     mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
     return f"{mantissa}e{int(exponent)}" if abs(value) >= 1e4 else f"{value:.{digits}g}"
 
 
-DTYPE_WORDS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32"}

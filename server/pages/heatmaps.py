@@ -22,12 +22,6 @@ DTYPE_COLOURS = {"float16": "#1a73e8", "bfloat16": "#12a4af", "float32": "#e8710
                  "float64": "#9334e6", "float8_e4m3fn": "#0b8043", "float8_e5m2": "#0b8043",
                  "int8": "#6b5bd2", "mixed": MUTED}
 UNKNOWN_DTYPE = "#bdc1c6"
-# the largest finite value of each dtype a layer may compute in (server has no torch)
-DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
-             "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
-SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32",
-               "float8_e4m3fn": "fp8 e4m3", "float8_e5m2": "fp8 e5m2"}
-
 ROW_PX = 20
 
 

@@ -1,6 +1,7 @@
 """/runs/{id}/layers/{index}: one layer on its own, opened from a heatmap row, a table
 or a problem card: its grad norm, its forward output's abs-max against its dtype's
-maximum, its share of exactly-zero grad elements, and the findings that name it."""
+maximum, its share of exactly-zero grad elements, an FP8 layer's shares of elements its
+casts flushed or saturated, and the findings that name it."""
 
 from __future__ import annotations
 
@@ -10,13 +11,18 @@ import numpy as np
 import plotly.graph_objects as go
 from sqlalchemy.orm import Session
 
+from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
+from ampwatch.server.fp8_samples import fp8_report
 from ampwatch.server.pages import figures
 from ampwatch.server.pages.columns import decode_values
-from ampwatch.server.pages.heatmaps import DTYPE_MAX, SHORT_DTYPE, layer_title
+from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.pages.views import MAX_POINTS, StepRange, findings_of, page_run
 from ampwatch.server.queries import layer_series_query, layers_query
 from ampwatch.server.runs import get_run
 from ampwatch.server.settings import Settings
+from ampwatch.server.storage import load_layers
+
+FP8_BUCKETS = 500  # points per line of a layer's FP8 shares
 
 
 def layer_twin(session: Session, settings: Settings, run_id: str, index: int, *, rank: int,
@@ -29,8 +35,11 @@ def layer_twin(session: Session, settings: Settings, run_id: str, index: int, *,
     item = layers_query(session, run, rank=rank, layers=[index])["items"][0]
     findings = {status: [f for f in items if f["layer"] == item["name"]]
                 for status, items in findings_of(session, run_id).items()}
+    fp8 = (fp8_report(session, run_id, load_layers(session, run_id, [index]), rank,
+                      buckets=FP8_BUCKETS, **steps.query())
+           if (item["attrs"] or {}).get("fp8_recipe") else None)
     return {"run": page_run(session, run_id, settings), "rank": rank, "layer": item,
-            "title": layer_title(item), "series": series, "findings": findings}
+            "title": layer_title(item), "series": series, "findings": findings, "fp8": fp8}
 
 
 def _column(points: list[dict], name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -84,7 +93,7 @@ def layer_figures(twin: dict) -> dict[str, go.Figure]:
             limit = DTYPE_MAX[dtype]
             if limit in shown:
                 acts.add_hline(y=limit, line={"color": figures.CRITICAL, "dash": "dot"},
-                               annotation_text=f"{SHORT_DTYPE[dtype]} max {limit:g}",
+                               annotation_text=f"{dtype_word(dtype)} max {limit:g}",
                                annotation_position="top left",
                                annotation_font_color=figures.CRITICAL)
                 acts.update_yaxes(range=[math.log10(max(float(finite.min()), 1e-30)) - 0.2,
@@ -104,5 +113,28 @@ def layer_figures(twin: dict) -> dict[str, go.Figure]:
     else:
         figures.note(zeros, "no zero-gradient samples for this layer")
     span = figures.step_span_of([steps, a_steps])
-    return {name: figures.share_x(fig, span)
-            for name, fig in {"layer_grad": grad, "layer_act": acts, "layer_zero": zeros}.items()}
+    charts = {"layer_grad": grad, "layer_act": acts, "layer_zero": zeros}
+    if twin["fp8"] is not None:
+        charts["layer_fp8"] = fp8_figure(twin["fp8"])
+    return {name: figures.share_x(fig, span) for name, fig in charts.items()}
+
+
+def fp8_figure(report: dict) -> go.Figure:
+    """An FP8 layer's casts: per tensor, the largest share of its elements flushed to zero
+    (solid) and clipped at the format's maximum (dotted) per bucket of sampled steps."""
+    fig = figures.base_figure()
+    if not report["samples"]:
+        return figures.note(fig, "no FP8 samples of this layer recorded yet")
+    steps = np.asarray(report["steps"], dtype=np.int64)
+    for i, row in enumerate(report["rows"]):
+        tensor = row.rsplit(" · ", 1)[-1]
+        for name, dash, what in (("underflow", "solid", "flushed"),
+                                 ("saturated", "dot", "saturated")):
+            share, sent = decode_values(report[name][i])
+            fig.add_scatter(x=steps[sent], y=100 * share[sent], mode="lines",
+                            name=figures.label(f"{tensor} {what}"),
+                            line={"color": figures.colour(i), "dash": dash, "width": 1.4},
+                            hovertemplate="%{y:.3g}%")
+    fig.update_yaxes(title={"text": "% of elements"}, rangemode="tozero")
+    fig.update_layout(showlegend=True)
+    return fig

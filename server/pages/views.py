@@ -14,12 +14,15 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.kinds import Section, kinds_in
+from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
 from ampwatch.server.analysis.queries import list_findings, list_incidents
+from ampwatch.server.api.bundles import public_bundle
+from ampwatch.server.bundles import list_bundles
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
-from ampwatch.server.pages import figures, heatmaps, spikes
+from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
-from ampwatch.server.pages.heatmaps import DTYPE_MAX, SHORT_DTYPE, layer_title
+from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import ranks_panel
 from ampwatch.server.runs import get_run, list_runs, public_run
@@ -96,6 +99,8 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
         "findings": findings,
         "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
         "layer_index": named_layers(session, run_id, findings),
+        "bundles": [public_bundle(b).model_dump(mode="json")
+                    for b in list_bundles(session, run_id)],
     }
 
 
@@ -119,7 +124,7 @@ def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     # what a run cannot have is left out (a bf16 run has no loss scale, a CPU run no
     # device memory); the loss scale leads where there is one: fp16's first signal
     if has_scaler(twin["run"], lines):
-        charts = {"loss_scale": figures.loss_scale_figure(lines), **charts}
+        charts = {"loss_scale": scale_chart.loss_scale_figure(lines), **charts}
     if any(line.finite("peak_mem_bytes").any() for line in lines):
         charts["memory"] = figures.peak_memory_figure(lines)
     span = figures.step_span(lines)
@@ -218,11 +223,11 @@ def dtype_limit(twin: dict) -> tuple[str, float] | None:
     """The short name and largest value of the dtype the page's layers computed in, when
     one 16-bit or 8-bit dtype (the only ones whose maximum a layer's output can reach)."""
     dtypes = {item["summary"]["act_dtype"] for item in twin["layers"]["items"]} - {None}
-    dtypes &= DTYPE_MAX.keys() - {"bfloat16"}
+    dtypes &= DTYPE_MAX.keys() - {"bfloat16", "float32"}
     if len(dtypes) != 1:
         return None
     dtype = dtypes.pop()
-    return SHORT_DTYPE[dtype], DTYPE_MAX[dtype]
+    return dtype_word(dtype), DTYPE_MAX[dtype]
 
 
 def layer_links(fig: Figure, twin: dict, matrix: LayerMatrix, titles: dict[str, str]) -> None:
@@ -403,7 +408,7 @@ def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:
     charts = {
         "loss": figures.loss_figure(lines),
         "lr": figures.lr_figure(lines),
-        "loss_scale": figures.loss_scale_figure(lines),
+        "loss_scale": scale_chart.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
         "skip_rate": figures.skip_rate_figure(lines, totals),
         "step_time": figures.step_time_figure(lines),

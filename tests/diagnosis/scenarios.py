@@ -10,6 +10,7 @@ Used by tests/diagnosis/test_fault_suite.py and bench/diagnosis_table.py.
 from __future__ import annotations
 
 import math
+import statistics
 import uuid
 import warnings
 from collections.abc import Callable
@@ -112,6 +113,8 @@ class StepTruth:
     scale_after: float | None = None  # the scaler's own scale after update()
     zero_share: dict[str, float] = field(default_factory=dict)
     fp16_absmax: dict[str, float] = field(default_factory=dict)  # finite fp16 outputs
+    absmax: float = 0.0  # the largest finite output of any layer, any dtype
+    grad_norm: float | None = None  # L2 norm of every grad before the optimizer step
 
 
 class Recorder:
@@ -141,6 +144,8 @@ class Recorder:
             finite = bool(output.isfinite().all())
             if self.current.first_bad_layer is None and not finite:
                 self.current.first_bad_layer = name
+            if finite and output.is_floating_point() and output.numel():
+                self.current.absmax = max(self.current.absmax, float(output.abs().max()))
             if finite and output.dtype == torch.float16 and output.numel():
                 peak = float(output.abs().max())
                 self.current.fp16_absmax[name] = max(peak, self.current.fp16_absmax.get(name, 0))
@@ -162,6 +167,11 @@ class Recorder:
 
     def grads(self, sampled: bool) -> None:
         """Before the optimizer step (grads unscaled, or scaled: finiteness is the same)."""
+        every = [p.grad.float() for m in self.layers.values()
+                 for p in m.parameters(recurse=False) if p.grad is not None]
+        if every:
+            self.current.grad_norm = float(torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g) for g in every])))
         for name, module in self.layers.items():
             grads = [p.grad for p in module.parameters(recurse=False) if p.grad is not None]
             if not grads:
@@ -271,6 +281,10 @@ def train(scenario: Scenario, server: str) -> tuple[str, Recorder]:
 # ----------------------------------------------------------------------------- rules
 FORWARD, ABSORBED, INPUT, LOSS, GRAD = ("forward_overflow", "absorbed_overflow",
                                         "nonfinite_input", "nonfinite_loss", "grad_overflow")
+DIVERGENCE = "divergence"
+DIVERGENCE_GROWTH = 1e4  # the server's default divergence_growth
+OVERFLOW_FACTOR = 2.0  # the server's default overflow_factor
+DTYPE_MAX = {torch.float16: 65504.0, torch.bfloat16: float(torch.finfo(torch.bfloat16).max)}
 
 
 def calibration_end(truth: Recorder, clean: int = 10) -> int:
@@ -304,6 +318,13 @@ def expected(scenario: Scenario, truth: Recorder) -> set[Expected]:
             continue
         applied_bad = not step.skipped and grads_bad
         found.setdefault(group, []).append((i, applied_bad))
+    first = min((i for hits in found.values() for i, _ in hits), default=None)
+    if first is not None and _diverged(scenario, truth, first):
+        # the gradients ran away first: every later inf/NaN (but a bad input) is theirs
+        runaway = [hit for group, hits in found.items() if group[0] != INPUT for hit in hits]
+        found = {group: hits for group, hits in found.items() if group[0] == INPUT}
+        if runaway:
+            found[(DIVERGENCE, None)] = sorted(runaway)
     out: set[Expected] = set()
     for (cause, layer), hits in found.items():
         if any(bad for _, bad in hits):
@@ -320,6 +341,22 @@ def expected(scenario: Scenario, truth: Recorder) -> set[Expected]:
         out.add(("scaler_divergence", None, collapsed[0], "critical"))
     out |= {(f"pitfall:{code}", None, 0, "warning") for code in scenario.pitfalls}
     return out | _scheduler(scenario, truth) | _overflow_risk(scenario, truth)
+
+
+def _diverged(scenario: Scenario, truth: Recorder, first: int) -> bool:
+    """Divergence before step `first` (the first with inf/NaN): the last grad norms
+    before it grew DIVERGENCE_GROWTH times past the typical one of the steps before,
+    while no output on a sampled step came within OVERFLOW_FACTOR of the dtype's max."""
+    norms = [s.grad_norm for s in truth.steps[:first]
+             if s.grad_norm is not None and math.isfinite(s.grad_norm) and s.grad_norm > 0]
+    if len(norms) < 3:
+        return False
+    typical = statistics.median(norms[: len(norms) // 2 + 1])
+    if max(norms[-3:]) < DIVERGENCE_GROWTH * typical:
+        return False
+    limit = DTYPE_MAX[scenario.dtype] / OVERFLOW_FACTOR
+    return all(s.absmax < limit for i, s in enumerate(truth.steps[:first])
+               if i % SAMPLE_EVERY == 0)
 
 
 def _underflow(scenario: Scenario, truth: Recorder) -> set[Expected]:
@@ -414,6 +451,18 @@ def _set(attribute: str, value: Callable[[int], float]) -> Callable:
 def _growing(i: int, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
     model.gain.factor = 1e4 * 1.06 ** i  # fc2's output, amplified, creeps up to 65504
     model.calm.factor = 1 / model.gain.factor  # and brought back, so grads stay sane
+    return x, y
+
+
+def growing_until_absorbed(i: int, model: nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """gain's output grows 8% a step; fc2's bias, lowered a little at the start, makes its
+    most negative outputs overflow first (to -inf, which act2, a ReLU, absorbs) a few
+    steps before its positive ones carry inf on to the loss."""
+    if i == 0:
+        with torch.no_grad():
+            model.fc2.bias -= 0.1
+    model.gain.factor = 1e3 * 1.08 ** i
+    model.calm.factor = 1 / model.gain.factor
     return x, y
 
 

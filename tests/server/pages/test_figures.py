@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ampwatch.server.pages import figures, heatmaps
+from ampwatch.server.pages import figures, heatmaps, scale_chart
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, decode_values
 
 
@@ -22,7 +22,7 @@ def test_loss_scale_is_log2_with_skipped_streaks_shaded():
     items = [{"step": s, "loss_scale": 2.0 ** (16 - s), "skipped": True} for s in range(3)]
     items.append({"step": 3, "loss_scale": 2.0 ** 13, "skipped": False})
     items.append({"step": 4, "loss_scale": 2.0 ** 13, "skipped": True})
-    fig = figures.loss_scale_figure(steps(items))
+    fig = scale_chart.loss_scale_figure(steps(items))
     line, skipped, hover = fig.data
     assert list(hover.x) == [0, 1, 2, 4]  # each skipped step names its span on hover
     assert list(line.y) == [16, 15, 14, 13, 13]
@@ -30,23 +30,23 @@ def test_loss_scale_is_log2_with_skipped_streaks_shaded():
     assert skipped.fill == "toself" and skipped.name == "skipped steps"
     assert [x for x in skipped.x if x is not None][::5] == [-0.5, 3.5]
     assert "2<sup>16</sup>" in fig.layout.yaxis.ticktext
-    assert figures.streaks(np.array([0, 1, 2, 4, 7, 8]), np.ones(6, bool)) == [
+    assert scale_chart.streaks(np.array([0, 1, 2, 4, 7, 8]), np.ones(6, bool)) == [
         (0, 2), (4, 4), (7, 8)]
 
 
 def test_loss_scale_ticks_are_whole_powers_of_two_with_even_spacing():
     items = [{"step": s, "loss_scale": 2.0 ** (16 - s), "skipped": s > 0} for s in range(166)]
-    ticks = list(figures.loss_scale_figure(steps(items)).layout.yaxis.tickvals)
+    ticks = list(scale_chart.loss_scale_figure(steps(items)).layout.yaxis.tickvals)
     # down to 2^-149, but the axis stops at 2^-24: what fell below is one row under it
     assert ticks == [-26, -16, -8, 0, 8, 16]  # 2^16, where the scale starts
-    assert figures.log2_ticks(0, 16) == [0, 4, 8, 12, 16]
-    assert figures.log2_ticks(10.2, 16) == [11, 12, 13, 14, 15, 16]
+    assert scale_chart.log2_ticks(0, 16) == [0, 4, 8, 12, 16]
+    assert scale_chart.log2_ticks(10.2, 16) == [11, 12, 13, 14, 15, 16]
 
 
 def test_a_scale_of_zero_keeps_the_full_step_range():
     items = [{"step": s, "loss_scale": 2.0 ** (16 - s) if s < 200 else 0.0, "skipped": True}
              for s in range(500)]
-    fig = figures.loss_scale_figure(steps(items))
+    fig = scale_chart.loss_scale_figure(steps(items))
     assert fig.layout.xaxis.range == (-0.5, 499.5)
     fallen = next(t for t in fig.data if t.name == "scale below 2^-24")
     assert len(fallen.x) == 500 - 41 and fig.layout.yaxis.ticktext[0] == "0"  # 2^-24 at 40

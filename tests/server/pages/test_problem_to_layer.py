@@ -1,16 +1,21 @@
 """From a problem to its step and its layer (issue #35, point 5), on the growing-layer
 fp16 run: a step link opens a window centred on the step with a line there on every
 chart, a range link stays inside the run, and the layer link, a heatmap row and the
-tables open the layer's own view; nn.Sequential layers are named with their type."""
+tables open the layer's own view (an FP8 layer's with what its casts lost);
+nn.Sequential layers are named with their type."""
 
 from __future__ import annotations
 
+import math
 from urllib.parse import parse_qs, urlsplit
 
 import httpx
+import numpy as np
 import pytest
 
+from ampwatch.server.fp8_samples import ROLES, STATS
 from tests.server.pages.conftest import GROWING_LAYER
+from tests.server.test_fp8_samples import send
 
 pytestmark = pytest.mark.browser
 STEP_CHARTS = ("loss_scale", "grad_norm", "loss", "lr", "phases")
@@ -96,4 +101,21 @@ def test_heatmap_rows_and_tables_open_the_layer_view(field_browser, field_runs):
     with browser.page.expect_navigation():
         browser.page.mouse.click(plot["x"] + plot["width"] / 2, box["y"] + box["height"] / 2)
     assert urlsplit(browser.page.url).path == path
+    browser.assert_clean()
+
+
+def test_an_fp8_layers_view_shows_what_its_casts_lost(field_browser, field_runs):
+    browser = field_browser
+    # FP8 statistics need a GPU to record: these are wire batches of what they hold
+    with httpx.Client(base_url=field_runs.server.url, timeout=30) as api:
+        sent = send(api, "fp8-wire", n_layers=4, fp8_every=2, steps=range(60))
+    browser.goto("/runs/fp8-wire/layers/2")
+    browser.wait_for_plots("layer_fp8")
+    drawn = {t["name"]: t for t in browser.traces("layer_fp8")}
+    assert set(drawn) == {f"{role} {what}" for role in ("input", "weight", "grad")
+                          for what in ("flushed", "saturated")}
+    shown = browser.page.evaluate("""() => Math.max(...document.getElementById('fig-layer_fp8')
+        ._fullData.filter(t => t.name === 'input flushed')[0].y)""")
+    truth = 100 * float(np.nanmax(sent[:, ROLES.index("input"), STATS.index("underflow"), 2]))
+    assert math.isclose(shown, truth, rel_tol=1e-5)
     browser.assert_clean()
