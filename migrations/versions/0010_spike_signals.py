@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0010"
-down_revision = "0008"  # 0009_bundles lands beside this one; the lead chains them
+down_revision = "0009"
 branch_labels = None
 depends_on = None
 
