@@ -316,6 +316,7 @@ class Spike(Model):
     incident: int | None = None
 
 
+@dataclasses.dataclass(frozen=True)
 class BundleInfo(Model):
     """A flight-recorder bundle the server holds: the bad step, what triggered it, the
     first layer whose output held inf/NaN, whether its weights are exact, its size and

@@ -1,7 +1,7 @@
 """spike samples: per-layer signals that precede loss spikes, of sampled steps
 
 Revision ID: 0010
-Revises: 0008
+Revises: 0009
 Create Date: 2026-11-26
 """
 
