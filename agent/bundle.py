@@ -27,7 +27,6 @@ from ampwatch.agent import guard
 from ampwatch.wire import encode_tree
 from ampwatch.wire.bundles import META_NAME, STATE_NAME, SUFFIX, bundle_name
 
-FORMAT = 1
 UNSUPPORTED = "__ampwatch_unsupported__"  # a batch value that is not data (its repr kept)
 
 

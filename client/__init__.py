@@ -37,6 +37,7 @@ from ampwatch.client.models import (
     RankTotals,
     Records,
     Run,
+    Spike,
     Step,
 )
 
@@ -70,5 +71,6 @@ __all__ = [
     "RankTotals",
     "Records",
     "Run",
+    "Spike",
     "Step",
 ]

@@ -25,12 +25,15 @@ from ampwatch.client.models import (
     LayerSeries,
     Records,
     Run,
+    Spike,
     Step,
 )
 from ampwatch.wire import DEFAULT_SERVER
 from ampwatch.wire.bundles import bundle_name
 
-MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms"]
+MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms", "update_ratio",
+                       "update_lost", "adam_eps_share", "adam_v_zero_share",
+                       "attn_max_logit", "logit_absmax", "logit_lse"]
 
 
 def _segment(run_id: str) -> str:
@@ -268,6 +271,13 @@ class Client:
         path = f"/runs/{_segment(run_id)}/findings" if run_id is not None else "/findings"
         return Records(self._pages(path, Finding, self.FINDINGS_PAGE, limit,
                                    kind=kind, severity=severity, status=status), of=Finding)
+
+    def spikes(self, run_id: str, *, rank: int | None = None) -> Records[Spike]:
+        """A run's loss spikes in step order (its `loss_spike` findings, open and
+        resolved, read as spikes), each with its likely cause; of one rank when given."""
+        body = self._request("GET", f"/runs/{_segment(run_id)}/spikes",
+                             params={"rank": rank})
+        return Records((Spike.from_json(item) for item in body["items"]), of=Spike)
 
     def incidents(self, run_id: str, *, status: str | None = None,
                   severity: str | None = None) -> Records[Incident]:

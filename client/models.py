@@ -294,6 +294,29 @@ class Finding(Model):
 
 
 @dataclasses.dataclass(frozen=True)
+class Spike(Model):
+    """A loss spike the server found (a `loss_spike` finding, `finding` its id): its first
+    and last step, peak, the median it rose from, its likely cause (`label`) with the
+    layer, the first step of the precursor and the lead time it gave, the step the loss
+    came back (None: not yet), and the fix (docs/spikes.md)."""
+
+    finding: int
+    step: int
+    rank: int = 0
+    end_step: int | None = None
+    peak: float | None = None
+    median: float | None = None
+    ratio: float | None = None
+    label: str = "unknown"
+    layer: str | None = None
+    precursor_step: int | None = None
+    lead_steps: int | None = None
+    recovered_at: int | None = None
+    fix: str | None = None
+    incident: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class BundleInfo(Model):
     """A flight-recorder bundle the server holds: the bad step, what triggered it, the
     first layer whose output held inf/NaN, whether its weights are exact, its size and

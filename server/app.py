@@ -28,6 +28,7 @@ from ampwatch.server.api import (
     retention,
     runs,
     series,
+    spikes,
 )
 from ampwatch.server.api.error_responses import PROTECTED
 from ampwatch.server.db import health_on_commit, make_engine, session_info, upgrade
@@ -122,7 +123,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(health.router)
     protected = APIRouter(dependencies=token_dependencies(settings),
                           responses=PROTECTED if settings.token is not None else {})
-    for module in (runs, batches, series, findings, fp8, retention, alerts, bundles):
+    for module in (runs, batches, series, findings, fp8, spikes, retention, alerts,
+                   bundles):
         protected.include_router(module.router)
     api.include_router(protected)
     app.include_router(api)

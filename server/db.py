@@ -6,10 +6,11 @@ import contextlib
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, create_engine, event
+from sqlalchemy import Engine, Select, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
@@ -91,6 +92,20 @@ def dialect_insert(session: Session, table: type) -> postgresql.Insert | sqlite.
     (SQLite and Postgres)."""
     insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
     return insert(table)
+
+
+def rows_by_step(session: Session, query: Select, step: Any, start: int | None,
+                 per_query: int) -> Iterator[Any]:
+    """The rows of `query` with `step` >= start in step order, `per_query` rows a query
+    (keyset paging: a server-side cursor would hold a Postgres connection as long)."""
+    after = None if start is None else start - 1
+    while True:
+        page = query if after is None else query.where(step > after)
+        rows = session.execute(page.order_by(step).limit(per_query)).all()
+        yield from rows
+        if len(rows) < per_query:
+            return
+        after = getattr(rows[-1], step.key)
 
 
 def alembic_config(database_url: str) -> Config:

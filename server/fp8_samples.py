@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import decode_column, encode_array
-from ampwatch.server.db import dialect_insert
+from ampwatch.server.db import dialect_insert, rows_by_step
 from ampwatch.server.models import Fp8Sample, Layer
 from ampwatch.server.schemas import Fp8In, StepIn
 from ampwatch.wire import FP8_ROLES, FP8_STATS
@@ -140,14 +140,7 @@ def _samples(session: Session, run_id: str, rank: int, start: int | None, end: i
                    Fp8Sample.layers).where(Fp8Sample.run_id == run_id, Fp8Sample.rank == rank)
     if end is not None:
         query = query.where(Fp8Sample.step <= end)
-    after = None if start is None else start - 1
-    while True:
-        page = query if after is None else query.where(Fp8Sample.step > after)
-        rows = session.execute(page.order_by(Fp8Sample.step).limit(READ_ROWS)).all()
-        yield from rows
-        if len(rows) < READ_ROWS:
-            return
-        after = rows[-1].step
+    return rows_by_step(session, query, Fp8Sample.step, start, READ_ROWS)
 
 
 def load_fp8_window(session: Session, run_id: str, rank: int, n_layers: int, *,

@@ -33,6 +33,7 @@ from ampwatch.server.restarts import (
 from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
 from ampwatch.server.series import COMPRESSED_FORMAT, FIELD_INDEX, StepSeries, concat
 from ampwatch.server.settings import Settings
+from ampwatch.server.spike_samples import spike_length_errors, store_spike_samples
 from ampwatch.server.storage import (
     clip_steps,
     new_batch_row,
@@ -100,6 +101,7 @@ class _Stored:
     restart: int | None
     superseded: tuple[int, int]
     fp8: bool
+    spikes: bool  # it stored spike samples (docs/spikes.md)
     forgot: bool = False
 
     def ack(self, batch: BatchIn, target: _Target) -> BatchAck:
@@ -132,8 +134,9 @@ def _validate(session: Session, run_id: str, batch: BatchIn) -> _Target:
     if not touched:
         raise NotFound(f"no run with id {run_id!r}: register it with PUT /api/v1/runs/{run_id}")
     n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
-    errors = vector_length_errors(batch.steps, n_layers) + fp8_length_errors(batch.steps,
-                                                                             n_layers)
+    errors = (vector_length_errors(batch.steps, n_layers)
+              + fp8_length_errors(batch.steps, n_layers)
+              + spike_length_errors(batch.steps, n_layers))
     if errors:
         raise InvalidInput("; ".join(errors))
     rank_row = session.get(RunRank, (run_id, batch.rank), with_for_update=True)
@@ -147,7 +150,8 @@ def _validate(session: Session, run_id: str, batch: BatchIn) -> _Target:
 
 def _store(session: Session, target: _Target, batch: BatchIn) -> _Stored:
     """Insert the batch's row unless (run, rank, seq) is taken (then `duplicate`); a
-    restart first marks the steps it replaces as superseded. Stores its FP8 samples."""
+    restart first marks the steps it replaces as superseded. Stores its FP8 and spike
+    samples."""
     run_id = target.run_id
     events = encode_tree([e.model_dump() for e in batch.events])
     restart_event = restart_from(events)
@@ -167,7 +171,9 @@ def _store(session: Session, target: _Target, batch: BatchIn) -> _Stored:
     ).first() is not None
     fp8 = inserted and store_fp8_samples(session, run_id, batch.rank, batch.steps,
                                          target.n_layers)
-    return _Stored(row, not inserted, restart, superseded, bool(fp8), forgot)
+    spikes = inserted and store_spike_samples(session, run_id, batch.rank, batch.steps,
+                                              target.n_layers)
+    return _Stored(row, not inserted, restart, superseded, bool(fp8), bool(spikes), forgot)
 
 
 def _check_replay(session: Session, target: _Target, batch: BatchIn, row: dict) -> None:
@@ -232,7 +238,8 @@ def _analyse(session: Session, target: _Target, batch: BatchIn, stored: _Stored,
     analysis_start = time.perf_counter()
     run = session.get(Run, target.run_id)
     analysis.on_ingest(session, run, batch.rank, folded.series, settings.analysis,
-                       rank_last_step=folded.rank_last_step, fp8=stored.fp8)
+                       rank_last_step=folded.rank_last_step, fp8=stored.fp8,
+                       spikes=stored.spikes)
     through = _all_ranks_through(run, folded.others, folded.rank_last_step,
                                  target.rank_row.last_step)
     if through is not None:

@@ -198,6 +198,22 @@ class Fp8Sample(Base):
     layers: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
+class SpikeSample(Base):
+    """The spike signals of one sampled step of one rank (server/spike_samples.py):
+    `values` float32 (signals x `n_layers`, NaN where not measured), compressed with
+    server/codec.py. A re-sent step replaces its row."""
+
+    __tablename__ = "spike_samples"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    n_layers: Mapped[int] = mapped_column(Integer)
+    values: Mapped[bytes] = mapped_column(LargeBinary)
+
+
 class Finding(Base):
     """Something the analysis flagged. A persisting condition updates its open finding
     (matched by `key`) instead of adding rows; a recovered condition resolves it."""

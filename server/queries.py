@@ -27,6 +27,7 @@ from ampwatch.server.series import (
     SCALAR_FIELDS,
     StepSeries,
 )
+from ampwatch.server.spike_samples import SIGNALS, spike_matrix
 from ampwatch.server.storage import (
     ACT_DTYPE,
     ACT_MAX,
@@ -44,7 +45,7 @@ from ampwatch.server.storage import (
 from ampwatch.server.summaries import SUMMARY_STEPS, load_summaries, summarised_steps
 from ampwatch.wire import encode_float, encode_float_array
 
-MATRIX_METRICS = ("grad_norm", "act_absmax", "act_time_ms")
+MATRIX_METRICS = ("grad_norm", "act_absmax", "act_time_ms", *SIGNALS)
 # a downsampled read spanning more steps than this comes from the step summaries
 LONG_RANGE_STEPS = 20 * SUMMARY_STEPS
 
@@ -329,6 +330,8 @@ def matrix_query(
     sends its own layers only."""
     if metric not in MATRIX_METRICS:
         raise InvalidInput(f"metric must be one of {', '.join(MATRIX_METRICS)}")
+    if metric in SIGNALS:  # sampled spike signals (server/spike_samples.py)
+        return _spike_matrix(session, run, metric, rank, start, end, buckets, layers)
     acts = metric != "grad_norm"
     columns = None if layers is None else np.asarray(layers, dtype=np.int64)
     summary = (_summarised(session, run, rank, start, end, columns, envelope=False,
@@ -364,3 +367,14 @@ def matrix_query(
         "step_end": step_end.tolist(),
         "values": FloatRows(matrix, empty),
     }
+
+
+def _spike_matrix(session: Session, run: Run, metric: str, rank: int, start: int | None,
+                  end: int | None, buckets: int, layers: Sequence[int] | None) -> dict:
+    rows = layer_rows(session, run.id, layers)
+    by_index = {row.index: row.name for row in rows}
+    indices = list(layers) if layers is not None else sorted(by_index)
+    return {"run_id": run.id, "rank": rank, "metric": metric,
+            "layers": [by_index[i] for i in indices],
+            **spike_matrix(session, run.id, rank, metric, indices, start=start, end=end,
+                           buckets=buckets)}

@@ -20,7 +20,15 @@ import numpy as np
 from sqlalchemy import case, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Batch, Finding, Fp8Sample, Run, RunRank, StepSummary
+from ampwatch.server.models import (
+    Batch,
+    Finding,
+    Fp8Sample,
+    Run,
+    RunRank,
+    SpikeSample,
+    StepSummary,
+)
 from ampwatch.server.storage import load_series, unpack_row
 from ampwatch.server.summaries import SUMMARY_STEPS, fold_batch
 from ampwatch.wire import RESTART_EVENT
@@ -45,6 +53,9 @@ def supersede(session: Session, run_id: str, rank: int, from_step: int) -> tuple
     once (a restart is rare)."""
     session.execute(delete(Fp8Sample).where(Fp8Sample.run_id == run_id, Fp8Sample.rank == rank,
                                             Fp8Sample.step >= from_step))
+    session.execute(delete(SpikeSample).where(SpikeSample.run_id == run_id,
+                                              SpikeSample.rank == rank,
+                                              SpikeSample.step >= from_step))
     overlapping = (Batch.run_id == run_id, Batch.rank == rank, Batch.last_step >= from_step,
                    or_(Batch.superseded_from.is_(None), Batch.superseded_from > from_step))
     rows = session.execute(select(Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars,

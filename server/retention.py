@@ -12,7 +12,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.codec import encode_columns
 from ampwatch.server.db import writing
 from ampwatch.server.errors import Conflict
-from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, utcnow
+from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, SpikeSample, utcnow
 from ampwatch.server.restarts import rebuild_summaries
 from ampwatch.server.runs import get_run, run_ranks
 from ampwatch.server.storage import new_batch_row
@@ -37,6 +37,7 @@ def archive_run(session: Session, run_id: str) -> Run:
                 for rank_row in ranks}
         session.execute(delete(Batch).where(Batch.run_id == run_id))
         session.execute(delete(Fp8Sample).where(Fp8Sample.run_id == run_id))
+        session.execute(delete(SpikeSample).where(SpikeSample.run_id == run_id))
         for rank, events in kept.items():
             if events:
                 session.execute(insert(Batch).values(

@@ -215,6 +215,19 @@ class Fp8In(Strict):
     grad: Fp8TensorIn | None = None
 
 
+class SpikesIn(Strict):
+    """Per-layer signals that precede loss spikes, on sampled steps (docs/spikes.md); each
+    L entries, null where the layer was not measured."""
+
+    update_ratio: PerLayer | None = None
+    update_lost: PerLayer | None = None
+    adam_eps_share: PerLayer | None = None
+    adam_v_zero_share: PerLayer | None = None
+    attn_max_logit: PerLayer | None = None
+    logit_absmax: PerLayer | None = None
+    logit_lse: PerLayer | None = None
+
+
 class StepIn(Strict):
     step: integer(0, MAX_STEP)
     loss_scale: WireFloat | None = None
@@ -242,6 +255,7 @@ class StepIn(Strict):
     layer_grad_zero_share: PerLayer | None = None
     activations: ActivationsIn | None = None
     fp8: Fp8In | None = None
+    spikes: SpikesIn | None = None
 
 
 class EventIn(Strict):

@@ -6,7 +6,7 @@ import argparse
 
 from ampwatch.client import render
 from ampwatch.client.commands import connect, print_json, retention
-from ampwatch.client.models import Finding, Incident, Run
+from ampwatch.client.models import Finding, Incident, Run, Spike
 
 HEALTH = ("healthy", "warning", "critical", "no_data")
 
@@ -57,8 +57,10 @@ def show_run(args: argparse.Namespace) -> int:
         run = client.run(args.run)
         findings = client.findings(run.id)
         incidents = client.incidents(run.id)
+        spikes = client.spikes(run.id)
     if args.json:
-        print_json({"run": run, "incidents": incidents, "findings": findings})
+        print_json({"run": run, "incidents": incidents, "findings": findings,
+                    "spikes": spikes})
         return 0
     print(summary(run))
     by_id = {f.id: f for f in findings}
@@ -76,7 +78,23 @@ def show_run(args: argparse.Namespace) -> int:
         print(incidents_text(notes, by_id))
     if resolved:
         print(f"({resolved} resolved; `ampwatch findings {run.id} --status resolved`)")
+    if spikes:
+        print(f"\nLoss spikes ({len(spikes)}):")
+        print(spikes_text(spikes))
     return 0
+
+
+def spikes_text(spikes: list[Spike]) -> str:
+    """One row per spike: its step, size, likely cause and layer, the lead time its
+    precursor gave, and when the loss came back."""
+    return render.table(
+        ["step", "peak", "x median", "cause", "layer", "precursor", "lead", "back at"],
+        [[render.number(s.step), render.number(s.peak), render.number(s.ratio), s.label,
+          s.layer or "-", render.number(s.precursor_step), render.number(s.lead_steps),
+          "not yet" if s.recovered_at is None else render.number(s.recovered_at)]
+         for s in spikes],
+        right=(0, 1, 2, 5, 6, 7),
+    )
 
 
 def incidents_text(incidents: list[Incident], findings: dict[int, Finding]) -> str:

@@ -20,6 +20,7 @@ from typing import Any
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS
 from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
+from ampwatch.server.analysis.spikes import SPIKE_CAUSE, spike_story
 
 # what a finding says happened, in the order a root cause plays out
 STAGES = {
@@ -102,6 +103,8 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
     if spec.cause != FROM_EVIDENCE:
         return (spec.cause, layer) if layer else None
     evidence = _get(finding, "evidence") or {}
+    if evidence.get("cause") == SPIKE_CAUSE:  # one incident per spike, named by its step
+        return SPIKE_CAUSE, f"step {evidence.get('spike_step')}"
     if evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
@@ -210,6 +213,9 @@ def _incident(members: list[Any], key: tuple) -> Incident:
                               severity=_get(f, "severity")) for f in members]
     if cause is not None and cause[0] == "misaligned":
         layer, headline, fix, timeline = _misaligned(members)
+    elif cause is not None and cause[0] == SPIKE_CAUSE:
+        layer, headline, fix = spike_story([(_get(f, "kind"), _get(f, "layer"),
+                                             _get(f, "evidence") or {}) for f in members])
     elif cause is not None:
         # the run's compute dtype, as its findings' evidence names it (fp16 when none does)
         dtype = next((e["dtype"] for e in (_get(f, "evidence") or {} for f in members)

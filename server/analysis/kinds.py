@@ -29,6 +29,9 @@ class FindingKind(StrEnum):
     FP8_SATURATION = "fp8_saturation"
     FP8_STALE_SCALE = "fp8_stale_scale"
     RANKS = "ranks"
+    LOSS_SPIKE = "loss_spike"
+    SPIKE_PRECURSOR = "spike_precursor"
+    OPTIMIZER_STATE = "optimizer_state"
 
 
 class Scope(StrEnum):
@@ -126,6 +129,24 @@ KINDS: dict[FindingKind, KindSpec] = {spec.kind: spec for spec in (
              "ranks that disagree: a scaler, the first non-finite rank, a straggler",
              Scope.RANK, Section.OVERVIEW,
              "the finding's message names the rank and what to check on it",
+             cause=FROM_EVIDENCE),
+    # docs/spikes.md; the findings of one spike carry evidence.cause "loss_spike" and
+    # its step, and form one incident
+    KindSpec(FindingKind.LOSS_SPIKE,
+             "a loss spike, with its likely cause (the code), layer and lead time",
+             Scope.RANK, Section.OVERVIEW,
+             "the finding names the fix for its cause (qk-layernorm, z-loss, fp32 optimizer "
+             "state, a smaller eps, clipping, or the batch)",
+             cause=FROM_EVIDENCE),
+    KindSpec(FindingKind.SPIKE_PRECURSOR,
+             "a layer's attention logit or the output log-partition grew 10x over its level",
+             Scope.LAYER, Section.OVERVIEW,
+             "qk-layernorm or a lower learning rate (attention); z-loss (output)",
+             cause=FROM_EVIDENCE),
+    KindSpec(FindingKind.OPTIMIZER_STATE,
+             "Adam's eps dominates, or its second moment underflowed, in a layer",
+             Scope.LAYER, Section.OVERVIEW,
+             "a smaller eps, fp32 optimizer state, or a larger loss scale",
              cause=FROM_EVIDENCE),
 )}
 

@@ -21,6 +21,7 @@ from ampwatch.server.analysis.ranks import detect_rank_findings
 from ampwatch.server.analysis.scaler import detect_scaler_divergence
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.speed import detect_speed
+from ampwatch.server.analysis.spikes import detect_spikes
 from ampwatch.server.analysis.window import Window
 
 Detector = Callable[[Window, AnalysisSettings], Detection]
@@ -33,6 +34,7 @@ class Inputs(StrEnum):
     SETUP = "setup"  # the layer table and environment (rank 0), on registration and batches
     RANKS = "ranks"  # every rank's steps over one window, when all ranks passed a step
     FP8 = "fp8"  # the rank's sampled FP8 statistics, on batches that carry them
+    SPIKES = "spikes"  # the rank's loss and spike signals, on batches with either
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,8 @@ DETECTORS: tuple[DetectorSpec, ...] = (
     DetectorSpec(detect_rank_findings, Inputs.RANKS, (K.RANKS,)),
     DetectorSpec(detect_fp8, Inputs.FP8,
                  (K.FP8_UNDERFLOW, K.FP8_SATURATION, K.FP8_STALE_SCALE)),
+    DetectorSpec(detect_spikes, Inputs.SPIKES,
+                 (K.LOSS_SPIKE, K.SPIKE_PRECURSOR, K.OPTIMIZER_STATE)),
 )
 
 

@@ -98,3 +98,29 @@ class Fp8Public(BaseModel):
     saturated: list[list[WireNumber | None]]
     samples: int
     findings: list[FindingPublic]
+
+
+class SpikePublic(BaseModel):
+    """A loss spike (a `loss_spike` finding, read as a spike; docs/spikes.md): its first
+    and last step, peak, the median it rose from and the ratio, its likely cause
+    (`label`) with the layer, the precursor's first step and the lead time it gave, the
+    step the loss came back (null: not yet) and the fix."""
+
+    finding: int
+    rank: int
+    step: int
+    end_step: int | None
+    peak: WireNumber | None
+    median: WireNumber | None
+    ratio: WireNumber | None
+    label: str
+    layer: str | None
+    precursor_step: int | None
+    lead_steps: int | None
+    recovered_at: int | None
+    fix: str | None
+    incident: int | None
+
+
+class SpikesPublic(BaseModel):
+    items: list[SpikePublic]

@@ -18,6 +18,7 @@ from ampwatch.server.analysis.window import Window
 from ampwatch.server.fp8_samples import load_fp8_window
 from ampwatch.server.models import Batch, Run, RunRank
 from ampwatch.server.series import StepSeries, concat
+from ampwatch.server.spike_samples import load_spike_window
 from ampwatch.server.storage import clip_steps, load_batches, load_layers, load_series
 
 # Setup findings (layer table, environment) live on rank 0.
@@ -90,10 +91,11 @@ def _span(batch: StepSeries) -> tuple[int, int]:
 
 def on_ingest(session: Session, run: Run, rank: int, batch: StepSeries,
               settings: AnalysisSettings, *, rank_last_step: int | None,
-              fp8: bool = False) -> None:
+              fp8: bool = False, spikes: bool = False) -> None:
     """Analyse `batch`, just stored for `rank` and unpacked with every column, inside the
     ingest transaction (the caller commits). rank_last_step: the rank's last step before
-    this batch (None when it had none). fp8: the batch stored FP8 samples.
+    this batch (None when it had none). fp8, spikes: the batch stored FP8 or spike
+    samples.
 
     Reads the rank's last `history_steps` before the batch, runs the step detectors (and
     the setup ones on rank 0) on them plus the batch, upserts findings and updates
@@ -121,8 +123,24 @@ def on_ingest(session: Session, run: Run, rank: int, batch: StepSeries,
     change = apply_detections(session, run.id, rank, detections, settings, since=since,
                               current=current)
     update_run_health(session, run, change)
-    if fp8 and (rank_last_step is None or last_step >= rank_last_step):
+    newest = rank_last_step is None or last_step >= rank_last_step
+    if fp8 and newest:
         _judge_fp8(session, run, context, last_step, settings)
+    if (spikes or batch.has("loss").any()) and newest:
+        _judge_spikes(session, run, Window(series, context), settings)
+
+
+def _judge_spikes(session: Session, run: Run, window: Window,
+                  settings: AnalysisSettings) -> None:
+    """The spike detector on the window's steps (their loss) and the rank's spike
+    samples over the same span (docs/spikes.md)."""
+    steps = window.series.steps
+    window.spikes = load_spike_window(session, run.id, window.run.rank, run.n_layers,
+                                      start=int(steps[0]), end=int(steps[-1]))
+    detections = run_detectors(window, settings, [Inputs.SPIKES])
+    change = apply_detections(session, run.id, window.run.rank, detections, settings,
+                              since=int(steps[0]))
+    update_run_health(session, run, change)
 
 
 def _judge_fp8(session: Session, run: Run, context: RunContext, last_step: int,

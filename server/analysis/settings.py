@@ -58,6 +58,33 @@ class AnalysisSettings(BaseModel):
         2, ge=1, description="consecutive samples whose amax outgrew the scale: stale scale"
     )
 
+    # loss spikes and their causes (server/analysis/spikes.py, docs/spikes.md)
+    spike_reference_steps: int = Field(
+        50, ge=5, description="recent clean steps a loss is compared with (median and spread)")
+    spike_min_history: int = Field(20, ge=5, description="clean steps before a spike can be seen")
+    spike_spread_factor: float = Field(
+        6.0, gt=0, description="a loss this many robust spreads over the median: a spike")
+    spike_min_rise: float = Field(
+        0.1, gt=0, description="... and at least this share over the median")
+    spike_lookback_steps: int = Field(
+        200, ge=10, description="steps before a spike searched for what grew")
+    spike_growth_factor: float = Field(
+        5.0, gt=1, description="a signal this many times its earlier level names the cause")
+    spike_update_jump: float = Field(
+        2.0, gt=1, description="an update ratio this many times its level: update_ratio_spike")
+    spike_grad_jump: float = Field(
+        2.0, gt=1, description="a grad norm this many times its median with the spike: bad batch")
+    precursor_factor: float = Field(
+        10.0, gt=1, description="attention logit or log-partition this many times its level: "
+        "a precursor warning before any spike")
+    adam_eps_share: float = Field(
+        0.5, gt=0, le=1, description="share of a layer's elements with eps dominating sqrt(v)")
+    adam_v_zero_share: float = Field(
+        0.05, gt=0, le=1,
+        description="share of a layer's elements with a zero second moment and a gradient")
+    optimizer_state_samples: int = Field(
+        3, ge=1, description="consecutive samples over those shares before a warning")
+
     # layers and model
     misaligned_warning_share: float = Field(
         0.2, ge=0, le=1,

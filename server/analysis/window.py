@@ -12,6 +12,7 @@ from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.localize import Localization, localize
 from ampwatch.server.fp8_samples import Fp8Window
 from ampwatch.server.series import StepSeries
+from ampwatch.server.spike_samples import SpikeWindow
 
 
 @dataclass
@@ -23,12 +24,14 @@ class Window:
     peers: every rank's window over the same steps, by rank (Inputs.RANKS only);
         a detector comparing ranks names the rank each draft belongs to (`draft.rank`).
     fp8: the rank's sampled FP8 statistics (Inputs.FP8 only).
+    spikes: the rank's sampled spike signals over the steps' span (Inputs.SPIKES only).
     """
 
     series: StepSeries
     run: RunContext
     peers: Mapping[int, Window] = field(default_factory=dict)
     fp8: Fp8Window | None = None
+    spikes: SpikeWindow | None = None
 
     @cached_property
     def loc(self) -> Localization:

@@ -78,7 +78,9 @@ MAX_MATRIX_CELLS = 10_000_000  # about 100 MB of JSON: a 10,000-layer run at 1,0
 def get_matrix(
     run_id: RunIdPath,
     session: SessionDep,
-    metric: Literal["grad_norm", "act_absmax", "act_time_ms"] = "grad_norm",
+    metric: Literal["grad_norm", "act_absmax", "act_time_ms", "update_ratio", "update_lost",
+                    "adam_eps_share", "adam_v_zero_share", "attn_max_logit", "logit_absmax",
+                    "logit_lse"] = "grad_norm",
     rank: Rank = 0,
     start: Start = None,
     end: End = None,

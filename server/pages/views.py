@@ -20,7 +20,7 @@ from ampwatch.server.api.bundles import public_bundle
 from ampwatch.server.bundles import list_bundles
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
-from ampwatch.server.pages import figures, heatmaps, scale_chart
+from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
@@ -117,7 +117,7 @@ def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     lines = by_rank(twin["steps"])
     charts = {
         "grad_norm": figures.grad_norm_figure(lines),
-        "loss": figures.loss_figure(lines),
+        "loss": spikes.mark_spikes(figures.loss_figure(lines), twin["findings"]),
         "lr": figures.lr_figure(lines),
         "phases": figures.phase_times_figure(lines),
     }
@@ -172,6 +172,9 @@ def layers_twin(session: Session, settings: Settings, run_id: str, *, rank: int,
                                   buckets=BUCKETS, layers=indices, **steps.query()),
         "act_absmax": matrix_query(session, run, metric="act_absmax", rank=rank,
                                    buckets=BUCKETS, layers=indices, **steps.query()),
+        **{key: matrix_query(session, run, metric=metric, rank=rank, buckets=BUCKETS,
+                             layers=indices, **steps.query())
+           for key, (metric, _) in spikes.HEATMAPS.items()},
         "findings": findings,
     }
 
@@ -212,6 +215,7 @@ def layers_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     return {
         **maps,
         "fwd_time": heatmaps.forward_time_figure(twin["layers"], twin["page"]["indices"]),
+        **spikes.spike_heatmaps(twin, span),
     }
 
 

@@ -30,6 +30,7 @@ PAIRS: dict[type, type[BaseModel]] = {
     models.TimelineEntry: analysis_schemas.TimelineEntryPublic,
     models.Incident: analysis_schemas.IncidentPublic,
     models.Finding: analysis_schemas.FindingPublic,
+    models.Spike: analysis_schemas.SpikePublic,
     models.BatchAck: schemas.BatchAck,
     models.AlertTarget: alert_schemas.AlertTargetPublic,
     models.AlertRule: alert_schemas.AlertRulePublic,
@@ -60,6 +61,6 @@ def test_every_step_field_is_accepted_stored_and_returned():
     storage keeps it, the steps API and the client return it."""
     from ampwatch.server.series import SCALAR_FIELDS
 
-    per_layer = {"layer_grad_norm", "layer_grad_zero_share", "activations", "fp8"}
+    per_layer = {"layer_grad_norm", "layer_grad_zero_share", "activations", "fp8", "spikes"}
     assert set(schemas.StepIn.model_fields) - per_layer == set(SCALAR_FIELDS)
     assert set(schemas.StepPublic.model_fields) == {"rank", *SCALAR_FIELDS}

@@ -1,0 +1,288 @@
+"""The signals that precede bf16 loss spikes, per layer, on sampled steps: the update-to-weight
+ratio, the share of the update rounded away in the parameter's dtype, Adam's eps-dominated
+and zero second-moment shares (agent/update_stats.py), the largest attention logit of each
+attention layer, and the output logits' largest magnitude and log-partition
+(agent/attention_logits.py).
+
+Sampled with the activation statistics (every `sample_every` steps and through the anomaly
+window). On a sampled step, as its first forward begins: a forward pre-hook on every
+`nn.MultiheadAttention`, a pre and post hook on every layer that may call
+`scaled_dot_product_attention` (those with children, and leaf modules from outside
+`torch.nn`) so a call is credited to the innermost one running, a wrapper around
+`torch.nn.functional.scaled_dot_product_attention`, and a forward hook on the output layer
+(the last layer in forward order with a matrix weight). All of them come off as the next
+unsampled step is set up. Only training forwards are measured; a layer called several
+times keeps its largest logit, the output layer its first call. The optimizer's update is
+rebuilt from its state as the step ends, on sampled steps that are also a multiple of
+`max(sample_every, UPDATE_EVERY_MIN)` (every 20th step by default). Nothing synchronises
+the device: the values reach the step buffer at close and the host a step later, on the
+worker.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from ampwatch.agent import distributed, guard, patches
+from ampwatch.agent.attention_logits import mha_max_logit, output_stats, sdpa_max_logit
+from ampwatch.agent.collectors.activations import first_float_tensor
+from ampwatch.agent.collectors.base import Collector, SampledHooks
+from ampwatch.agent.update_stats import N_SUMS, SUMS, kind_of, param_sums
+from ampwatch.wire import encode_float_array
+
+SDPA = patches.GlobalPatch("scaled_dot_product_attention",
+                           [(nn.functional, "scaled_dot_product_attention")])
+FIELDS = ("update_ratio", "update_lost", "adam_eps_share", "adam_v_zero_share",
+          "attn_max_logit", "logit_absmax", "logit_lse")
+_SUM = {name: i for i, name in enumerate(SUMS)}
+_compiling = torch.compiler.is_compiling
+
+
+class _PatchHandle:
+    """A GlobalPatch listener as a hook handle (SampledHooks removes handles)."""
+
+    def __init__(self, patch: patches.GlobalPatch, before: Any) -> None:
+        self._patch, self._token = patch, patch.add(before)
+
+    def remove(self) -> None:
+        self._patch.remove(self._token)
+
+
+def _may_call_sdpa(module: nn.Module) -> bool:
+    if isinstance(module, nn.MultiheadAttention):
+        return False  # measured from its inputs by its own pre-hook
+    has_children = next(module.children(), None) is not None
+    return has_children or not type(module).__module__.startswith("torch.nn")
+
+
+class SpikeCollector(Collector):
+    """`spikes.{update_ratio, update_lost, adam_eps_share, adam_v_zero_share,
+    attn_max_logit, logit_absmax, logit_lse}`, per layer, on sampled steps."""
+
+    name = "spikes"
+    # steps between update statistics, at the least: rebuilding the update reads every
+    # parameter's state (on a CPU about 2/3 of the optimizer step itself), while the
+    # logits cost a few small ops; an update ratio is a slow trend until it jumps
+    UPDATE_EVERY_MIN = 20
+
+    def __init__(self, layers: list[Any]) -> None:
+        super().__init__()
+        self.n_layers = len(layers)
+        # layers that own parameters get a row of update sums; a tied parameter counts in
+        # the first layer holding it
+        self.rows = [layer.index for layer in layers if any(
+            id(p) not in layer.tied for p in layer.params)]
+        self._row_of_param = {id(p): row for row, index in enumerate(self.rows)
+                              for p in layers[index].params if id(p) not in layers[index].tied}
+        self.slots = N_SUMS * len(self.rows) + self.n_layers + 2
+        self._sampled = False
+        self._hooks = SampledHooks(self._register_hooks)
+        self._stack: list[int] = []  # the layers (that may call SDPA) now running forward
+        self._attn: dict[int, torch.Tensor] = {}
+        self._head: tuple[int, torch.Tensor] | None = None
+        self._sums: tuple[list[int], torch.Tensor] | None = None
+        self._kind: str | None = None
+        self._unsupported_named = False
+
+    def bind(self, session: Any) -> None:
+        super().bind(session)
+        n_sums = N_SUMS * len(self.rows)
+        self._sum_slots = self.view.narrow(0, 0, n_sums).view(len(self.rows), N_SUMS)
+        self._attn_slots = self.view.narrow(0, n_sums, self.n_layers)
+        self._head_slots = self.view.narrow(0, n_sums + self.n_layers, 2)
+        self._zeros = torch.zeros(len(self.rows), N_SUMS, dtype=session.buffer.dtype,
+                                  device=session.device)
+
+    def unbind(self) -> None:
+        self._hooks.remove()
+
+    def on_next_step(self, step: int) -> None:
+        sample = self.session.samples(step)
+        if sample != self._sampled:
+            self._sampled = sample
+            self._hooks.want(sample)
+
+    def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
+        if self._sampled:
+            self._stack.clear()  # a forward that raised left its layers on it
+            self._hooks.ensure()
+
+    # ------------------------------------------------------------------ hooks
+    def _register_hooks(self) -> list[Any]:
+        handles: list[Any] = [_PatchHandle(SDPA, self._on_sdpa)]
+        for layer in self.session.layers:
+            module = layer.module
+            if isinstance(module, nn.MultiheadAttention):
+                handles.append(module.register_forward_pre_hook(
+                    self._mha(layer.index), with_kwargs=True))
+            elif _may_call_sdpa(module):
+                handles.append(module.register_forward_pre_hook(self._enter(layer.index)))
+                handles.append(module.register_forward_hook(self._leave, always_call=True))
+        head = self._head_layer()
+        if head is not None:
+            handles.append(head.module.register_forward_hook(self._output(head.index)))
+        return handles
+
+    def _head_layer(self) -> Any:
+        """The output layer: the last in forward order (once known) with a matrix weight."""
+        candidates = [layer for layer in self.session.layers
+                      if isinstance(getattr(layer.module, "weight", None), torch.Tensor)
+                      and layer.module.weight.dim() == 2
+                      and not isinstance(layer.module, nn.Embedding)]
+        ordered = [layer for layer in candidates if layer.forward_index is not None]
+        if ordered:
+            return max(ordered, key=lambda layer: layer.forward_index)
+        return candidates[-1] if candidates else None
+
+    def _note_logit(self, index: int, value: torch.Tensor | None) -> None:
+        if value is None:
+            return
+        kept = self._attn.get(index)
+        self._attn[index] = value if kept is None else torch.maximum(kept, value)
+
+    def _enter(self, index: int) -> Any:
+        def hook(module: nn.Module, args: tuple) -> None:
+            if not _compiling():
+                self._stack.append(index)
+        return hook
+
+    def _leave(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not _compiling() and self._stack:
+            self._stack.pop()
+
+    def _mha(self, index: int) -> Any:
+        session = self.session
+
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            if _compiling() or not session.in_training_forward:
+                return
+            try:
+                with torch.no_grad():
+                    self._note_logit(index, mha_max_logit(module, args, kwargs))
+            except Exception as exc:  # noqa: BLE001
+                guard.report("spikes.mha", exc)
+        return hook
+
+    def _on_sdpa(self, args: tuple, kwargs: dict) -> None:
+        if _compiling() or not self.session.in_training_forward or not self._stack:
+            return
+        query = args[0] if args else kwargs.get("query")
+        key = args[1] if len(args) > 1 else kwargs.get("key")
+        if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
+            with torch.no_grad():
+                self._note_logit(self._stack[-1],
+                                 sdpa_max_logit(query, key, kwargs.get("scale")))
+
+    def _output(self, index: int) -> Any:
+        session = self.session
+
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if _compiling() or not session.in_training_forward or self._head is not None:
+                return
+            try:
+                with torch.no_grad():
+                    stats = output_stats(first_float_tensor(output))
+                if stats is not None:
+                    self._head = (index, stats)
+            except Exception as exc:  # noqa: BLE001
+                guard.report("spikes.output", exc)
+        return hook
+
+    # ------------------------------------------------------------------ the update
+    def on_step_end(self, step: int, stepped: bool) -> None:
+        optimizer = self.session.optimizer
+        every = max(self.session.settings.sample_every, self.UPDATE_EVERY_MIN)
+        if not (self._sampled and stepped) or optimizer is None or step % every:
+            return
+        kind = kind_of(optimizer)
+        if kind is None:
+            if not self._unsupported_named:
+                self._unsupported_named = True
+                self.session.note_unsupported(
+                    f"update_ratio ({type(optimizer).__name__})",
+                    [self.session.layers[i].name for i in self.rows])
+            return
+        local = distributed.local if self.session.parallelism is not None else (lambda t: t)
+        with torch.no_grad():
+            self._sums = param_sums(optimizer, kind, self._row_of_param, local)
+        self._kind = kind
+
+    def seal(self) -> Any:
+        if not self._sampled:  # nothing was measured: the hooks are off
+            return None
+        sealed = (self._sums, self._kind, self._attn, self._head)
+        self._sums, self._kind, self._attn, self._head = None, None, {}, None
+        return sealed
+
+    def close(self, sealed: Any) -> Any:
+        if sealed is None:
+            return None
+        sums, kind, attn, head = sealed
+        if sums is None and not attn and head is None:
+            return None
+        measured_rows = None
+        if sums is not None:
+            rows, values = sums
+            index = torch.tensor(rows, dtype=torch.long, device=values.device)
+            torch.index_add(self._zeros, 0, index, values.to(self._zeros.dtype),
+                            out=self._sum_slots)
+            measured_rows = sorted(set(rows))
+        attn_layers = sorted(attn)
+        if attn_layers:
+            index = torch.tensor(attn_layers, dtype=torch.long, device=self.session.device)
+            values = torch.stack([attn[i] for i in attn_layers]).to(self._attn_slots.dtype)
+            self._attn_slots.index_copy_(0, index, values)
+        if head is not None:
+            self._head_slots.copy_(head[1])
+        return measured_rows, kind, attn_layers, None if head is None else head[0]
+
+    # ------------------------------------------------------------------ worker
+    def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
+        if meta is None:
+            return
+        rows, kind, attn_layers, head = meta
+        n, n_sums = self.n_layers, N_SUMS * len(self.rows)
+        out: dict[str, list] = {}
+        if rows:
+            sums = host[:n_sums].reshape(len(self.rows), N_SUMS)[rows]
+            layers = np.array([self.rows[r] for r in rows])
+            column = {name: sums[:, i] for name, i in _SUM.items()}
+            with np.errstate(divide="ignore", invalid="ignore"):
+                out["update_ratio"] = _per_layer(
+                    n, layers, np.sqrt(column["update_sq"] / column["weight_sq"]),
+                    column["weight_sq"] > 0)
+                out["update_lost"] = _per_layer(n, layers, column["lost"] / column["moved"],
+                                                column["moved"] > 0)
+                if kind == "adam":
+                    graded = column["grad_nonzero"] > 0
+                    out["adam_eps_share"] = _per_layer(
+                        n, layers, column["eps_dominated"] / column["grad_nonzero"], graded)
+                    out["adam_v_zero_share"] = _per_layer(
+                        n, layers, column["v_zero"] / column["grad_nonzero"], graded)
+        if attn_layers:
+            out["attn_max_logit"] = _per_layer(n, np.array(attn_layers),
+                                               host[n_sums: n_sums + n][attn_layers],
+                                               np.ones(len(attn_layers), dtype=bool))
+        if head is not None:
+            for i, name in enumerate(("logit_absmax", "logit_lse")):
+                out[name] = _per_layer(n, np.array([head]),
+                                       host[n_sums + n + i: n_sums + n + i + 1],
+                                       np.ones(1, dtype=bool))
+        out = {name: vector for name, vector in out.items() if vector is not None}
+        if out:
+            record["spikes"] = out
+
+
+def _per_layer(n: int, layers: np.ndarray, values: np.ndarray, valid: np.ndarray) -> list | None:
+    """An n-long wire vector holding `values` at `layers` where `valid`; None if none is."""
+    if not valid.any():
+        return None
+    full = np.zeros(n)
+    missing = np.ones(n, dtype=bool)
+    full[layers[valid]] = values[valid]
+    missing[layers[valid]] = False
+    return encode_float_array(full, missing=missing)

@@ -1,0 +1,120 @@
+"""Loss spikes, found from the loss series alone (robust statistics, no model).
+
+A step's loss is a spike when it lies more than `spike_spread_factor` robust spreads (the
+median absolute deviation, scaled to a normal's sigma) over the median of the last
+`spike_reference_steps` clean steps, and at least `spike_min_rise` of the median over it.
+The spread has a floor (1% of the median) so a loss that has flattened out does not make
+every wobble a spike. The episode runs on until the loss has stayed under median + 3
+spreads for RECOVER_STEPS steps in a row (a run breaking down wobbles back and forth: one
+spike, not five); its steps never enter a later reference. Pure numpy; O(n * reference) per window.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+MAD_TO_SIGMA = 1.4826
+SPREAD_FLOOR = 0.01  # of the median: a flat loss still has a spread
+END_SPREADS = 3.0  # the episode ends when the loss is back within this many spreads ...
+RECOVER_STEPS = 5  # ... for this many steps in a row (a breaking run wobbles back and forth)
+
+
+@dataclass(frozen=True)
+class Spike:
+    """One loss spike: its first and last step over the threshold, its peak, the median
+    and spread it was judged against, and the first step back under median + 3 spreads
+    (None: not recovered within the window)."""
+
+    start: int
+    end: int
+    peak_step: int
+    peak: float
+    median: float
+    spread: float
+    recovered_at: int | None
+
+    @property
+    def size(self) -> float:
+        """How many spreads over the median the peak was."""
+        return (self.peak - self.median) / self.spread
+
+    @property
+    def ratio(self) -> float:
+        return self.peak / self.median if self.median else float("inf")
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start + 1
+
+
+def _row_medians(rows: np.ndarray) -> np.ndarray:
+    """np.median(rows, axis=1) by a sort: 100x faster on a strided window view."""
+    ordered = np.sort(rows, axis=1)
+    half = rows.shape[1] // 2
+    return (ordered[:, half] if rows.shape[1] % 2
+            else (ordered[:, half - 1] + ordered[:, half]) / 2)
+
+
+def _may_spike(loss: np.ndarray, reference: int, min_history: int, spread_factor: float,
+               min_rise: float) -> bool:
+    """Whether any loss could be a spike: the same test against the median and spread of
+    the `reference` losses before it, spikes included, at half the thresholds (a spike in
+    the reference moves a median little; halving covers it). Vectorised: on a healthy
+    window (nearly every batch) it is the only pass."""
+    if loss.size <= min_history:
+        return False
+    width = min(reference, loss.size - 1)
+    windows = np.lib.stride_tricks.sliding_window_view(loss[:-1], width)
+    later = loss[width:]
+    median = _row_medians(windows)
+    # the rise over the median first: only its rows need a spread (a sort each)
+    rising = later - median >= min_rise / 2 * np.abs(median)
+    if not rising.any():
+        return False
+    windows, later, median = windows[rising], later[rising], median[rising]
+    mad = MAD_TO_SIGMA * _row_medians(np.abs(windows - median[:, None]))
+    spread = np.maximum(np.maximum(mad, SPREAD_FLOOR * np.abs(median)), 1e-12)
+    return bool((later > median + spread_factor / 2 * spread).any())
+
+
+def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_history: int,
+                spread_factor: float, min_rise: float) -> list[Spike]:
+    """Every spike of `loss` (per step, NaN where absent) in step order. A non-finite loss
+    is not a spike here (the non-finite detector reports it)."""
+    keep = np.isfinite(loss)
+    steps, loss = steps[keep], loss[keep]
+    if not _may_spike(loss, reference, min_history, spread_factor, min_rise):
+        return []
+    clean: list[float] = []  # losses outside spikes, most recent last
+    spikes: list[Spike] = []
+    i, n = 0, loss.size
+    while i < n:
+        if len(clean) < min_history:
+            clean.append(float(loss[i]))
+            i += 1
+            continue
+        ref = np.asarray(clean[-reference:])
+        median = float(np.median(ref))
+        spread = max(MAD_TO_SIGMA * float(np.median(np.abs(ref - median))),
+                     SPREAD_FLOOR * abs(median), 1e-12)
+        x = float(loss[i])
+        if x <= median + spread_factor * spread or x - median < min_rise * abs(median):
+            clean.append(x)
+            i += 1
+            continue
+        j, below = i, 0  # the last step over the end threshold; steps under it since
+        for k in range(i + 1, n):
+            if loss[k] > median + END_SPREADS * spread:
+                j, below = k, 0
+            else:
+                below += 1
+                if below >= RECOVER_STEPS:
+                    break
+        peak = i + int(np.argmax(loss[i: j + 1]))
+        spikes.append(Spike(start=int(steps[i]), end=int(steps[j]), peak_step=int(steps[peak]),
+                            peak=float(loss[peak]), median=median, spread=spread,
+                            recovered_at=int(steps[j + 1]) if below >= RECOVER_STEPS else None))
+        i = j + 1
+    return spikes

@@ -1,0 +1,213 @@
+"""bf16-era findings: loss spikes with their likely cause (`loss_spike`, the cause as its
+code), precursors before any spike (`spike_precursor`: a layer's largest attention logit
+or the output log-partition grown `precursor_factor` times over its level), and optimizer
+states that silently lose updates (`optimizer_state`: eps-dominated or zero second
+moments). Judged on the loss series and the agent's sampled spike signals
+(server/spike_samples.py); docs/spikes.md says how each is found and fixed.
+
+The findings of one spike (the spike and the precursor or optimizer state that it is
+labelled with) carry its first step as `evidence.spike_step`: incidents.py makes them one
+incident.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ampwatch.server.analysis.context import RunContext
+from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.spike_causes import FIXES, LEVEL_FLOOR, Cause, label_spike
+from ampwatch.server.analysis.spike_finder import Spike, find_spikes
+from ampwatch.server.analysis.window import Window
+from ampwatch.server.spike_samples import SpikeWindow
+
+SPIKE_CAUSE = "loss_spike"  # evidence.cause of the findings of one spike (incidents.py)
+CAUSE_WORDS = {
+    "attention_logit_growth": "attention logits grew",
+    "output_logit_divergence": "the output logits diverged (log-partition drifting)",
+    "second_moment_underflow": "Adam's second moment underflowed to zero",
+    "adam_epsilon": "Adam's eps dominated the update's denominator",
+    "update_ratio_spike": "the update-to-weight ratio jumped",
+    "bad_batch": "a bad batch (one step, the grad norm jumped with the loss)",
+    "unknown": "no sampled signal grew before it",
+}
+
+
+def detect_spikes(window: Window, settings: AnalysisSettings) -> Detection:
+    """Every spike, precursor and optimizer-state finding of the window (its steps' loss
+    and grad norm, and `window.spikes`, the sampled signals over the same span); pure."""
+    series, run = window.series, window.run
+    signals = (window.spikes if window.spikes is not None
+               else SpikeWindow.empty(series.n_layers))
+    spikes = find_spikes(series.steps, series.column("loss"),
+                         reference=settings.spike_reference_steps,
+                         min_history=settings.spike_min_history,
+                         spread_factor=settings.spike_spread_factor,
+                         min_rise=settings.spike_min_rise)
+    grad_norm = series.column("grad_norm")
+    labelled = [(spike, label_spike(spike, signals, series.steps, grad_norm, settings))
+                for spike in spikes]
+    drafts = [_spike_draft(spike, cause, run) for spike, cause in labelled]
+    drafts += _precursors(signals, run, settings, labelled)
+    drafts += _optimizer_states(signals, run, settings, labelled)
+    return Detection(drafts=drafts, covers=("spike_precursor:", "optimizer_state:"))
+
+
+def _spike_draft(spike: Spike, cause: Cause, run: RunContext) -> FindingDraft:
+    layer = None if cause.layer is None else run.layer_name(cause.layer)
+    lead = None if cause.precursor_step is None else spike.start - cause.precursor_step
+    back = (f"back under it at step {spike.recovered_at}" if spike.recovered_at is not None
+            else "not back yet")
+    where = f" in layer {layer!r}" if layer else ""
+    since = (f", first seen at step {cause.precursor_step} ({lead} steps ahead)"
+             if cause.precursor_step is not None else "")
+    message = (f"Loss spike at step {spike.start}: {spike.peak:.4g} against a recent median "
+               f"of {spike.median:.4g} ({spike.size:.0f} spreads, {spike.ratio:.2f}x), {back}. "
+               f"Likely cause: {CAUSE_WORDS[cause.label]}{where}{since}. "
+               f"Fix: {FIXES[cause.label]}.")
+    evidence = {"cause": SPIKE_CAUSE, "label": cause.label, "spike_step": spike.start,
+                "end_step": spike.end,
+                "peak_step": spike.peak_step, "peak": spike.peak, "median": spike.median,
+                "spread": spike.spread, "size_spreads": spike.size, "ratio": spike.ratio,
+                "recovered_at": spike.recovered_at, "precursor_step": cause.precursor_step,
+                "lead_steps": lead, "fix": FIXES[cause.label], **cause.evidence}
+    return FindingDraft(kind="loss_spike", code=cause.label, key=f"loss_spike:{spike.start}",
+                        severity="warning", message=message, step=spike.start,
+                        last_step=spike.end, layer=layer, evidence=evidence,
+                        occurrences=np.arange(spike.start, spike.end + 1),
+                        active=spike.recovered_at is None)
+
+
+def _spike_after(labelled: list[tuple[Spike, Cause]], label: str, layer: int,
+                 step: int) -> int | None:
+    """The first spike at or after `step` labelled `label` in `layer`."""
+    return next((spike.start for spike, cause in labelled if cause.label == label
+                 and cause.layer == layer and spike.start >= step), None)
+
+
+def _precursors(signals: SpikeWindow, run: RunContext, settings: AnalysisSettings,
+                labelled: list[tuple[Spike, Cause]]) -> list[FindingDraft]:
+    """A layer's largest attention logit, or the output log-partition, at
+    `precursor_factor` times its level (the median of the window's earliest third)."""
+    drafts = []
+    for code, names in (("attention_logit_growth", ("attn_max_logit",)),
+                        ("output_logit_divergence", ("logit_lse",))):
+        for name in names:
+            values = np.abs(signals.signal(name))
+            for layer in np.flatnonzero(np.isfinite(values).sum(axis=0) >= 3):
+                seen = np.isfinite(values[:, layer])
+                steps, v = signals.steps[seen], values[seen, layer]
+                level = max(float(np.median(v[: max(1, v.size // 3)])), LEVEL_FLOOR[name])
+                over = v >= settings.precursor_factor * level
+                if not over.any():
+                    continue
+                drafts.append(_precursor_draft(code, name, int(layer), steps, v, over, level,
+                                               run, labelled))
+    return drafts
+
+
+def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.ndarray,
+                     over: np.ndarray, level: float, run: RunContext,
+                     labelled: list[tuple[Spike, Cause]]) -> FindingDraft:
+    flagged = steps[over]
+    layer_name = run.layer_name(layer)
+    first = int(flagged[0])
+    what = ("largest attention logit" if code == "attention_logit_growth"
+            else "output log-partition")
+    spike = _spike_after(labelled, code, layer, first)
+    message = (f"Layer {layer_name!r}: its {what} reached {float(v[over][-1]):.4g}, "
+               f"{float(v[over][-1]) / level:.0f}x its level of {level:.3g}, first at step "
+               f"{first}" + (f"; the loss spiked at step {spike}" if spike is not None
+                             else "; no loss spike yet")
+               + f". Fix: {FIXES[code]}.")
+    evidence: dict[str, Any] = {"signal": name, "level": level, "latest": float(v[-1]),
+                                "peak": float(v.max()), "first_step": first,
+                                "steps": [int(s) for s in flagged[-20:]], "fix": FIXES[code]}
+    if spike is not None:
+        evidence.update(cause=SPIKE_CAUSE, spike_step=spike)
+    return FindingDraft(kind="spike_precursor", code=code,
+                        key=f"spike_precursor:{code}:{layer_name}", severity="warning",
+                        message=message, step=first, last_step=int(flagged[-1]),
+                        layer=layer_name, evidence=evidence, occurrences=flagged,
+                        active=bool(over[-1]))
+
+
+def _optimizer_states(signals: SpikeWindow, run: RunContext, settings: AnalysisSettings,
+                      labelled: list[tuple[Spike, Cause]]) -> list[FindingDraft]:
+    """Layers whose eps-dominated or zero second-moment share stayed at or over its
+    threshold on `optimizer_state_samples` consecutive samples."""
+    drafts = []
+    for code, name, threshold in (
+            ("second_moment_underflow", "adam_v_zero_share", settings.adam_v_zero_share),
+            ("adam_epsilon", "adam_eps_share", settings.adam_eps_share)):
+        values = signals.signal(name)
+        for layer in np.flatnonzero((values >= threshold).any(axis=0)):
+            seen = np.isfinite(values[:, layer])
+            steps, v = signals.steps[seen], values[seen, layer]
+            streak = _streak(v >= threshold, settings.optimizer_state_samples)
+            if not streak.any():
+                continue
+            drafts.append(_state_draft(code, name, int(layer), steps, v, streak, threshold,
+                                       run, labelled))
+    return drafts
+
+
+def _streak(over: np.ndarray, length: int) -> np.ndarray:
+    """Samples in runs of at least `length` consecutive True."""
+    out = np.zeros_like(over)
+    start = None
+    for i, flag in enumerate([*over.tolist(), False]):
+        if flag and start is None:
+            start = i
+        elif not flag and start is not None:
+            if i - start >= length:
+                out[start:i] = True
+            start = None
+    return out
+
+
+def _state_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.ndarray,
+                 streak: np.ndarray, threshold: float, run: RunContext,
+                 labelled: list[tuple[Spike, Cause]]) -> FindingDraft:
+    flagged = steps[streak]
+    layer_name = run.layer_name(layer)
+    share = float(v[streak][-1])
+    what = ("elements have a zero second moment while their gradient is not zero (it "
+            "underflowed in the optimizer state's dtype): Adam divides by eps alone there"
+            if code == "second_moment_underflow" else
+            "elements have sqrt(second moment) under eps: eps, not the gradient's scale, "
+            "sets the update size, so updates shrink")
+    message = (f"Layer {layer_name!r}: {share:.0%} of its updated {what}, on "
+               f"{int(streak.sum())} samples from step {int(flagged[0])}. "
+               f"Fix: {FIXES[code]}.")
+    evidence: dict[str, Any] = {"signal": name, "share": share, "threshold": threshold,
+                                "first_step": int(flagged[0]),
+                                "steps": [int(s) for s in flagged[-20:]], "fix": FIXES[code]}
+    spike = _spike_after(labelled, code, layer, int(flagged[0]))
+    if spike is not None:
+        evidence.update(cause=SPIKE_CAUSE, spike_step=spike)
+    return FindingDraft(kind="optimizer_state", code=code,
+                        key=f"optimizer_state:{code}:{layer_name}", severity="warning",
+                        message=message, step=int(flagged[0]), last_step=int(flagged[-1]),
+                        layer=layer_name, evidence=evidence, occurrences=flagged,
+                        active=bool(streak[-1]))
+
+
+def spike_story(members: list[tuple[str, str | None, dict[str, Any]]]
+                ) -> tuple[str | None, str, str]:
+    """(layer, headline, fix) of the incident of one spike, from its findings' (kind,
+    layer, evidence)."""
+    spike = next(((layer, ev) for kind, layer, ev in members if kind == "loss_spike"), None)
+    if spike is None:  # its spike has left the window the findings were read in
+        layer, evidence = members[0][1], members[0][2]
+        return layer, f"Loss spike at step {evidence.get('spike_step')}", str(
+            evidence.get("fix", ""))
+    layer, evidence = spike
+    label = str(evidence.get("label", "unknown"))
+    where = f" in {layer!r}" if layer else ""
+    headline = f"Loss spike at step {evidence.get('spike_step')}: {CAUSE_WORDS.get(label, label)}"
+    fix = FIXES.get(label, "")
+    return layer, headline + where, fix[0].upper() + fix[1:] + "." if fix else ""

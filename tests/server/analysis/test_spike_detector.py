@@ -1,0 +1,153 @@
+"""The spike detector (server/analysis/spikes.py) on hand-made loss series and spike
+signals: what a spike is, which label it gets and why, precursors before any spike,
+optimizer states, and nothing on a healthy run."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ampwatch.server.analysis.incidents import group_incidents
+from ampwatch.server.analysis.spike_finder import find_spikes
+from ampwatch.server.analysis.spikes import detect_spikes
+from ampwatch.server.analysis.window import Window
+from ampwatch.server.spike_samples import SIGNALS, SpikeWindow
+from tests.server.analysis.factories import SETTINGS, context, series, step
+
+N_LAYERS = 4
+ATTN, HEAD = 1, 3  # the attention layer and the output layer of these runs
+
+
+def losses(n: int = 200, seed: int = 0, spikes: dict[int, float] | None = None) -> np.ndarray:
+    """A falling noisy loss (2.0 -> 1.5, 3% noise); `spikes`: step -> loss there."""
+    rng = np.random.default_rng(seed)
+    loss = np.linspace(2.0, 1.5, n) * (1 + 0.03 * rng.standard_normal(n))
+    for at, value in (spikes or {}).items():
+        loss[at] = value
+    return loss
+
+
+def run_series(loss: np.ndarray, grad_norm: np.ndarray | None = None):
+    grads = np.ones(loss.size) if grad_norm is None else grad_norm
+    return series([step(s, N_LAYERS, loss=float(v), grad_norm=float(g), scaler=None,
+                        loss_scale=None, scale_after=None, autocast_dtype="bfloat16")
+                   for s, (v, g) in enumerate(zip(loss, grads, strict=True))], N_LAYERS)
+
+
+def signals(n: int = 200, every: int = 10, **grow: tuple[int, int, float]) -> SpikeWindow:
+    """Healthy sampled signals; `grow[name] = (layer, from_step, factor per sample)`."""
+    steps = np.arange(0, n, every)
+    values = np.full((steps.size, len(SIGNALS), N_LAYERS), np.nan)
+    values[:, SIGNALS.index("update_ratio")] = 1e-3
+    values[:, SIGNALS.index("adam_eps_share")] = 0.0
+    values[:, SIGNALS.index("adam_v_zero_share")] = 0.0
+    values[:, SIGNALS.index("attn_max_logit"), ATTN] = 3.0
+    values[:, SIGNALS.index("logit_absmax"), HEAD] = 4.0
+    values[:, SIGNALS.index("logit_lse"), HEAD] = 3.5
+    for name, (layer, start, factor) in grow.items():
+        k = SIGNALS.index(name)
+        later = steps >= start
+        values[later, k, layer] *= factor ** np.arange(1, later.sum() + 1)
+    return SpikeWindow(steps, values)
+
+
+def test_a_noisy_falling_loss_has_no_spike() -> None:
+    for seed in range(5):
+        loss = losses(seed=seed)
+        assert find_spikes(np.arange(loss.size), loss, reference=50, min_history=20,
+                           spread_factor=6, min_rise=0.1) == []
+
+
+def test_a_spike_is_found_with_its_size_and_recovery() -> None:
+    loss = losses(spikes={120: 4.0, 121: 3.0})
+    (spike,) = find_spikes(np.arange(loss.size), loss, reference=50, min_history=20,
+                           spread_factor=6, min_rise=0.1)
+    assert (spike.start, spike.end, spike.peak_step, spike.recovered_at) == (120, 121, 120, 122)
+    assert spike.ratio == pytest.approx(4.0 / spike.median)
+    assert spike.size > 6
+
+
+def test_a_run_that_breaks_down_is_one_spike_not_recovered() -> None:
+    loss = losses()
+    loss[150:] = 3.5 + 0.3 * np.sin(np.arange(50))  # wobbles at the broken level
+    (spike,) = find_spikes(np.arange(loss.size), loss, reference=50, min_history=20,
+                           spread_factor=6, min_rise=0.1)
+    assert spike.start == 150 and spike.recovered_at is None
+
+
+def detect(steps, samples: SpikeWindow):
+    return detect_spikes(Window(steps, context(N_LAYERS), spikes=samples), SETTINGS)
+
+
+def labels(detection) -> dict[str, tuple]:
+    return {d.kind: (d.code, d.layer, d.step, d.evidence) for d in detection.drafts}
+
+
+@pytest.mark.parametrize(("grow", "label", "layer"), [
+    ({"attn_max_logit": (ATTN, 100, 2.0)}, "attention_logit_growth", "fc1"),
+    ({"logit_lse": (HEAD, 100, 2.0)}, "output_logit_divergence", "fc3"),
+    ({"update_ratio": (2, 140, 4.0)}, "update_ratio_spike", "fc2"),
+])
+def test_a_spike_is_labelled_by_what_grew_before_it(grow, label, layer) -> None:
+    loss = losses(spikes={150: 4.0})
+    found = detect(run_series(loss), signals(**grow))
+    spike = next(d for d in found.drafts if d.kind == "loss_spike")
+    assert (spike.code, spike.layer, spike.step, spike.severity) == (label, layer, 150,
+                                                                    "warning")
+    assert spike.evidence["precursor_step"] < 150
+    assert spike.evidence["lead_steps"] == 150 - spike.evidence["precursor_step"]
+    assert spike.evidence["fix"] in spike.message
+
+
+def test_optimizer_states_label_a_spike_and_warn_on_their_own() -> None:
+    window = signals()
+    window.values[10:, SIGNALS.index("adam_v_zero_share"), 2] = 0.4
+    window.values[5:, SIGNALS.index("adam_eps_share"), 0] = 0.9
+    found = detect(run_series(losses(spikes={150: 4.0})), window)
+    spike = next(d for d in found.drafts if d.kind == "loss_spike")
+    assert (spike.code, spike.layer, spike.evidence["precursor_step"]) == (
+        "second_moment_underflow", "fc2", 100)
+    states = {(d.code, d.layer): d for d in found.drafts if d.kind == "optimizer_state"}
+    assert set(states) == {("second_moment_underflow", "fc2"), ("adam_epsilon", "fc0")}
+    assert states[("second_moment_underflow", "fc2")].evidence["spike_step"] == 150
+    assert "spike_step" not in states[("adam_epsilon", "fc0")].evidence
+
+
+def test_a_one_step_spike_with_the_grad_norm_is_a_bad_batch() -> None:
+    loss = losses(spikes={150: 4.0})
+    grads = np.ones(loss.size)
+    grads[150] = 5.0
+    found = detect(run_series(loss, grads), signals())
+    assert labels(found)["loss_spike"][:3] == ("bad_batch", None, 150)
+    found = detect(run_series(loss), signals())
+    assert labels(found)["loss_spike"][:3] == ("unknown", None, 150)
+    assert "seen" in labels(found)["loss_spike"][3]
+
+
+def test_growth_before_any_spike_is_a_precursor_warning() -> None:
+    found = detect(run_series(losses()), signals(attn_max_logit=(ATTN, 100, 1.5)))
+    (draft,) = found.drafts
+    assert (draft.kind, draft.code, draft.layer, draft.severity) == (
+        "spike_precursor", "attention_logit_growth", "fc1", "warning")
+    # 3.0 * 1.5**k >= 30 first at the sixth sample from step 100
+    assert draft.step == 150 and draft.active
+    assert "no loss spike yet" in draft.message
+
+
+def test_a_healthy_run_raises_nothing() -> None:
+    found = detect(run_series(losses()), signals())
+    assert found.drafts == []
+    assert "spike_precursor:" in found.covers and "optimizer_state:" in found.covers
+
+
+def test_the_findings_of_one_spike_are_one_incident() -> None:
+    found = detect(run_series(losses(spikes={150: 4.0})),
+                          signals(logit_lse=(HEAD, 100, 2.0)))
+    rows = [{"id": i, "run_id": "r", "rank": 0, "kind": d.kind, "layer": d.layer,
+             "evidence": d.evidence, "status": "open", "severity": d.severity,
+             "step": d.step, "last_step": d.last_step} for i, d in enumerate(found.drafts)]
+    assert len(rows) == 2
+    (incident,) = group_incidents(rows)
+    assert incident.cause == "loss_spike" and incident.layer == "fc3"
+    assert incident.headline.startswith("Loss spike at step 150")
+    assert "z-loss" in incident.fix
