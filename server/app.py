@@ -24,10 +24,16 @@ from ampwatch.server.db import health_on_commit, make_engine, session_info, upgr
 from ampwatch.server.deps import token_dependencies
 from ampwatch.server.errors import AmpwatchServerError, short_errors
 from ampwatch.server.faults import DatabaseHealth, database_error
+from ampwatch.server.guards import (
+    AdmissionMiddleware,
+    RequestSlotMiddleware,
+    SiteGuardMiddleware,
+    trusted_hosts,
+)
 from ampwatch.server.middleware import (
-    GuardMiddleware,
     RequestBodyMiddleware,
     SameOriginPolicyMiddleware,
+    SecurityHeadersMiddleware,
 )
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import BatchIn
@@ -78,12 +84,18 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db_health = db_health
     app.state.alerts = alert_service
     app.state.metrics = metrics.ServerMetrics(maker, settings)
+    # The last added runs first: headers on every answer; Host and Origin; metrics; the
+    # token, before anything is held; bodies, under their budget; then a request slot.
+    app.add_middleware(RequestSlotMiddleware, max_requests=settings.max_concurrent_requests)
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes,
                        max_inflight_bytes=settings.max_inflight_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     app.add_middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc"))
+    app.add_middleware(AdmissionMiddleware, token=settings.token,
+                       per_client=settings.max_requests_per_client)
     app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
-    app.add_middleware(GuardMiddleware, max_requests=settings.max_concurrent_requests)
+    app.add_middleware(SiteGuardMiddleware, hosts=trusted_hosts(settings))
+    app.add_middleware(SecurityHeadersMiddleware)
 
     @app.exception_handler(AmpwatchServerError)
     async def _domain_error(_request: Request, exc: AmpwatchServerError) -> WireJSONResponse:

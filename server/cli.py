@@ -74,8 +74,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"ampwatch: alerts: {len(settings.alerts.rules)} rules; targets {targets}",
               flush=True)
     # connections beyond this get uvicorn's 503: room for idle keep-alive connections on
-    # top of the requests the app itself admits (GuardMiddleware)
-    options = uvicorn_options(settings.header_timeout_s,
+    # top of the requests the app itself admits (RequestSlotMiddleware)
+    options = uvicorn_options(settings.header_timeout_s, settings.send_timeout_s,
                               max_connections=settings.max_concurrent_requests * 8 + 64)
     if args.exit_with_parent:
         _exit_when_orphaned(os.getppid())
