@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
@@ -39,6 +40,8 @@ from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import BatchIn
 from ampwatch.server.settings import Settings
 
+PARSER_THREADS = 2
+
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     """The ampwatch server. Connects to `settings.database_url` and, unless
@@ -60,6 +63,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         alert_service.start()
         yield
         alert_service.stop()
+        app.state.parser.shutdown(wait=False, cancel_futures=True)
         gc.unfreeze()
         engine.dispose()
 
@@ -84,6 +88,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db_health = db_health
     app.state.alerts = alert_service
     app.state.metrics = metrics.ServerMetrics(maker, settings)
+    # Request bodies are parsed here, off the event loop. Two threads: the body budget
+    # admits at least two bodies at once, and every extra thread would keep a malloc
+    # arena of its own (the server's resident memory grew with them)
+    app.state.parser = ThreadPoolExecutor(PARSER_THREADS, thread_name_prefix="ampwatch-parse")
     # The last added runs first: headers on every answer; Host and Origin; metrics; the
     # token, before anything is held; bodies, under their budget; then a request slot.
     app.add_middleware(RequestSlotMiddleware, max_requests=settings.max_concurrent_requests)

@@ -95,4 +95,7 @@ def _as_floats(values: list) -> list:
 
 
 WireFloat = Annotated[_WireNumber, AfterValidator(_as_float)]
-WireFloats = Annotated[list[_WireNumber | None], AfterValidator(_as_floats)]
+# fail_fast: the first bad element ends the list's validation. Without it a vector of
+# 100,000 strings made 200,000 error objects: a 1.5 MB body cost about 800 MB.
+WireFloats = Annotated[list[_WireNumber | None], Field(fail_fast=True),
+                       AfterValidator(_as_floats)]

@@ -119,7 +119,7 @@ class RunUpsert(Strict):
     tags: list[Label] | None = Field(None, max_length=256)
     config: keyed_by_text(Any) | None = None
     environment: Environment | None = None
-    layers: list[LayerIn] | None = Field(None, max_length=MAX_LAYERS)
+    layers: list[LayerIn] | None = Field(None, max_length=MAX_LAYERS, fail_fast=True)
 
     @field_validator("config", "environment")
     @classmethod
@@ -192,7 +192,7 @@ class RunsPublic(BaseModel):
 
 class ActivationsIn(Strict):
     absmax: PerLayer
-    dtype: list[DtypeName | None] | None = Field(None, max_length=MAX_LAYERS)
+    dtype: list[DtypeName | None] | None = Field(None, max_length=MAX_LAYERS, fail_fast=True)
     time_ms: PerLayer | None = None
 
 
@@ -255,8 +255,10 @@ class BatchIn(Strict):
     seq: integer(0, MAX_SEQ)
     dropped_batches: Count = 0
     dropped_steps: Count = 0
-    steps: list[StepIn] = Field(max_length=MAX_STEPS_PER_BATCH)
-    events: list[EventIn] = Field([], max_length=10_000)
+    # fail_fast: validation stops at the first bad step or event, so an invalid body
+    # costs about what a valid one does (docs/security.md)
+    steps: list[StepIn] = Field(max_length=MAX_STEPS_PER_BATCH, fail_fast=True)
+    events: list[EventIn] = Field([], max_length=10_000, fail_fast=True)
 
     @model_validator(mode="after")
     def _increasing_steps(self) -> BatchIn:
