@@ -32,6 +32,7 @@ from ampwatch.server.guards import (
     trusted_hosts,
 )
 from ampwatch.server.middleware import (
+    QueryTextMiddleware,
     RequestBodyMiddleware,
     SameOriginPolicyMiddleware,
     SecurityHeadersMiddleware,
@@ -63,7 +64,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         alert_service.start()
         yield
         alert_service.stop()
-        app.state.parser.shutdown(wait=False, cancel_futures=True)
         gc.unfreeze()
         engine.dispose()
 
@@ -90,7 +90,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.metrics = metrics.ServerMetrics(maker, settings)
     # Request bodies are parsed here, off the event loop. Two threads: the body budget
     # admits at least two bodies at once, and every extra thread would keep a malloc
-    # arena of its own (the server's resident memory grew with them)
+    # arena of its own (the server's resident memory grew with them). Not shut down with
+    # the lifespan, which a test may run more than once: idle, its threads end with it.
     app.state.parser = ThreadPoolExecutor(PARSER_THREADS, thread_name_prefix="ampwatch-parse")
     # The last added runs first: headers on every answer; Host and Origin; metrics; the
     # token, before anything is held; bodies, under their budget; then a request slot.
@@ -99,6 +100,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        max_inflight_bytes=settings.max_inflight_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     app.add_middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc"))
+    app.add_middleware(QueryTextMiddleware)
     app.add_middleware(AdmissionMiddleware, token=settings.token,
                        per_client=settings.max_requests_per_client)
     app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
@@ -139,14 +141,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
 def allowed_methods(app: FastAPI, scope: Scope) -> set[str]:
-    """The methods of every route whose path matches the request's (a 405's Allow)."""
-    methods: set[str] = set()
-    for route in app.router.routes:
-        match, _ = route.matches(scope)
-        if match is not Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
-    return methods
+    """The methods some route answers at the request's path (a 405's Allow). Each method
+    is tried as a full match: FastAPI's included routers do not show their routes'
+    methods on a partial one (Allow was empty)."""
+    return {method for method in HTTP_METHODS
+            if any(route.matches({**scope, "method": method})[0] is Match.FULL
+                   for route in app.router.routes)}
 
 
 def _document_batch_body(app: FastAPI) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import zlib
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -129,6 +130,29 @@ class RequestBodyMiddleware:
         return f"request body over the limit of {self.max_bytes} bytes (AMPWATCH_MAX_BODY_BYTES)"
 
 
+class QueryTextMiddleware:
+    """Refuses (422) a query string with a NUL in any parameter's name or value, on
+    every route at once: Postgres text cannot hold NUL, and a filter that reached the
+    database with one was answered 500."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        query = scope.get("query_string", b"") if scope["type"] == "http" else b""
+        if b"%00" in query:
+            names = [name for name, value in parse_qsl(query.decode("latin-1"),
+                                                       keep_blank_values=True)
+                     if "\x00" in name or "\x00" in value]
+            if names:
+                await error_response(send, 422, [
+                    {"loc": ["query", name.replace("\x00", "")[:100]],
+                     "msg": "must not contain a NUL character", "type": "value_error"}
+                    for name in names[:10]])
+                return
+        await self.app(scope, receive, send)
+
+
 class SecurityHeadersMiddleware:
     """Outermost layer: adds SECURITY_HEADERS to every response, errors of the other
     layers included."""
@@ -154,7 +178,7 @@ async def _busy(send: Send) -> None:
                  "(AMPWATCH_MAX_INFLIGHT_BODY_BYTES); retry", retry_after=1)
 
 
-async def error_response(send: Send, status: int, detail: str,
+async def error_response(send: Send, status: int, detail: str | list[dict],
                          retry_after: int | None = None,
                          extra: list[tuple[bytes, bytes]] | None = None) -> None:
     """Answer `{"detail": detail}` with `status`, from middleware (no route ran)."""

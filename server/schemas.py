@@ -8,7 +8,6 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -17,7 +16,7 @@ from pydantic import (
     model_validator,
 )
 
-from ampwatch.client.wire import LABEL_MAX_CHARS, LABEL_PATTERN, RUN_ID_PATTERN
+from ampwatch.client.wire import LABEL_MAX_CHARS, RUN_ID_PATTERN
 from ampwatch.server.fields import (
     INT32_MAX,
     JSON_INT_MAX,
@@ -29,7 +28,7 @@ from ampwatch.server.fields import (
     WireFloats,
     integer,
     keyed_by_text,
-    storable,
+    name_text,
     text,
 )
 from ampwatch.server.series import DTYPES
@@ -52,9 +51,9 @@ MAX_SEQ = INT32_MAX  # run_ranks.max_seq is an INTEGER column
 MAX_SEQ_GAP = 1_000_000
 MAX_CONFIG_BYTES = 64 * 1024  # config and environment, each, as JSON; listed with every run
 Scalar = ShortText | JsonInt | WireFloat | bool | None
-# a run's name, project or tag: what the agent's `attach` checks too (client/wire.py)
-Label = Annotated[str, StringConstraints(min_length=1, max_length=LABEL_MAX_CHARS,
-                                         pattern=LABEL_PATTERN), AfterValidator(storable)]
+# a run's name, project or tag: what the agent's `attach` checks (client/wire.py), and no
+# invisible formatting characters either
+Label = name_text(1, LABEL_MAX_CHARS)
 PerLayer = Annotated[WireFloats, Field(max_length=MAX_LAYERS)]
 
 
@@ -104,8 +103,8 @@ class Environment(BaseModel):
 
 class LayerIn(Strict):
     index: integer(0, MAX_LAYERS - 1)
-    name: text(1, 512)
-    type: text(1, 128)
+    name: name_text(1, 512)
+    type: name_text(1, 128)
     param_count: BigCount = 0
     dtype: text(max_length=32) | None = None
     shapes: keyed_by_text(list[BigCount]) = {}
@@ -246,7 +245,7 @@ class StepIn(Strict):
 
 class EventIn(Strict):
     step: integer(0, MAX_STEP) | None = None
-    kind: text(1, 64)
+    kind: name_text(1, 64)
     detail: keyed_by_text(Any) = {}
 
 
