@@ -21,6 +21,7 @@ from ampwatch.server import __version__, metrics, pages
 from ampwatch.server.alerts import AlertService
 from ampwatch.server.api import alerts, batches, findings, fp8, health, retention, runs, series
 from ampwatch.server.api.error_responses import PROTECTED
+from ampwatch.server.budget import ReadBudget
 from ampwatch.server.db import health_on_commit, make_engine, session_info, upgrade
 from ampwatch.server.deps import token_dependencies
 from ampwatch.server.errors import AmpwatchServerError, short_errors
@@ -88,6 +89,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db_health = db_health
     app.state.alerts = alert_service
     app.state.metrics = metrics.ServerMetrics(maker, settings)
+    app.state.read_budget = ReadBudget(settings.max_inflight_read_bytes)
     # Request bodies are parsed here, off the event loop. Two threads: the body budget
     # admits at least two bodies at once, and every extra thread would keep a malloc
     # arena of its own (the server's resident memory grew with them). Not shut down with
@@ -109,7 +111,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @app.exception_handler(AmpwatchServerError)
     async def _domain_error(_request: Request, exc: AmpwatchServerError) -> WireJSONResponse:
-        return WireJSONResponse({"detail": exc.message}, status_code=exc.status_code)
+        retry = getattr(exc, "retry_after", None)
+        return WireJSONResponse({"detail": exc.message}, status_code=exc.status_code,
+                                headers={"Retry-After": str(retry)} if retry else None)
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)

@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     # while it is parsed); beyond, 503 + Retry-After. At least twice max_body_bytes: one
     # request holds its gzip body and the inflated one
     max_inflight_body_bytes: int = Field(128 * 1024 * 1024, ge=1024)
+    # estimated bytes of read answers (heatmap matrices, layer tables, step series) being
+    # built at once; beyond, 503 + Retry-After (docs/security.md)
+    max_inflight_read_bytes: int = Field(1024 * 1024 * 1024, ge=1024 * 1024)
     # requests in flight beyond this get 503 + Retry-After (/api/v1/health never counts);
     # below the database pool size, so requests never queue for a connection
     max_concurrent_requests: int = Field(16, ge=1, le=10_000)

@@ -14,6 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from ampwatch.server.budget import layers_estimate
 from tests.conftest import LiveServer
 from tests.utils import make_layers, make_steps
 
@@ -157,3 +158,44 @@ def test_invalid_bodies_cost_no_more_than_valid_ones(capped_server):
                           f" (start {start / MiB:.0f} MiB)")
     print(f"invalid bodies: peak {(peak - start) / MiB:.0f} MiB above the start "
           f"(bound {PARSE_FACTOR * INFLIGHT_CAP / MiB:.0f} MiB)")
+
+
+WIDE_LAYERS = 20_000
+READ_BUDGET = 2 * layers_estimate(WIDE_LAYERS, 100)  # two whole-run matrices at once
+
+
+@pytest.fixture
+def read_capped_server(tmp_path):
+    if not Path("/proc/self/status").is_file():
+        pytest.skip("reads the server's peak memory from /proc (Linux)")
+    server = LiveServer(f"sqlite:///{tmp_path / 'reads.db'}", tmp_path / "server.log", env={
+        "AMPWATCH_MAX_INFLIGHT_READ_BYTES": str(READ_BUDGET)})
+    server.start()
+    yield server
+    server.stop()
+
+
+def test_reads_in_flight_stay_under_the_read_budget(read_capped_server):
+    """16 concurrent whole-run heatmap matrices of a 20,000-layer run: the answers being
+    built at once are capped by their estimated cost (the rest wait out 503s), so the
+    peak stays near the budget. Without it, 16 such reads of a 100,000-layer run once
+    took the server to +6 GB."""
+    url, pid = read_capped_server.url, read_capped_server.process.pid
+    with httpx.Client(base_url=url, timeout=300) as client:
+        client.put("/api/v1/runs/wide", json={"name": "wide",
+                                              "layers": make_layers(WIDE_LAYERS)}
+                   ).raise_for_status()
+        client.post("/api/v1/runs/wide/batches", json={
+            "rank": 0, "seq": 0, "steps": make_steps(0, 3, WIDE_LAYERS)}).raise_for_status()
+        path = "/api/v1/runs/wide/layers/matrix?buckets=100"
+        assert client.get(path).status_code == 200  # warm: the first read
+    start = rss(pid)
+    with ThreadPoolExecutor(CLIENTS) as pool:
+        answers = [pool.submit(send, url, "GET", path, b"") for _ in range(CLIENTS)]
+        assert [f.result() for f in answers] == [200] * CLIENTS
+    peak = peak_rss(pid)
+    bound = start + 2 * READ_BUDGET
+    print(f"wide reads: peak {(peak - start) / MiB:.0f} MiB above the start (bound "
+          f"{(bound - start) / MiB:.0f} MiB; budget {READ_BUDGET / MiB:.0f} MiB)")
+    assert peak < bound, (f"peak RSS {peak / MiB:.0f} MiB over the bound {bound / MiB:.0f} "
+                          f"MiB (start {start / MiB:.0f} MiB + twice the read budget)")
