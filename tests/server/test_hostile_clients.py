@@ -142,7 +142,10 @@ def test_a_response_nobody_reads_gives_its_slot_back(token_server):
             assert http.get("/api/v1/runs").status_code == 503  # the slots are held
             assert http.get("/api/v1/health").status_code == 200
             assert all(closed_by_server(s, SEND_TIMEOUT_S + 10) for s in sockets)
-            assert time.monotonic() - started < SEND_TIMEOUT_S + 10
+            freed = time.monotonic() - started
+            print(f"non-reading clients: slots free after {freed:.1f} s "
+                  f"(send timeout {SEND_TIMEOUT_S} s)")
+            assert freed < SEND_TIMEOUT_S + 10
             assert http.get("/api/v1/runs").status_code == 200
 
 
@@ -232,5 +235,6 @@ def test_a_large_body_is_parsed_off_the_event_loop(open_server):
             time.sleep(0.02)
         took = time.monotonic() - started
         assert post.result().status_code == 404  # parsed whole, then no such run
+    print(f"/health during a 24 MB parse: slowest {slowest:.2f} s of the POST's {took:.2f} s")
     assert took > 0.5, "the parse was too quick to tell"
     assert slowest < 0.5 * took, f"/health took {slowest:.2f} s of the POST's {took:.2f} s"
