@@ -2,8 +2,7 @@
 
 Records loss scales, skipped steps, gradient norms, per-layer inf/NaN and activation
 ranges without synchronising the device, and delivers them to an ampwatch server.
-torch is imported on first use of `attach`, so `ampwatch` commands that only load
-`agent.demo` stay fast and can say when torch is missing.
+torch is imported on first use of `attach`, so importing this package stays cheap.
 """
 
 from __future__ import annotations

@@ -23,9 +23,14 @@ from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve
 from ampwatch.agent.session import CLOSE_FAILED, Session, StepItem
 from ampwatch.agent.settings import AgentSettings, make_run_id
 from ampwatch.agent.transport.worker import Worker
-from ampwatch.client.wire import encode_float, encode_tree
+from ampwatch.wire import (
+    FINISHED_EVENT,
+    RESTART_EVENT,
+    SPEED_CHECK_EVENT,
+    encode_float,
+    encode_tree,
+)
 
-FINISHED_EVENT = "finished"  # server/ingest.py: the rank is done
 _live: weakref.WeakSet[Attachment] = weakref.WeakSet()
 
 
@@ -70,6 +75,14 @@ class Attachment:
         if self._worker is not None:
             self._worker.explicit_steps = True
         self._session.set_step(value)
+
+    def log_loss(self, loss: Any) -> None:
+        """Name the loss of the next step yourself: `loss` (a one-element tensor, or a
+        number) is stored as that step's loss, summed with the others logged before the
+        step (micro-batches), in place of the losses the agent saw backpropagated into the
+        model. Keeps a reference to the tensor; does not synchronise the device."""
+        if not self._detached and self._session is not None:
+            self._session.log_loss(loss)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Hand over the last step, spool everything and try to deliver it.
@@ -137,7 +150,7 @@ class Attachment:
             return None
         finally:
             session.suspended = False
-        self.event("speed_check", detail)
+        self.event(SPEED_CHECK_EVENT, detail)
         return detail["speedup"]
 
     def event(self, kind: str, detail: dict[str, Any]) -> bool:
@@ -265,7 +278,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     _live.add(attachment)
     if step is not None and settings.resume:
         # a checkpoint restart: the server lets these steps supersede its stored copies
-        attachment.event("restart", {})
+        attachment.event(RESTART_EVENT, {})
     return attachment
 
 

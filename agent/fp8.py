@@ -20,8 +20,9 @@ from typing import Any
 import torch
 from torch import nn
 
-ROLES = ("input", "weight", "grad")
-STATS = ("amax", "scale", "rms", "saturated", "underflow")
+from ampwatch.wire import FP8_ROLES, FP8_STATS
+
+ROLES, STATS = FP8_ROLES, FP8_STATS
 N_STATS = len(STATS)
 EPS = 1e-12  # torchao's floor on an amax before it becomes a scale
 

@@ -1,7 +1,7 @@
 """Shared wrappers around global torch functions the agent must observe.
 
-`clip_grad_norm_`, `Tensor.backward`, LR schedulers' `step`, `torch.compile` and
-`Module.compile` have no hook API, so one
+`clip_grad_norm_`, `Tensor.backward`, `zero_grad` (of optimizers and modules), LR
+schedulers' `step`, `torch.compile` and `Module.compile` have no hook API, so one
 wrapper per function is installed while at least one listener is registered and removed
 with the last one. Listeners run under the guard; the wrapped call itself is untouched
 (its exceptions and return value pass through). A wrapper costs one Python call.
@@ -139,6 +139,8 @@ CLIP_GRAD_NORM = GlobalPatch("clip_grad_norm_", [(torch.nn.utils, "clip_grad_nor
                                                  (torch.nn.utils.clip_grad, "clip_grad_norm_")],
                              bind=grad_clip.bind)
 BACKWARD = GlobalPatch("Tensor.backward", [(torch.Tensor, "backward")])
+ZERO_GRAD = GlobalPatch("zero_grad", [(torch.optim.Optimizer, "zero_grad"),
+                                      (torch.nn.Module, "zero_grad")])
 SCHEDULER_STEP = GlobalPatch("LRScheduler.step", _scheduler_classes())
 COMPILE = GlobalPatch("torch.compile", [(torch, "compile")])
 MODULE_COMPILE = GlobalPatch("Module.compile", [(torch.nn.Module, "compile")])

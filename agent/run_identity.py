@@ -2,7 +2,7 @@
 may continue a run that already has steps (`resume`).
 
 A run id reaches a URL path and a spool directory name, so it must match API v1's
-pattern (client/wire.py) before anything is sent or written. A reused id must be asked
+pattern (wire/runs.py) before anything is sent or written. A reused id must be asked
 for: without `resume`, a (run, rank) that already has steps in the spool or on the
 server is refused with a ValueError, as W&B refuses a run id it already knows.
 """
@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 
 from ampwatch.agent.transport.spool import spooled_last_step
-from ampwatch.client.wire import check_label, check_run_id
+from ampwatch.wire import check_label, check_run_id
 
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"", "0", "false", "no", "off"}

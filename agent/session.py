@@ -9,6 +9,7 @@ issues its one non-blocking host copy. No method here synchronises the device.
 
 from __future__ import annotations
 
+import copy
 import operator
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,11 +22,13 @@ from torch import nn
 from torch.amp.grad_scaler import OptState
 
 from ampwatch.agent import distributed, grad_clip, guard, patches
+from ampwatch.agent.attribution import BackwardOwner
 from ampwatch.agent.buffer import StepBuffer
 from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
 from ampwatch.agent.compiled import CompileCounter, is_compiled, is_compiled_wrapper, unwrap
 from ampwatch.agent.layers import Layer
+from ampwatch.agent.split_params import SplitParams
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
@@ -77,6 +80,9 @@ class Session:
         self.rank, self.world_size = settings.rank, settings.world_size
         self.parallelism = distributed.parallelism(model, self.params)
         self.grad_layout = distributed.grad_layout(self.parallelism, self.world_size)
+        self._owner = BackwardOwner(self._param_ids, self.parallelism)
+        self._split = SplitParams(self.params)
+        self._backward_ours = False  # the backward under way is the model's own
         self.buffer = StepBuffer(self.device)
         self.clock: HostClock | CudaClock = (
             CudaClock() if self.device_type == "cuda" else HostClock())
@@ -107,6 +113,14 @@ class Session:
         self.on_run_change: Callable[[], None] = lambda: None
         self.on_event: Callable[[str, dict[str, Any]], Any] = lambda kind, detail: None
 
+    def __deepcopy__(self, memo: dict) -> Session:
+        """A deep copy of the watched model (an EMA copy, `AveragedModel`) copies its hooks,
+        bound to this session: they get an inactive twin, so the copy trains and
+        evaluates unwatched and the copy needs no thread lock copied."""
+        twin = copy.copy(self)
+        twin.active = False
+        return twin
+
     # ------------------------------------------------------------------ set-up
     def install(self) -> None:
         for collector in self.collectors:
@@ -119,6 +133,7 @@ class Session:
         self._handles.append(optim_hooks.register_optimizer_step_post_hook(self._opt_post))
         self._patch_tokens = [
             (patches.BACKWARD, patches.BACKWARD.add(self._backward_before, self._backward_after)),
+            (patches.ZERO_GRAD, patches.ZERO_GRAD.add(self._zero_grad_before)),
             (patches.CLIP_GRAD_NORM, patches.CLIP_GRAD_NORM.add(
                 self._clip_before, self._clip_after, replace=self._clip_replace)),
             (patches.SCHEDULER_STEP, patches.SCHEDULER_STEP.add(self._scheduler_before)),
@@ -210,6 +225,8 @@ class Session:
         else:
             with_grad = [self.params[i] for i in present]
             grads = [p.grad for p in with_grad]
+            if divisor is None and self.scaler_enabled and self.optimizer is not None:
+                grads = self._split.unscale(self.optimizer, present, grads, self.scaler._scale)
         norms = None if clip is None else clip.norms_for(with_grad)
         self.dispatch("on_grads", grads, present, divisor, norms)
 
@@ -243,6 +260,7 @@ class Session:
         self._pending = (step, stepped, sealed)
         self.step = step + 1
         self._grads_taken = False
+        self._owner.step_ended()
         if not self.scaler_enabled:
             self.close_pending()
         self.dispatch("on_next_step", self.step)
@@ -292,6 +310,7 @@ class Session:
         if _compiling() or not self.live or self._forward_owner is not None:
             return
         self._forward_owner = module
+        self._owner.forward_ran()
         training = self.inner.training
         self.in_training_forward = training
         self.dispatch("on_forward_begin", training, args, kwargs)
@@ -348,13 +367,34 @@ class Session:
         module._compiled_call_impl = call_with_hooks
         self._inplace_compiled.append((module, compiled))
 
+    # Tensor.backward is wrapped for the whole process: only the model's own backward
+    # (its graph reaches the model's parameters) is dispatched (agent/attribution.py)
     def _backward_before(self, args: tuple, kwargs: dict) -> None:
-        if self.live:
-            self.dispatch("on_backward_begin", args[0])
+        self._backward_ours = False
+        if not self.live:
+            return
+        self._backward_ours, loss = self._owner.claim(args[0], self.scaler_enabled)
+        if self._backward_ours:
+            self.dispatch("on_backward_begin", loss)
 
     def _backward_after(self, result: Any, args: tuple, kwargs: dict, token: Any) -> None:
-        if self.live:
+        if self._backward_ours and self.live:
+            self._backward_ours = False
             self.dispatch("on_backward_end")
+
+    def _zero_grad_before(self, args: tuple, kwargs: dict) -> None:
+        """The loop drops the model's grads (its optimizer's or the model's `zero_grad`):
+        the losses and backwards that made them do not belong to the next step."""
+        owner = args[0]
+        if self.live and (owner is self.optimizer or owner is self.model
+                          or owner is self.inner):
+            self.dispatch("on_zero_grad")
+
+    def log_loss(self, loss: Any) -> None:
+        """Record `loss` as (part of) the next step's loss, in place of what the agent
+        sees by itself; does not synchronise the device."""
+        if self.live:
+            self.dispatch("on_loss_logged", loss)
 
     def _grads_unscaled(self) -> bool:
         if not self.scaler_enabled:
@@ -461,9 +501,15 @@ class Session:
     # ------------------------------------------------------------------ scaler wrappers
     def _wrap_scale(self, original: Callable) -> Callable:
         def scale(outputs: Any) -> Any:
-            if self.live:
-                self.dispatch("on_scale", outputs)
-            return original(outputs)
+            if not self.live:
+                return original(outputs)
+            self.dispatch("on_scale", outputs)
+            scaled = original(outputs)
+            try:
+                self._owner.scaled.note(outputs, scaled)
+            except Exception as exc:  # noqa: BLE001
+                guard.report("session.scale", exc)
+            return scaled
         return scale
 
     def _wrap_unscale(self, original: Callable) -> Callable:
@@ -473,7 +519,9 @@ class Session:
                 try:
                     # outside scaler.step the snapshot waits for clip_grad_norm_ (whose
                     # norm pass it shares) or the step; inside, the grads are final
-                    if self._adopt(optimizer) and self._in_scaler_step:
+                    if not self._adopt(optimizer):
+                        self._split.unscaled_by(optimizer)
+                    elif self._in_scaler_step:
                         self._take_grads()
                 except Exception as exc:  # noqa: BLE001
                     guard.report("session.unscale_", exc)
@@ -507,6 +555,7 @@ class Session:
             if self.live:
                 self.dispatch("on_update_begin")
             original(new_scale)
+            self._split.updated()
             if self.live:
                 closing = self._pending is not None
                 self.dispatch("on_update_end", closing)

@@ -11,14 +11,11 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-DEFAULT_SERVER = "http://127.0.0.1:8000"
+from ampwatch.wire import DEFAULT_SERVER
+from ampwatch.wire.spool import default_spool_dir
+
 DEFAULT_SPOOL_BYTES = 1 << 30
 _RUN_ID_BAD = re.compile(r"[^A-Za-z0-9._-]+")
-
-
-def default_spool_dir() -> Path:
-    cache = os.environ.get("XDG_CACHE_HOME") or os.path.join(Path.home(), ".cache")
-    return Path(cache) / "ampwatch" / "spool"
 
 
 def make_run_id(name: str | None) -> str:
@@ -60,8 +57,6 @@ class AgentSettings:
             "offline": env.get("AMPWATCH_MODE", "").lower() == "offline",
             "token": env.get("AMPWATCH_TOKEN", ""),
         }
-        if env.get("AMPWATCH_SPOOL_DIR"):
-            values["spool_dir"] = Path(env["AMPWATCH_SPOOL_DIR"])
         if env.get("AMPWATCH_SPOOL_MAX_BYTES"):
             values["spool_max_bytes"] = int(env["AMPWATCH_SPOOL_MAX_BYTES"])
         if env.get("AMPWATCH_FLUSH_INTERVAL"):

@@ -25,8 +25,8 @@ from ampwatch.client.models import (
     Run,
     Step,
 )
+from ampwatch.wire import DEFAULT_SERVER
 
-DEFAULT_SERVER = "http://127.0.0.1:8000"
 MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms"]
 
 

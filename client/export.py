@@ -19,7 +19,7 @@ from typing import Any, Literal
 from ampwatch.client.api import Client
 from ampwatch.client.errors import AmpwatchError
 from ampwatch.client.models import Step
-from ampwatch.client.wire import encode_float, encode_tree
+from ampwatch.wire import encode_float, encode_tree
 
 Format = Literal["csv", "jsonl", "parquet"]
 FORMATS: tuple[Format, ...] = ("csv", "jsonl", "parquet")

@@ -1,7 +1,7 @@
 """Typed results of the REST API: frozen dataclasses built from API v1 JSON.
 
 Non-finite floats arrive as "NaN"/"Infinity"/"-Infinity" and become real floats
-(client/wire.py); `None` always means missing. Fields the server adds later are ignored,
+(wire/floats.py); `None` always means missing. Fields the server adds later are ignored,
 so an older client keeps working against a newer server.
 """
 
@@ -15,7 +15,7 @@ from datetime import datetime
 from functools import cache
 from typing import Any, Self, TypeVar
 
-from ampwatch.client.wire import decode_float, decode_tree, encode_tree
+from ampwatch.wire import decode_float, decode_tree, encode_tree
 
 T = TypeVar("T")
 SEVERITIES = ("info", "warning", "critical")
@@ -67,6 +67,7 @@ class Health(Model):
     status: str
     version: str
     database: str
+    reason: str | None = None  # why the database is degraded
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,10 +181,13 @@ class Layer(Model):
 
 @dataclasses.dataclass(frozen=True)
 class LayerPoint(Model):
-    """One step of a layer: its grad norm, or (sampled steps) its activation stats."""
+    """One step of a layer: its grad norm, or (sampled steps) its activation stats. On a
+    zoomed-out read, one bucket of steps from `step`: `grad_norm` its largest (or
+    non-finite) grad norm, `grad_norm_min` its smallest."""
 
     step: int
     grad_norm: float | None = None
+    grad_norm_min: float | None = None
     act_absmax: float | None = None
     act_dtype: str | None = None
     act_time_ms: float | None = None

@@ -1,11 +1,8 @@
 """Upload an agent spool: the batches an offline run (AMPWATCH_MODE=offline) or an outage
 left on disk.
 
-Spool layout (written by agent/transport/spool.py, described in docs/agent.md):
-`<root>/<run_id>/rank-<rank>/<seq:012d>.json.gz`, each a gzip JSON object
-`{"format": "ampwatch-spool/1", "run_id", "rank", "seq", "run": <PUT body>,
-"batch": <POST body>}`; sorted names are replay order; a directory's `lock` file is
-flock-ed by the process writing it. Re-uploading is harmless: the server acknowledges a
+The spool's format is wire/spool.py's (written by agent/transport/spool.py, described in
+docs/agent.md). Re-uploading is harmless: the server acknowledges a
 repeated (run, rank, seq) as a duplicate.
 """
 
@@ -22,27 +19,18 @@ from typing import Any
 
 from ampwatch.client.api import Client
 from ampwatch.client.errors import AmpwatchError, BadRequest, NotFound
+from ampwatch.wire.spool import (
+    FORMAT,
+    PROGRESS,
+    REJECTED,
+    STATE,
+    SUFFIX,
+    read_entry,
+    recover_crash_window,
+    try_lock,
+)
 
-try:
-    import fcntl
-except ImportError:  # Windows: no advisory locks, sync trusts the user
-    fcntl = None  # type: ignore[assignment]
-
-FORMAT = "ampwatch-spool/1"
-SUFFIX = ".json.gz"
-REJECTED = "rejected"
-PROGRESS = "progress"
-STATE = "state.json"
 Progress = Callable[[int, int, Path], None]
-
-
-def default_spool_dir() -> Path:
-    """$AMPWATCH_SPOOL_DIR, else $XDG_CACHE_HOME/ampwatch/spool (~/.cache by default):
-    where the agent spools unless told otherwise."""
-    if os.environ.get("AMPWATCH_SPOOL_DIR"):
-        return Path(os.environ["AMPWATCH_SPOOL_DIR"])
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "ampwatch" / "spool"
 
 
 @dataclass
@@ -80,80 +68,13 @@ def pending_batches(root: Path) -> dict[Path, list[Path]]:
     return by_dir
 
 
-def read_state(directory: Path) -> dict[str, Any]:
-    """A rank directory's `state.json` ({} when missing or unreadable)."""
-    try:
-        return json.loads((directory / STATE).read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def write_state(directory: Path, state: dict[str, Any]) -> None:
-    _atomic_write(directory / STATE, json.dumps(state).encode())
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
-def read_progress(directory: Path) -> int | None:
-    """The last step the agent decoded in this directory (None: no progress file)."""
-    try:
-        return int((directory / PROGRESS).read_text().strip() or -1)
-    except (OSError, ValueError):
-        return None
-
-
-def recover_crash_window(directory: Path) -> int:
-    """Count the steps an agent decoded but never cut into a batch (it was killed in
-    between) as dropped: the state's counters grow by them, and a "tally" batch (no
-    steps, `run` null) carries the counts to the server. Returns the steps counted.
-
-    The caller holds the directory's lock. Reads the newest batch file (its last step may
-    be newer than state.json's when the agent died between the two writes)."""
-    seen = read_progress(directory)
-    if seen is None:
-        return 0
-    state = read_state(directory)
-    files = sorted(p for p in directory.glob(f"*{SUFFIX}") if not p.name.startswith("."))
-    last_step = int(state.get("last_step", -1))
-    next_seq = int(state.get("next_seq", 0))
-    if files:
-        next_seq = max(next_seq, int(files[-1].name[: -len(SUFFIX)]) + 1)
-        with contextlib.suppress(OSError, ValueError, KeyError, EOFError):
-            steps = json.loads(gzip.decompress(files[-1].read_bytes()))["batch"]["steps"]
-            last_step = max([last_step, *(int(step["step"]) for step in steps[-1:])])
-    lost = max(0, seen - last_step)
-    if lost:
-        rank = int(directory.name.removeprefix("rank-"))
-        # every drop counted so far (the spool's, and the agent's own the batches carried)
-        dropped = max(int(state.get("dropped_steps", 0)),
-                      int(state.get("batch_dropped_steps", 0))) + lost
-        batch = {"rank": rank, "seq": next_seq,
-                 "dropped_batches": int(state.get("dropped_batches", 0)),
-                 "dropped_steps": dropped, "steps": [], "events": []}
-        entry = {"format": FORMAT, "run_id": directory.parent.name, "rank": rank,
-                 "seq": next_seq, "run": None, "batch": batch}
-        _atomic_write(directory / f"{next_seq:012d}{SUFFIX}",
-                      gzip.compress(json.dumps(entry).encode(), compresslevel=5))
-        write_state(directory, {**state, "next_seq": next_seq + 1, "dropped_steps": dropped,
-                                "batch_dropped_steps": dropped, "last_step": seen})
-    with contextlib.suppress(FileNotFoundError):
-        (directory / PROGRESS).unlink()
-    return lost
-
-
 def rank_dirs(root: Path) -> list[Path]:
     """The spool's rank directories under `root` (the root itself, a run's directory, or
     one rank's)."""
     if root.name.startswith("rank-"):
         return [root]
-    return sorted({p.parent for p in (*root.glob("rank-*/state.json"),
-                                      *root.glob("*/rank-*/state.json"),
-                                      *root.glob("rank-*/progress"),
-                                      *root.glob("*/rank-*/progress"))})
+    return sorted({p.parent for name in (STATE, PROGRESS)
+                   for p in (*root.glob(f"rank-*/{name}"), *root.glob(f"*/rank-*/{name}"))})
 
 
 def sync_spool(client: Client, root: Path, progress: Progress | None = None) -> SyncReport:
@@ -198,7 +119,7 @@ def sync_spool(client: Client, root: Path, progress: Progress | None = None) -> 
 
 def _upload(client: Client, path: Path, registered: dict[str, Any],
             report: SyncReport) -> None:
-    entry = json.loads(gzip.decompress(path.read_bytes()))
+    entry = read_entry(path)
     if entry.get("format") != FORMAT:
         raise ValueError(f"format {entry.get('format')!r}, expected {FORMAT!r}")
     run_id, batch = entry["run_id"], entry["batch"]
@@ -227,16 +148,8 @@ def _set_aside(path: Path) -> None:
 def _locked(directory: Path) -> Iterator[bool]:
     """Hold the directory's `lock` (the agent's flock) while replaying it; yields False
     when a running agent holds it."""
-    if fcntl is None:
-        yield True
-        return
-    descriptor = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
+    descriptor, held = try_lock(directory)
     try:
-        try:
-            fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            yield False
-            return
-        yield True
+        yield held
     finally:
         os.close(descriptor)

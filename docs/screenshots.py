@@ -25,10 +25,13 @@ from tests.server.pages.conftest import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 IMG = ROOT / "docs" / "img"
 DEMO = ("/compare?run=demo-fp16-healthy&run=demo-fp16-overflow&run=demo-fp16-misaligned"
         "&run=demo-bf16")
-# name and path; each picture is the first 1366 x 1000 of the page
+# name and path; each picture is the first 1366 x 1000 of the page. LAYER_VIEW: the
+# diverging run's own view of the layer its first problem names, found when shooting
+LAYER_VIEW = "layer view"
 SHOTS = (
     ("overview-diverging", "/runs/demo-fp16-overflow"),
     ("layers-diverging", "/runs/demo-fp16-overflow/layers"),
+    ("layer-diverging", LAYER_VIEW),
     ("overview-healthy", "/runs/demo-fp16-healthy"),
     ("layers-healthy", "/runs/demo-fp16-healthy/layers"),
     ("compare-four", DEMO),
@@ -44,6 +47,9 @@ def shoot(base: str) -> None:
         page.route("**/*", lambda route: route.continue_()
                    if route.request.url.startswith(base) else route.abort())
         for name, path in SHOTS:
+            if path == LAYER_VIEW:  # the link the first problem card gives its layer
+                page.goto(base + "/runs/demo-fp16-overflow")
+                path = page.locator("#problems a.layer-link").first.get_attribute("href")
             page.goto(base + path)
             page.wait_for_load_state("networkidle")
             page.wait_for_timeout(300)

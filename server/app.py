@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
-from fastapi import APIRouter, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
 from sqlalchemy.exc import OperationalError
@@ -79,7 +79,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         version=__version__,
         summary="Numerical health of PyTorch mixed-precision training runs.",
         description="Non-finite floats travel as the strings \"NaN\", \"Infinity\" and "
-        "\"-Infinity\"; null means missing. See docs/wire-format.md.",
+        "\"-Infinity\"; null means missing. See docs/wire-format.md. "
+        "The dashboard: [all runs](/).",
         default_response_class=WireJSONResponse,
         lifespan=lifespan,
     )
@@ -128,7 +129,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                                 headers={"Allow": allow})
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> WireJSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> Response:
+        if pages.wants_page(request):  # a person's browser: a page that says what is wrong
+            return pages.invalid_page(request, short_errors(exc.errors()))
         return WireJSONResponse({"detail": short_errors(exc.errors())}, status_code=422)
 
     api = APIRouter(prefix="/api/v1")

@@ -10,7 +10,7 @@ from typing import Annotated, Any, Literal
 from pydantic import AfterValidator, BeforeValidator, Field, StringConstraints, WithJsonSchema
 from pydantic.types import Strict
 
-from ampwatch.client.wire import NONFINITE_STRINGS
+from ampwatch.wire import NONFINITE_STRINGS
 
 NO_NUL = r"^[^\x00]*$"  # Postgres text cannot hold NUL
 INT32_MAX = 2**31 - 1  # Integer columns (run_ranks counters, forward_index)

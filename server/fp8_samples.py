@@ -19,11 +19,11 @@ from sqlalchemy.orm import Session
 from ampwatch.server.codec import decode_column, encode_array
 from ampwatch.server.db import dialect_insert
 from ampwatch.server.models import Fp8Sample, Layer
-from ampwatch.server.schemas import Fp8In, Fp8TensorIn, StepIn
+from ampwatch.server.schemas import Fp8In, StepIn
+from ampwatch.wire import FP8_ROLES, FP8_STATS
 
 # the storage layout follows the wire schema's field order (docs/wire-format.md)
-ROLES = tuple(Fp8In.model_fields)
-STATS = tuple(Fp8TensorIn.model_fields)
+ROLES, STATS = FP8_ROLES, FP8_STATS  # Fp8In and Fp8TensorIn hold these fields
 def cast_formats(attrs: dict) -> dict[str, str]:
     """The FP8 format of each tensor role an FP8 layer casts, from its layer-table attrs
     (agent/fp8.py); a role kept in high precision is absent."""

@@ -1,20 +1,22 @@
-"""Ingest of one agent batch: validate against the run, store whole or not at all,
-dedupe on (run, rank, seq), update the rank's totals, run the detectors."""
+"""Ingest of one agent batch, in four named steps: validate against the run, store whole
+or dedupe on (run, rank, seq), fold the rank's totals, hand to analysis; `ingest_batch`
+commits or rolls back, in one place."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import datetime
 from types import SimpleNamespace
 
 import numpy as np
 from sqlalchemy import select, update
+from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
-from ampwatch.server.analysis.fp8 import on_fp8_ingest
-from ampwatch.server.analysis.service import layer_tables
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
@@ -22,7 +24,7 @@ from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import Batch, Run, RunRank, utcnow
 from ampwatch.server.restarts import restart_from, stored_last_step, supersede
 from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
-from ampwatch.server.series import COMPRESSED_FORMAT, FIELD_INDEX, concat
+from ampwatch.server.series import COMPRESSED_FORMAT, FIELD_INDEX, StepSeries, concat
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import (
     clip_steps,
@@ -32,8 +34,7 @@ from ampwatch.server.storage import (
     vector_length_errors,
 )
 from ampwatch.server.summaries import fold_batch
-
-FINISHED_EVENT = "finished"  # agent/attachment.py sends it on detach
+from ampwatch.wire import FINISHED_EVENT, encode_tree
 
 
 def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings, *,
@@ -45,13 +46,70 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
     is refused with SeqConflict rather than silently dropped. May block while other
     requests ingest: on SQLite, writers of this process take turns on the session's
     `write_lock` (server/db.py), on Postgres on the run's row lock.
+
+    The steps, in order: validate, store or dedupe, fold totals, hand to analysis. Each
+    only adds to the transaction; this function alone commits or rolls it back (on a
+    duplicate, and on any error).
     """
     with writing(session):
-        return _ingest(session, run_id, batch, settings, on_analysed)
+        try:
+            target = _validate(session, run_id, batch)
+            stored = _store(session, target, batch)
+            if stored.duplicate:
+                _check_replay(session, target, batch, stored.row)
+                session.rollback()  # a replay changes nothing, not even last_seen_at
+                return stored.ack(batch, target)
+            folded = _fold_totals(session, target, batch, stored)
+            _analyse(session, target, batch, stored, folded, settings, on_analysed)
+            session.commit()
+        except BaseException:
+            # a failed rollback (the connection is gone) must not hide why it failed
+            with contextlib.suppress(SQLAlchemyError):
+                session.rollback()
+            raise
+    return stored.ack(batch, target)
 
 
-def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
-            on_analysed: Callable[[float], None] | None) -> BatchAck:
+@dataclass
+class _Target:
+    """The run and rank a batch goes to, as validation found them (the rank's row is
+    locked for the transaction; None before its first batch)."""
+
+    run_id: str
+    n_layers: int
+    rank_row: RunRank | None
+    now: datetime
+
+
+@dataclass
+class _Stored:
+    """What storing did: the packed row, and the restart it carried (its step and the
+    steps and skipped steps it superseded)."""
+
+    row: dict
+    duplicate: bool
+    restart: int | None
+    superseded: tuple[int, int]
+    fp8: bool
+
+    def ack(self, batch: BatchIn, target: _Target) -> BatchAck:
+        return BatchAck(run_id=target.run_id, rank=batch.rank, seq=batch.seq,
+                        duplicate=self.duplicate,
+                        stored_steps=0 if self.duplicate else len(batch.steps))
+
+
+@dataclass
+class _Folded:
+    """The batch's steps as the detectors read them, and where the rank stood."""
+
+    series: StepSeries
+    rank_last_step: int | None  # the rank's last step before this batch (a restart's: before it)
+    others: list[int | None]  # the other ranks' last steps
+
+
+def _validate(session: Session, run_id: str, batch: BatchIn) -> _Target:
+    """The run exists, the batch's vectors fit its layer table, and its seq is not far
+    past the rank's next one. Touches the run's `last_seen_at` and locks the rank's row."""
     # The first statement is a write (touching the run), so a writer from another process
     # queues on SQLite's busy timeout instead of failing on a read-to-write lock upgrade.
     now = utcnow()
@@ -59,22 +117,25 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
         update(Run).where(Run.id == run_id).values(last_seen_at=now)
     ).rowcount
     if not touched:
-        session.rollback()
         raise NotFound(f"no run with id {run_id!r}: register it with PUT /api/v1/runs/{run_id}")
     n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
     errors = vector_length_errors(batch.steps, n_layers) + fp8_length_errors(batch.steps,
                                                                              n_layers)
     if errors:
-        session.rollback()
         raise InvalidInput("; ".join(errors))
-
     rank_row = session.get(RunRank, (run_id, batch.rank), with_for_update=True)
     next_seq = 0 if rank_row is None else rank_row.max_seq + 1
     if batch.seq > next_seq + MAX_SEQ_GAP:
-        session.rollback()
         raise SeqConflict(
             f"seq {batch.seq} of rank {batch.rank} is more than {MAX_SEQ_GAP} past the "
             f"next seq {next_seq}: register the run again (PUT) and continue from next_seq")
+    return _Target(run_id, n_layers, rank_row, now)
+
+
+def _store(session: Session, target: _Target, batch: BatchIn) -> _Stored:
+    """Insert the batch's row unless (run, rank, seq) is taken (then `duplicate`); a
+    restart first marks the steps it replaces as superseded. Stores its FP8 samples."""
+    run_id = target.run_id
     events = encode_tree([e.model_dump() for e in batch.events])
     restart_event = restart_from(events)
     restart = None if restart_event is None else restart_event["step"]
@@ -85,72 +146,79 @@ def _ingest(session: Session, run_id: str, batch: BatchIn, settings: Settings,
         restart_event["detail"] = {**restart_event.get("detail", {}),
                                    "previous_last_step": previous_last,
                                    "superseded_steps": superseded[0]}
-    try:
-        row = new_batch_row(run_id, batch.rank, batch.seq, batch.steps, n_layers, events)
-    except InvalidInput:
-        session.rollback()
-        raise
-    encoded = encode_columns(row)
-    stored = session.execute(
-        dialect_insert(session, Batch).values(**encoded).on_conflict_do_nothing()
+    row = new_batch_row(run_id, batch.rank, batch.seq, batch.steps, target.n_layers, events)
+    inserted = session.execute(
+        dialect_insert(session, Batch).values(**encode_columns(row)).on_conflict_do_nothing()
         .returning(Batch.seq)
     ).first() is not None
-    ack = BatchAck(run_id=run_id, rank=batch.rank, seq=batch.seq, duplicate=not stored,
-                   stored_steps=len(batch.steps) if stored else 0)
-    if not stored:
-        kept = session.execute(select(*_CONTENT).where(
-            Batch.run_id == run_id, Batch.rank == batch.rank, Batch.seq == batch.seq)).one()
-        session.rollback()
-        if not _same_content(kept, row):
-            raise SeqConflict(
-                f"seq {batch.seq} of rank {batch.rank} already holds steps "
-                f"{kept.first_step}..{kept.last_step} with other content: this batch is not "
-                f"a replay. Register the run again (PUT) and continue from next_seq")
-        return ack
+    fp8 = inserted and store_fp8_samples(session, run_id, batch.rank, batch.steps,
+                                         target.n_layers)
+    return _Stored(row, not inserted, restart, superseded, bool(fp8))
 
-    series = unpack_row(SimpleNamespace(**row), n_layers, with_layers=True, with_acts=True)
+
+def _check_replay(session: Session, target: _Target, batch: BatchIn, row: dict) -> None:
+    """A batch under a used seq must be a replay of the stored one, else SeqConflict."""
+    kept = session.execute(select(*_CONTENT).where(
+        Batch.run_id == target.run_id, Batch.rank == batch.rank, Batch.seq == batch.seq)).one()
+    if not _same_content(kept, row):
+        raise SeqConflict(
+            f"seq {batch.seq} of rank {batch.rank} already holds steps "
+            f"{kept.first_step}..{kept.last_step} with other content: this batch is not "
+            f"a replay. Register the run again (PUT) and continue from next_seq")
+
+
+def _fold_totals(session: Session, target: _Target, batch: BatchIn,
+                 stored: _Stored) -> _Folded:
+    """Add the batch to the rank's totals, layer statistics and step summaries."""
+    run_id, row, restart = target.run_id, stored.row, stored.restart
+    series = unpack_row(SimpleNamespace(**row), target.n_layers, with_layers=True,
+                        with_acts=True)
+    rank_row = target.rank_row
     if rank_row is None:
-        rank_row = RunRank(run_id=run_id, rank=batch.rank, batches=0, max_seq=-1, steps=0,
-                           skipped=0, dropped_batches=0, dropped_steps=0)
+        rank_row = target.rank_row = RunRank(
+            run_id=run_id, rank=batch.rank, batches=0, max_seq=-1, steps=0, skipped=0,
+            dropped_batches=0, dropped_steps=0)
         session.add(rank_row)
     # a restart's steps are the rank's newest, whatever their numbers
     rank_last_step = rank_row.last_step if restart is None else restart - 1
     others = _other_ranks_last_steps(session, run_id, batch.rank)
     new_steps, new_skipped = len(series), int(series.skipped.sum())
     if restart is not None:
-        rank_row.steps -= superseded[0]
-        rank_row.skipped -= superseded[1]
+        rank_row.steps -= stored.superseded[0]
+        rank_row.skipped -= stored.superseded[1]
         rank_row.last_step = restart - 1 if restart > 0 else None
     elif len(series) and rank_last_step is not None and row["first_step"] <= rank_last_step:
         session.flush()
         new_steps, new_skipped = _unique_step_delta(session, run_id, batch.rank, batch.seq,
                                                     row["first_step"], row["last_step"])
-    _fold_totals(rank_row, batch, series, new_steps, new_skipped)
-    rank_row.last_seen_at = now
-    _note_finished(rank_row, batch, now)
+    _add_counts(rank_row, batch, series, new_steps, new_skipped)
+    rank_row.last_seen_at = target.now
+    _note_finished(rank_row, batch, target.now)
     update_layer_stats(rank_row, series)
     fold_batch(session, run_id, batch.rank, series)
     session.flush()
+    return _Folded(series, rank_last_step, others)
+
+
+def _analyse(session: Session, target: _Target, batch: BatchIn, stored: _Stored,
+             folded: _Folded, settings: Settings,
+             on_analysed: Callable[[float], None] | None) -> None:
+    """Hand the batch to the detectors (its rank's window, FP8 samples, and the ranks
+    compared when every rank passed a new step)."""
     # a batch holding only the detach's "finished" event has nothing to analyse (an empty
     # window would look like every condition had ended)
-    if len(series) or any(event.kind != FINISHED_EVENT for event in batch.events):
-        analysis_start = time.perf_counter()
-        run = session.get(Run, run_id)
-        analysis.on_ingest(session, run, batch.rank, series, settings.analysis,
-                           rank_last_step=rank_last_step)
-        through = _all_ranks_through(run, others, rank_last_step, rank_row.last_step)
-        if through is not None:
-            analysis.on_ranks_advanced(session, run, through, settings.analysis)
-        if on_analysed is not None and settings.analysis.enabled:
-            on_analysed(time.perf_counter() - analysis_start)
-    stored_fp8 = store_fp8_samples(session, run_id, batch.rank, batch.steps, n_layers)
-    last_step = int(series.steps[-1]) if len(series) else -1
-    if stored_fp8 and (rank_last_step is None or last_step >= rank_last_step):
-        run = session.get(Run, run_id)
-        on_fp8_ingest(session, run, layer_tables.get(session, run), batch.rank, last_step,
-                      settings.analysis)
-    session.commit()
-    return ack
+    if not len(folded.series) and all(event.kind == FINISHED_EVENT for event in batch.events):
+        return
+    analysis_start = time.perf_counter()
+    run = session.get(Run, target.run_id)
+    analysis.on_ingest(session, run, batch.rank, folded.series, settings.analysis,
+                       rank_last_step=folded.rank_last_step, fp8=stored.fp8)
+    through = _all_ranks_through(run, folded.others, folded.rank_last_step,
+                                 target.rank_row.last_step)
+    if through is not None:
+        analysis.on_ranks_advanced(session, run, through, settings.analysis)
+    if on_analysed is not None and settings.analysis.enabled:
+        on_analysed(time.perf_counter() - analysis_start)
 
 
 def _note_finished(rank_row: RunRank, batch: BatchIn, now) -> None:
@@ -240,8 +308,8 @@ def _unique_step_delta(session: Session, run_id: str, rank: int, seq: int, first
             int(with_new.skipped.sum()) - int(without.skipped.sum()))
 
 
-def _fold_totals(rank_row: RunRank, batch: BatchIn, series, new_steps: int,
-                 new_skipped: int) -> None:
+def _add_counts(rank_row: RunRank, batch: BatchIn, series: StepSeries, new_steps: int,
+                new_skipped: int) -> None:
     rank_row.batches += 1
     rank_row.max_seq = max(rank_row.max_seq, batch.seq)
     rank_row.steps += new_steps

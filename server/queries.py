@@ -14,7 +14,6 @@ from types import SimpleNamespace
 import numpy as np
 from sqlalchemy.orm import Session
 
-from ampwatch.client.wire import encode_array, encode_float
 from ampwatch.server.downsample import always_kept, bucket_matrix, keep_extremes
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.models import Run, RunRank
@@ -43,6 +42,7 @@ from ampwatch.server.storage import (
     load_series,
 )
 from ampwatch.server.summaries import SUMMARY_STEPS, load_summaries, summarised_steps
+from ampwatch.wire import encode_float, encode_float_array
 
 MATRIX_METRICS = ("grad_norm", "act_absmax", "act_time_ms")
 # a downsampled read spanning more steps than this comes from the step summaries
@@ -90,7 +90,7 @@ def _step_rows(series: StepSeries, rank: int) -> list[dict]:
             col = [int(v) if p else None for v, p in zip(values.tolist(), present.tolist(),
                                                          strict=True)]
         else:
-            col = encode_array(values, missing=~present)
+            col = encode_float_array(values, missing=~present)
         columns[name] = col
     names = list(columns)
     return [
@@ -218,7 +218,7 @@ def _points(steps: np.ndarray, values: np.ndarray, max_points: int | None,
             index = keep_extremes([col], max_points)
 
     def points_at(at: np.ndarray) -> list[dict]:
-        encoded = encode_array(values[at], missing=values[at] == MISSING)
+        encoded = encode_float_array(values[at], missing=values[at] == MISSING)
         points = [{"step": int(s), "value": v}
                   for s, v in zip(steps[at].tolist(), encoded, strict=True)]
         for name, col in (extra or {}).items():
@@ -259,10 +259,13 @@ def layer_series_query(
     act_cut = False
     if series.act_absmax is not None:
         dtype_names = [DTYPES[c] or None for c in series.act_dtype[:, 0].tolist()]
-        times = encode_array(series.act_time[:, 0], missing=series.act_time[:, 0] == MISSING)
+        times = encode_float_array(series.act_time[:, 0], missing=series.act_time[:, 0] == MISSING)
+        extra = {"act_dtype": dtype_names, "act_time_ms": times}
+        if series.act_grad_zero is not None:
+            zeros = series.act_grad_zero[:, 0]
+            extra["grad_zero_share"] = encode_float_array(zeros, missing=zeros == MISSING)
         acts, act_cut, act_events = _points(series.act_step, series.act_absmax[:, 0],
-                                            max_points,
-                                            {"act_dtype": dtype_names, "act_time_ms": times})
+                                            max_points, extra)
         for p in acts + act_events:
             p["act_absmax"] = p.pop("value")
             p["grad_norm"] = None
@@ -295,13 +298,13 @@ def _layer_envelope(run: Run, rank: int, index: int, name: str,
         acts_max = np.where(acts_empty.T, MISSING, acts_max.T)
         starts = merged
     grad_max, acts_max = grad_max[:, 0], acts_max[:, 0]
-    highs = encode_array(grad_max, missing=grad_max == MISSING)
-    lows = encode_array(grad_min, missing=grad_min == MISSING)
+    highs = encode_float_array(grad_max, missing=grad_max == MISSING)
+    lows = encode_float_array(grad_min, missing=grad_min == MISSING)
     grad = [{"step": s, "grad_norm": hi, "grad_norm_min": lo}
             for s, hi, lo in zip(starts.tolist(), highs, lows, strict=True)]
     sampled = acts_max != MISSING
     acts = [{"step": s, "grad_norm": None, "act_absmax": v}
-            for s, v in zip(starts[sampled].tolist(), encode_array(acts_max[sampled]),
+            for s, v in zip(starts[sampled].tolist(), encode_float_array(acts_max[sampled]),
                             strict=True)]
     events = [point for point in grad if isinstance(point["grad_norm"], str)]
     events += [point for point in acts if isinstance(point["act_absmax"], str)]

@@ -16,11 +16,11 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy.orm import Session
 
-from ampwatch.client.wire import encode_array
 from ampwatch.server.models import Run
 from ampwatch.server.runs import run_ranks
 from ampwatch.server.series import MISSING, StepSeries
 from ampwatch.server.storage import load_series
+from ampwatch.wire import encode_float_array
 
 SHARDED, REPLICATED = "sharded", "replicated"
 MAX_COMBINED_STEPS = 10_000
@@ -102,8 +102,8 @@ def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
         "ranks": n_ranks,
         "ranks_reporting": len(ranks),
         "steps": steps.tolist(),
-        "grad_norm": encode_array(total, missing=~known),
-        "layer_grad_norm": None if layers is None else encode_array(
+        "grad_norm": encode_float_array(total, missing=~known),
+        "layer_grad_norm": None if layers is None else encode_float_array(
             layers[:limit], missing=layers[:limit] == MISSING),
         "next_start": int(steps[-1]) + 1 if cut else None,
     }

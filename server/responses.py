@@ -14,7 +14,7 @@ import numpy as np
 import orjson
 from fastapi.responses import JSONResponse
 
-from ampwatch.client.wire import encode_array, encode_tree
+from ampwatch.wire import encode_float_array, encode_tree
 
 
 class WireJSONResponse(JSONResponse):
@@ -55,11 +55,11 @@ class FloatRows:
             if not absent.any() and np.isfinite(values).all():
                 rows.append(orjson.dumps(values, option=orjson.OPT_SERIALIZE_NUMPY))
             else:
-                rows.append(orjson.dumps(encode_array(values, missing=absent)))
+                rows.append(orjson.dumps(encode_float_array(values, missing=absent)))
         return orjson.Fragment(b"[" + b",".join(rows) + b"]")
 
     def lists(self) -> list:
-        return encode_array(self.matrix, missing=self.missing)
+        return encode_float_array(self.matrix, missing=self.missing)
 
 
 def _fragment(value: Any) -> orjson.Fragment:

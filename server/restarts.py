@@ -22,8 +22,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, StepSummary
 from ampwatch.server.storage import load_series, unpack_row
 from ampwatch.server.summaries import SUMMARY_STEPS, fold_batch
-
-RESTART_EVENT = "restart"
+from ampwatch.wire import RESTART_EVENT
 
 
 def restart_from(events: list[dict]) -> dict | None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 from sqlalchemy import delete, func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.client.wire import encode_tree
 from ampwatch.server import analysis
 from ampwatch.server.analysis.incidents import Incident
 from ampwatch.server.analysis.queries import incidents_by_run
@@ -14,6 +13,7 @@ from ampwatch.server.errors import NotFound
 from ampwatch.server.models import Layer, Run, RunRank, as_utc, utcnow
 from ampwatch.server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
 from ampwatch.server.settings import Settings
+from ampwatch.wire import encode_tree
 
 
 def get_run(session: Session, run_id: str) -> Run:

@@ -16,7 +16,6 @@ from pydantic import (
     model_validator,
 )
 
-from ampwatch.client.wire import LABEL_MAX_CHARS, RUN_ID_PATTERN
 from ampwatch.server.fields import (
     INT32_MAX,
     JSON_INT_MAX,
@@ -32,6 +31,7 @@ from ampwatch.server.fields import (
     text,
 )
 from ampwatch.server.series import DTYPES
+from ampwatch.wire import LABEL_MAX_CHARS, RUN_ID_PATTERN
 
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
@@ -51,7 +51,7 @@ MAX_SEQ = INT32_MAX  # run_ranks.max_seq is an INTEGER column
 MAX_SEQ_GAP = 1_000_000
 MAX_CONFIG_BYTES = 64 * 1024  # config and environment, each, as JSON; listed with every run
 Scalar = ShortText | JsonInt | WireFloat | bool | None
-# a run's name, project or tag: what the agent's `attach` checks (client/wire.py), and no
+# a run's name, project or tag: what the agent's `attach` checks (wire/runs.py), and no
 # invisible formatting characters either
 Label = name_text(1, LABEL_MAX_CHARS)
 PerLayer = Annotated[WireFloats, Field(max_length=MAX_LAYERS)]
@@ -359,6 +359,8 @@ class LayerPointPublic(BaseModel):
     act_absmax: WireNumber | None = None
     act_dtype: str | None = None
     act_time_ms: WireNumber | None = None
+    grad_zero_share: WireNumber | None = Field(
+        None, description="share of the layer's grad elements that were exactly zero")
 
 
 class LayerSeriesPublic(BaseModel):

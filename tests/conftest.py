@@ -173,6 +173,22 @@ def live_server(tmp_path: Path) -> Iterator[LiveServer]:
     server.stop()
 
 
+NO_CUDA = "no CUDA device here: a -m cuda test (docs/gpu.md says how and where they run)"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skip the `cuda` tests without a CUDA device, saying so (torch is imported only when
+    such a test was collected)."""
+    marked = [item for item in items if item.get_closest_marker("cuda")]
+    if not marked:
+        return
+    import torch
+
+    if not torch.cuda.is_available():
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA))
+
+
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The session is over and the interpreter exits next: its final garbage collections
     would walk every object the suite left behind (minutes for the ~2 GB of the whole

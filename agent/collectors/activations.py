@@ -40,7 +40,7 @@ from ampwatch.agent.collectors.finite_checks import (
     first_nonfinite_call,
 )
 from ampwatch.agent.layers import dtype_name
-from ampwatch.client.wire import encode_array
+from ampwatch.wire import encode_float_array
 
 compiling = torch.compiler.is_compiling  # traced hooks return at once: no graph break
 
@@ -341,5 +341,5 @@ class ActivationCollector(Collector):
             called.add(index)
             if start is not None:
                 times[index] = (times[index] or 0.0) + elapsed(start, end)
-        record["activations"] = {"absmax": encode_array(absmax, missing=~ran),
+        record["activations"] = {"absmax": encode_float_array(absmax, missing=~ran),
                                  "dtype": dtypes, "time_ms": times}

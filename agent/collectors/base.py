@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from ampwatch.agent.session import Session
 
 EVENTS = ("on_forward_begin", "on_forward_end", "on_backward_begin", "on_backward_end",
-          "on_scale", "on_grads", "on_clip_begin", "on_clip_end", "on_scheduler_step",
+          "on_zero_grad", "on_loss_logged", "on_scale", "on_grads", "on_clip_begin",
+          "on_clip_end", "on_scheduler_step",
           "on_step_begin", "on_step_end", "on_update_begin", "on_update_end", "on_next_step")
 
 
@@ -71,8 +72,12 @@ class Collector:
     # events (training thread); see agent.session for when each fires
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None: ...
     def on_forward_end(self, training: bool, output: Any) -> None: ...
-    def on_backward_begin(self, tensor: torch.Tensor) -> None: ...
+    # the model's own backwards only (agent/attribution.py); `loss` is the unscaled loss
+    # backpropagated, None when the agent cannot tell it (a non-scalar backward)
+    def on_backward_begin(self, loss: torch.Tensor | None) -> None: ...
     def on_backward_end(self) -> None: ...
+    def on_zero_grad(self) -> None: ...  # the model's grads were dropped: so is what made them
+    def on_loss_logged(self, loss: Any) -> None: ...  # attachment.log_loss()
     def on_scale(self, outputs: Any) -> None: ...
     def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
                  divisor: torch.Tensor | None, norms: torch.Tensor | None) -> None: ...

@@ -22,7 +22,7 @@ import torch
 from ampwatch.agent import guard
 from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.fp8 import N_STATS, ROLES, STATS, Fp8Layer, cast_stats
-from ampwatch.client.wire import encode_array
+from ampwatch.wire import encode_float_array
 
 
 class Fp8Collector(Collector):
@@ -172,7 +172,7 @@ class Fp8Collector(Collector):
             for stat in (STATS.index("saturated"), STATS.index("underflow")):
                 over = np.flatnonzero(~missing[stat] & (full[stat] > self.FLAG_SHARE))
                 flagged.update((int(layer), role, stat) for layer in over)
-            out[role] = {name: encode_array(full[i], missing=missing[i])
+            out[role] = {name: encode_float_array(full[i], missing=missing[i])
                          for i, name in enumerate(STATS)}
         if out:
             record["fp8"] = out

@@ -30,7 +30,7 @@ import torch
 
 from ampwatch.agent import distributed
 from ampwatch.agent.collectors.base import Collector
-from ampwatch.client.wire import encode_array
+from ampwatch.wire import encode_float_array
 
 
 def clipped_norm(total: float, max_norm: float) -> float:
@@ -200,7 +200,7 @@ class GradNormCollector(Collector):
         if index is not None:
             total = float(np.sqrt(host[n])) if index.total_known else None
             record["grad_norm"] = total
-            record["layer_grad_norm"] = encode_array(np.sqrt(host[:n]), missing=~index.mask)
+            record["layer_grad_norm"] = encode_float_array(np.sqrt(host[:n]), missing=~index.mask)
         else:
             total = None
             record["grad_norm"] = None
@@ -227,4 +227,4 @@ class GradNormCollector(Collector):
             nonzero = np.bincount(layer_idx.numpy(), weights=values, minlength=n)
         valid = mask & (elements > 0)
         share = 1.0 - np.divide(nonzero, elements, out=np.ones(n), where=valid)
-        return encode_array(share, missing=~valid)
+        return encode_float_array(share, missing=~valid)

@@ -1,7 +1,11 @@
-"""The loss of each step, as the agent sees it: the input of `scaler.scale()` (so the
-unscaled loss), or without a scaler (or with a disabled one) the scalar that `backward()`
-was called on. With gradient accumulation the step's loss is the sum of its micro-batch
-losses."""
+"""The loss of each step: the losses the loop backpropagated into the watched model since
+its previous step, summed (the micro-batches of gradient accumulation, the several losses
+of a multi-task or multi-model loop), each once and unscaled: with a GradScaler, the loss
+given to the `scaler.scale()` whose output was backpropagated. A backward that does not
+reach the model (another model's loss) adds nothing, and neither does one whose grads the
+loop dropped with `zero_grad` before the step. `attachment.log_loss()` replaces all that
+with the losses the loop names itself.
+"""
 
 from __future__ import annotations
 
@@ -23,43 +27,58 @@ class LossCollector(Collector):
     def __init__(self) -> None:
         super().__init__()
         self._losses: list[torch.Tensor] = []
+        self._named: list[torch.Tensor | float] = []  # attachment.log_loss(): these win
 
     def bind(self, session: Any) -> None:
         super().bind(session)
         self._slot = self.slot(0)
 
-    def _take(self, tensor: Any) -> None:
-        if isinstance(tensor, torch.Tensor) and tensor.numel() == 1 and tensor.is_floating_point():
-            self._losses.append(tensor.detach())
+    def _take(self, tensor: Any, into: list[Any]) -> None:
+        if isinstance(tensor, torch.Tensor):
+            if tensor.numel() == 1 and tensor.is_floating_point():
+                into.append(tensor.detach())
+        elif isinstance(tensor, (float, int)) and not isinstance(tensor, bool):
+            into.append(float(tensor))  # added on the worker: no host-to-device copy
 
-    def on_scale(self, outputs: Any) -> None:
-        if self.session is not None and self.session.scaler_enabled:
-            self._take(outputs)  # a disabled scaler returns it as is: backward() takes it
+    def on_backward_begin(self, loss: torch.Tensor | None) -> None:
+        self._take(loss, self._losses)
 
-    def on_backward_begin(self, tensor: torch.Tensor) -> None:
-        if self.session is not None and not self.session.scaler_enabled:
-            self._take(tensor)
+    def on_zero_grad(self) -> None:
+        self._losses.clear()
+
+    def on_loss_logged(self, loss: Any) -> None:
+        self._take(loss, self._named)
 
     def seal(self) -> Any:
-        losses, self._losses = self._losses, []
+        losses = self._named or self._losses
+        self._losses, self._named = [], []
         return losses
 
     def close(self, sealed: Any) -> Any:
+        """(the tensors' part: True when summed into the slot, else the tensors for the
+        worker; the Python numbers' sum)."""
         if not sealed:
             return None
-        if self.session.host_reduce:
-            return sealed
-        self._slot.copy_(_total(sealed))
-        return True
+        tensors = [t for t in sealed if isinstance(t, torch.Tensor)]
+        numbers = sum(x for x in sealed if not isinstance(x, torch.Tensor))
+        if tensors and not self.session.host_reduce:
+            self._slot.copy_(_total(tensors))
+            return True, numbers
+        return tensors, numbers
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
         if meta is None:
             record["loss"] = None
-        else:
-            record["loss"] = float(host[0]) if meta is True else float(_total(meta))
+            return
+        tensors, numbers = meta
+        if tensors is True:
+            numbers += float(host[0])
+        elif tensors:
+            numbers += float(_total(tensors))
+        record["loss"] = numbers
 
 
 def _total(losses: list[torch.Tensor]) -> torch.Tensor:
-    """A step's loss: its one loss, or the sum of its micro-batch losses in float32."""
+    """A step's loss: its one loss, or the sum of its losses in float32."""
     return losses[0] if len(losses) == 1 else torch.stack(
         [t.float().reshape(()) for t in losses]).sum()

@@ -30,13 +30,16 @@ class TimingCollector(Collector):
         self._previous_end: Any = None
         self._step: tuple[Any, Any] | None = None
 
-    def on_backward_begin(self, tensor: torch.Tensor) -> None:
+    def on_backward_begin(self, loss: torch.Tensor | None) -> None:
         self._backward_start = self.session.clock.mark()
 
     def on_backward_end(self) -> None:
         if self._backward_start is not None:
             self._backward.append((self._backward_start, self.session.clock.mark()))
             self._backward_start = None
+
+    def on_zero_grad(self) -> None:
+        self._backward.clear()  # the time of backwards whose grads the loop dropped
 
     def on_step_begin(self, step: int) -> None:
         self._step_start = self.session.clock.mark()

@@ -8,27 +8,29 @@ What is dropped first when a new batch would not fit (documented in docs/agent.m
 Every undelivered batch dropped is counted in its run's `state.json` and in the next
 batch of that run (`dropped_batches`, `dropped_steps`); when a run loses its last batch,
 an empty "tally" batch takes its place so the counts still reach the server.
+
+This module decides what to drop; the spool (spool.py, which imports it) drops it.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gzip
-import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+
+from ampwatch.wire.spool import REJECTED, SUFFIX
 
 logger = logging.getLogger("ampwatch.agent")
 
-SUFFIX = ".json.gz"
 TALLY_BYTES = 512  # room kept for a tally batch without the run's body (about 160 bytes)
 
 
 def _files(directory: Path) -> list[Path]:
     """A rank directory's batch files, pending and rejected."""
-    return [p for p in (*directory.glob(f"*{SUFFIX}"), *directory.glob(f"rejected/*{SUFFIX}"))
+    return [p for p in (*directory.glob(f"*{SUFFIX}"),
+                        *directory.glob(f"{REJECTED}/*{SUFFIX}"))
             if not p.name.startswith(".")]
 
 
@@ -46,6 +48,27 @@ def _written_at(directory: Path) -> float:
         with contextlib.suppress(OSError):
             times.append(path.stat().st_mtime)
     return max(times)
+
+
+@dataclass(frozen=True)
+class PendingBatch:
+    """An undelivered batch of a run being trimmed, as the bound weighs it."""
+
+    path: Path
+    size: int
+    steps: int
+    tally: bool  # no steps and no events: a newer tally replaces it
+
+
+@dataclass(frozen=True)
+class TrimPlan:
+    """What to take out of one run's directory: `tallies` (superseded, not counted),
+    `drops` (undelivered batches, counted), and whether the tally appended after them
+    must carry the run's body (`keep_run`: no batch of the run is left to register it)."""
+
+    tallies: list[Path]
+    drops: list[PendingBatch]
+    keep_run: bool
 
 
 class SpoolBound:
@@ -66,76 +89,54 @@ class SpoolBound:
 
     def others_bytes(self, exclude: Path) -> int:
         if time.monotonic() - self._measured_at >= self.REFRESH_S:
-            self._others = sum(_size(p) for d in self._dirs(exclude) for p in _files(d))
+            self._others = sum(_size(p) for d in self.trim_order(exclude) for p in _files(d))
             self._measured_at = time.monotonic()
         return self._others
 
-    def _dirs(self, exclude: Path) -> list[Path]:
-        """Other rank directories, least recently written first."""
+    def trim_order(self, exclude: Path) -> list[Path]:
+        """Other rank directories, least recently written first: the order they are
+        trimmed in."""
         dirs = [d for d in self.root.glob("*/rank-*") if d != exclude and d.is_dir()]
         return sorted(dirs, key=_written_at)
 
-    def trim_others(self, exclude: Path, need: int) -> int:
-        """Free at least `need` bytes from other runs (refused batches first, then the
-        undelivered batches of directories no live agent holds). Returns bytes freed."""
-        # imported here: spool.py imports this module
-        from ampwatch.agent.transport.spool import Spool, read_entry
+    def remeasure(self) -> None:
+        """Measure the other runs again on the next `others_bytes` (after a trim)."""
+        self._measured_at = float("-inf")
 
-        freed = 0
-        dirs = self._dirs(exclude)
-        for directory in dirs:
-            for path in sorted(directory.glob(f"rejected/*{SUFFIX}")):
+    @staticmethod
+    def refused_to_delete(others: list[Path], need: int) -> list[Path]:
+        """The refused batches (`rejected/`) of `others`, in their order, until `need`
+        bytes are reached: deleted before anything undelivered is dropped."""
+        picked, freed = [], 0
+        for directory in others:
+            for path in sorted(directory.glob(f"{REJECTED}/*{SUFFIX}")):
                 if freed >= need:
                     break
                 freed += _size(path)
-                with contextlib.suppress(FileNotFoundError):
-                    path.unlink()
-        for directory in dirs:
-            if freed >= need:
-                break
-            other = Spool(directory, self.max_bytes)
-            try:
-                if other.locked:  # else a live agent writes or replays it: not ours to trim
-                    freed += self._trim(other, need - freed, read_entry)
-            finally:
-                other.close()
-        self._measured_at = float("-inf")
-        return freed
+                picked.append(path)
+        return picked
 
-    def _trim(self, other: Any, need: int, read_entry: Any) -> int:
-        """Drop `other`'s oldest undelivered batches until `need` bytes are free net of
-        the tally that replaces its old ones: an empty batch after the rest that carries
-        the new counts (with the run's body when no batch of it is left to register the
-        run). Returns the bytes freed."""
-        data, tallies, run = [], [], None
-        for path in other.pending():
-            try:
-                entry = read_entry(path)
-            except (OSError, ValueError):
-                entry = {"batch": {"steps": [None]}}  # unreadable: dropped like a batch
-            batch = entry["batch"]
-            run = entry.get("run") or run
-            if not batch.get("steps") and not batch.get("events"):
-                tallies.append(path)
-            else:
-                data.append((path, len(batch.get("steps") or ())))
+    @staticmethod
+    def plan(pending: list[PendingBatch], need: int, *, run_bytes: int) -> TrimPlan | None:
+        """Which of a run's undelivered batches (oldest first) to drop so that `need` bytes
+        are free net of the tally that replaces them (`TALLY_BYTES`, plus `run_bytes` for
+        the run's body when its last batch goes). None when it holds only tallies: they
+        keep the counts and are never dropped."""
+        data = [p for p in pending if not p.tally]
         if not data:
-            return 0  # only tallies: they keep the counts, never dropped
-        freed = sum(other.drop_tally(path) for path in tallies)
-        allowance = TALLY_BYTES
-        left = len(data)
-        for path, steps in data:
+            return None
+        tallies = [p.path for p in pending if p.tally]
+        freed = sum(p.size for p in pending if p.tally)
+        allowance, left, drops = TALLY_BYTES, len(data), []
+        for batch in data:
             if left == 1:  # the last one goes: the tally must carry the run's body
-                allowance += len(gzip.compress(json.dumps(run).encode()))
+                allowance += run_bytes
             if freed >= need + allowance:
                 break
-            freed += other.drop(path)
+            freed += batch.size
+            drops.append(batch)
             left -= 1
-            self.note_drop(other.dir, steps)
-        rank = int(other.dir.name.removeprefix("rank-"))
-        path = other.append(other.dir.parent.name, rank, None if left else run,
-                            {"steps": [], "events": []})
-        return freed - path.stat().st_size
+        return TrimPlan(tallies, drops, keep_run=left == 0)
 
     def note_drop(self, directory: Path, steps: int) -> None:
         """Say once per process, in the training log, that the bound is dropping data."""

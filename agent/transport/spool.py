@@ -1,18 +1,15 @@
 """The on-disk spool: every batch is written here before it is sent, deleted once the
 server has committed it, and replayed in order after a crash or an outage.
 
-Layout (documented in docs/agent.md, replayed by `ampwatch sync` without torch):
-``<root>/<run_id>/rank-<rank>/<seq:012d>.json.gz``, each a gzip JSON object
-``{"format": "ampwatch-spool/1", "run_id", "rank", "seq", "run": <PUT body>,
-"batch": <POST body>}`` in wire encoding; sorted file names are replay order. A directory's
-``lock`` file is held (``flock``) by the process writing or replaying it; ``state.json``
-keeps the next sequence number and the drop counters. Disk I/O happens on the worker only.
+The file format is wire/spool.py's (replayed by `ampwatch sync` without torch). A
+directory's ``lock`` file is held (``flock``) by the process writing or replaying it;
+``state.json`` keeps the next sequence number and the drop counters. Disk I/O happens on
+the worker only.
 """
 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import gzip
 import json
 import os
@@ -21,13 +18,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ampwatch.agent.transport.bound import SpoolBound
-from ampwatch.client.sync import PROGRESS, read_state, recover_crash_window, write_state
-from ampwatch.client.wire import check_run_id
-
-FORMAT = "ampwatch-spool/1"
-SUFFIX = ".json.gz"
-REJECTED = "rejected"
+from ampwatch.agent.transport.bound import PendingBatch, SpoolBound
+from ampwatch.wire.spool import (
+    PROGRESS,
+    REJECTED,
+    STATE,
+    atomic_write,
+    batch_files,
+    batch_path,
+    encode_entry,
+    read_entry,
+    read_state,
+    recover_crash_window,
+    run_dir,
+    seq_of,
+    try_lock,
+    write_state,
+)
 
 
 def batch_text(batch: dict, steps: list[str] | None = None) -> str:
@@ -39,27 +46,6 @@ def batch_text(batch: dict, steps: list[str] | None = None) -> str:
     head = json.dumps({k: v for k, v in batch.items() if k != "steps"}, allow_nan=False)
     comma = ", " if len(head) > 2 else ""  # head is "{}" when steps are all there is
     return f'{head[:-1]}{comma}"steps": [{", ".join(steps)}]}}'
-
-
-def encode_entry(run_id: str, rank: int, seq: int, run: dict | str,
-                 batch: dict | str) -> bytes:
-    """A spool file: gzip of one JSON object; `run` and `batch` may be JSON text already."""
-    head = json.dumps({"format": FORMAT, "run_id": run_id, "rank": rank, "seq": seq},
-                      allow_nan=False)
-    run_text = run if isinstance(run, str) else json.dumps(run, allow_nan=False)
-    text = batch if isinstance(batch, str) else json.dumps(batch, allow_nan=False)
-    return gzip.compress(f'{head[:-1]}, "run": {run_text}, "batch": {text}}}'.encode(),
-                         compresslevel=5)
-
-
-def read_entry(path: Path) -> dict[str, Any]:
-    return json.loads(gzip.decompress(path.read_bytes()))
-
-
-def _atomic_write(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 class Spool:
@@ -77,12 +63,8 @@ class Spool:
         self.dir = directory
         self.max_bytes = max_bytes
         directory.mkdir(parents=True, exist_ok=True)
-        self._lock_fd: int | None = os.open(directory / "lock", os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            self.locked = True
-        except OSError:
-            self.locked = False
+        self._lock_fd: int | None
+        self._lock_fd, self.locked = try_lock(directory)
         self._mutex = threading.RLock()
         self._in_flight: Path | None = None  # the batch the sender is posting: kept
         self._progress_fd: int | None = None
@@ -92,7 +74,7 @@ class Spool:
         self._sizes = {p: p.stat().st_size for p in self.pending()}
         self._steps: dict[Path, int] = {}
         self._recent: dict[Path, tuple[bytes, str]] = {}  # newest batches: body, run key
-        last = max((int(p.name[: -len(SUFFIX)]) for p in self._sizes), default=-1)
+        last = max((seq_of(p) for p in self._sizes), default=-1)
         self.next_seq = max(int(state.get("next_seq", 0)), last + 1)
         self.dropped_batches = int(state.get("dropped_batches", 0))
         self.last_step = int(state.get("last_step", -1))  # the last step ever spooled here
@@ -124,7 +106,7 @@ class Spool:
 
     def pending(self) -> list[Path]:
         """Batch files not yet delivered, in replay order."""
-        return sorted(p for p in self.dir.glob(f"*{SUFFIX}") if not p.name.startswith("."))
+        return batch_files(self.dir)
 
     @property
     def size_bytes(self) -> int:
@@ -163,8 +145,8 @@ class Spool:
                 self._make_room(len(data))
                 if counts == (self.dropped_batches, self.dropped_steps):
                     break
-            path = self.dir / f"{seq:012d}{SUFFIX}"
-            _atomic_write(path, data)
+            path = batch_path(self.dir, seq)
+            atomic_write(path, data)
             self._recent[path] = (text.encode(), run_key or "")
             while len(self._recent) > self.BODIES_KEPT:
                 self._recent.pop(next(iter(self._recent)))
@@ -180,10 +162,10 @@ class Spool:
         with self._mutex:
             seq = max(self.next_seq, next_seq)
             entry["batch"]["seq"] = seq
-            new_path = self.dir / f"{seq:012d}{SUFFIX}"
+            new_path = batch_path(self.dir, seq)
             data = encode_entry(entry["run_id"], entry["rank"], seq, entry["run"],
                                 entry["batch"])
-            _atomic_write(new_path, data)
+            atomic_write(new_path, data)
             self._sizes[new_path] = len(data)
             self._steps[new_path] = len(entry["batch"].get("steps", ()))
             self._forget(path)
@@ -199,7 +181,7 @@ class Spool:
         if self.bound is not None:
             over = self.bound.others_bytes(self.dir) + self.size_bytes + incoming - self.max_bytes
             if over > 0:
-                self.bound.trim_others(self.dir, over)
+                self._trim_others(over)
             room = self.max_bytes - self.bound.others_bytes(self.dir) - incoming
         else:
             room = self.max_bytes - incoming
@@ -208,6 +190,55 @@ class Spool:
             if not victims:
                 return
             self.drop(victims[0])
+
+    def _trim_others(self, need: int) -> None:
+        """Free at least `need` bytes from the other runs under the root, in the order
+        the bound decides: refused batches first, then the undelivered batches of
+        directories no live agent holds."""
+        assert self.bound is not None
+        others = self.bound.trim_order(self.dir)
+        freed = 0
+        for path in self.bound.refused_to_delete(others, need):
+            with contextlib.suppress(FileNotFoundError):
+                size = path.stat().st_size
+                path.unlink()
+                freed += size
+        for directory in others:
+            if freed >= need:
+                break
+            other = Spool(directory, self.max_bytes)
+            try:
+                if other.locked:  # else a live agent writes or replays it: not ours to trim
+                    freed += other._trim(self.bound, need - freed)
+            finally:
+                other.close()
+        self.bound.remeasure()
+
+    def _trim(self, bound: SpoolBound, need: int) -> int:
+        """Drop the batches `bound` picks to free `need` bytes here, and append the tally
+        that carries the new counts. Returns the bytes freed net of that tally."""
+        pending, run = [], None
+        for path in self.pending():
+            try:
+                entry = read_entry(path)
+            except (OSError, ValueError):
+                entry = {"batch": {"steps": [None]}}  # unreadable: dropped like a batch
+            batch = entry["batch"]
+            run = entry.get("run") or run
+            pending.append(PendingBatch(path, self._sizes.get(path, 0),
+                                        len(batch.get("steps") or ()),
+                                        not batch.get("steps") and not batch.get("events")))
+        plan = bound.plan(pending, need, run_bytes=len(gzip.compress(json.dumps(run).encode())))
+        if plan is None:
+            return 0
+        freed = sum(self.drop_tally(path) for path in plan.tallies)
+        for victim in plan.drops:
+            freed += self.drop(victim.path)
+            bound.note_drop(self.dir, victim.steps)
+        rank = int(self.dir.name.removeprefix("rank-"))
+        path = self.append(self.dir.parent.name, rank, run if plan.keep_run else None,
+                           {"steps": [], "events": []})
+        return freed - path.stat().st_size
 
     def drop(self, path: Path) -> int:
         """Delete an undelivered batch because of the bound and count it (state.json, and
@@ -288,20 +319,11 @@ class Spool:
             self._lock_fd = None
 
 
-def run_dir(root: Path, run_id: str, rank: int) -> Path:
-    """`<root>/<run_id>/rank-<rank>`; ValueError for a run id API v1 refuses, so that no
-    input can name a directory outside `root`."""
-    check_run_id(run_id)
-    if not isinstance(rank, int) or rank < 0:
-        raise ValueError(f"invalid rank {rank!r}: a rank is an integer >= 0")
-    return Path(root) / run_id / f"rank-{rank}"
-
-
 def spooled_last_step(root: Path, run_id: str, rank: int) -> int | None:
     """The last step a spool under `root` holds or ever held for (run, rank), or None when
     it knows none; reads `state.json` and takes no lock."""
     try:
-        state = json.loads((run_dir(root, run_id, rank) / "state.json").read_text())
+        state = json.loads((run_dir(root, run_id, rank) / STATE).read_text())
         last = int(state.get("last_step", -1))
     except (OSError, ValueError, TypeError, AttributeError):
         return None
@@ -312,6 +334,6 @@ def leftover_dirs(root: Path, exclude: Path) -> list[Path]:
     """Other (run, rank) directories under `root` that still hold batches."""
     found = []
     for directory in sorted(root.glob("*/rank-*")):
-        if directory != exclude and any(directory.glob(f"*{SUFFIX}")):
+        if directory != exclude and batch_files(directory):
             found.append(directory)
     return found

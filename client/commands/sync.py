@@ -8,6 +8,7 @@ from pathlib import Path
 
 from ampwatch.client import sync
 from ampwatch.client.commands import connect, print_json
+from ampwatch.wire.spool import default_spool_dir
 
 BAR_WIDTH = 30
 
@@ -20,14 +21,14 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
                     "Safe to repeat. Exit status 1 when some batches were not uploaded.")
     parser.add_argument("spool", metavar="SPOOL_DIR", nargs="?", type=Path,
                         help=f"spool root, or one run's directory (default: "
-                             f"$AMPWATCH_SPOOL_DIR or {sync.default_spool_dir()})")
+                             f"$AMPWATCH_SPOOL_DIR or {default_spool_dir()})")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bar (it is drawn only when stderr is a terminal)")
     parser.set_defaults(func=sync_command)
 
 
 def sync_command(args: argparse.Namespace) -> int:
-    root = args.spool or sync.default_spool_dir()
+    root = args.spool or default_spool_dir()
     if not root.is_dir():
         raise FileNotFoundError(f"no spool directory at {root}")
     show = None if args.no_progress or not sys.stderr.isatty() else progress_bar

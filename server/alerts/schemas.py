@@ -7,6 +7,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.schemas import Severity
 
 NotificationStatus = Literal["pending", "delivered", "failed"]
@@ -22,7 +23,7 @@ class AlertRulePublic(BaseModel):
     name: str
     severity: Severity
     projects: list[str]
-    kinds: list[str]
+    kinds: list[FindingKind]
     on_resolve: bool
     targets: list[str]
 

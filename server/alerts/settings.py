@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.schemas import Severity
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
@@ -75,7 +76,7 @@ class AlertRule(BaseModel):
     name: str = Field(pattern=NAME_PATTERN)
     severity: Severity = "warning"
     projects: list[str] = Field(default_factory=list, description="empty: every project")
-    kinds: list[str] = Field(default_factory=list, description="empty: every finding kind")
+    kinds: list[FindingKind] = Field(default_factory=list, description="empty: every finding kind")
     on_resolve: bool = False
     targets: list[str] = Field(min_length=1)
 

@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import numpy as np
 
-from ampwatch.server.analysis.context import LayerInfo, LayerTable, RunContext, compute_dtype
+from ampwatch.server.analysis.context import LayerInfo, LayerTable, compute_dtype
 from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.window import Window
 from ampwatch.server.series import MISSING, StepSeries
 
-KIND = "misaligned_layer"
+KIND = FindingKind.MISALIGNED_LAYER
 OPTIMAL = 64
 ALIGNMENT = {
     "float16": 8,
@@ -142,13 +144,13 @@ def _tied_embedding(layer: LayerInfo, table: LayerTable) -> str | None:
     return None
 
 
-def detect_misaligned_layers(series: StepSeries, run: RunContext,
-                             settings: AnalysisSettings) -> Detection:
+def detect_misaligned_layers(window: Window, settings: AnalysisSettings) -> Detection:
     """One finding per misaligned (layer, dimension) of a layer that does matmuls, with
     the padded size to use; warning when the layer does `misaligned_warning_share` of the
     model's matmul FLOPs or more (its share of forward time goes in the evidence when
     measured). Aligned layers, embedding lookups and runs whose compute dtype is unknown
     or plain fp32 raise nothing."""
+    series, run = window.series, window.run
     dtype = compute_dtype(series, run)
     multiple = alignment_for(dtype, run.environment)
     if multiple is None:

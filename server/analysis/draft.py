@@ -11,7 +11,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from ampwatch.client.wire import encode_tree
+from ampwatch.server.analysis.kinds import FindingKind
+from ampwatch.wire import encode_tree
 
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_RANK: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
@@ -30,9 +31,11 @@ class FindingDraft:
     active: the condition still holds at the end of the window; False resolves it.
     evidence: JSON-ready numbers behind the message; non-finite floats are encoded
         as "NaN"/"Infinity" on construction (Postgres JSON rejects NaN).
+    rank: the rank the finding lives on when it is not the analysed rank's (a comparison
+        of ranks names the rank it is about); None: the analysed rank.
     """
 
-    kind: str
+    kind: FindingKind
     key: str
     severity: Severity
     message: str
@@ -43,6 +46,7 @@ class FindingDraft:
     evidence: dict[str, Any] = field(default_factory=dict)
     occurrences: np.ndarray = field(default_factory=lambda: NO_STEPS)
     active: bool = True
+    rank: int | None = None
 
     def __post_init__(self) -> None:
         self.evidence = encode_tree(self.evidence)

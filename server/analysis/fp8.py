@@ -12,25 +12,25 @@ Judged on the agent's sampled FP8 statistics (server/fp8_samples.py).
 from __future__ import annotations
 
 import numpy as np
-from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.context import LayerTable, RunContext
+from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.analysis.store import apply_detections, update_run_health
-from ampwatch.server.fp8_samples import ROLES, Fp8Window, load_fp8_window
-from ampwatch.server.models import Run
+from ampwatch.server.analysis.window import Window
+from ampwatch.server.fp8_samples import ROLES, Fp8Window
 
 FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0, "e4m3fnuz": 240.0, "e5m2fnuz": 57344.0}
 # half the smallest subnormal: a scaled value at or below it rounds to zero
 FORMAT_FLUSH = {"e4m3": 2.0**-10, "e5m2": 2.0**-17, "e4m3fnuz": 2.0**-11, "e5m2fnuz": 2.0**-18}
+UNDERFLOW, SATURATION, STALE_SCALE = (FindingKind.FP8_UNDERFLOW, FindingKind.FP8_SATURATION,
+                                     FindingKind.FP8_STALE_SCALE)
 TENSOR_WORDS = {"input": "input", "weight": "weight", "grad": "output gradient"}
-KINDS = ("fp8_underflow", "fp8_saturation", "fp8_stale_scale")
 
 
-def _fix(kind: str, recipe: str) -> str:
+def _fix(kind: FindingKind, recipe: str) -> str:
     delayed = recipe.startswith("delayed")
-    if kind == "fp8_underflow":
+    if kind == UNDERFLOW:
         if delayed:
             return ("use current (per-step) scaling or a shorter amax history, or keep this "
                     "layer in bf16")
@@ -53,30 +53,32 @@ def _episodes(window: Fp8Window, flags: np.ndarray,
     return out
 
 
-def detect_fp8(window: Fp8Window, run: RunContext, settings: AnalysisSettings) -> Detection:
-    """Every FP8 finding of the window; covers each (layer, tensor) it holds samples of."""
-    if not len(window):
+def detect_fp8(window: Window, settings: AnalysisSettings) -> Detection:
+    """Every FP8 finding of the window's FP8 samples; covers each (layer, tensor) it holds
+    samples of."""
+    samples, run = window.fp8, window.run
+    if samples is None or not len(samples):
         return Detection()
     drafts: list[FindingDraft] = []
     covers: list[str] = []
     for r, role in enumerate(ROLES):
-        evaluated = window.present[:, r]
+        evaluated = samples.present[:, r]
         if not evaluated.any():
             continue
-        amax, scale, rms, saturated, underflow = (window.values[:, r, k] for k in range(5))
+        amax, scale, rms, saturated, underflow = (samples.values[:, r, k] for k in range(5))
         fmax = np.array([FORMAT_MAX.get(str((run.layer(i).attrs if run.layer(i) else {})
                                             .get(f"fp8_{role}_format")), np.nan)
-                         for i in range(window.values.shape[-1])])
+                         for i in range(samples.values.shape[-1])])
         with np.errstate(invalid="ignore", divide="ignore"):
             covered = amax * scale / fmax  # > 1: the tensor outgrew its scale
         flags = {
-            "fp8_underflow": evaluated & (underflow > settings.fp8_underflow_share),
-            "fp8_saturation": evaluated & (saturated > settings.fp8_saturation_share),
-            "fp8_stale_scale": evaluated & _runs_of(covered > 1.0 + 1e-6,
-                                                    settings.fp8_stale_samples),
+            UNDERFLOW: evaluated & (underflow > settings.fp8_underflow_share),
+            SATURATION: evaluated & (saturated > settings.fp8_saturation_share),
+            STALE_SCALE: evaluated & _runs_of(covered > 1.0 + 1e-6,
+                                              settings.fp8_stale_samples),
         }
         for kind, flag in flags.items():
-            for layer, steps, active in _episodes(window, flag, evaluated):
+            for layer, steps, active in _episodes(samples, flag, evaluated):
                 rows = flag[:, layer]
                 drafts.append(_draft(kind, run, role, layer, steps, active, rows,
                                      amax, rms, scale, saturated, underflow, covered,
@@ -97,7 +99,7 @@ def _runs_of(flag: np.ndarray, length: int) -> np.ndarray:
     return out
 
 
-def _draft(kind: str, run: RunContext, role: str, layer: int, steps: np.ndarray,
+def _draft(kind: FindingKind, run: RunContext, role: str, layer: int, steps: np.ndarray,
            active: bool, rows: np.ndarray, amax, rms, scale, saturated, underflow, covered,
            settings: AnalysisSettings) -> FindingDraft:
     info = run.layer(layer)
@@ -111,7 +113,7 @@ def _draft(kind: str, run: RunContext, role: str, layer: int, steps: np.ndarray,
     evidence = {"tensor": role, "format": fmt, "recipe": recipe, "amax": peak_amax,
                 "scale": float(scale[first, layer]),
                 "steps": recent_steps(steps, settings.evidence_steps)}
-    if kind == "fp8_underflow":
+    if kind == UNDERFLOW:
         share = float(np.nanmax(underflow[rows, layer]))
         ratio = float(amax[first, layer] / rms[first, layer]) if rms[first, layer] > 0 else None
         flush_below = FORMAT_FLUSH.get(fmt, np.nan) / float(scale[first, layer])
@@ -126,7 +128,7 @@ def _draft(kind: str, run: RunContext, role: str, layer: int, steps: np.ndarray,
                    f"{float(scale[first, layer]):.3g}, so every element{where} below "
                    f"{flush_below:.2g} in magnitude became 0. Fix: {_fix(kind, recipe)}.")
         severity = "warning"
-    elif kind == "fp8_saturation":
+    elif kind == SATURATION:
         share = float(np.nanmax(saturated[rows, layer]))
         evidence |= {"saturated_share": share,
                      "amax_over_covered": float(np.nanmax(covered[rows, layer]))}
@@ -145,17 +147,3 @@ def _draft(kind: str, run: RunContext, role: str, layer: int, steps: np.ndarray,
     return FindingDraft(kind=kind, key=f"{kind}:{name}:{role}", severity=severity,
                         message=message, step=int(steps[0]), last_step=int(steps[-1]),
                         layer=name, evidence=evidence, occurrences=steps, active=active)
-
-
-def on_fp8_ingest(session: Session, run: Run, table: LayerTable, rank: int, last_step: int,
-                  settings: AnalysisSettings) -> None:
-    """Judge the rank's FP8 samples of the last `history_steps` through `last_step`, just
-    stored by ingest (the caller commits)."""
-    if not settings.enabled:
-        return
-    window = load_fp8_window(session, run.id, rank, run.n_layers,
-                             start=last_step - settings.history_steps, end=last_step)
-    context = RunContext.build(table, run.environment, rank)
-    change = apply_detections(session, run.id, rank, [detect_fp8(window, context, settings)],
-                              settings, since=int(window.steps[0]) if len(window) else None)
-    update_run_health(session, run, change)

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.localize import fix_for_cause
+from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS
+from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
 
 # what a finding says happened, in the order a root cause plays out
 STAGES = {
@@ -29,7 +30,8 @@ STAGES = {
     ("scaler_divergence", "scale_collapse"): (4, "loss scale at or below 1"),
 }
 HEADLINES = {
-    "forward_overflow": "Layer {layer!r} overflows fp16 in the forward pass",
+    "divergence": "Training diverged: the gradients ran away before any value overflowed",
+    "forward_overflow": "Layer {layer!r} overflows {dtype} in the forward pass",
     "absorbed_overflow": "Layer {layer!r} overflows in the forward pass; a later op "
                          "silently clipped it",
     "grad_overflow": "Gradients of layer {layer!r} are inf/NaN",
@@ -79,13 +81,16 @@ def _get(finding: Any, name: str) -> Any:
 def root_cause(finding: Any) -> tuple[str, str] | None:
     """(cause, layer) that the finding is a symptom of; None when the data names none.
     An overflow risk is the early sign of the forward overflow of its layer."""
-    kind, layer = _get(finding, "kind"), _get(finding, "layer")
+    spec = KINDS.get(_get(finding, "kind"))
+    if spec is None or spec.cause is None:
+        return None
+    if not spec.per_layer:  # one fix for all of them (misaligned: pad to the table's sizes)
+        return spec.cause, "-"
+    layer = _get(finding, "layer")
+    if spec.cause != FROM_EVIDENCE:
+        return (spec.cause, layer) if layer else None
     evidence = _get(finding, "evidence") or {}
-    if kind == "overflow_risk" and layer:
-        return "forward_overflow", layer
-    if kind == "misaligned_layer":  # one fix for all of them: pad to the table's sizes
-        return "misaligned", "-"
-    if kind in ("nonfinite", "scaler_divergence", "ranks") and evidence.get("cause"):
+    if evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
         if cause in ("forward_overflow", "absorbed_overflow", "grad_overflow") and not culprit:
@@ -139,9 +144,13 @@ def _incident(members: list[Any]) -> Incident:
     if cause is not None and cause[0] == "misaligned":
         layer, headline, fix, timeline = _misaligned(members)
     elif cause is not None:
-        headline = HEADLINES.get(cause[0], "Steps went inf/NaN").format(layer=layer)
+        # the run's compute dtype, as its findings' evidence names it (fp16 when none does)
+        dtype = next((e["dtype"] for e in (_get(f, "evidence") or {} for f in members)
+                      if e.get("dtype")), None)
+        headline = HEADLINES.get(cause[0], "Steps went inf/NaN").format(
+            layer=layer, dtype=dtype_word(dtype))
         # the remedy after "what happened: " (the headline already says what happened)
-        fix = fix_for_cause(cause[0], layer).split(": ", 1)[-1]
+        fix = fix_for_cause(cause[0], layer, dtype).split(": ", 1)[-1]
         fix = fix[0].upper() + fix[1:] + "."
     return Incident(
         id=min(_get(f, "id") for f in members), run_id=_get(lead, "run_id"),

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ampwatch.server.analysis.context import RunContext, step_rows
+from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.series import FIELD_INDEX, MISSING, StepSeries
 
 # Causes in the order they explain each other: a bad input makes the forward pass
@@ -130,10 +131,60 @@ def explain(loc: Localization, rows: np.ndarray, run: RunContext) -> dict:
     }
 
 
-def fix_for_cause(cause: str | None, layer: str | None) -> str:
-    """The remedy sentence for a divergence or non-finite cause."""
+# how runs name their dtypes in words, and the largest finite value of each
+DTYPE_WORDS = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32",
+               "float8_e4m3fn": "fp8 e4m3", "float8_e5m2": "fp8 e5m2"}
+DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
+             "float32": 3.4028234663852886e38}
+
+
+def dtype_word(dtype: str | None) -> str:
+    """"fp16" for "float16"; a run that never said which dtype it computes in is taken
+    for fp16, the one whose range a layer outgrows."""
+    return DTYPE_WORDS.get(dtype or "float16", dtype or "fp16")
+
+
+def diverged_before(series: StepSeries, row: int, dtype: str | None,
+                    settings: AnalysisSettings) -> dict | None:
+    """Whether training diverged before row `row` (a first non-finite step): its last
+    finite grad norms grew `divergence_growth` times past the typical (median) grad norm
+    of the window's first half of steps before it, while no sampled activation came
+    within `overflow_factor` of the dtype's maximum (an activation that outgrows its
+    dtype is a range problem, whatever the gradients did). Evidence, or None."""
+    i = FIELD_INDEX["grad_norm"]
+    norms = series.scalars[:row, i][series.present[:row, i]]
+    norms = norms[np.isfinite(norms) & (norms > 0)]
+    if norms.size < 3:
+        return None
+    typical = float(np.median(norms[: norms.size // 2 + 1]))
+    peak = float(norms[-3:].max())
+    if peak < settings.divergence_growth * typical:
+        return None
+    if series.act_absmax is not None and len(series.act_step):
+        before = series.act_step < series.steps[row]
+        sampled = series.act_absmax[before]
+        sampled = sampled[(sampled != MISSING) & np.isfinite(sampled)]
+        limit = DTYPE_MAX.get(dtype or "float16", DTYPE_MAX["float16"])
+        if sampled.size and float(sampled.max()) >= limit / settings.overflow_factor:
+            return None
+    return {"grad_norm_typical": typical, "grad_norm_peak": peak,
+            "growth": peak / typical}
+
+
+def fix_for_cause(cause: str | None, layer: str | None, dtype: str | None = None) -> str:
+    """The remedy sentence for a divergence or non-finite cause, in the words of the
+    run's compute `dtype` (fp16 when unknown)."""
     where = f"layer {layer!r}" if layer else "a layer"
+    word = dtype_word(dtype)
+    if cause == "divergence":
+        return ("training diverged (the gradients exploded before any value overflowed): "
+                "lower the learning rate, add warmup, and clip gradients "
+                "(torch.nn.utils.clip_grad_norm_, after scaler.unscale_() with a GradScaler)")
     if cause in ("forward_overflow", "absorbed_overflow"):
+        if dtype not in (None, "float16"):  # fp32's range: only a diverging run gets there
+            return (f"{where} overflows {word} in the forward pass, whose range is fp32's: "
+                    "its values ran away, lower the learning rate, add warmup, and clip "
+                    "gradients")
         return (f"{where} overflows fp16 in the forward pass, which no loss scale can fix: "
                 "run it in fp32 (torch.autocast(device_type, enabled=False) with a .float() "
                 "input), scale its output down, or train in bf16")
@@ -148,5 +199,9 @@ def fix_for_cause(cause: str | None, layer: str | None) -> str:
     if cause == "nonfinite_input":
         return ("the input batch holds inf/NaN: validate the data (torch.isfinite) before "
                 "the forward pass and fix the loader")
+    if dtype not in (None, "float16"):
+        return ("look for the first layer whose output goes inf/NaN (enable activation "
+                "sampling); with a range like fp32's, lower the learning rate, add warmup, "
+                "and clip gradients")
     return ("look for the layer that overflows fp16 (enable activation sampling) and keep "
             "it in fp32, or lower the learning rate")

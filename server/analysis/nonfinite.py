@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from ampwatch.server.analysis.context import RunContext
+from ampwatch.server.analysis.context import RunContext, compute_dtype
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.localize import (
     CAUSES,
     FORWARD,
@@ -21,24 +22,29 @@ from ampwatch.server.analysis.localize import (
     LOSS,
     NO_LAYER,
     Localization,
+    diverged_before,
     fix_for_cause,
-    localize,
 )
 from ampwatch.server.analysis.scaler import calibration_mask
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.series import StepSeries
+from ampwatch.server.analysis.window import Window
 
-KIND = "nonfinite"
+KIND = FindingKind.NONFINITE
 MAX_LAYERS_LISTED = 20
 ABSORBED = len(CAUSES)  # a group of its own: forward inf/NaN that never reached the grads
-GROUPS = (*CAUSES, "absorbed_overflow")
+DIVERGED = ABSORBED + 1  # every non-finite step after the gradients ran away
+GROUPS = (*CAUSES, "absorbed_overflow", "divergence")
 
 
-def _what(group: int, layer: str | None, observed: bool) -> str:
+def _what(group: int, layer: str | None, observed: bool, divergence: dict | None) -> str:
     """What the data shows for the first step of a group (`observed`: the layer outputs
-    of that step were checked)."""
+    of that step were checked; `divergence`: how the gradients ran away before it)."""
     outputs = ("every layer output was finite" if observed else
                "the layer outputs of that step were not observed")
+    if group == DIVERGED and divergence is not None:
+        return (f"the first inf/NaN, after the grad norm grew from about "
+                f"{divergence['grad_norm_typical']:.3g} to {divergence['grad_norm_peak']:.3g} "
+                "while no activation came near its dtype's maximum")
     if group == FORWARD:
         return f"layer {layer!r} is the first in forward order whose output is inf/NaN"
     if group == ABSORBED:
@@ -66,13 +72,12 @@ def _grad_layers(loc: Localization, rows: np.ndarray, run: RunContext,
 def _severity(group: int, reached_weights: np.ndarray) -> str:
     if reached_weights.any():
         return "critical"
-    if group in (FORWARD, LOSS, INPUT, ABSORBED):
+    if group in (FORWARD, LOSS, INPUT, ABSORBED, DIVERGED):
         return "warning"
     return "info"
 
 
-def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSettings,
-                     loc: Localization | None = None) -> Detection:
+def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
     """Group the window's non-finite steps by cause and offender.
 
     Gradient overflows that the GradScaler skipped during its initial calibration are
@@ -81,10 +86,11 @@ def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSett
     state); warning when a step was lost to a forward, loss or input fault, or a forward
     overflow was absorbed; info for gradient overflows the scaler skipped.
     """
+    series, run = window.series, window.run
     covers = (f"{KIND}:",)
     if not len(series):
         return Detection(covers=covers)
-    loc = loc or localize(series, run)
+    loc = window.loc
     skipped = series.skipped
     benign = (loc.cause >= GRAD) & skipped & calibration_mask(series, run, settings)
     rows = np.flatnonzero(loc.nonfinite & ~benign)
@@ -96,6 +102,12 @@ def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSett
     absorbed = ((loc.cause == FORWARD) & ~skipped & ~loc.grad_nonfinite & grads_known
                 & ~loc.loss_nonfinite)
     groups = np.where(absorbed, ABSORBED, loc.cause)
+    dtype = compute_dtype(series, run)
+    # gradients that ran away before the first inf/NaN explain every later one (but a
+    # bad input batch): one divergence, not an overflow per layer it reached
+    divergence = diverged_before(series, int(rows[0]), dtype, settings)
+    if divergence is not None:
+        groups[rows[groups[rows] != INPUT]] = DIVERGED
     layer = np.where(np.isin(groups[rows], (FORWARD, ABSORBED)), loc.forward_layer[rows],
                      np.where(groups[rows] == GRAD, loc.grad_layer[rows], NO_LAYER))
     key = groups[rows] * (series.n_layers + 1) + (layer + 1)
@@ -109,7 +121,7 @@ def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSett
         name = None if layer_index == NO_LAYER else run.layer_name(layer_index)
         steps = series.steps[g_rows]
         severity = _severity(group, reached[g_rows])
-        fix = fix_for_cause(GROUPS[group], name)
+        fix = fix_for_cause(GROUPS[group], name, dtype)
         if severity == "info":
             fix = (f"GradScaler skipped these steps, which is harmless when rare; if they "
                    f"recur, {fix}")
@@ -124,7 +136,7 @@ def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSett
             key=f"{KIND}:{GROUPS[group]}:{name or '-'}",
             severity=severity,
             message=(f"Step {int(steps[0])}: "
-                     f"{_what(group, name, bool(loc.forward_observed[g_rows[0]]))} "
+                     f"{_what(group, name, bool(loc.forward_observed[g_rows[0]]), divergence)} "
                      f"({steps.size} step{'s' if steps.size > 1 else ''} in the last "
                      f"{len(series)}); {fix}."),
             step=int(steps[0]),
@@ -132,6 +144,8 @@ def detect_nonfinite(series: StepSeries, run: RunContext, settings: AnalysisSett
             layer=name,
             evidence={
                 "cause": GROUPS[group],
+                "dtype": dtype,
+                **(divergence if group == DIVERGED and divergence else {}),
                 "first_nonfinite_layer": (run.layer_name(int(first_forward[0]))
                                           if first_forward.size else None),
                 "grad_nonfinite_layers": _grad_layers(loc, g_rows, run, position),

@@ -17,15 +17,16 @@ from ampwatch.server.analysis.context import (
     BF16,
     FP16,
     MIXED,
-    RunContext,
     autocast_codes,
     compute_dtype,
 )
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.window import Window
 from ampwatch.server.series import FIELD_INDEX, StepSeries
 
-KIND = "pitfall"
+KIND = FindingKind.PITFALL
 
 
 @dataclass(frozen=True)
@@ -133,9 +134,9 @@ LOOP_PITFALLS = (
 )
 
 
-def detect_loop_pitfalls(series: StepSeries, run: RunContext,
-                         settings: AnalysisSettings) -> Detection:
+def detect_loop_pitfalls(window: Window, settings: AnalysisSettings) -> Detection:
     """One finding per pitfall code seen in the window's steps; never resolved by absence."""
+    series = window.series
     drafts = []
     if not len(series):
         return Detection()
@@ -179,10 +180,10 @@ def _setup_draft(code: str, severity: str, message: str, evidence: dict,
                         message=message, step=first, evidence=evidence)
 
 
-def detect_setup_pitfalls(series: StepSeries, run: RunContext,
-                          settings: AnalysisSettings) -> Detection:
+def detect_setup_pitfalls(window: Window, settings: AnalysisSettings) -> Detection:
     """bf16 on a GPU before compute capability 8.0, a GradScaler with bf16 (info), a model
     too small to gain from AMP (info). Judged only once the compute dtype is known."""
+    series, run = window.series, window.run
     dtype = compute_dtype(series, run)
     if dtype is None:
         return Detection()

@@ -14,15 +14,16 @@ from ampwatch.server.analysis.context import (
     MIXED,
     LayerInfo,
     LayerTable,
-    RunContext,
     autocast_codes,
     step_rows,
 )
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.series import DTYPE_CODE, DTYPES, StepSeries
+from ampwatch.server.analysis.window import Window
+from ampwatch.server.series import DTYPE_CODE, DTYPES
 
-KIND = "precision_map"
+KIND = FindingKind.PRECISION_MAP
 FP32 = DTYPE_CODE["float32"]
 MATMUL_TYPE = re.compile(
     r"^(Lazy)?(Linear|Bilinear|Conv\d?[dD]?|ConvTranspose\dd|MultiheadAttention|LSTM|GRU|RNN"
@@ -67,10 +68,10 @@ def _layer_roles(table: LayerTable, n_layers: int) -> tuple:
     return roles, matmul, sensitive, cover_keys
 
 
-def detect_precision_map(series: StepSeries, run: RunContext,
-                         settings: AnalysisSettings) -> Detection:
+def detect_precision_map(window: Window, settings: AnalysisSettings) -> Detection:
     """Judge each layer's sampled compute dtypes in the window; a layer whose latest
     sample is fine again resolves its finding. Vectorised over samples and layers."""
+    series, run = window.series, window.run
     if series.act_dtype is None or not len(series.act_step):
         return Detection()
     dtypes = series.act_dtype

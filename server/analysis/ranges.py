@@ -8,8 +8,12 @@ import numpy as np
 
 from ampwatch.server.analysis.context import FP16, RunContext, is_fp16_run
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.series import MISSING, StepSeries
+from ampwatch.server.analysis.window import Window
+from ampwatch.server.series import MISSING
+
+OVERFLOW, UNDERFLOW = FindingKind.OVERFLOW_RISK, FindingKind.UNDERFLOW_RISK
 
 
 def _layer_keys(run: RunContext, kind: str) -> np.ndarray:
@@ -23,13 +27,13 @@ def _recent(steps: np.ndarray, last_step: int, settings: AnalysisSettings) -> np
     return steps > last_step - settings.risk_window
 
 
-def detect_overflow_risk(series: StepSeries, run: RunContext,
-                         settings: AnalysisSettings) -> Detection:
+def detect_overflow_risk(window: Window, settings: AnalysisSettings) -> Detection:
     """Layers whose fp16 forward output abs-max came within `overflow_factor` of 65504.
 
     Judged on the activation samples; a layer is covered (and resolved) once a sample
     within the last `risk_window` steps shows it back in range.
     """
+    series, run = window.series, window.run
     absmax = series.act_absmax
     if absmax is None or not len(series.act_step) or not len(series):
         return Detection()
@@ -49,7 +53,7 @@ def detect_overflow_risk(series: StepSeries, run: RunContext,
         peak = float(absmax[hits, layer].max())
         name = run.layer_name(int(layer))
         drafts.append(FindingDraft(
-            kind="overflow_risk", key=f"overflow_risk:{name}", severity="warning",
+            kind=OVERFLOW, key=f"{OVERFLOW}:{name}", severity="warning",
             message=(f"Layer {name!r} produced fp16 outputs up to {peak:.4g}, within "
                      f"{settings.overflow_factor:g}x of fp16's maximum {settings.fp16_max:g} "
                      f"(step {int(steps[0])}): normalise or scale down what feeds it, run it "
@@ -61,15 +65,14 @@ def detect_overflow_risk(series: StepSeries, run: RunContext,
             occurrences=steps, active=bool((hits & recent).any()),
         ))
     flagged = {d.key for d in drafts if d.active}
-    keys = _layer_keys(run, "overflow_risk")
+    keys = _layer_keys(run, OVERFLOW)
     covers = tuple(keys[evaluated[evaluated < keys.size]])
     if flagged:
         covers = tuple(k for k in covers if k not in flagged)
     return Detection(drafts=drafts, covers=covers)
 
 
-def detect_underflow_risk(series: StepSeries, run: RunContext,
-                          settings: AnalysisSettings) -> Detection:
+def detect_underflow_risk(window: Window, settings: AnalysisSettings) -> Detection:
     """fp16 runs: layers whose gradients are mostly exactly zero, measured.
 
     The agent counts each layer's exactly-zero grad elements on sampled steps; a layer is
@@ -78,6 +81,7 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
     lookups are left out (rows not looked up have zero grads by design), and so are
     skipped steps. Costs O(samples x layers).
     """
+    series, run = window.series, window.run
     zeros = series.act_grad_zero
     if zeros is None or not len(series.act_step) or not is_fp16_run(series, run):
         return Detection()
@@ -87,9 +91,9 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
     recent = _recent(series.act_step, int(series.steps[-1]), settings)
     skipped_steps = series.steps[series.skipped]
     recent &= ~np.isin(series.act_step, skipped_steps)
-    window = zeros[recent]
-    valid = (window != MISSING) & np.isfinite(window) & ~lookups
-    low = valid & (window >= settings.underflow_zero_share)
+    measured = zeros[recent]
+    valid = (measured != MISSING) & np.isfinite(measured) & ~lookups
+    low = valid & (measured >= settings.underflow_zero_share)
     n_valid = valid.sum(axis=0)
     share = np.divide(low.sum(axis=0), n_valid, out=np.zeros(n_layers), where=n_valid > 0)
     evaluated = n_valid > 0
@@ -103,9 +107,9 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
     for layer in np.flatnonzero(flagged):
         name = run.layer_name(int(layer))
         low_steps = steps[low[:, layer]]
-        typical = float(np.median(window[valid[:, layer], layer]))
+        typical = float(np.median(measured[valid[:, layer], layer]))
         drafts.append(FindingDraft(
-            kind="underflow_risk", key=f"underflow_risk:{name}", severity="warning",
+            kind=UNDERFLOW, key=f"{UNDERFLOW}:{name}", severity="warning",
             message=(f"Layer {name!r}: {typical:.0%} of its gradient elements are exactly zero "
                      f"(median of the measured steps; {share[layer]:.0%} of them at or above "
                      f"{settings.underflow_zero_share:.0%}), the mark of fp16 underflow: "
@@ -117,7 +121,7 @@ def detect_underflow_risk(series: StepSeries, run: RunContext,
                       "steps": recent_steps(low_steps, settings.evidence_steps)},
             occurrences=low_steps,
         ))
-    keys = _layer_keys(run, "underflow_risk")
+    keys = _layer_keys(run, UNDERFLOW)
     unflagged = np.flatnonzero(evaluated & ~flagged)
     covers = tuple(keys[unflagged[unflagged < keys.size]])
     return Detection(drafts=drafts, covers=covers)

@@ -15,15 +15,18 @@ Pure functions of each rank's steps over a common window; the service feeds them
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
 
-from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
-from ampwatch.server.analysis.localize import NO_LAYER, localize
+from ampwatch.server.analysis.kinds import FindingKind
+from ampwatch.server.analysis.localize import NO_LAYER
 from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.window import Window
 from ampwatch.server.series import StepSeries
 
-KIND = "ranks"
+KIND = FindingKind.RANKS
 COVERS = (f"{KIND}:",)
 
 
@@ -38,7 +41,7 @@ def common_steps(parts: dict[int, StepSeries]) -> np.ndarray:
     return np.zeros(0, dtype=np.int64) if steps is None else steps
 
 
-def detect_scaler_disagreement(parts: dict[int, StepSeries], steps: np.ndarray
+def _scaler_disagreement(parts: dict[int, StepSeries], steps: np.ndarray
                                ) -> dict[int, list[FindingDraft]]:
     """Per rank other than the reference (the lowest), the steps where its loss scale or
     skip flag differs from the reference's."""
@@ -86,36 +89,35 @@ def detect_scaler_disagreement(parts: dict[int, StepSeries], steps: np.ndarray
     return drafts
 
 
-def detect_first_nonfinite_rank(parts: dict[int, StepSeries], steps: np.ndarray,
-                                contexts: dict[int, RunContext], settings: AnalysisSettings
-                                ) -> dict[int, list[FindingDraft]]:
+def _first_nonfinite_rank(peers: Mapping[int, Window], steps: np.ndarray,
+                          settings: AnalysisSettings) -> dict[int, list[FindingDraft]]:
     """Per rank, the steps where its forward went inf/NaN while another rank's did not;
     the finding names the first such step and the first layer (forward order) whose
     output was inf/NaN there, when activations were recorded for that step."""
     drafts: dict[int, list[FindingDraft]] = {}
-    if len(parts) < 2 or not steps.size:
+    if len(peers) < 2 or not steps.size:
         return drafts
     bad_by_rank, layer_by_rank, input_by_rank = {}, {}, {}
-    for rank, series in parts.items():
-        rows = _on(series, steps)
-        loc = localize(series, contexts[rank])
+    for rank, peer in peers.items():
+        rows = _on(peer.series, steps)
+        loc = peer.loc
         forward_bad = (loc.input_nonfinite | loc.loss_nonfinite
                        | (loc.forward_layer != NO_LAYER))[rows]
         bad_by_rank[rank] = forward_bad
         layer_by_rank[rank] = loc.forward_layer[rows]
         input_by_rank[rank] = loc.input_nonfinite[rows]
-    stacked = np.array([bad_by_rank[r] for r in sorted(parts)])
+    stacked = np.array([bad_by_rank[r] for r in sorted(peers)])
     some_clean = ~stacked.all(axis=0)
     last = int(steps[-1])
-    for rank in sorted(parts):
+    for rank in sorted(peers):
         alone = np.flatnonzero(bad_by_rank[rank] & some_clean)
         if not alone.size:
             continue
         first = int(alone[0])
         step = int(steps[first])
         layer_index = int(layer_by_rank[rank][first])
-        layer = None if layer_index == NO_LAYER else contexts[rank].layer_name(layer_index)
-        clean = [r for r in sorted(parts) if not bad_by_rank[r][first]]
+        layer = None if layer_index == NO_LAYER else peers[rank].run.layer_name(layer_index)
+        clean = [r for r in sorted(peers) if not bad_by_rank[r][first]]
         # the cause as the nonfinite finding names it: both group into one incident
         cause = ("nonfinite_input" if input_by_rank[rank][first] else
                  "forward_overflow" if layer else "nonfinite_loss")
@@ -151,7 +153,7 @@ def own_time_ms(series: StepSeries, rows: np.ndarray, parallelism: str | None) -
     return own
 
 
-def detect_straggler(parts: dict[int, StepSeries], steps: np.ndarray, parallelism: str | None,
+def _straggler(parts: dict[int, StepSeries], steps: np.ndarray, parallelism: str | None,
                      settings: AnalysisSettings) -> dict[int, list[FindingDraft]]:
     """A rank whose own time is the slowest on most compared steps and whose median
     exceeds the other ranks' median by `straggler_factor` and `straggler_min_ms`."""
@@ -186,16 +188,18 @@ def detect_straggler(parts: dict[int, StepSeries], steps: np.ndarray, parallelis
     return drafts
 
 
-def detect_rank_findings(parts: dict[int, StepSeries], contexts: dict[int, RunContext],
-                         parallelism: str | None, settings: AnalysisSettings
-                         ) -> dict[int, Detection]:
-    """Every cross-rank finding over the steps all of `parts` hold, one Detection per
-    rank (the finding lives on the rank it names)."""
+def detect_rank_findings(window: Window, settings: AnalysisSettings) -> Detection:
+    """Every cross-rank finding over the steps all of `window.peers` hold; each draft
+    names the rank it lives on (the rank it is about), and every rank's findings of this
+    kind are covered."""
+    parts = {rank: peer.series for rank, peer in window.peers.items()}
     steps = common_steps(parts)
-    found: dict[int, list[FindingDraft]] = {rank: [] for rank in parts}
-    for drafts in (detect_scaler_disagreement(parts, steps),
-                   detect_first_nonfinite_rank(parts, steps, contexts, settings),
-                   detect_straggler(parts, steps, parallelism, settings)):
-        for rank, items in drafts.items():
-            found[rank] += items
-    return {rank: Detection(drafts=items, covers=COVERS) for rank, items in found.items()}
+    drafts: list[FindingDraft] = []
+    for found in (_scaler_disagreement(parts, steps),
+                  _first_nonfinite_rank(window.peers, steps, settings),
+                  _straggler(parts, steps, window.parallelism, settings)):
+        for rank, items in found.items():
+            for draft in items:
+                draft.rank = rank
+            drafts += items
+    return Detection(drafts=drafts, covers=COVERS)

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from ampwatch.server.analysis.context import RunContext, scale_column
+from ampwatch.server.analysis.context import RunContext, compute_dtype, scale_column
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
-from ampwatch.server.analysis.localize import Localization, explain, fix_for_cause, localize
+from ampwatch.server.analysis.kinds import FindingKind
+from ampwatch.server.analysis.localize import (
+    Localization,
+    diverged_before,
+    dtype_word,
+    explain,
+    fix_for_cause,
+)
 from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.window import Window
 from ampwatch.server.series import StepSeries
 
-KIND = "scaler_divergence"
+KIND = FindingKind.SCALER_DIVERGENCE
 
 
 def true_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -67,7 +75,20 @@ def _draft(check: str, severity: str, message: str, series: StepSeries, rows: np
 
 
 def _fix(why: dict) -> str:
-    return fix_for_cause(why["cause"], why["layer"])
+    return fix_for_cause(why["cause"], why["layer"], why["dtype"])
+
+
+def _why(series: StepSeries, loc: Localization, run: RunContext, rows: np.ndarray,
+         settings: AnalysisSettings) -> dict:
+    """What made the steps at `rows` go wrong (`explain`), in the run's dtype; divergence
+    when the gradients ran away before the window's first non-finite step."""
+    dtype = compute_dtype(series, run)
+    why = {**explain(loc, rows, run), "dtype": dtype}
+    first = np.flatnonzero(loc.nonfinite)
+    if first.size and not loc.input_nonfinite[first[0]] \
+            and diverged_before(series, int(first[0]), dtype, settings) is not None:
+        why.update(cause="divergence", layer=None)
+    return why
 
 
 def _collapse(series, loc, run, settings) -> FindingDraft | None:
@@ -76,11 +97,11 @@ def _collapse(series, loc, run, settings) -> FindingDraft | None:
     if not low.any():
         return None
     rows = np.flatnonzero(low)
-    why = explain(loc, np.flatnonzero(series.skipped[: rows[-1] + 1]), run)
+    why = _why(series, loc, run, np.flatnonzero(series.skipped[: rows[-1] + 1]), settings)
     lowest = float(np.nanmin(scale[rows]))
     message = (f"The loss scale fell to {settings.scale_critical:g} or below at step "
-               f"{int(series.steps[rows[0]])} (lowest {lowest:g}): fp16 can no longer hold "
-               f"the gradients; {_fix(why)}.")
+               f"{int(series.steps[rows[0]])} (lowest {lowest:g}): "
+               f"{dtype_word(why['dtype'])} can no longer hold the gradients; {_fix(why)}.")
     return _draft("scale_collapse", "critical", message, series, rows, rows, bool(low[-1]),
                   why, {"loss_scale": lowest}, settings)
 
@@ -103,7 +124,7 @@ def _streak(series, loc, run, settings, calibrating) -> FindingDraft | None:
     longest = int(lengths.max())
     ongoing = bool(starts[-1] + lengths[-1] == len(series))
     severity = "critical" if longest >= settings.skip_streak_critical else "warning"
-    why = explain(loc, rows, run)
+    why = _why(series, loc, run, rows, settings)
     first, last = _episode(series, rows)
     message = (f"GradScaler skipped {longest} consecutive steps (steps {first}-{last}), "
                f"so the model is not training; {_fix(why)}.")
@@ -127,7 +148,7 @@ def _skip_ratio(series, loc, run, settings, uncounted) -> FindingDraft | None:
     occurrence_rows = span[skipped[span]]
     most = int(n_skipped[rows].max())
     share = most / window
-    why = explain(loc, occurrence_rows, run)
+    why = _why(series, loc, run, occurrence_rows, settings)
     message = (f"{most} of the last {window} steps ({share:.0%}, more than {threshold:.0%}) "
                f"were skipped outside any long streak, so training is wasting steps; "
                f"{_fix(why)}.")
@@ -152,7 +173,7 @@ def _decline(series, loc, run, settings, uncounted) -> FindingDraft | None:
     span = np.arange(max(rows[0] - settings.decline_window + 1, 0), rows[-1] + 1)
     occurrence_rows = span[halved[span]]
     worst_net = int(net[rows].max())
-    why = explain(loc, occurrence_rows, run)
+    why = _why(series, loc, run, occurrence_rows, settings)
     fix = (_fix(why) if why["cause"] else
            "growing gradients push it down: lower the learning rate or lengthen warmup, "
            "and clip gradients after scaler.unscale_()")
@@ -164,15 +185,15 @@ def _decline(series, loc, run, settings, uncounted) -> FindingDraft | None:
                    "loss_scale": float(before[np.isfinite(before)][-1])}, settings)
 
 
-def detect_scaler_divergence(series: StepSeries, run: RunContext, settings: AnalysisSettings,
-                             loc: Localization | None = None) -> Detection:
+def detect_scaler_divergence(window: Window, settings: AnalysisSettings) -> Detection:
     """The four scaler checks over the window. The slow ones (skip share, decline) stay
     quiet while a collapse or a streak is active and ignore the skips of reported streaks:
     they would repeat its story."""
+    series, run = window.series, window.run
     covers = (f"{KIND}:",)
     if not len(series) or not series.has("loss_scale").any():
         return Detection(covers=covers)
-    loc = loc or localize(series, run)
+    loc = window.loc
     calibrating = calibration_mask(series, run, settings)
     fast = [d for d in (_collapse(series, loc, run, settings),
                         _streak(series, loc, run, settings, calibrating)) if d]

@@ -7,23 +7,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.schemas import Severity, WireNumber
 
 FindingStatus = Literal["open", "resolved"]
-FindingKind = Literal[
-    "scaler_divergence",
-    "nonfinite",
-    "overflow_risk",
-    "underflow_risk",
-    "misaligned_layer",
-    "precision_map",
-    "pitfall",
-    "speed",
-    "fp8_underflow",
-    "fp8_saturation",
-    "fp8_stale_scale",
-    "ranks",
-]
 
 
 class FindingPublic(BaseModel):
@@ -31,7 +18,7 @@ class FindingPublic(BaseModel):
 
     id: int
     run_id: str
-    kind: str
+    kind: FindingKind
     code: str | None
     severity: Severity
     status: FindingStatus

@@ -9,48 +9,19 @@ from collections import OrderedDict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.alignment import detect_misaligned_layers
 from ampwatch.server.analysis.context import LayerTable, RunContext
 from ampwatch.server.analysis.draft import Detection
-from ampwatch.server.analysis.localize import localize
-from ampwatch.server.analysis.nonfinite import detect_nonfinite
-from ampwatch.server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
-from ampwatch.server.analysis.precision import detect_precision_map
-from ampwatch.server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
-from ampwatch.server.analysis.ranks import detect_rank_findings
-from ampwatch.server.analysis.scaler import detect_scaler_divergence
+from ampwatch.server.analysis.registry import Inputs, run_detectors
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.analysis.speed import detect_speed
 from ampwatch.server.analysis.store import apply_detections, refresh_run_health, update_run_health
+from ampwatch.server.analysis.window import Window
+from ampwatch.server.fp8_samples import load_fp8_window
 from ampwatch.server.models import Batch, Run, RunRank
 from ampwatch.server.series import StepSeries, concat
 from ampwatch.server.storage import clip_steps, load_batches, load_layers, load_series
 
-# Judged on a rank's steps.
-STEP_DETECTORS = (
-    detect_overflow_risk,
-    detect_underflow_risk,
-    detect_precision_map,
-    detect_loop_pitfalls,
-    detect_speed,
-)
-# Judged on the run's setup (layer table, environment); findings live on rank 0.
-SETUP_DETECTORS = (detect_misaligned_layers, detect_setup_pitfalls)
+# Setup findings (layer table, environment) live on rank 0.
 SETUP_RANK = 0
-
-
-def run_detectors(series: StepSeries, run: RunContext, settings: AnalysisSettings, *,
-                  steps: bool = True, setup: bool = True) -> list[Detection]:
-    """Every detector's result for one window; pure (no database)."""
-    detections = []
-    if steps:
-        loc = localize(series, run)
-        detections.append(detect_scaler_divergence(series, run, settings, loc))
-        detections.append(detect_nonfinite(series, run, settings, loc))
-        detections += [detect(series, run, settings) for detect in STEP_DETECTORS]
-    if setup:
-        detections += [detect(series, run, settings) for detect in SETUP_DETECTORS]
-    return detections
 
 
 class LayerTableCache:
@@ -118,14 +89,17 @@ def _span(batch: StepSeries) -> tuple[int, int]:
 
 
 def on_ingest(session: Session, run: Run, rank: int, batch: StepSeries,
-              settings: AnalysisSettings, *, rank_last_step: int | None) -> None:
+              settings: AnalysisSettings, *, rank_last_step: int | None,
+              fp8: bool = False) -> None:
     """Analyse `batch`, just stored for `rank` and unpacked with every column, inside the
     ingest transaction (the caller commits). rank_last_step: the rank's last step before
-    this batch (None when it had none).
+    this batch (None when it had none). fp8: the batch stored FP8 samples.
 
-    Reads the rank's last `history_steps` before the batch, runs the detectors on them
-    plus the batch, upserts findings and updates `run.status` / `run.open_findings`.
-    A batch older than the rank's latest step adds history but changes no open finding.
+    Reads the rank's last `history_steps` before the batch, runs the step detectors (and
+    the setup ones on rank 0) on them plus the batch, upserts findings and updates
+    `run.status` / `run.open_findings`. A batch older than the rank's latest step adds
+    history but changes no open finding. FP8 samples are judged over the same span when
+    the batch is the rank's newest.
     """
     if not settings.enabled:
         return
@@ -141,10 +115,26 @@ def on_ingest(session: Session, run: Run, rank: int, batch: StepSeries,
         return
     context = RunContext.build(layer_tables.get(session, run), run.environment, rank,
                                rank_first)
-    detections = run_detectors(series, context, settings, setup=rank == SETUP_RANK)
+    inputs = [Inputs.STEPS, Inputs.SETUP] if rank == SETUP_RANK else [Inputs.STEPS]
+    detections = run_detectors(Window(series, context), settings, inputs)
     since = int(series.steps[0]) if len(series) else None
     change = apply_detections(session, run.id, rank, detections, settings, since=since,
                               current=current)
+    update_run_health(session, run, change)
+    if fp8 and (rank_last_step is None or last_step >= rank_last_step):
+        _judge_fp8(session, run, context, last_step, settings)
+
+
+def _judge_fp8(session: Session, run: Run, context: RunContext, last_step: int,
+               settings: AnalysisSettings) -> None:
+    """The FP8 detectors on the rank's samples of the last `history_steps` through
+    `last_step`."""
+    samples = load_fp8_window(session, run.id, context.rank, run.n_layers,
+                              start=last_step - settings.history_steps, end=last_step)
+    window = Window(StepSeries.empty(run.n_layers), context, fp8=samples)
+    detections = run_detectors(window, settings, [Inputs.FP8])
+    change = apply_detections(session, run.id, context.rank, detections, settings,
+                              since=int(samples.steps[0]) if len(samples) else None)
     update_run_health(session, run, change)
 
 
@@ -162,13 +152,22 @@ def on_ranks_advanced(session: Session, run: Run, through: int,
         return
     start = max(through - settings.rank_window_steps + 1, 0)
     table = layer_tables.get(session, run)
-    parts = {r: load_series(session, run.id, r, start=start, end=through,
-                            n_layers=run.n_layers, with_layers=False) for r in ranks}
-    contexts = {r: RunContext.build(table, run.environment, r) for r in ranks}
-    parallelism = (run.environment or {}).get("parallelism")
-    for rank, detection in detect_rank_findings(parts, contexts, parallelism, settings).items():
-        change = apply_detections(session, run.id, rank, [detection], settings, since=start)
-        update_run_health(session, run, change)
+    peers = {r: Window(load_series(session, run.id, r, start=start, end=through,
+                                   n_layers=run.n_layers, with_layers=False),
+                       RunContext.build(table, run.environment, r)) for r in ranks}
+    lead = peers[ranks[0]]
+    window = Window(lead.series, lead.run, peers=peers)
+    for detection in run_detectors(window, settings, [Inputs.RANKS]):
+        for rank, part in _by_rank(detection, ranks).items():
+            change = apply_detections(session, run.id, rank, [part], settings, since=start)
+            update_run_health(session, run, change)
+
+
+def _by_rank(detection: Detection, ranks: list[int]) -> dict[int, Detection]:
+    """A rank comparison's detection split into one per rank (each draft on the rank it
+    names), each covering the same keys: a rank without a draft has recovered."""
+    return {rank: Detection(drafts=[d for d in detection.drafts if d.rank == rank],
+                            covers=detection.covers) for rank in ranks}
 
 
 def on_register(session: Session, run: Run, settings: AnalysisSettings) -> None:
@@ -179,6 +178,6 @@ def on_register(session: Session, run: Run, settings: AnalysisSettings) -> None:
     series = load_series(session, run.id, SETUP_RANK, last_n=settings.history_steps,
                          n_layers=run.n_layers, with_layers=False, with_acts=False)
     context = RunContext.build(layer_tables.get(session, run), run.environment, SETUP_RANK)
-    detections = run_detectors(series, context, settings, steps=False)
+    detections = run_detectors(Window(series, context), settings, [Inputs.SETUP])
     apply_detections(session, run.id, SETUP_RANK, detections, settings)
     refresh_run_health(session, run)

@@ -10,7 +10,8 @@ FP16_MIN_NORMAL = 6.103515625e-05
 
 
 class AnalysisSettings(BaseModel):
-    """Defaults follow DESIGN.md "Analysis: what gets flagged"."""
+    """Detector thresholds (docs/architecture.md, "Finding kinds and detectors"); what
+    the defaults flag is checked by the fault suite of docs/diagnosis.md."""
 
     enabled: bool = True
 
@@ -41,6 +42,10 @@ class AnalysisSettings(BaseModel):
         0.5, gt=0, le=1, description="a layer's share of exactly-zero grad elements: underflow"
     )
     risk_window: int = Field(200, ge=1, description="recent steps overflow/underflow are judged on")
+    divergence_growth: float = Field(
+        1e4, gt=1, description="grad norm growth over its typical value before the first "
+        "non-finite step that makes the cause divergence"
+    )
 
     # FP8 casts (server/analysis/fp8.py)
     fp8_underflow_share: float = Field(

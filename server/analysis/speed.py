@@ -5,14 +5,14 @@ from __future__ import annotations
 
 import math
 
-from ampwatch.client.wire import decode_tree
-from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.series import StepSeries
+from ampwatch.server.analysis.window import Window
+from ampwatch.wire import SPEED_CHECK_EVENT as EVENT
+from ampwatch.wire import decode_tree
 
-KIND = "speed"
-EVENT = "speed_check"
+KIND = FindingKind.SPEED
 
 
 def _speedup(detail: dict) -> float | None:
@@ -37,9 +37,10 @@ def verdict(speedup: float, settings: AnalysisSettings) -> tuple[str, str]:
     return "use_amp", "AMP pays off for this model: keep it"
 
 
-def detect_speed(series: StepSeries, run: RunContext, settings: AnalysisSettings) -> Detection:
+def detect_speed(window: Window, settings: AnalysisSettings) -> Detection:
     """The latest speed check in the window, as one finding per run and rank (a newer
     check replaces the verdict)."""
+    series = window.series
     checks = [e for e in series.events if e.get("kind") == EVENT]
     for event in reversed(checks):
         detail = decode_tree(event.get("detail") or {})

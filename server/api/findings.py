@@ -6,6 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Path, Query
 
+from ampwatch.server.analysis.kinds import kind_help
 from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.analysis.schemas import (
     FindingKind,
@@ -23,6 +24,8 @@ router = APIRouter(tags=["findings"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
 Code = Annotated[str | None, Query(max_length=64, pattern=NO_NUL, description="pitfall code, e.g. "
                                    "clip_before_unscale")]
+Kind = Annotated[FindingKind | None, Query(description="only findings of this kind:\n"
+                                             + kind_help())]
 Limit = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)]
 Offset = Annotated[int, Query(ge=0, le=10**9)]
 
@@ -32,7 +35,7 @@ Offset = Annotated[int, Query(ge=0, le=10**9)]
 def get_run_findings(
     run_id: RunIdPath,
     session: SessionDep,
-    kind: FindingKind | None = None,
+    kind: Kind = None,
     code: Code = None,
     severity: Severity | None = None,
     status: FindingStatus | None = None,
@@ -65,7 +68,7 @@ def get_run_incidents(
 def get_findings(
     session: SessionDep,
     run_id: Annotated[str | None, Query(pattern=RUN_ID_PATTERN)] = None,
-    kind: FindingKind | None = None,
+    kind: Kind = None,
     code: Code = None,
     severity: Severity | None = None,
     status: FindingStatus | None = None,

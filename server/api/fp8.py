@@ -7,7 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.fp8 import KINDS
+from ampwatch.server.analysis.kinds import Section, kinds_in
 from ampwatch.server.analysis.queries import list_findings
 from ampwatch.server.analysis.schemas import Fp8Public
 from ampwatch.server.api.error_responses import NOT_FOUND, READ
@@ -28,7 +28,7 @@ def fp8_twin(session: Session, run_id: str, *, rank: int, start: int | None,
     get_run(session, run_id)
     report = fp8_report(session, run_id, load_layers(session, run_id), rank, start=start,
                         end=end, buckets=buckets)
-    findings = [f.model_dump(mode="json") for kind in KINDS
+    findings = [f.model_dump(mode="json") for kind in kinds_in(Section.FP8)
                 for f in list_findings(session, run_id=run_id, kind=kind,
                                        limit=MAX_FINDINGS).items]
     return {"rank": rank, **report, "findings": findings}

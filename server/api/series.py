@@ -1,5 +1,9 @@
-"""/api/v1/runs/{run_id}/steps and /layers: a run's data over a step range. The large
-answers (steps, the layer table, the heatmap matrix) hold the read budget while built."""
+"""/api/v1/runs/{run_id}/steps and /layers: a run's data over a step range.
+
+These routes answer with JSON built by server/queries.py (columns encoded once, no
+pydantic pass over thousands of points), so FastAPI does not check it against their
+`response_model`: tests/server/test_declared_models.py does. The large answers (steps,
+the layer table, the heatmap matrix) hold the read budget while built."""
 
 from __future__ import annotations
 

@@ -12,9 +12,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ampwatch.client.wire import decode_float
 from ampwatch.server.queries import with_events
 from ampwatch.server.responses import FloatRows
+from ampwatch.wire import decode_float
 
 
 def decode_values(values: list) -> tuple[np.ndarray, np.ndarray]:

@@ -18,8 +18,8 @@ from ampwatch.server.pages.columns import StepColumns
 
 # One meaning per colour, everywhere (server/pages/static/app.css uses the same values).
 CRITICAL = "#d93025"
-WARNING = "#e37400"
-HEALTHY = "#188038"
+WARNING = "#b45309"
+HEALTHY = "#137333"
 MUTED = "#5f6368"
 GRID = "#eceff1"
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
@@ -31,6 +31,7 @@ PHASE_NAMES = {"t_forward_ms": "forward", "t_backward_ms": "backward",
                "t_optimizer_ms": "optimizer"}
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
 CHART_HEIGHT = 260
+SCALE_FLOOR = -24  # log2: a loss scale below 2^-24 is collapsed, whatever its value
 
 
 def label(text: str) -> str:
@@ -42,8 +43,11 @@ def colour(i: int) -> str:
     return LINE_COLOURS[i % len(LINE_COLOURS)]
 
 
-def base_figure(height: int = CHART_HEIGHT, *, x_title: str = "step") -> go.Figure:
-    """An empty figure in the dashboard's style; `uirevision` keeps zoom across updates."""
+def base_figure(height: int = CHART_HEIGHT, *, x_title: str = "step",
+                hovermode: str = "x unified") -> go.Figure:
+    """An empty figure in the dashboard's style; `uirevision` keeps zoom across updates.
+    Step charts hover every line at the step under the mouse ("x unified"): nobody has
+    to hit a line; heatmaps and bars pass "closest"."""
     axis = {"gridcolor": GRID, "zeroline": False, "linecolor": "#dadce0",
             "ticks": "outside", "tickcolor": "#dadce0", "automargin": True}
     return go.Figure(layout={
@@ -55,9 +59,10 @@ def base_figure(height: int = CHART_HEIGHT, *, x_title: str = "step") -> go.Figu
         "plot_bgcolor": "white",
         "xaxis": {**axis, "title": {"text": x_title, "standoff": 6}},
         "yaxis": dict(axis),
-        "legend": {"orientation": "h", "x": 1, "xanchor": "right", "y": 1.0,
+        # top left: the toolbar Plotly shows on hover sits top right
+        "legend": {"orientation": "h", "x": 0, "xanchor": "left", "y": 1.0,
                    "yanchor": "bottom", "bgcolor": "rgba(255,255,255,0)"},
-        "hovermode": "closest",
+        "hovermode": hovermode,
         "uirevision": "keep",
         "showlegend": False,
     })
@@ -77,18 +82,21 @@ def _legend_if_many(fig: go.Figure, lines: list[StepColumns]) -> None:
         fig.update_layout(showlegend=True)
 
 
-def _nonfinite_markers(fig: go.Figure, line: StepColumns, name: str, top: float) -> None:
-    """Red triangles along the top edge at steps whose value was NaN or infinite."""
+def _nonfinite_markers(fig: go.Figure, line: StepColumns, name: str, top: float, *,
+                       several: bool = False) -> None:
+    """Red triangles along the top edge at steps whose value was NaN or infinite; with
+    `several` lines (runs on /compare), named by their line."""
     bad = line.nonfinite(name)
     if not bad.any():
         return
     values = line.values[name][bad]
     text = np.where(np.isnan(values), "NaN", np.where(values > 0, "+inf", "-inf"))
+    title = f"{label(line.label)}: non-finite" if several else "non-finite"
     fig.add_scatter(
         x=line.steps[bad], y=np.full(int(bad.sum()), top), mode="markers",
         marker={"symbol": "triangle-down", "size": 9, "color": CRITICAL},
-        name="non-finite", legendgroup="non-finite",
-        showlegend=not any(t.legendgroup == "non-finite" for t in fig.data),
+        name=title, legendgroup=title,
+        showlegend=not any(t.legendgroup == title for t in fig.data),
         text=text, hovertemplate="step %{x}: %{text}<extra>" + label(line.label) + "</extra>",
     )
 
@@ -117,8 +125,10 @@ def streaks(steps: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
 
 
 def _spans(fig: go.Figure, spans: list[tuple[int, int]], low: float, high: float, *,
-           name: str, colour: str, legend: str, owner: str) -> None:
-    """Shaded bands over step spans (one filled trace, however many spans)."""
+           name: str, colour: str, legend: str, owner: str, several: bool = False) -> None:
+    """Shaded bands over step spans (one filled trace, however many spans), and at each
+    of their steps an invisible point whose hover names the run and the span: "skipped:
+    steps 73-406 (334)"."""
     if not spans:
         return
     x: list[float | None] = []
@@ -126,63 +136,70 @@ def _spans(fig: go.Figure, spans: list[tuple[int, int]], low: float, high: float
     for first, last in spans:
         x += [first - 0.5, first - 0.5, last + 0.5, last + 0.5, first - 0.5, None]
         y += [low, high, high, low, low, None]
+    title = f"{owner}: {name}" if several else name
     fig.add_scatter(
         x=x, y=y, mode="lines", fill="toself", fillcolor=colour, line={"width": 0},
-        name=name, legendgroup=legend, hoveron="fills",
+        name=title, legendgroup=legend, hoverinfo="skip",
         showlegend=not any(t.legendgroup == legend for t in fig.data),
-        text=f"{owner}: {sum(b - a + 1 for a, b in spans):,} {name} in {len(spans):,} "
-             f"span{'s' if len(spans) != 1 else ''}", hoverinfo="text",
+    )
+    steps = np.concatenate([np.arange(a, b + 1) for a, b in spans])
+    bounds = np.concatenate([np.tile([a, b, b - a + 1], (b - a + 1, 1)) for a, b in spans])
+    fig.add_scatter(
+        x=steps, y=np.full(steps.size, high), customdata=bounds, mode="markers",
+        marker={"opacity": 0, "size": 1}, name=title, legendgroup=legend, showlegend=False,
+        hovertemplate="skipped: steps %{customdata[0]}-%{customdata[1]} "
+                      "(%{customdata[2]:,} in this span)",
     )
 
 
 def loss_scale_figure(lines: list[StepColumns]) -> go.Figure:
     """Loss scale on a log2 axis (ticks at whole powers of two), skipped steps shaded as
-    spans, a scale of 0 drawn along the bottom edge; the x axis spans every step."""
+    spans (hovering one names its run and its first and last step); the x axis spans
+    every step. A scale that collapsed does not stretch the axis to 2^-149: scales under
+    2^SCALE_FLOOR and a scale of 0 are drawn on one row below it, labelled, with the
+    step it fell at."""
     fig = base_figure()
     drawn, lows, highs = [], [], []
     for i, line in enumerate(lines):
         scale = line.values["loss_scale"]
-        ok = line.present["loss_scale"] & np.isfinite(scale) & (scale > 0)
-        zero = line.present["loss_scale"] & (scale == 0)
-        if not ok.any() and not zero.any():
+        sent = line.present["loss_scale"]
+        positive = sent & np.isfinite(scale) & (scale > 0)
+        log_scale = np.log2(np.where(positive, scale, 1.0))
+        ok = positive & (log_scale >= SCALE_FLOOR)
+        fallen = sent & ((positive & ~ok) | (scale == 0))
+        if not ok.any() and not fallen.any():
             continue
         if ok.any():
-            log_scale = np.log2(scale[ok])
-            lows.append(float(log_scale.min()))
-            highs.append(float(log_scale.max()))
+            lows.append(float(log_scale[ok].min()))
+            highs.append(float(log_scale[ok].max()))
             fig.add_scatter(
-                x=line.steps[ok], y=log_scale, customdata=scale[ok], mode="lines",
+                x=line.steps[ok], y=log_scale[ok], customdata=scale[ok], mode="lines",
                 line={"color": colour(i), "width": 1.6, "shape": "hv"}, name=label(line.label),
-                hovertemplate="step %{x}<br>scale %{customdata:.6g}<extra>%{fullData.name}"
-                "</extra>",
+                hovertemplate="scale %{customdata:.6g}",
             )
-        drawn.append((i, line, zero))
+        drawn.append((i, line, fallen))
     if not drawn:
         return note(fig, "no loss scale recorded (no GradScaler in this run)")
-    low = math.floor(min(lows, default=0.0))
+    any_fallen = any(fallen.any() for _, _, fallen in drawn)
+    low = math.floor(min(lows, default=float(SCALE_FLOOR)))
     high = math.ceil(max(highs, default=0.0))
-    if any(zero.any() for _, _, zero in drawn):
-        low -= 2  # room for the scale-0 line below the smallest positive scale
+    if any_fallen:
+        low = min(low, SCALE_FLOOR) - 2  # the fallen row, below the smallest drawn scale
     bottom, top = low - 0.5, high + 0.5
-    for i, line, zero in drawn:
-        if zero.any():
-            fig.add_scatter(
-                x=line.steps[zero], y=np.full(int(zero.sum()), float(low)), mode="markers",
-                marker={"symbol": "line-ew", "size": 8, "color": CRITICAL,
-                        "line": {"width": 2, "color": CRITICAL}},
-                name="scale 0", legendgroup="zero",
-                showlegend=not any(t.legendgroup == "zero" for t in fig.data),
-                hovertemplate="step %{x}: scale 0<extra>" + label(line.label) + "</extra>",
-            )
+    for i, line, fallen in drawn:
+        if fallen.any():
+            _fallen(fig, line, fallen, float(low), several=len(lines) > 1)
         tint = "rgba(217,48,37,0.16)" if len(lines) == 1 else _tint(colour(i))
         _spans(fig, streaks(line.steps, line.skipped), bottom, top, name="skipped steps",
                colour=tint, legend=f"skipped-{i}" if len(lines) > 1 else "skipped",
-               owner=label(line.label))
-    has_zero = any(zero.any() for _, _, zero in drawn)
-    ticks = log2_ticks(low + 2 if has_zero and lows else low, high)
+               owner=label(line.label), several=len(lines) > 1)
+    ticks = log2_ticks(low + 2 if any_fallen and lows else low, high)
+    if any_fallen:  # room for the fallen row's label
+        ticks = [k for k in ticks if k - low >= 4 or k == high] or ticks[-1:]
     text = [f"2<sup>{k}</sup>" for k in ticks]
-    if has_zero:
-        ticks, text = [low, *ticks], ["0", *text]
+    if any_fallen:
+        zeros = any((line.values["loss_scale"][fallen] == 0).any() for _, line, fallen in drawn)
+        ticks, text = [low, *ticks], ["0" if zeros else f"<2<sup>{SCALE_FLOOR}</sup>", *text]
     fig.update_yaxes(tickvals=ticks, ticktext=text, range=[bottom, top],
                      title={"text": "loss scale"})
     if low <= 0 <= high:
@@ -192,6 +209,29 @@ def loss_scale_figure(lines: list[StepColumns]) -> go.Figure:
     share_x(fig, step_span(lines))
     _legend_if_many(fig, lines)
     return fig
+
+
+def _fallen(fig: go.Figure, line: StepColumns, fallen: np.ndarray, row: float, *,
+            several: bool) -> None:
+    """Steps whose scale fell under 2^SCALE_FLOOR (or to 0) on the row below the axis's
+    powers of two, and a note at the first: "fell to 0 at step 357"."""
+    values = line.values["loss_scale"][fallen]
+    owner = f"{label(line.label)}: " if several else ""
+    name = "scale 0" if (values == 0).all() else f"scale below 2^{SCALE_FLOOR}"
+    fig.add_scatter(
+        x=line.steps[fallen], y=np.full(int(fallen.sum()), row), customdata=values,
+        mode="markers", marker={"symbol": "line-ew", "size": 8, "color": CRITICAL,
+                                "line": {"width": 2, "color": CRITICAL}},
+        name=owner + name, legendgroup=f"fallen-{owner}",
+        hovertemplate="scale %{customdata:.3g}",
+    )
+    first = int(line.steps[fallen][0])
+    to = "0" if values[0] == 0 else f"below 2^{SCALE_FLOOR}"
+    # the note reads leftwards from a fall late in the run, so that it stays in the chart
+    late = first > (int(line.steps[0]) + int(line.steps[-1])) / 2
+    fig.add_annotation(x=first, y=row, text=f"{owner}fell to {to} at step {first:,}",
+                       showarrow=False, xanchor="right" if late else "left",
+                       yanchor="bottom", font={"color": CRITICAL, "size": 11})
 
 
 def _tint(hex_colour: str, alpha: float = 0.14) -> str:
@@ -205,6 +245,23 @@ def step_span(lines: list[StepColumns]) -> tuple[int, int] | None:
     if not spans:
         return None
     return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def step_span_of(step_arrays: list[np.ndarray]) -> tuple[int, int] | None:
+    """First and last step over arrays of steps (empty ones ignored)."""
+    spans = [(int(a.min()), int(a.max())) for a in step_arrays if a.size]
+    if not spans:
+        return None
+    return min(a for a, _ in spans), max(b for _, b in spans)
+
+
+def mark_step(fig: go.Figure, step: int | None) -> go.Figure:
+    """A vertical line at `step` (the step a link from a problem opened the page at)."""
+    if step is not None and fig.layout.xaxis.visible is not False:
+        fig.add_vline(x=step, line={"color": CRITICAL, "width": 1.5, "dash": "dash"},
+                      annotation_text=f"step {step:,}", annotation_position="top",
+                      annotation_font_color=CRITICAL, name="mark")
+    return fig
 
 
 def share_x(fig: go.Figure, x_range: tuple[int, int] | None) -> go.Figure:
@@ -258,7 +315,7 @@ def grad_norm_figure(lines: list[StepColumns]) -> go.Figure:
             line={"color": colour(i), "width": 1.4},
             hovertemplate="step %{x}<br>grad norm %{y:.4g}<extra>%{fullData.name}</extra>",
         )
-        _nonfinite_markers(fig, line, "grad_norm", top)
+        _nonfinite_markers(fig, line, "grad_norm", top, several=len(lines) > 1)
     if not any(line.present["grad_norm"].any() for line in lines):
         return note(fig, "no grad norm recorded")
     ticks = log10_ticks(low, top)
@@ -270,8 +327,25 @@ def grad_norm_figure(lines: list[StepColumns]) -> go.Figure:
     return fig
 
 
+LOSS_SMOOTHING = 0.6  # the EMA weight the loss is first drawn with; app.js's slider changes it
+
+
+def smooth(values: np.ndarray, weight: float = LOSS_SMOOTHING) -> np.ndarray:
+    """Debiased exponential moving average (TensorBoard's smoothing) of finite values;
+    app.js computes the same when the page's slider moves."""
+    out = np.empty(values.shape)
+    last, debias = 0.0, 0.0
+    for i, value in enumerate(values.tolist()):
+        last = last * weight + (1 - weight) * value
+        debias = debias * weight + (1 - weight)
+        out[i] = last / debias
+    return out
+
+
 def loss_figure(lines: list[StepColumns]) -> go.Figure:
-    """Training loss; NaN/inf steps as red markers along the top."""
+    """Training loss, each line smoothed (EMA, LOSS_SMOOTHING) over its raw values drawn
+    faint (app.js: a smoothing slider and a log toggle); NaN/inf steps as red markers
+    along the top."""
     fig = base_figure()
     finite = [line.values["loss"][line.finite("loss")] for line in lines]
     finite = [f for f in finite if f.size]
@@ -282,12 +356,19 @@ def loss_figure(lines: list[StepColumns]) -> go.Figure:
     top = high + 0.05 * max(high - low, abs(high), 1e-12)
     for i, line in enumerate(lines):
         ok = line.finite("loss")
+        name = label(line.label)
         fig.add_scatter(
-            x=line.steps[ok], y=line.values["loss"][ok], mode="lines", name=label(line.label),
-            line={"color": colour(i), "width": 1.4},
-            hovertemplate="step %{x}<br>loss %{y:.5g}<extra>%{fullData.name}</extra>",
+            x=line.steps[ok], y=line.values["loss"][ok], mode="lines", name=name,
+            line={"color": colour(i), "width": 1}, opacity=0.3, legendgroup=name,
+            showlegend=False, meta="loss-raw", hoverinfo="skip",
         )
-        _nonfinite_markers(fig, line, "loss", top)
+        fig.add_scatter(
+            x=line.steps[ok], y=smooth(line.values["loss"][ok]), mode="lines", name=name,
+            line={"color": colour(i), "width": 1.6}, legendgroup=name, meta="loss-smooth",
+            customdata=line.values["loss"][ok],
+            hovertemplate="loss %{customdata:.5g} (smoothed %{y:.5g})",
+        )
+        _nonfinite_markers(fig, line, "loss", top, several=len(lines) > 1)
     fig.update_yaxes(title={"text": "loss"})
     _legend_if_many(fig, lines)
     return fig

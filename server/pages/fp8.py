@@ -28,7 +28,7 @@ def fp8_page_twin(session: Session, settings: Settings, run_id: str, *, rank: in
 def share_heatmap(twin: dict, name: str, what: str) -> go.Figure:
     """(layer · tensor) rows x step buckets of the largest share of `name` per bucket;
     blank where a bucket has no sample, zero shares in the scale's lightest colour."""
-    fig = base_figure(heatmap_height(len(twin["rows"])))
+    fig = base_figure(heatmap_height(len(twin["rows"])), hovermode="closest")
     if not twin["samples"] or not twin["rows"]:
         return note(fig, "the FP8 samples were archived with the run's steps"
                     if twin["run"]["archived_at"] else "no FP8 samples recorded yet")

@@ -22,6 +22,12 @@ DTYPE_COLOURS = {"float16": "#1a73e8", "bfloat16": "#12a4af", "float32": "#e8710
                  "float64": "#9334e6", "float8_e4m3fn": "#0b8043", "float8_e5m2": "#0b8043",
                  "int8": "#6b5bd2", "mixed": MUTED}
 UNKNOWN_DTYPE = "#bdc1c6"
+# the largest finite value of each dtype a layer may compute in (server has no torch)
+DTYPE_MAX = {"float16": 65504.0, "bfloat16": 3.3895313892515355e38,
+             "float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+SHORT_DTYPE = {"float16": "fp16", "bfloat16": "bf16", "float32": "fp32",
+               "float8_e4m3fn": "fp8 e4m3", "float8_e5m2": "fp8 e5m2"}
+
 ROW_PX = 20
 
 
@@ -34,6 +40,16 @@ def forward_order(layers: dict) -> list[int]:
     """Layer indices of a `layers_query` answer in forward execution order."""
     return [item["index"] for item in sorted(
         layers["items"], key=lambda x: forward_key(x["index"], x["forward_index"]))]
+
+
+def layer_title(item: dict) -> str:
+    """A layer's name with its type, as `nn.Sequential` names say nothing alone:
+    "6 · Linear(256, 256)" (in, out features from its weight's shape), "norm · LayerNorm"."""
+    kind = item.get("type") or ""
+    weight = (item.get("shapes") or {}).get("weight")
+    if kind == "Linear" and weight and len(weight) == 2:
+        kind = f"Linear({weight[1]}, {weight[0]})"
+    return f"{item['name']} · {kind}" if kind else item["name"]
 
 
 @dataclass(frozen=True)
@@ -87,36 +103,47 @@ def first_offender(matrix: LayerMatrix) -> FirstOffender | None:
 
 
 def layer_heatmap_figure(matrix: LayerMatrix, *, quantity: str,
-                         offender: str | None = None) -> go.Figure:
+                         offender: str | None = None,
+                         titles: dict[str, str] | None = None,
+                         limit: tuple[str, float] | None = None) -> go.Figure:
     """Layers (rows in the matrix's order, forward order, top first) x step buckets of
     `quantity`.
 
     Colour is log10 of the bucket's largest finite value; empty buckets stay blank;
     inf and NaN cells are drawn by red overlays, each layer's first bad bucket gets a
     marker and the `offender` layer (the run's first offender) a labelled star.
+    `titles`: the row label of each layer name (its name with its type). `limit`: a
+    dtype's name and largest value, marked on the colour bar ("fp16 max 65504").
     """
     values, empty = matrix.values, matrix.empty
     n_layers = len(matrix.layers)
-    fig = base_figure(heatmap_height(n_layers))
+    fig = base_figure(heatmap_height(n_layers), hovermode="closest")
     if not values.size or empty.all():
         return note(fig, f"no {quantity} recorded yet")
-    names = [label(layer) for layer in matrix.layers]
+    names = [label((titles or {}).get(layer, layer)) for layer in matrix.layers]
     x = matrix.step_start
     edges = bucket_edges(matrix)
     finite = np.isfinite(values) & ~empty
     if finite.any():
-        _add_log_heatmap(fig, edges, names, values, finite, quantity)
+        _add_log_heatmap(fig, edges, names, values, finite, quantity, limit)
     bad = ~np.isfinite(values) & ~empty
     if bad.any():
         for cells, name, fill in ((np.isposinf(values) | np.isneginf(values), "inf", CRITICAL),
                                   (np.isnan(values) & ~empty, "NaN", NAN_COLOUR)):
             if not cells.any():
                 continue
+            # hoverongaps off: the overlay's empty cells (every finite one) must not take
+            # the hover from the value heatmap below
             fig.add_heatmap(
                 x=edges, y=names, z=np.where(cells, 1.0, np.nan).astype(np.float32), zmin=0,
                 zmax=1, showscale=False, name=name, colorscale=[[0, fill], [1, fill]],
+                hoverongaps=False,
                 hovertemplate=f"%{{y}}<br>step %{{x:.0f}}: {name}<extra></extra>",
             )
+            # a heatmap has no legend entry: a square of its colour stands for it
+            fig.add_scatter(x=[None], y=[None], mode="markers", name=name,
+                            marker={"symbol": "square", "size": 10, "color": fill},
+                            showlegend=True, hoverinfo="skip")
         rows = np.flatnonzero(bad.any(axis=1))
         first_bucket = bad[rows].argmax(axis=1)
         fig.add_scatter(
@@ -135,7 +162,8 @@ def layer_heatmap_figure(matrix: LayerMatrix, *, quantity: str,
 
 
 def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np.ndarray,
-                     finite: np.ndarray, quantity: str) -> None:
+                     finite: np.ndarray, quantity: str,
+                     limit: tuple[str, float] | None = None) -> None:
     # float32 and masked reductions, no boolean gathers: a 1,000 x 1,000 heatmap costs
     # a few ms rather than tens
     values = values.astype(np.float32, copy=False)
@@ -147,13 +175,23 @@ def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np
     low = math.floor(float(np.min(z, where=finite, initial=np.inf)))
     high = max(math.ceil(float(np.max(z, where=finite, initial=-np.inf))), low + 1)
     stride = max(1, math.ceil((high - low) / 6))
-    ticks = list(range(low, high + 1, stride))
+    ticks: list[float] = list(range(low, high + 1, stride))
+    text = [f"1e{k}" for k in ticks]
+    if limit is not None and low <= math.log10(limit[1]) <= high + 1:
+        # the dtype's maximum on the bar: how close the hottest cells came to it
+        high = max(high, math.ceil(math.log10(limit[1])))
+        mark = math.log10(limit[1])
+        keep = [k for k in ticks if abs(k - mark) > 0.3]
+        ticks, text = [*keep, mark], [*(f"1e{k}" for k in keep), f"{limit[0]} max {limit[1]:g}"]
+    # app.js fills customdata with 10**z once drawn (meta "log10"): the hover reads 0.5,
+    # not 10^-0.30, without sending every value twice
     fig.add_heatmap(
         x=x, y=names, z=z, zmin=low, zmax=high, colorscale="Viridis", name=quantity,
         colorbar={"title": {"text": "log10", "side": "right"}, "tickvals": ticks,
-                  "ticktext": [f"1e{k}" for k in ticks], "thickness": 12, "len": 0.9},
+                  "ticktext": text, "thickness": 12, "len": 0.9},
+        hoverongaps=False, meta="log10",
         hovertemplate="%{y}<br>step %{x:.0f}<br>" + quantity
-        + " 10<sup>%{z:.2f}</sup><extra></extra>",
+        + " %{customdata:.4~g}<extra></extra>",
     )
 
 
@@ -172,8 +210,10 @@ def _mark_offender(fig: go.Figure, offender: str | None, matrix: LayerMatrix,
         name="first offender", showlegend=True,
         hovertemplate="first offender: %{y}<br>non-finite from step %{x}<extra></extra>",
     )
-    fig.add_annotation(x=x[bucket], y=names[row], ax=60, ay=-18, xanchor="left",
-                       text=f"first offender: {names[row]}", font={"color": CRITICAL},
+    right = bucket > len(x) / 2  # the label points inwards, clear of the colour bar
+    fig.add_annotation(x=x[bucket], y=names[row], ax=-60 if right else 60, ay=-18,
+                       xanchor="right" if right else "left",
+                       text=f"first offender: {label(offender)}", font={"color": CRITICAL},
                        arrowcolor=CRITICAL, bgcolor="rgba(255,255,255,0.9)")
 
 
@@ -181,7 +221,7 @@ def forward_time_figure(layers: dict, order: list[int]) -> go.Figure:
     """Mean forward time of each layer (forward order), one colour per computed dtype."""
     items = {item["index"]: item for item in layers["items"]}
     timed = [items[i] for i in order if items[i]["summary"]["fwd_time_mean_ms"] is not None]
-    fig = base_figure(300, x_title="layer (forward order)")
+    fig = base_figure(300, x_title="layer (forward order)", hovermode="closest")
     if not timed:
         return note(fig, "no forward timings sampled yet")
     by_dtype: dict[str, list[dict]] = {}

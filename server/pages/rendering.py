@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import plotly
 from fastapi import Request
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
@@ -105,6 +106,7 @@ def make_environment() -> Environment:
     )
     env.filters.update(number=number, power_of_two=power_of_two, percent=percent, ago=ago,
                        iso=iso)
+    env.globals["plotly_version"] = plotly.__version__  # plotly.min.js?v=: cached for a year
     return env
 
 

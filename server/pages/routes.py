@@ -4,7 +4,8 @@ panels that a live page swaps in without reloading)."""
 
 from __future__ import annotations
 
-from functools import partial
+import gzip
+from functools import cache, partial
 from pathlib import Path as FilePath
 from typing import Annotated, Literal
 from urllib.parse import urlencode
@@ -18,8 +19,15 @@ from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.errors import NotFound
 from ampwatch.server.fields import NO_NUL
-from ampwatch.server.pages import auth, fp8, views
-from ampwatch.server.pages.figures import DASHES, colour
+from ampwatch.server.pages import auth, cards, fp8, layer, views
+from ampwatch.server.pages.figures import (
+    CHART_HEIGHT,
+    DASHES,
+    base_figure,
+    colour,
+    mark_step,
+    note,
+)
 from ampwatch.server.pages.rendering import render_fragment, render_page
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import MAX_STEP, Health
@@ -36,14 +44,27 @@ Format = Annotated[Literal["html", "json", "update"],
                    Query(alias="format", description="json: the page's JSON twin")]
 Start = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 End = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
+Mark = Annotated[int | None, Query(ge=0, le=MAX_STEP,
+                                   description="a step to draw a line at on every chart")]
+
+
+@cache
+def _plotly_gzip() -> bytes:
+    """plotly.min.js gzipped, once per process (4.8 MB to 1.4 MB; about 0.3 s)."""
+    return gzip.compress(PLOTLY_JS.read_bytes(), compresslevel=9, mtime=0)
 
 
 @router.get("/static/plotly.min.js")
-def plotly_js() -> FileResponse:
-    """plotly.js from the installed plotly package: pages load nothing from elsewhere."""
-    return FileResponse(PLOTLY_JS, media_type="text/javascript",
-                        headers={"Cache-Control": f"public, max-age=86400, "
-                                 f"stale-while-revalidate=86400; v={plotly.__version__}"})
+def plotly_js(request: Request) -> Response:
+    """plotly.js from the installed plotly package (pages load nothing from elsewhere),
+    gzipped for a browser that takes it. Pages ask for it as ?v=<plotly version>, so it
+    is cached for a year: a new plotly is a new address."""
+    headers = {"Cache-Control": "public, max-age=31536000, immutable",
+               "Vary": "Accept-Encoding"}
+    if "gzip" in request.headers.get("accept-encoding", ""):
+        return Response(_plotly_gzip(), media_type="text/javascript",
+                        headers={**headers, "Content-Encoding": "gzip"})
+    return FileResponse(PLOTLY_JS, media_type="text/javascript", headers=headers)
 
 
 @router.get("/static/{name}")
@@ -56,6 +77,30 @@ def static_file(name: Annotated[str, Path(pattern=r"^[a-z]+\.(css|js)$")]) -> Fi
 
 def _not_found(request: Request, exc: NotFound) -> HTMLResponse:
     return render_page(request, "error.html", status_code=404, message=exc.message)
+
+
+def wants_page(request: Request) -> bool:
+    """A browser asking for a page (not the API, not a page's JSON or update twin)."""
+    return (not request.url.path.startswith(("/api/", "/metrics", "/static/"))
+            and request.query_params.get("format", "html") == "html"
+            and "text/html" in request.headers.get("accept", ""))
+
+
+def invalid_page(request: Request, errors: list | str) -> HTMLResponse:
+    """A page's query a person mistyped (?start=abc, ?page=0): said in words, with a way
+    back, rather than the API's JSON 422."""
+    problems = errors if isinstance(errors, list) else [errors]
+    return render_page(request, "error.html", status_code=400, title="Not a valid address",
+                       message="This address asks for something the page cannot show: "
+                       + "; ".join(_error_words(p) for p in problems) + ".",
+                       back=request.url.path)
+
+
+def _error_words(problem: object) -> str:
+    if isinstance(problem, dict):
+        where = ".".join(str(p) for p in problem.get("loc", [])[1:]) or "the address"
+        return f"{where}: {problem.get('msg', 'not valid')}"
+    return str(problem)
 
 
 def _update(live: bool, figures: dict, panels: dict[str, str]) -> Response:
@@ -79,16 +124,29 @@ def _live_url(request: Request) -> str:
     return f"{request.url.path}?{_query_with(request, 'format', 'update')}"
 
 
+def _past_end(figures: dict, run: dict, start: int | None) -> dict:
+    """Charts of a range that starts after the run's last step say so, rather than that
+    nothing was recorded."""
+    last = run.get("last_step")
+    if start is None or last is None or start <= last:
+        return figures
+    return {name: note(base_figure(fig.layout.height or CHART_HEIGHT),
+                       f"past the run's end: its last step is {last:,}")
+            for name, fig in figures.items()}
+
+
 def _run_tab(request: Request, output: str, template: str, tab: str, figures: dict,
              context: dict, fragments: dict[str, str]) -> Response:
     """A run page (overview or layers) whole, or as the update a live page polls for:
     its figures and its panels (the run's stats plus the tab's own `fragments`)."""
-    panels = {"run-stats": render_fragment("_run_stats.html", **context)}
+    figures = _past_end(figures, context["run"], context.get("start"))
+    panels = {"run-stats": render_fragment("_run_stats.html", **context),
+              "run-status": render_fragment("_run_status.html", **context)}
     panels |= {panel: render_fragment(name, **context) for panel, name in fragments.items()}
     live = context["run"]["live"]
     if output == "update":
         return _update(live, figures, panels)
-    return render_page(request, template, tab=tab, panels=panels,
+    return render_page(request, template, tab=tab, panels=panels, charts=list(figures),
                        figures=figures, live_url=_live_url(request) if live else None,
                        poll_ms=LIVE_POLL_MS, **context)
 
@@ -137,6 +195,7 @@ def run_page(
     rank: RankChoice = None,
     start: Start = None,
     end: End = None,
+    mark: Mark = None,
     output: Format = "html",
 ) -> Response:
     """A run's overview: scaler, grad norm, loss, lr, timings, memory and findings."""
@@ -147,11 +206,11 @@ def run_page(
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
-    figures = views.overview_figures(twin)
-    context = {"twin": twin, "run": twin["run"], "cards": views.incident_panel(twin),
+    figures = views.overview_figures(twin, mark)
+    context = {"twin": twin, "run": twin["run"], "cards": cards.incident_panel(twin),
                "start": start, "end": end}
     return _run_tab(request, output, "run.html", "overview", figures, context,
-                    {"findings": "_findings.html",
+                    {"findings": "_findings.html", "steps-footer": "_steps_footer.html",
                      **({"ranks-panel": "_ranks_panel.html"} if twin["ranks"] else {})})
 
 
@@ -166,6 +225,7 @@ def layers_page(
     end: End = None,
     page: Annotated[int, Query(ge=1, le=1_000_000, description="a page of "
                                f"{views.LAYERS_PER_PAGE} layers in forward order")] = 1,
+    mark: Mark = None,
     output: Format = "html",
 ) -> Response:
     """Per-layer heatmaps, the misaligned-layer table and the precision map, a page of
@@ -177,13 +237,41 @@ def layers_page(
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
-    figures = views.layers_figures(twin)
+    figures = views.layers_figures(twin, mark)
     context = {"twin": twin, "run": twin["run"], "start": start, "end": end,
                "paging": twin["page"], "page_href": partial(_page_href, request),
                "misaligned": views.misaligned_rows(twin),
                "precision": views.precision_rows(twin)}
     return _run_tab(request, output, "layers.html", "layers", figures, context,
                     {"layer-tables": "_layer_tables.html"})
+
+
+@pages.get("/runs/{run_id}/layers/{index}", response_class=HTMLResponse)
+def layer_page(
+    request: Request,
+    run_id: RunIdPath,
+    index: Annotated[int, Path(ge=0, le=1_000_000)],
+    session: SessionDep,
+    settings: SettingsDep,
+    rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
+    start: Start = None,
+    end: End = None,
+    mark: Mark = None,
+    output: Format = "html",
+) -> Response:
+    """One layer: its grad norm, output abs-max against its dtype's maximum, share of
+    zero grad elements, and the findings that name it."""
+    try:
+        twin = layer.layer_twin(session, settings, run_id, index, rank=rank,
+                                steps=views.StepRange(start, end))
+    except NotFound as exc:
+        return _not_found(request, exc)
+    if output == "json":
+        return WireJSONResponse(twin)
+    figures = {name: mark_step(fig, mark) for name, fig in layer.layer_figures(twin).items()}
+    context = {"twin": twin, "run": twin["run"], "start": start, "end": end}
+    return _run_tab(request, output, "layer.html", "layers", figures, context,
+                    {"layer-findings": "_layer_findings.html"})
 
 
 @pages.get("/runs/{run_id}/fp8", response_class=HTMLResponse)
@@ -221,7 +309,8 @@ def compare_page(
                                       description="old form: ids, comma-separated")] = None,
     output: Format = "html",
 ) -> Response:
-    """Loss scale, grad norm, skip rate and step time of several runs overlaid.
+    """Loss, learning rate, loss scale, grad norm, skip rate and step time of several
+    runs overlaid.
     `?run=a&run=b` is the one form; the old `?runs=a,b` redirects to it."""
     if runs is not None:
         ids = [*run, *(r.strip() for r in runs.split(",") if r.strip())]

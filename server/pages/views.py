@@ -13,11 +13,13 @@ from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.kinds import Section, kinds_in
 from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
+from ampwatch.server.pages.heatmaps import DTYPE_MAX, SHORT_DTYPE, layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import ranks_panel
 from ampwatch.server.runs import get_run, list_runs, public_run
@@ -29,7 +31,7 @@ BUCKETS = 1000  # heatmap columns
 RUNS_PER_PAGE = 25
 MAX_COMPARED = 8
 MAX_FINDINGS = 200
-LAYER_FINDING_KINDS = ("misaligned_layer", "precision_map")
+LAYER_FINDING_KINDS = kinds_in(Section.LAYERS)
 LAYERS_PER_PAGE = 200  # rows of the layers page's heatmaps and table
 # non-finite causes that name the offending layer, the forward pass's first
 FORWARD_CAUSES = ("forward_overflow", "absorbed_overflow")
@@ -73,56 +75,56 @@ def findings_of(session: Session, run_id: str, kind: str | None = None) -> dict:
     return {"open": found["open"], "resolved": found["resolved"]}
 
 
+def named_layers(session: Session, run_id: str, findings: dict) -> dict[str, int]:
+    """Index of each layer the findings name (their links open its own view)."""
+    named = {f["layer"] for items in findings.values() for f in items if f["layer"]}
+    return {row.name: row.index for row in layer_rows(session, run_id) if row.name in named}
+
+
 def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: int | None,
                   steps: StepRange) -> dict:
     """/runs/{id}: the run, its downsampled steps (all ranks unless one is picked), its
     findings and its incidents (the findings grouped by root cause)."""
     run = get_run(session, run_id)
     public = page_run(session, run_id, settings)
+    findings = findings_of(session, run_id)
     return {
         "run": public,
         "rank": rank,
         "ranks": ranks_panel(session, run) if len(public["ranks"]) > 1 else [],
         "steps": steps_query(session, run, rank=rank, max_points=MAX_POINTS, **steps.query()),
-        "findings": findings_of(session, run_id),
+        "findings": findings,
         "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
+        "layer_index": named_layers(session, run_id, findings),
     }
 
 
-def incident_panel(twin: dict) -> dict:
-    """The overview's findings panel: one card per incident (root cause), split into
-    problems (open, warning or critical), notes (open, info) and resolved ones. Each
-    card carries its findings (for their messages) and, for misaligned layers, a link
-    to the Layers page's table. Every count shown is the length of a list here."""
-    findings = {f["id"]: f for items in twin["findings"].values() for f in items}
-    run_id = twin["run"]["id"]
-    cards: dict[str, list[dict]] = {"problems": [], "notes": [], "resolved": []}
-    for incident in twin["incidents"]:
-        members = [findings[i] for i in incident["findings"] if i in findings]
-        if not members:
-            continue
-        card = {**incident, "members": members, "message": members[0]["message"],
-                "href": (f"/runs/{quote(run_id)}/layers#misaligned"
-                         if incident["cause"] == "misaligned" else None)}
-        group = ("resolved" if incident["status"] != "open" else
-                 "problems" if incident["problem"] else "notes")
-        cards[group].append(card)
-    return cards
+def has_scaler(run: dict, lines: list[StepColumns]) -> bool:
+    """Whether the run uses a GradScaler: it reported one, a scale or a skipped step."""
+    return bool((run.get("environment") or {}).get("scaler") or run.get("loss_scale")
+                or run.get("skipped")
+                or any(line.present["loss_scale"].any() for line in lines))
 
 
-def overview_figures(twin: dict) -> dict[str, Figure]:
-    """The overview's charts, all over one step range (app.js also shares the zoom)."""
+def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
+    """The overview's charts, all over one step range (app.js also shares the zoom), with
+    a line at step `mark` on each."""
     lines = by_rank(twin["steps"])
     charts = {
-        "loss_scale": figures.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
         "loss": figures.loss_figure(lines),
         "lr": figures.lr_figure(lines),
         "phases": figures.phase_times_figure(lines),
-        "memory": figures.peak_memory_figure(lines),
     }
+    # what a run cannot have is left out (a bf16 run has no loss scale, a CPU run no
+    # device memory); the loss scale leads where there is one: fp16's first signal
+    if has_scaler(twin["run"], lines):
+        charts = {"loss_scale": figures.loss_scale_figure(lines), **charts}
+    if any(line.finite("peak_mem_bytes").any() for line in lines):
+        charts["memory"] = figures.peak_memory_figure(lines)
     span = figures.step_span(lines)
-    return {name: figures.share_x(fig, span) for name, fig in charts.items()}
+    return {name: figures.mark_step(figures.share_x(fig, span), mark)
+            for name, fig in charts.items()}
 
 
 def layer_page(layers: list[Row], page: int, named: set[str]) -> dict:
@@ -131,14 +133,15 @@ def layer_page(layers: list[Row], page: int, named: set[str]) -> dict:
     ordered = sorted(layers, key=lambda layer: heatmaps.forward_key(layer.index,
                                                                      layer.forward_index))
     pages = max(1, math.ceil(len(ordered) / LAYERS_PER_PAGE))
-    page = min(page, pages)
-    first = (page - 1) * LAYERS_PER_PAGE
+    first = (min(page, pages) - 1) * LAYERS_PER_PAGE
     return {
-        "page": page, "pages": pages, "per_page": LAYERS_PER_PAGE, "total": len(ordered),
+        "page": min(page, pages), "asked": page, "pages": pages, "per_page": LAYERS_PER_PAGE,
+        "total": len(ordered),
         "first": first, "indices": [layer.index for layer in
                                     ordered[first:first + LAYERS_PER_PAGE]],
         "page_of": {layer.name: position // LAYERS_PER_PAGE + 1
                     for position, layer in enumerate(ordered) if layer.name in named},
+        "index_of": {layer.name: layer.index for layer in ordered if layer.name in named},
     }
 
 
@@ -187,18 +190,46 @@ def offender_layer(twin: dict, grads: LayerMatrix, acts: LayerMatrix) -> str | N
     return None
 
 
-def layers_figures(twin: dict) -> dict[str, Figure]:
+def layers_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     grads = LayerMatrix.from_twin(twin["grad_norm"])
     acts = LayerMatrix.from_twin(twin["act_absmax"])
     offender = offender_layer(twin, grads, acts)
     span = heatmaps.matrix_span([grads, acts])
+    titles = {item["name"]: layer_title(item) for item in twin["layers"]["items"]}
+    maps = {}
+    for name, matrix, quantity in (("grad_heatmap", grads, "grad norm"),
+                                   ("act_heatmap", acts, "abs-max")):
+        fig = heatmaps.layer_heatmap_figure(
+            matrix, quantity=quantity, offender=offender, titles=titles,
+            limit=dtype_limit(twin) if name == "act_heatmap" else None)
+        maps[name] = figures.mark_step(figures.share_x(fig, span), mark)
+        layer_links(maps[name], twin, matrix, titles)
     return {
-        "grad_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
-            grads, quantity="grad norm", offender=offender), span),
-        "act_heatmap": figures.share_x(heatmaps.layer_heatmap_figure(
-            acts, quantity="abs-max", offender=offender), span),
+        **maps,
         "fwd_time": heatmaps.forward_time_figure(twin["layers"], twin["page"]["indices"]),
     }
+
+
+def dtype_limit(twin: dict) -> tuple[str, float] | None:
+    """The short name and largest value of the dtype the page's layers computed in, when
+    one 16-bit or 8-bit dtype (the only ones whose maximum a layer's output can reach)."""
+    dtypes = {item["summary"]["act_dtype"] for item in twin["layers"]["items"]} - {None}
+    dtypes &= DTYPE_MAX.keys() - {"bfloat16"}
+    if len(dtypes) != 1:
+        return None
+    dtype = dtypes.pop()
+    return SHORT_DTYPE[dtype], DTYPE_MAX[dtype]
+
+
+def layer_links(fig: Figure, twin: dict, matrix: LayerMatrix, titles: dict[str, str]) -> None:
+    """The layer view each heatmap row opens (app.js follows a click on a row): row
+    labels and their links in the figure's `meta`."""
+    index = {item["name"]: item["index"] for item in twin["layers"]["items"]}
+    path = f"/runs/{quote(twin['run']['id'])}/layers"
+    rows = [name for name in matrix.layers if name in index]
+    fig.update_layout(meta={
+        "layer_rows": [figures.label(titles.get(name, name)) for name in rows],
+        "layer_links": [f"{path}/{index[name]}?rank={twin['rank']}" for name in rows]})
 
 
 @dataclass(frozen=True)
@@ -213,6 +244,7 @@ class MisalignedRow:
     severity: str
     message: str
     page: int  # the layers page whose precision map holds the layer
+    index: int | None  # the layer's index: its own view
 
 
 def misaligned_rows(twin: dict) -> list[MisalignedRow]:
@@ -230,6 +262,7 @@ def misaligned_rows(twin: dict) -> list[MisalignedRow]:
             flops_share=evidence.get("flops_share"), severity=finding["severity"],
             message=finding["message"],
             page=page_of.get(finding["layer"], twin["page"]["page"]),
+            index=twin["page"]["index_of"].get(finding["layer"]),
         ))
     return sorted(rows, key=lambda r: (-(r.flops_share or 0), r.layer, r.dimension))
 
@@ -320,7 +353,8 @@ def compare_lines(twin: dict) -> list[StepColumns]:
             for run in twin["runs"]]
 
 
-COMPARED_VALUES = {"loss_scale": ("loss_scale",), "grad_norm": ("grad_norm",),
+COMPARED_VALUES = {"loss": ("loss",), "lr": ("lr",),
+                   "loss_scale": ("loss_scale",), "grad_norm": ("grad_norm",),
                    "skip_rate": ("skipped",), "step_time": ("t_step_ms", "t_forward_ms",
                                                             "t_backward_ms", "t_optimizer_ms")}
 
@@ -359,8 +393,12 @@ def _same_line(a: StepColumns, b: StepColumns, names: tuple[str, ...]) -> bool:
 
 def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:
     """The compare charts over one shared step range, each run in its own dash style."""
-    totals = [twin["steps"][run["id"]]["total"] for run in twin["runs"]]
+    # a run without a GradScaler skips no step by design: no flat line at 0% for it
+    totals = [twin["steps"][run["id"]]["total"] if has_scaler(run, [line]) else 0
+              for run, line in zip(twin["runs"], lines, strict=True)]
     charts = {
+        "loss": figures.loss_figure(lines),
+        "lr": figures.lr_figure(lines),
         "loss_scale": figures.loss_scale_figure(lines),
         "grad_norm": figures.grad_norm_figure(lines),
         "skip_rate": figures.skip_rate_figure(lines, totals),

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampwatch.client.wire import decode_tree
+from ampwatch.wire import decode_tree
 
 
 def mlp(seed: int = 0, width: int = 32) -> nn.Module:

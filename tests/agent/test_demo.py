@@ -148,7 +148,7 @@ def test_a_demo_killed_outright_leaves_no_server_behind(tmp_path: Path) -> None:
     script = (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from ampwatch.agent.demo import ServerProcess\n"
+        "from ampwatch.demo.command import ServerProcess\n"
         f"server = ServerProcess({free_port()}, 'sqlite:///{tmp_path}/demo.db', "
         f"Path('{tmp_path}/server.log'))\n"
         "server.start()\n"

@@ -4,7 +4,6 @@ torchao's own scale and cast functions and count what the cast lost."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 import uuid
@@ -15,20 +14,21 @@ import pytest
 import torch
 from torch import nn
 
-from ampwatch import agent
 from ampwatch.agent.fp8 import CastSpec, cast_stats
 from tests.agent.factories import spooled, spooled_steps
 from tests.conftest import LiveServer
 
 float8 = pytest.importorskip("torchao.float8", reason="torchao (ampwatch[fp8]) is not installed")
-from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8  # noqa: E402
-from torchao.float8.float8_utils import tensor_to_scale  # noqa: E402
-
-SAMPLE_EVERY = 10
-FAULT_STEP = 20  # a scheduled sample: the agent measures FP8 casts on sampled steps
-STEPS = 36
-ROWS = 32
-THRESHOLD = 0.01  # the server's default fp8_underflow_share / fp8_saturation_share
+from tests.agent.fp8_scenario import (  # noqa: E402
+    FAULT_STEP,
+    ROWS,
+    THRESHOLD,
+    Net,
+    fp8_report,
+    observed_shares,
+    severe_findings,
+    train,
+)
 
 
 @pytest.fixture(scope="module")
@@ -38,117 +38,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     live.start()
     yield live
     live.stop()
-
-
-class Net(nn.Module):
-    def __init__(self, recipe: str) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.fc1 = nn.Linear(64, 128)
-        self.norm = nn.LayerNorm(128)
-        self.fc2 = nn.Linear(128, 128)
-        self.fc3 = nn.Linear(128, 16)
-        config = float8.Float8LinearConfig.from_recipe_name(recipe)
-        float8.convert_to_float8_training(
-            self, config=dataclasses.replace(config, emulate=True))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc3(torch.relu(self.fc2(torch.relu(self.norm(self.fc1(x))))))
-
-
-class Truth:
-    """Per step, layer and tensor: the abs-max and the elements the real cast lost, from
-    the test's own hooks (torchao's scale function and cast, as its Float8Linear calls
-    them)."""
-
-    def __init__(self, model: Net) -> None:
-        self.step = 0
-        self.seen: dict[tuple[int, str, str], dict] = {}
-        for name in ("fc1", "fc2", "fc3"):
-            module = getattr(model, name)
-            module.register_forward_pre_hook(self._pre(name))
-            module.register_forward_hook(self._post(name))
-
-    def cast(self, name: str, role: str, tensor: torch.Tensor, module: nn.Module,
-             dim: int) -> None:
-        config = module.config
-        cast = {"input": config.cast_config_input, "weight": config.cast_config_weight,
-                "grad": config.cast_config_grad_output}[role]
-        axiswise = cast.scaling_granularity is float8.ScalingGranularity.AXISWISE
-        axis = dim if axiswise else None
-        tensor = tensor.detach()
-        scale = tensor_to_scale(tensor, cast.target_dtype, False, None,
-                                cast.scaling_granularity, axis,
-                                config.round_scales_to_power_of_2)
-        bits = hp_tensor_and_scale_to_float8(tensor, scale, cast.target_dtype, None,
-                                             axiswise_dim=axis)._data
-        self.seen[(self.step, name, role)] = {
-            "amax": float(tensor.abs().max()),
-            "underflow": int(((bits.float() == 0) & (tensor != 0)).sum()) / tensor.numel(),
-        }
-
-    def _pre(self, name: str):
-        def hook(module, args):
-            if module.training:
-                self.cast(name, "input", args[0], module, -1)
-                self.cast(name, "weight", module.weight.t(), module, 0)
-        return hook
-
-    def _post(self, name: str):
-        def hook(module, args, output):
-            if module.training:
-                step = self.step
-                output.register_hook(lambda grad: self._grad(name, module, grad, step))
-        return hook
-
-    def _grad(self, name, module, grad, step) -> None:
-        current, self.step = self.step, step
-        self.cast(name, "grad", grad.reshape(-1, grad.shape[-1]), module, -1)
-        self.step = current
-
-
-def train(server: LiveServer, recipe: str, *, outlier_from: int | None) -> tuple[str, Truth]:
-    model = Net(recipe)
-    truth = Truth(model)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    gen = torch.Generator().manual_seed(1)
-    run = f"fp8-{recipe}-{uuid.uuid4().hex[:8]}"
-    with agent.attach(model, run=run, server=server.url, sample_every=SAMPLE_EVERY) as watch:
-        for step in range(STEPS):
-            truth.step = step
-            x, y = torch.randn(ROWS, 64, generator=gen), torch.randn(ROWS, 16, generator=gen)
-            if outlier_from is not None and step >= outlier_from:
-                x[0, 0] = 1e6  # one element sets the tensorwise scale of fc1's input
-            loss = nn.functional.mse_loss(model(x), y)
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-        assert watch.flush(timeout=30)
-    return run, truth
-
-
-def fp8_report(server: LiveServer, run: str) -> dict:
-    answer = httpx.get(f"{server.url}/api/v1/runs/{run}/fp8", params={"buckets": 10_000},
-                       timeout=30)
-    answer.raise_for_status()
-    return answer.json()
-
-
-def severe_findings(server: LiveServer, run: str) -> set[tuple[str, str | None, int | None]]:
-    items = httpx.get(f"{server.url}/api/v1/runs/{run}/findings", timeout=30).json()["items"]
-    return {(f["kind"], f["layer"], f["step"], f["evidence"].get("tensor")) for f in items
-            if f["severity"] in ("warning", "critical")}
-
-
-def observed_shares(report: dict, name: str) -> dict[tuple[int, str, str], float]:
-    out = {}
-    for row, label in enumerate(report["rows"]):
-        layer, role = label.split(" · ")
-        for col, step in enumerate(report["steps"]):
-            value = report[name][row][col]
-            if value is not None:
-                out[(step, layer, role)] = value
-    return out
 
 
 def test_an_outlier_under_tensorwise_scaling_is_fp8_underflow_of_that_input(server):
@@ -372,6 +261,7 @@ def _transformer_engine():
                                reason="transformer_engine is not installed (it needs CUDA)")
 
 
+@pytest.mark.cuda
 def test_transformer_engine_delayed_scaling_end_to_end(attach, offline):
     """On a GPU with TE: te.Linear layers under fp8_autocast with delayed scaling enter
     the layer table as FP8 once they cast; the recorded scale of each tensor is the one

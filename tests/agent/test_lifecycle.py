@@ -28,6 +28,7 @@ def test_detach_removes_everything_and_is_idempotent(attach) -> None:
     model = mlp()
     scaler = torch.amp.GradScaler("cpu")
     clip, backward = nn.utils.clip_grad_norm_, torch.Tensor.backward
+    zero_grads = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
     attachment = attach(model, scaler, sample_every=1)
     assert _hook_count(model) > 2 and "step" in vars(scaler)
     assert nn.utils.clip_grad_norm_ is not clip
@@ -35,8 +36,9 @@ def test_detach_removes_everything_and_is_idempotent(attach) -> None:
     assert _hook_count(model) == 0
     assert not {"scale", "unscale_", "step", "update"} & set(vars(scaler))
     assert nn.utils.clip_grad_norm_ is clip and torch.Tensor.backward is backward
+    assert (torch.optim.Optimizer.zero_grad, nn.Module.zero_grad) == zero_grads
     assert not any(p._listeners for p in (patches.BACKWARD, patches.CLIP_GRAD_NORM,
-                                          patches.SCHEDULER_STEP))
+                                          patches.SCHEDULER_STEP, patches.ZERO_GRAD))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     fp16_loop(model, optimizer, scaler, batches(1))  # still trains
 

@@ -13,7 +13,7 @@ import torch
 
 from ampwatch import agent
 from ampwatch.agent.transport.spool import Spool, run_dir
-from ampwatch.client.wire import RUN_ID_RULE, check_run_id
+from ampwatch.wire import RUN_ID_RULE, check_run_id
 from tests.agent.factories import batches, bf16_loop, mlp
 
 HOSTILE_RUN_IDS = ["../../escaped", "..", ".", "a/b", "my run/1", "/etc/passwd", "a\x00b",
@@ -67,7 +67,7 @@ def test_labels_the_server_would_refuse_are_refused(tmp_path, labels, message) -
 
 
 def test_the_agent_and_the_server_accept_the_same_run_ids(api) -> None:
-    """One pattern (client/wire.py) decides for both: PUT every candidate to the real app."""
+    """One pattern (wire/runs.py) decides for both: PUT every candidate to the real app."""
     candidates = [c for c in HOSTILE_RUN_IDS if c and "/" not in c and c not in (".", "..")]
     candidates += ["a", "exp1", "A.b_c-9", "9" * 128, "run..1", "x-"]
     for run_id in candidates:

@@ -86,3 +86,16 @@ def test_dropped_counts_reach_the_batches(tmp_path: Path, monkeypatch) -> None:
     assert entry["batch"]["steps"][0]["step"] == 3
     # the batch counts the drops that made room for it too: the last one carries them all
     assert entry["batch"]["dropped_batches"] == 3 and entry["batch"]["dropped_steps"] == 3
+
+
+def test_the_bound_decides_and_never_imports_the_spool():
+    """bound.py picks what to drop; spool.py (which imports it) drops it: no cycle."""
+    import ast
+
+    import ampwatch.agent.transport.bound as bound
+
+    tree = ast.parse(Path(bound.__file__).read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    imported |= {alias.name for node in ast.walk(tree) if isinstance(node, ast.Import)
+                 for alias in node.names}
+    assert not any(name and name.endswith("transport.spool") for name in imported)

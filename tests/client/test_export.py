@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from ampwatch.client import Client
-from ampwatch.client.wire import decode_float, decode_tree
+from ampwatch.wire import decode_float, decode_tree
 from tests.client.conftest import N_LAYERS
 from tests.utils import make_steps, post_batch, register_run
 

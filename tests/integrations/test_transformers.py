@@ -72,6 +72,7 @@ def test_bf16_trainer_steps_norms_loss_and_dtype(tmp_path: Path, offline: Path,
                                                               "transformer.wpe"]
 
 
+@pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(),
                     reason="HF fp16=True needs a GPU: on the CPU the Trainer trains in plain "
                            "fp32, without autocast or a GradScaler")

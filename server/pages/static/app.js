@@ -16,11 +16,85 @@
         return;
       }
       var fig = figures[name];
-      if (update) {
-        Plotly.react(el, fig.data, fig.layout, PLOT_CONFIG);
-      } else {
-        Plotly.newPlot(el, fig.data, fig.layout, PLOT_CONFIG);
+      var drawn = update ? Plotly.react(el, fig.data, fig.layout, PLOT_CONFIG)
+        : Plotly.newPlot(el, fig.data, fig.layout, PLOT_CONFIG);
+      drawn.then(function () {
+        hoverValues(el);
+        if (update) {
+          applyTools(el);  // a live update redraws the server's smoothing: keep the user's
+        }
+      });
+    });
+  }
+
+  // Heatmaps coloured by log10 (meta "log10") hover with the value itself: customdata
+  // is filled here with 10**z, from the z Plotly decoded.
+  function hoverValues(el) {
+    var update = [];
+    var indices = [];
+    (el._fullData || []).forEach(function (trace, i) {
+      if (trace.type !== "heatmap" || trace.meta !== "log10" || !trace.z) {
+        return;
       }
+      update.push(Array.prototype.map.call(trace.z, function (row) {
+        return Array.prototype.map.call(row, function (z) {
+          return z === null || isNaN(z) ? null : Math.pow(10, z);
+        });
+      }));
+      indices.push(i);
+    });
+    if (indices.length) {
+      Plotly.restyle(el, { customdata: update }, indices);
+    }
+  }
+
+  // The loss chart's tools: a smoothing slider (the debiased EMA of figures.smooth) over
+  // each "loss-raw" trace into the "loss-smooth" trace after it, and a log-axis toggle.
+  function ema(values, weight) {
+    var last = 0;
+    var debias = 0;
+    return Array.prototype.map.call(values, function (value) {
+      last = last * weight + (1 - weight) * value;
+      debias = debias * weight + (1 - weight);
+      return last / debias;
+    });
+  }
+
+  function applyTools(el) {
+    var tools = document.querySelector(".chart-tools[data-for='" + el.id + "']");
+    if (!tools || !el._fullData) {
+      return;
+    }
+    var weight = Number(tools.querySelector(".smoothing").value);
+    var ys = [];
+    var indices = [];
+    el._fullData.forEach(function (trace, i) {
+      var raw = el._fullData[i - 1];
+      if (trace.meta === "loss-smooth" && raw && raw.meta === "loss-raw") {
+        ys.push(ema(raw.y, weight));
+        indices.push(trace.index);
+      }
+    });
+    if (indices.length) {
+      Plotly.restyle(el, { y: ys }, indices);
+    }
+    var log = tools.querySelector(".log-axis").checked ? "log" : "linear";
+    if (el.layout.yaxis.type !== log) {
+      Plotly.relayout(el, { "yaxis.type": log, "yaxis.autorange": true });
+    }
+  }
+
+  function chartTools() {
+    document.querySelectorAll(".chart-tools").forEach(function (tools) {
+      var el = document.getElementById(tools.dataset.for);
+      if (!el) {
+        return;
+      }
+      tools.querySelectorAll("input").forEach(function (input) {
+        input.addEventListener("input", function () {
+          applyTools(el);
+        });
+      });
     });
   }
 
@@ -70,12 +144,41 @@
     });
   }
 
+  // A heatmap row opens its layer's own view: the figure's meta lists each row's label
+  // and link (server/pages/views.py layer_links).
+  function followRows() {
+    document.querySelectorAll(".plot").forEach(function (el) {
+      var meta = el.layout && el.layout.meta;
+      if (!meta || !meta.layer_links || el.dataset.rowsFollowed) {
+        return;
+      }
+      el.dataset.rowsFollowed = "1";
+      el.on("plotly_click", function (event) {
+        var point = event.points && event.points[0];
+        var row = point ? meta.layer_rows.indexOf(point.y) : -1;
+        if (row >= 0) {
+          window.location.href = meta.layer_links[row];
+        }
+      });
+    });
+  }
+
   function swapPanels(panels) {
     Object.keys(panels).forEach(function (id) {
       var el = document.getElementById(id);
       if (el) {
+        // boxes ticked (runs picked to compare) stay ticked across the swap
+        var ticked = Array.prototype.map.call(
+          el.querySelectorAll("input[type=checkbox]:checked"), function (box) {
+            return box.name + "=" + box.value;
+          });
         // server-rendered by autoescaping templates
         el.innerHTML = panels[id];
+        el.querySelectorAll("input[type=checkbox]").forEach(function (box) {
+          if (ticked.indexOf(box.name + "=" + box.value) >= 0) {
+            box.checked = true;
+          }
+        });
       }
     });
   }
@@ -119,6 +222,8 @@
     if (embedded) {
       draw(JSON.parse(embedded.textContent), false);
       shareZoom();
+      followRows();
+      chartTools();
     }
     var live = document.querySelector("[data-live-url]");
     if (live) {

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from ampwatch.client.wire import encode_tree
+from ampwatch.wire import encode_tree
 from tests.server.alerts.receiver import wait_until
 from tests.server.analysis.factories import scaler_steps
 from tests.utils import make_layers, make_steps, register_run

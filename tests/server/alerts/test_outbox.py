@@ -13,13 +13,13 @@ import httpx
 import pytest
 from sqlalchemy import select
 
-from ampwatch.client.wire import encode_tree
 from ampwatch.server.alerts.dispatcher import Dispatcher
 from ampwatch.server.alerts.outbox import AlertOutbox
 from ampwatch.server.alerts.settings import AlertSettings
 from ampwatch.server.db import make_engine, session_info, upgrade
 from ampwatch.server.faults import DatabaseHealth
 from ampwatch.server.models import AlertAttempt
+from ampwatch.wire import encode_tree
 from tests.conftest import LiveServer
 from tests.server.alerts.conftest import FAST_RETRIES, alert_config
 from tests.server.alerts.receiver import Receiver, wait_until

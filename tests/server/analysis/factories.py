@@ -10,6 +10,8 @@ from typing import Any
 
 from ampwatch.server.analysis import AnalysisSettings, RunContext
 from ampwatch.server.analysis.context import LayerInfo
+from ampwatch.server.analysis.window import Window
+from ampwatch.server.fp8_samples import Fp8Window
 from ampwatch.server.schemas import StepIn
 from ampwatch.server.series import StepSeries, concat
 from ampwatch.server.storage import new_batch_row, unpack_row
@@ -95,3 +97,8 @@ def series(steps: list[dict[str, Any]], n_layers: int = 4, events: list[dict] = 
 
 def drafts_by_key(detection) -> dict[str, Any]:
     return {d.key: d for d in detection.drafts}
+
+
+def fp8_window(samples: Fp8Window, run: RunContext) -> Window:
+    """A detector's window holding only FP8 samples."""
+    return Window(StepSeries.empty(samples.values.shape[-1]), run, fp8=samples)

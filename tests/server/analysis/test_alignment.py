@@ -6,6 +6,7 @@ import pytest
 
 from ampwatch.server.analysis.alignment import detect_misaligned_layers
 from ampwatch.server.analysis.context import LayerInfo
+from ampwatch.server.analysis.window import Window
 from ampwatch.server.series import StepSeries
 from tests.server.analysis.factories import (
     SETTINGS,
@@ -31,7 +32,7 @@ def model():
 
 def detect(layers, dtype="float16", data=EMPTY, **env):
     run = context(layers, {"autocast_dtype": dtype, **env})
-    return drafts_by_key(detect_misaligned_layers(data, run, SETTINGS))
+    return drafts_by_key(detect_misaligned_layers(Window(data, run), SETTINGS))
 
 
 def test_flags_exactly_the_misaligned_dimensions_with_padded_values():
@@ -101,7 +102,7 @@ def test_alignment_follows_the_compute_dtype(dtype, env, multiple):
 def test_plain_fp32_and_unknown_dtype_raise_nothing():
     assert detect(model(), "float32") == {}
     run = context(model(), {"autocast_dtype": None})
-    result = detect_misaligned_layers(EMPTY, run, SETTINGS)
+    result = detect_misaligned_layers(Window(EMPTY, run), SETTINGS)
     assert result.drafts == [] and not result.covered("misaligned_layer:head:out_features")
 
 
@@ -120,6 +121,6 @@ def test_dtype_from_steps_and_time_share():
     steps = [step(s, n_layers=3, autocast_dtype="bfloat16") for s in range(10)]
     steps[5]["activations"] = activations([1.0, 1.0, 1.0], "bfloat16", [1.0, 1.0, 2.0])
     run = context(model(), {"autocast_dtype": None})
-    drafts = drafts_by_key(detect_misaligned_layers(series(steps, 3), run, SETTINGS))
+    drafts = drafts_by_key(detect_misaligned_layers(Window(series(steps, 3), run), SETTINGS))
     assert drafts["misaligned_layer:head:out_features"].evidence["time_share"] == 0.5
     assert drafts["misaligned_layer:head:out_features"].evidence["dtype"] == "bfloat16"

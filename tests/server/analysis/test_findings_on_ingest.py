@@ -3,7 +3,7 @@ condition, resolution on recovery, run health, registration-time checks, the API
 
 from __future__ import annotations
 
-from ampwatch.client.wire import encode_tree
+from ampwatch.wire import encode_tree
 from tests.server.analysis.factories import INF, NAN, activations, scaler_steps
 from tests.utils import register_run
 

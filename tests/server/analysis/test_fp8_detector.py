@@ -7,7 +7,7 @@ import numpy as np
 
 from ampwatch.server.analysis.fp8 import detect_fp8
 from ampwatch.server.fp8_samples import ROLES, STATS, Fp8Window
-from tests.server.analysis.factories import SETTINGS, context, linear
+from tests.server.analysis.factories import SETTINGS, context, fp8_window, linear
 
 E4M3_MAX = 448.0
 DELAYED = {"fp8_recipe": "delayed (amax history 16)", "fp8_input_format": "e4m3",
@@ -35,12 +35,12 @@ def set_stat(w: Fp8Window, rows, layer: int, role: str, name: str, values) -> No
 
 def drafts(w: Fp8Window):
     return {(d.kind, d.layer, d.step, d.severity, d.evidence["tensor"], d.active)
-            for d in detect_fp8(w, run(w.values.shape[-1]), SETTINGS).drafts}
+            for d in detect_fp8(fp8_window(w, run(w.values.shape[-1])), SETTINGS).drafts}
 
 
 def test_healthy_delayed_scaling_raises_nothing_and_covers_every_tensor():
     w = window(list(range(0, 100, 10)))
-    detection = detect_fp8(w, run(), SETTINGS)
+    detection = detect_fp8(fp8_window(w, run()), SETTINGS)
     assert detection.drafts == []
     assert detection.covered("fp8_saturation:fc1:grad")
     assert detection.covered("fp8_underflow:fc0:input")
@@ -74,7 +74,7 @@ def test_underflow_threshold_and_outlier_ratio():
     set_stat(w, slice(2, 5), 0, "weight", "underflow", [0.005, 0.3, 0.4])
     set_stat(w, slice(2, 5), 0, "weight", "amax", 1e5)  # an outlier, covered by its scale
     set_stat(w, slice(2, 5), 0, "weight", "scale", E4M3_MAX / 1e5)
-    detection = detect_fp8(w, run(), SETTINGS)
+    detection = detect_fp8(fp8_window(w, run()), SETTINGS)
     (draft,) = detection.drafts
     assert (draft.kind, draft.layer, draft.step, draft.severity) == (
         "fp8_underflow", "fc0", 30, "warning")
@@ -88,6 +88,6 @@ def test_absent_tensors_are_neither_judged_nor_covered():
     w = window([0, 10])
     w.present[:, ROLES.index("grad"), 1] = False
     set_stat(w, slice(0, 2), 1, "grad", "underflow", 0.9)  # not measured: ignored
-    detection = detect_fp8(w, run(), SETTINGS)
+    detection = detect_fp8(fp8_window(w, run()), SETTINGS)
     assert detection.drafts == []
     assert not detection.covered("fp8_underflow:fc1:grad")

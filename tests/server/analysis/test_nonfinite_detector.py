@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from ampwatch.server.analysis.nonfinite import detect_nonfinite
+from ampwatch.server.analysis.window import Window
 from tests.server.analysis.factories import (
     INF,
     NAN,
@@ -18,7 +19,7 @@ from tests.server.analysis.factories import (
 
 
 def detect(steps, run=None):
-    return drafts_by_key(detect_nonfinite(series(steps), run or context(), SETTINGS))
+    return drafts_by_key(detect_nonfinite(Window(series(steps), run or context()), SETTINGS))
 
 
 def test_forward_overflow_first_layer_in_forward_order():

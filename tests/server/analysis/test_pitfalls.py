@@ -7,6 +7,7 @@ import pytest
 
 from ampwatch.server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
 from ampwatch.server.analysis.speed import detect_speed
+from ampwatch.server.analysis.window import Window
 from ampwatch.server.series import StepSeries
 from tests.server.analysis.factories import (
     SETTINGS,
@@ -32,7 +33,7 @@ def correct_loop(n=200):
 
 
 def loop_codes(steps):
-    return {d.code for d in detect_loop_pitfalls(series(steps), context(), SETTINGS).drafts}
+    return {d.code for d in detect_loop_pitfalls(Window(series(steps), context()), SETTINGS).drafts}
 
 
 def test_correct_loop_is_silent():
@@ -63,7 +64,7 @@ def commit(code, steps):
                                   "eval_without_autocast", "update_without_step"])
 def test_loop_pitfall_fires_with_first_step_and_fix(code):
     steps = commit(code, correct_loop())
-    drafts = drafts_by_key(detect_loop_pitfalls(series(steps), context(), SETTINGS))
+    drafts = drafts_by_key(detect_loop_pitfalls(Window(series(steps), context()), SETTINGS))
     assert set(drafts) == {f"pitfall:{code}"}
     finding = drafts[f"pitfall:{code}"]
     first = 120 if code == "scheduler_on_skipped_step" else (101 if code ==
@@ -74,12 +75,12 @@ def test_loop_pitfall_fires_with_first_step_and_fix(code):
 
 
 def test_loop_pitfalls_are_never_resolved_by_absence():
-    assert detect_loop_pitfalls(series(correct_loop()), context(), SETTINGS).covers == ()
+    assert detect_loop_pitfalls(Window(series(correct_loop()), context()), SETTINGS).covers == ()
 
 
 def setup_codes(env, layers=None, data=None):
     run = context(layers if layers is not None else 4, env)
-    result = detect_setup_pitfalls(data or StepSeries.empty(4), run, SETTINGS)
+    result = detect_setup_pitfalls(Window(data or StepSeries.empty(4), run), SETTINGS)
     return {d.code: d for d in result.drafts}
 
 
@@ -119,8 +120,8 @@ def test_speed_check_verdict(speedup, verdict):
               {"step": 9, "kind": "speed_check",
                "detail": {"fp32_ms": 10.0 * speedup, "amp_ms": 10.0, "speedup": speedup,
                           "dtype": "float16"}}]
-    drafts = drafts_by_key(detect_speed(series(correct_loop(20), events=events), context(),
-                                        SETTINGS))
+    window = Window(series(correct_loop(20), events=events), context())
+    drafts = drafts_by_key(detect_speed(window, SETTINGS))
     finding = drafts["speed"]
     assert finding.code == verdict and finding.step == 9
     assert finding.evidence["speedup"] == speedup

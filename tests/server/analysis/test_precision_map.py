@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ampwatch.server.analysis.context import LayerInfo
 from ampwatch.server.analysis.precision import detect_precision_map
+from ampwatch.server.analysis.window import Window
 from tests.server.analysis.factories import (
     SETTINGS,
     activations,
@@ -27,7 +28,7 @@ def detect(dtypes_per_sample, autocast="float16"):
     steps = [step(s, 5, autocast_dtype=autocast) for s in range(len(dtypes_per_sample) * 10)]
     for i, dtypes in enumerate(dtypes_per_sample):
         steps[i * 10]["activations"] = activations([1.0] * 5, dtypes)
-    return detect_precision_map(series(steps, 5), context(LAYERS), SETTINGS)
+    return detect_precision_map(Window(series(steps, 5), context(LAYERS)), SETTINGS)
 
 
 def test_healthy_autocast_map_raises_nothing():

@@ -7,6 +7,7 @@ import pytest
 
 from ampwatch.server.analysis.context import LayerInfo
 from ampwatch.server.analysis.ranges import detect_overflow_risk, detect_underflow_risk
+from ampwatch.server.analysis.window import Window
 from tests.server.analysis.factories import (
     SETTINGS,
     activations,
@@ -34,7 +35,7 @@ def sampled(values, dtype="float16", n=100, every=10):
 ])
 def test_overflow_risk(absmax, dtype, flagged):
     steps = sampled([1.0, absmax, 2.0, None], dtype)
-    drafts = drafts_by_key(detect_overflow_risk(series(steps), context(), SETTINGS))
+    drafts = drafts_by_key(detect_overflow_risk(Window(series(steps), context()), SETTINGS))
     assert ("overflow_risk:fc1" in drafts) == flagged
     assert len(drafts) == int(flagged)
     if flagged:
@@ -47,7 +48,7 @@ def test_overflow_risk_resolves_when_back_in_range():
     steps = sampled([1.0, 50000.0, 1.0, 1.0], n=300, every=10)
     for s in steps[100::10]:
         s["activations"] = activations([1.0, 100.0, 1.0, 1.0])
-    result = detect_overflow_risk(series(steps), context(), SETTINGS)
+    result = detect_overflow_risk(Window(series(steps), context()), SETTINGS)
     assert not drafts_by_key(result)["overflow_risk:fc1"].active
 
 
@@ -68,8 +69,8 @@ def zero_shares(share, dtype="float16", n=300, every=10, skipped=()):
 ])
 def test_underflow_risk_judges_the_measured_zero_share(share, dtype, flagged):
     run = context(environment={"autocast_dtype": dtype})
-    drafts = drafts_by_key(detect_underflow_risk(series(zero_shares(share, dtype)), run,
-                                                 SETTINGS))
+    window = Window(series(zero_shares(share, dtype)), run)
+    drafts = drafts_by_key(detect_underflow_risk(window, SETTINGS))
     assert set(drafts) == ({"underflow_risk:fc1"} if flagged else set())
     if flagged:
         finding = drafts["underflow_risk:fc1"]
@@ -82,15 +83,15 @@ def test_underflow_leaves_out_lookups_and_skipped_steps():
     layers = [linear(0), linear(1), linear(2),
               LayerInfo(3, "emb", "Embedding", 64 * 64, {"num_embeddings": 64}, 3)]
     steps = zero_shares(0.97, skipped=range(0, 300, 10))  # every measured step was skipped
-    assert detect_underflow_risk(series(steps), context(layers), SETTINGS).drafts == []
+    assert detect_underflow_risk(Window(series(steps), context(layers)), SETTINGS).drafts == []
     steps = zero_shares(0.2)
     for s in steps[::10]:
         s["layer_grad_zero_share"][3] = 0.99  # rows not looked up: zero by design
-    assert detect_underflow_risk(series(steps), context(layers), SETTINGS).drafts == []
+    assert detect_underflow_risk(Window(series(steps), context(layers)), SETTINGS).drafts == []
 
 
 def test_underflow_fix_depends_on_the_scaler():
     steps = [step(s, loss_scale=None, scale_after=None, layer_grad_zero_share=[0.9] * 4)
              for s in range(50)]
-    drafts = detect_underflow_risk(series(steps), context(), SETTINGS).drafts
+    drafts = detect_underflow_risk(Window(series(steps), context()), SETTINGS).drafts
     assert len(drafts) == 4 and "GradScaler" in drafts[0].message

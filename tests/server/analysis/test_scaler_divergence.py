@@ -7,6 +7,7 @@ import pytest
 
 from ampwatch.server.analysis import AnalysisSettings
 from ampwatch.server.analysis.scaler import calibration_mask, detect_scaler_divergence
+from ampwatch.server.analysis.window import Window
 from tests.server.analysis.factories import (
     INF,
     NAN,
@@ -21,7 +22,8 @@ from tests.server.analysis.factories import (
 
 
 def detect(steps, run=None, settings=SETTINGS):
-    return drafts_by_key(detect_scaler_divergence(series(steps), run or context(), settings))
+    window = Window(series(steps), run or context())
+    return drafts_by_key(detect_scaler_divergence(window, settings))
 
 
 @pytest.mark.parametrize("growth_interval", [10, 100, 2000])
@@ -148,7 +150,7 @@ def test_no_scaler_no_findings():
     steps = scaler_steps(100)
     for s in steps:
         del s["loss_scale"], s["scale_after"]
-    result = detect_scaler_divergence(series(steps), context(), SETTINGS)
+    result = detect_scaler_divergence(Window(series(steps), context()), SETTINGS)
     assert result.drafts == [] and result.covered("scaler_divergence:skip_streak")
 
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from tests.conftest import LiveServer
-from tests.server.pages.training import Net, Trainer
+from tests.server.pages.training import GrowingGain, Net, Trainer, mlp
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
@@ -53,6 +53,46 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
         Trainer(server.url, "xss-run", XSS, XssNet(), project=XSS_PROJECT,
                 tags=[XSS]).train(20).close()
         yield server
+    finally:
+        server.stop()
+
+
+GROWING_LAYER = "6"  # the Linear of the fp16 run whose gain grows 2.5% a step
+FIELD_STEPS = 500
+
+
+@dataclass(frozen=True)
+class FieldRuns:
+    """The two runs issue #35 was found on, trained for real on the CPU, and what the
+    test's own hooks saw: the step the growing layer's fp16 output first held inf/NaN."""
+
+    server: LiveServer
+    first_overflow: int  # growing-fp16: first step layer GROWING_LAYER's output was inf/NaN
+    scales: list[float]  # growing-fp16: the loss scale each step ran with
+    steps: int = FIELD_STEPS
+
+
+@pytest.fixture(scope="session")
+def field_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FieldRuns]:
+    """A live server holding "growing-fp16" (a 6-Linear nn.Sequential MLP in fp16 autocast
+    with a GradScaler, whose layer "6" has a gain on its output that grows 2.5% a step
+    until the output overflows fp16, about step 400) and "sgd-bf16" (the same MLP
+    in bf16 autocast trained with plain SGD at lr=30: it diverges from its first steps).
+    About 5 s of training; shared by every page test that needs them."""
+    tmp = tmp_path_factory.mktemp("field")
+    server = LiveServer(f"sqlite:///{tmp / 'field.db'}", tmp / "server.log")
+    server.start()
+    try:
+        model = mlp(seed=0)
+        growth = GrowingGain(model, GROWING_LAYER, start=8.0)  # overflows near step 400
+        growing = Trainer(server.url, "growing-fp16", "growing fp16", model,
+                          after_step=growth, tags=["fp16"])
+        growing.train(FIELD_STEPS).close()
+        assert growth.first_nonfinite is not None, "layer 6 never overflowed"
+        Trainer(server.url, "sgd-bf16", "sgd lr=30 bf16", mlp(seed=1), dtype=torch.bfloat16,
+                lr=30.0, sgd=True, tags=["bf16"]).train(150).close()
+        yield FieldRuns(server=server, first_overflow=growth.first_nonfinite,
+                        scales=growing.scales)
     finally:
         server.stop()
 
@@ -116,8 +156,8 @@ def chromium() -> Iterator[object]:
         browser.close()
 
 
-def open_browser(chromium, base_url: str, shots: Path) -> Browser:
-    context = chromium.new_context(viewport={"width": 1366, "height": 900})
+def open_browser(chromium, base_url: str, shots: Path, width: int = 1366) -> Browser:
+    context = chromium.new_context(viewport={"width": width, "height": 900})
     page = context.new_page()
     browser = Browser(page=page, base_url=base_url, shots=shots)
     page.on("console", lambda msg: browser.errors.append(msg.text)
@@ -140,6 +180,14 @@ def open_browser(chromium, base_url: str, shots: Path) -> Browser:
 
     page.route("**/*", guard)
     return browser
+
+
+@pytest.fixture
+def field_browser(chromium, field_runs: FieldRuns, tmp_path: Path) -> Iterator[Browser]:
+    """A fresh browser context on the field runs' server."""
+    opened = open_browser(chromium, field_runs.server.url, tmp_path)
+    yield opened
+    opened.page.context.close()
 
 
 @pytest.fixture

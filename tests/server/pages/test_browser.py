@@ -36,10 +36,12 @@ def test_runs_list_shows_health_badges(browser):
 
 def test_overview_draws_charts_and_the_diverging_runs_finding(browser):
     browser.goto("/runs/diverging-fp16")
-    browser.wait_for_plots("loss_scale", "grad_norm", "loss", "lr", "phases", "memory")
+    browser.wait_for_plots("loss_scale", "grad_norm", "loss", "lr", "phases")
+    assert browser.page.locator("#fig-memory").count() == 0  # a CPU run: no device memory
     loss_scale = {t["name"]: t for t in browser.traces("loss_scale")}
     assert loss_scale["skipped steps"]["type"] == "scatter"  # one shaded span: 60 in a row
-    assert loss_scale["rank 0"]["points"] == 60
+    # scales that fell under 2^-24 are drawn on a row of their own, under the axis
+    assert loss_scale["rank 0"]["points"] + loss_scale["scale below 2^-24"]["points"] == 60
     assert "2<sup>" in str(browser.page.evaluate(
         "document.getElementById('fig-loss_scale').layout.yaxis.ticktext"))
     grad = {t["name"]: t for t in browser.traces("grad_norm")}
@@ -89,9 +91,9 @@ def test_compare_overlays_runs(browser):
     browser.goto("/compare?run=healthy-fp16&run=diverging-fp16&run=bf16-run")
     browser.wait_for_plots("loss_scale", "grad_norm", "skip_rate", "step_time")
     names = {t["name"] for t in browser.traces("skip_rate")}
-    assert names == {"healthy fp16", "diverging fp16", "bf16 run"}
+    assert names == {"healthy fp16", "diverging fp16"}  # bf16: no scaler, no skip line
     scale_names = {t["name"] for t in browser.traces("loss_scale")}
-    assert {"healthy fp16", "diverging fp16", "skipped steps"} <= scale_names
+    assert {"healthy fp16", "diverging fp16", "diverging fp16: skipped steps"} <= scale_names
     assert browser.page.locator("input[name=run]:checked").count() == 3
     browser.shoot("compare")
     browser.assert_clean()
@@ -101,7 +103,7 @@ def test_names_a_client_sent_are_shown_as_text(browser):
     browser.goto("/")
     row = browser.page.locator("tr[data-run-id='xss-run']")
     assert row.locator(".run-name a").inner_text() == XSS
-    assert row.locator("td").nth(2).inner_text() == XSS_PROJECT
+    assert row.locator("td").nth(3).inner_text() == XSS_PROJECT
     browser.goto("/runs/xss-run")
     browser.wait_for_plots("loss_scale")
     assert browser.page.locator("h1").inner_text() == XSS
@@ -110,7 +112,7 @@ def test_names_a_client_sent_are_shown_as_text(browser):
     assert XSS_LAYER in browser.page.locator("#precision").inner_text()
     ticks = browser.page.locator("#fig-grad_heatmap .ytick text").evaluate_all(
         "texts => texts.map(t => t.textContent)")
-    assert XSS_LAYER in ticks
+    assert f"{XSS_LAYER} · Linear(8, 8)" in ticks
     browser.goto("/compare?run=xss-run")
     browser.wait_for_plots("loss_scale")
     assert browser.page.locator("img").count() == 0

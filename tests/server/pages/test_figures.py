@@ -23,7 +23,8 @@ def test_loss_scale_is_log2_with_skipped_streaks_shaded():
     items.append({"step": 3, "loss_scale": 2.0 ** 13, "skipped": False})
     items.append({"step": 4, "loss_scale": 2.0 ** 13, "skipped": True})
     fig = figures.loss_scale_figure(steps(items))
-    line, skipped = fig.data
+    line, skipped, hover = fig.data
+    assert list(hover.x) == [0, 1, 2, 4]  # each skipped step names its span on hover
     assert list(line.y) == [16, 15, 14, 13, 13]
     # two streaks (0-2 and 4) as two shaded spans of one trace, not five markers
     assert skipped.fill == "toself" and skipped.name == "skipped steps"
@@ -36,7 +37,8 @@ def test_loss_scale_is_log2_with_skipped_streaks_shaded():
 def test_loss_scale_ticks_are_whole_powers_of_two_with_even_spacing():
     items = [{"step": s, "loss_scale": 2.0 ** (16 - s), "skipped": s > 0} for s in range(166)]
     ticks = list(figures.loss_scale_figure(steps(items)).layout.yaxis.tickvals)
-    assert ticks == [-144, -112, -80, -48, -16, 16]  # 2^16, where the scale starts
+    # down to 2^-149, but the axis stops at 2^-24: what fell below is one row under it
+    assert ticks == [-26, -16, -8, 0, 8, 16]  # 2^16, where the scale starts
     assert figures.log2_ticks(0, 16) == [0, 4, 8, 12, 16]
     assert figures.log2_ticks(10.2, 16) == [11, 12, 13, 14, 15, 16]
 
@@ -46,8 +48,9 @@ def test_a_scale_of_zero_keeps_the_full_step_range():
              for s in range(500)]
     fig = figures.loss_scale_figure(steps(items))
     assert fig.layout.xaxis.range == (-0.5, 499.5)
-    zero = next(t for t in fig.data if t.name == "scale 0")
-    assert len(zero.x) == 300 and fig.layout.yaxis.ticktext[0] == "0"
+    fallen = next(t for t in fig.data if t.name == "scale below 2^-24")
+    assert len(fallen.x) == 500 - 41 and fig.layout.yaxis.ticktext[0] == "0"  # 2^-24 at 40
+    assert "fell to" in fig.layout.annotations[0].text
 
 
 def test_grad_norm_ticks_read_as_people_write_them():
@@ -90,5 +93,7 @@ def test_heatmap_marks_the_first_offender_in_forward_order():
     assert (offender.layer, offender.step_start, offender.value) == ("mid", 10, "+inf")
     fig = heatmaps.layer_heatmap_figure(matrix, quantity="grad norm", offender="mid")
     names = [trace.name for trace in fig.data]
-    assert names == ["grad norm", "inf", "NaN", "first non-finite of a layer", "first offender"]
+    # each overlay (a heatmap, no legend entry) with a legend square of its own colour
+    assert names == ["grad norm", "inf", "inf", "NaN", "NaN", "first non-finite of a layer",
+                     "first offender"]
     assert fig.layout.annotations[0].text == "first offender: mid"

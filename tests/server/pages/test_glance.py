@@ -114,7 +114,7 @@ def test_a_healthy_run_has_no_open_problems_and_its_notes_are_apart(page, glance
     summary = page.page.locator("#findings details.notes summary").inner_text()
     assert summary.startswith(f"{len(notes)} note")
     page.goto("/")
-    assert page.page.locator("tr[data-run-id='healthy'] td").nth(6).inner_text() == "0"
+    assert page.page.locator("tr[data-run-id='healthy'] td").nth(7).inner_text() == "0"
 
 
 def test_a_detached_run_shows_finished_at_once(page):
@@ -133,10 +133,11 @@ def test_loss_scale_chart_spans_every_step_with_even_ticks_and_shaded_streaks(pa
                                 ".range")
     assert layout[0] <= 0 and layout[1] >= 499  # a scale of 0 does not cut the axis
     traces = {t["name"]: t for t in page.traces("loss_scale")}
-    assert "skipped step" not in traces and traces["scale 0"]["points"] > 0
+    # scales under 2^-24 (here down to 2^-144, then 0) are drawn on one row under the axis
+    assert "skipped step" not in traces and traces["scale below 2^-24"]["points"] > 0
     fill = page.page.evaluate("""() => document.getElementById('fig-loss_scale')._fullData
         .filter(t => t.name === 'skipped steps').map(t => t.fill)""")
-    assert fill == ["toself"]
+    assert fill == ["toself", "none"]  # the shaded spans, and their steps' hover points
     x = page.x_values("loss_scale", [t["name"] for t in page.traces("loss_scale")]
                       .index("skipped steps"))
     assert sum(v is None for v in x) == 2  # steps 100-179 and 181-499: two streaks

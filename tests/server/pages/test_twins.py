@@ -55,9 +55,9 @@ def test_compare_and_runs_twins(api, long_run):
 
 def test_live_update_answers_figures_and_panels(api, long_run):
     update = api.get("/runs/long?format=update").json()
-    assert set(update["figures"]) == {"loss_scale", "grad_norm", "loss", "lr", "phases",
-                                      "memory"}
-    assert set(update["panels"]) == {"run-stats", "findings"}
+    # no peak memory in these steps: no memory chart
+    assert set(update["figures"]) == {"loss_scale", "grad_norm", "loss", "lr", "phases"}
+    assert set(update["panels"]) == {"run-stats", "run-status", "findings", "steps-footer"}
     assert update["live"] is True
 
 

@@ -1,5 +1,5 @@
 """`ampwatch demo`: start a server on its embedded SQLite (or use a running one), train the
-demo runs of agent/demo_runs.py on the CPU with the agent attached, and print the
+demo runs of demo/runs.py on the CPU with the agent attached, and print the
 dashboard URL with a verdict per run.
 
 Registered into the ampwatch CLI through the `ampwatch.cli` entry point. The server is a
@@ -24,10 +24,11 @@ from types import ModuleType
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
-from ampwatch.agent import demo_alerts
-from ampwatch.client.api import DEFAULT_SERVER, Client
+from ampwatch.client.api import Client
 from ampwatch.client.errors import AmpwatchError
 from ampwatch.client.models import Finding
+from ampwatch.demo import alerts as demo_alerts
+from ampwatch.wire import DEFAULT_SERVER
 
 DEFAULT_PORT = urlsplit(DEFAULT_SERVER).port
 DEFAULT_STEPS = 500
@@ -194,7 +195,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.steps < MIN_STEPS:
         return _fail(f"--steps must be at least {MIN_STEPS}")
     try:
-        from ampwatch.agent import demo_runs
+        from ampwatch.demo import runs as demo_runs
     except ImportError as exc:
         return _fail(f'the demo needs torch ({exc}): pip install "ampwatch[agent]"')
     if threading.current_thread() is threading.main_thread():

@@ -1,0 +1,140 @@
+"""Every finding kind, declared once: what it means, where it lives (run, rank or layer),
+which incident cause it stands for, what fixes it and which page section shows it.
+
+The API's `FindingKind` enum (OpenAPI), `?kind=` validation, incident grouping and the
+pages read this table; `registry.DETECTORS` says which detector raises each kind, and
+tests/server/analysis/test_registry.py fails when a kind lacks either. Adding a finding
+kind: its member here, its `KindSpec`, its detector in the registry, its page section,
+its tests (docs/architecture.md, "Add a finding kind").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class FindingKind(StrEnum):
+    """What a finding is about; `code` (when set) names the exact check within the kind."""
+
+    SCALER_DIVERGENCE = "scaler_divergence"
+    NONFINITE = "nonfinite"
+    OVERFLOW_RISK = "overflow_risk"
+    UNDERFLOW_RISK = "underflow_risk"
+    MISALIGNED_LAYER = "misaligned_layer"
+    PRECISION_MAP = "precision_map"
+    PITFALL = "pitfall"
+    SPEED = "speed"
+    FP8_UNDERFLOW = "fp8_underflow"
+    FP8_SATURATION = "fp8_saturation"
+    FP8_STALE_SCALE = "fp8_stale_scale"
+    RANKS = "ranks"
+
+
+class Scope(StrEnum):
+    """What one finding of the kind is about: the run's setup, one rank's training, or
+    one layer of that rank."""
+
+    RUN = "run"
+    RANK = "rank"
+    LAYER = "layer"
+
+
+class Section(StrEnum):
+    """The page section that shows the kind, besides the overview's incident panel."""
+
+    OVERVIEW = "overview"  # the overview's incident panel only
+    LAYERS = "layers"  # also the Layers page's tables
+    FP8 = "fp8"  # also the FP8 page
+
+
+# incident cause taken from the finding's evidence["cause"] (the data names it)
+FROM_EVIDENCE = "from_evidence"
+
+
+@dataclass(frozen=True)
+class KindSpec:
+    """One finding kind.
+
+    cause: the root cause its findings are a symptom of, for incidents: a cause name,
+        FROM_EVIDENCE (the detector writes evidence["cause"]), or None (each finding is an
+        incident of its own). per_layer: False groups every finding of the cause into one
+        incident (one fix for all of them).
+    fix: what to do in general; each finding's message gives the fix for its case.
+    """
+
+    kind: FindingKind
+    summary: str
+    scope: Scope
+    section: Section
+    fix: str
+    cause: str | None = None
+    per_layer: bool = True
+
+
+KINDS: dict[FindingKind, KindSpec] = {spec.kind: spec for spec in (
+    KindSpec(FindingKind.SCALER_DIVERGENCE,
+             "the GradScaler's scale collapses, declines or skips too many steps",
+             Scope.RANK, Section.OVERVIEW,
+             "fix the cause the evidence names (a layer that overflows, a non-finite loss or "
+             "input); lower the learning rate when the gradients grow",
+             cause=FROM_EVIDENCE),
+    KindSpec(FindingKind.NONFINITE,
+             "inf/NaN on a step, localised to the first layer, the loss or the input",
+             Scope.LAYER, Section.OVERVIEW,
+             "run the named layer in fp32 or keep its output in range; check the data",
+             cause=FROM_EVIDENCE),
+    KindSpec(FindingKind.OVERFLOW_RISK,
+             "fp16 forward outputs within a factor of fp16's maximum",
+             Scope.LAYER, Section.OVERVIEW,
+             "normalise or scale down what feeds the layer, run it in fp32, or train in bf16",
+             cause="forward_overflow"),
+    KindSpec(FindingKind.UNDERFLOW_RISK,
+             "fp16 gradients mostly exactly zero, measured",
+             Scope.LAYER, Section.OVERVIEW,
+             "use a GradScaler with fp16, raise its init_scale, or train in bf16"),
+    KindSpec(FindingKind.MISALIGNED_LAYER,
+             "a matmul dimension that is not a multiple of the tensor-core alignment",
+             Scope.LAYER, Section.LAYERS,
+             "pad the dimension to the size the finding names",
+             cause="misaligned", per_layer=False),
+    KindSpec(FindingKind.PRECISION_MAP,
+             "a layer computed in an unexpected dtype under autocast",
+             Scope.LAYER, Section.LAYERS,
+             "let matmuls run under autocast; run norms, softmax and losses in fp32"),
+    KindSpec(FindingKind.PITFALL,
+             "an AMP mistake in the training loop or its setup",
+             Scope.RUN, Section.OVERVIEW,
+             "the finding's message names the pitfall and its fix"),
+    KindSpec(FindingKind.SPEED,
+             "the verdict of an fp32-versus-AMP speed check",
+             Scope.RUN, Section.OVERVIEW,
+             "under 1.1x stay in fp32; above 1.5x use AMP"),
+    KindSpec(FindingKind.FP8_UNDERFLOW,
+             "elements of an FP8 cast flushed to zero",
+             Scope.LAYER, Section.FP8,
+             "scale per row, clip the outlier, or keep the layer in bf16"),
+    KindSpec(FindingKind.FP8_SATURATION,
+             "elements of an FP8 cast clipped at the format's maximum",
+             Scope.LAYER, Section.FP8,
+             "shorten the amax history or switch to current scaling"),
+    KindSpec(FindingKind.FP8_STALE_SCALE,
+             "an FP8 tensor outgrew what its delayed scale covers",
+             Scope.LAYER, Section.FP8,
+             "shorten the amax history or switch to current scaling"),
+    KindSpec(FindingKind.RANKS,
+             "ranks that disagree: a scaler, the first non-finite rank, a straggler",
+             Scope.RANK, Section.OVERVIEW,
+             "the finding's message names the rank and what to check on it",
+             cause=FROM_EVIDENCE),
+)}
+
+
+def kinds_in(section: Section) -> tuple[FindingKind, ...]:
+    """The kinds a page section shows, in declaration order."""
+    return tuple(kind for kind, spec in KINDS.items() if spec.section == section)
+
+
+def kind_help() -> str:
+    """One line per kind, for the API's documentation of `kind`."""
+    return "\n".join(f"- `{kind}`: {spec.summary}" for kind, spec in KINDS.items())

@@ -1,0 +1,108 @@
+"""/runs/{id}/layers/{index}: one layer on its own, opened from a heatmap row, a table
+or a problem card: its grad norm, its forward output's abs-max against its dtype's
+maximum, its share of exactly-zero grad elements, and the findings that name it."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import plotly.graph_objects as go
+from sqlalchemy.orm import Session
+
+from ampwatch.server.pages import figures
+from ampwatch.server.pages.columns import decode_values
+from ampwatch.server.pages.heatmaps import DTYPE_MAX, SHORT_DTYPE, layer_title
+from ampwatch.server.pages.views import MAX_POINTS, StepRange, findings_of, page_run
+from ampwatch.server.queries import layer_series_query, layers_query
+from ampwatch.server.runs import get_run
+from ampwatch.server.settings import Settings
+
+
+def layer_twin(session: Session, settings: Settings, run_id: str, index: int, *, rank: int,
+               steps: StepRange) -> dict:
+    """The layer's table row, its series (downsampled to MAX_POINTS, every non-finite
+    point kept) and the run's findings that name it."""
+    run = get_run(session, run_id)
+    series = layer_series_query(session, run, index, rank=rank, max_points=MAX_POINTS,
+                                **steps.query())
+    item = layers_query(session, run, rank=rank, layers=[index])["items"][0]
+    findings = {status: [f for f in items if f["layer"] == item["name"]]
+                for status, items in findings_of(session, run_id).items()}
+    return {"run": page_run(session, run_id, settings), "rank": rank, "layer": item,
+            "title": layer_title(item), "series": series, "findings": findings}
+
+
+def _column(points: list[dict], name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, values, sent) of one field of a layer series' points."""
+    steps = np.array([p["step"] for p in points], dtype=np.int64)
+    values, sent = decode_values([p.get(name) for p in points])
+    return steps, values, sent
+
+
+def _log_line(fig: go.Figure, steps: np.ndarray, values: np.ndarray, sent: np.ndarray,
+              name: str, top: float | None = None) -> None:
+    """A line on a log axis; NaN/inf points as red markers along its top (at `top`, by
+    default 4x the largest finite value)."""
+    ok = np.isfinite(values) & (values > 0)
+    fig.add_scatter(x=steps[ok], y=values[ok], mode="lines+markers", name=name,
+                    marker={"size": 3}, line={"color": figures.colour(0), "width": 1.4},
+                    hovertemplate="step %{x}<br>" + name + " %{y:.4g}<extra></extra>")
+    bad = sent & ~np.isfinite(values)
+    if bad.any():
+        if top is None:
+            top = float(values[ok].max()) * 4 if ok.any() else 1.0
+        text = np.where(np.isnan(values[bad]), "NaN", "inf")
+        fig.add_scatter(x=steps[bad], y=np.full(int(bad.sum()), top), mode="markers",
+                        marker={"symbol": "triangle-down", "size": 9, "color": figures.CRITICAL},
+                        name="non-finite", text=text,
+                        hovertemplate="step %{x}: %{text}<extra></extra>")
+    fig.update_yaxes(type="log", title={"text": name}, exponentformat="power")
+
+
+def layer_figures(twin: dict) -> dict[str, go.Figure]:
+    """Grad norm, output abs-max (with the dtype's maximum drawn) and zero-grad share, over
+    one step range."""
+    series = twin["series"]
+    grad = figures.base_figure()
+    steps, values, sent = _column(series["grad"], "grad_norm")
+    if sent.any():
+        _log_line(grad, steps, values, sent, "grad norm")
+    else:
+        figures.note(grad, "no grad norm recorded for this layer")
+    acts = figures.base_figure()
+    a_steps, a_values, a_sent = _column(series["activations"], "act_absmax")
+    if a_sent.any():
+        dtypes = {p.get("act_dtype") for p in series["activations"]} - {None}
+        finite = a_values[np.isfinite(a_values)]
+        limits = [DTYPE_MAX[d] for d in dtypes & DTYPE_MAX.keys()]
+        # the dtype's maximum is drawn when in view: then inf/NaN go just above it
+        shown = [x for x in limits if finite.size and x / float(finite.max()) < 1e6]
+        _log_line(acts, a_steps, a_values, a_sent, "abs-max",
+                  top=max(shown) * 1.6 if shown else None)
+        for dtype in sorted(dtypes & DTYPE_MAX.keys()):
+            limit = DTYPE_MAX[dtype]
+            if limit in shown:
+                acts.add_hline(y=limit, line={"color": figures.CRITICAL, "dash": "dot"},
+                               annotation_text=f"{SHORT_DTYPE[dtype]} max {limit:g}",
+                               annotation_position="top left",
+                               annotation_font_color=figures.CRITICAL)
+                acts.update_yaxes(range=[math.log10(max(float(finite.min()), 1e-30)) - 0.2,
+                                         math.log10(limit) + 0.3])
+    else:
+        figures.note(acts, "no activation samples for this layer")
+    zeros = figures.base_figure()
+    z_steps, z_values, z_sent = _column(series["activations"], "grad_zero_share")
+    ok = z_sent & np.isfinite(z_values)
+    if ok.any():
+        zeros.add_scatter(x=z_steps[ok], y=100 * z_values[ok], mode="lines+markers",
+                          marker={"size": 3}, line={"color": figures.colour(1), "width": 1.4},
+                          name="zero grads",
+                          hovertemplate="step %{x}<br>%{y:.1f}% of grad elements exactly zero"
+                          "<extra></extra>")
+        zeros.update_yaxes(range=[0, 102], title={"text": "zero grad elements (%)"})
+    else:
+        figures.note(zeros, "no zero-gradient samples for this layer")
+    span = figures.step_span_of([steps, a_steps])
+    return {name: figures.share_x(fig, span)
+            for name, fig in {"layer_grad": grad, "layer_act": acts, "layer_zero": zeros}.items()}

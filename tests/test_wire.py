@@ -1,0 +1,69 @@
+"""The wire contract has one home (wire/, installed as ampwatch.wire): nothing in the
+agent, the client or the server defines a second copy of its constants or helpers."""
+
+from __future__ import annotations
+
+import inspect
+import re
+from pathlib import Path
+
+import pytest
+
+from ampwatch import wire
+from ampwatch.wire import batch, floats, runs, spool
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("agent", "client", "server", "integrations", "demo")
+
+
+def _contract_names() -> set[str]:
+    """Every public constant and function the wire modules define."""
+    names = set()
+    for module in (batch, floats, runs, spool):
+        for name, value in vars(module).items():
+            if name.startswith("_") or inspect.ismodule(value):
+                continue
+            defined_here = (not callable(value) or getattr(value, "__module__", None)
+                            == module.__name__)
+            if defined_here and (name.isupper() or inspect.isfunction(value)):
+                names.add(name)
+    return names
+
+
+def test_the_scan_sees_the_contract():
+    names = _contract_names()
+    assert {"FINISHED_EVENT", "DEFAULT_SERVER", "RUN_ID_PATTERN", "SUFFIX", "FORMAT",
+            "default_spool_dir", "atomic_write", "encode_float_array"} <= names
+
+
+@pytest.mark.parametrize("package", PACKAGES)
+def test_no_second_copy_of_the_contract(package):
+    names = _contract_names()
+    definition = re.compile(r"^(?:def (\w+)\(|(\w+)(?:: [^=]+)? = )", re.M)
+    copies = []
+    for path in sorted((ROOT / package).rglob("*.py")):
+        for match in definition.finditer(path.read_text()):
+            name = match.group(1) or match.group(2)
+            if name in names or name.lstrip("_") in names:
+                copies.append(f"{path.relative_to(ROOT)}: {name}")
+    assert not copies, f"defined again outside wire/: {copies}"
+
+
+def test_one_spool_dir_for_agent_and_sync(monkeypatch, tmp_path):
+    from ampwatch.agent.settings import AgentSettings
+
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "here"))
+    assert spool.default_spool_dir() == tmp_path / "here"
+    assert AgentSettings(run_id="r", run_id_generated=False).spool_dir == tmp_path / "here"
+    monkeypatch.delenv("AMPWATCH_SPOOL_DIR")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert spool.default_spool_dir() == tmp_path / "cache" / "ampwatch" / "spool"
+    assert AgentSettings(run_id="r", run_id_generated=False).spool_dir == \
+        tmp_path / "cache" / "ampwatch" / "spool"
+
+
+def test_fp8_layout_matches_the_server_schema():
+    from ampwatch.server.schemas import Fp8In, Fp8TensorIn
+
+    assert tuple(Fp8In.model_fields) == wire.FP8_ROLES
+    assert tuple(Fp8TensorIn.model_fields) == wire.FP8_STATS

@@ -1,0 +1,13 @@
+"""Names inside a batch (POST /api/v1/runs/{id}/batches) that the agent writes and the
+server reads: event kinds and the FP8 statistics' layout. The batch's fields themselves
+are the server's `BatchIn` schema (docs/wire-format.md)."""
+
+from __future__ import annotations
+
+FINISHED_EVENT = "finished"  # the agent's detach: the rank is done
+RESTART_EVENT = "restart"  # the agent resumed a run from an earlier step
+SPEED_CHECK_EVENT = "speed_check"  # detail: fp32_ms, amp_ms, speedup, dtype
+
+# An FP8 layer's statistics per step: one vector (one entry per layer) per role and stat.
+FP8_ROLES = ("input", "weight", "grad")
+FP8_STATS = ("amax", "scale", "rms", "saturated", "underflow")
