@@ -61,9 +61,10 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ampwatch.server.app import create_app
-    from ampwatch.server.serving import uvicorn_options
+    from ampwatch.server.serving import limit_malloc_arenas, uvicorn_options
 
     settings = _settings(args)
+    limit_malloc_arenas()  # before any thread allocates
     with _clear_database_errors(settings):
         app = create_app(settings)
     print(f"ampwatch: serving on http://{settings.host}:{settings.port} "

@@ -5,6 +5,7 @@ its own)."""
 from __future__ import annotations
 
 import asyncio
+import ctypes
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -89,6 +90,23 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._head_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
+
+
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas for this process (True when set). Each thread that
+    allocates gets an arena of its own, up to 8 per core, and a freed request's memory
+    stays in its thread's arena: after large requests on many pool threads the resident
+    set held the sum (docs/benchmarks.md). Python threads share the GIL, so fewer arenas
+    cost no parallelism. No-op off glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
 
 
 def uvicorn_options(header_timeout_s: float, send_timeout_s: float, max_connections: int
