@@ -19,10 +19,12 @@ from ampwatch.agent.distributed import shared_run_id
 from ampwatch.agent.environment import describe_run, distributed_rank, environment, run_body
 from ampwatch.agent.fp8 import find_fp8_layers
 from ampwatch.agent.layers import discover_layers
+from ampwatch.agent.record_triggers import RecordSettings
+from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
-from ampwatch.agent.session import CLOSE_FAILED, Session, StepItem
+from ampwatch.agent.session import CLOSE_FAILED, LoopWatch, StepItem
 from ampwatch.agent.settings import AgentSettings, make_run_id
-from ampwatch.agent.transport.worker import Worker
+from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
 from ampwatch.wire import (
     FINISHED_EVENT,
     RESTART_EVENT,
@@ -41,9 +43,11 @@ class Attachment:
     attachment (`enabled=False`) does nothing.
     """
 
-    def __init__(self, run_id: str | None, session: Session | None = None,
-                 worker: Worker | None = None, describe: dict[str, Any] | None = None) -> None:
+    def __init__(self, run_id: str | None, session: LoopWatch | None = None,
+                 worker: Worker | None = None, describe: dict[str, Any] | None = None,
+                 recorder: Recorder | None = None) -> None:
         self._run_id = run_id
+        self._recorder = recorder
         self._session = session
         self._worker = worker
         self._describe = describe or {}
@@ -94,7 +98,7 @@ class Attachment:
             return True
         try:
             self._session.close_pending()
-            return self._worker.flush(timeout)
+            return self._flush_bundles(timeout) and self._worker.flush(timeout)
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.flush", exc)
             return False
@@ -114,14 +118,24 @@ class Attachment:
         try:
             session.close_pending()
             session.uninstall()
+            self._flush_bundles(timeout)
             # the server then shows the run finished at once, not after `live_seconds`
-            worker.submit(("event", {"step": None, "kind": FINISHED_EVENT, "detail": {}}))
+            worker.submit(EventMessage({"step": None, "kind": FINISHED_EVENT, "detail": {}}))
             delivered = worker.stop(timeout)
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.detach", exc)
         guard.remove_listener(self._on_error)
         _live.discard(self)
         return delivered
+
+    def _flush_bundles(self, timeout: float) -> bool:
+        """The recorder judges steps as the worker decodes them: decode all, then wait
+        for the bundles that asked for (they then travel with the next flush)."""
+        if self._recorder is None or self._worker is None:
+            return True
+        deadline = time.monotonic() + timeout
+        self._worker.flush(timeout)
+        return self._recorder.flush(max(0.0, deadline - time.monotonic()))
 
     def __enter__(self) -> Attachment:
         return self
@@ -157,8 +171,8 @@ class Attachment:
         """Queue an event for the next batch; never blocks."""
         if self._detached or self._worker is None or self._session is None:
             return False
-        return self._worker.submit(("event", {"step": self._session.step, "kind": kind,
-                                              "detail": encode_tree(detail)}))
+        return self._worker.submit(EventMessage({"step": self._session.step, "kind": kind,
+                                                 "detail": encode_tree(detail)}))
 
     # ------------------------------------------------------------------ internals
     def _on_error(self, site: str, exc: BaseException) -> None:
@@ -166,7 +180,7 @@ class Attachment:
 
     def _run_changed(self) -> None:
         if self._worker is not None:
-            self._worker.submit(("run", self._body()))
+            self._worker.submit(RunMessage(self._body()))
 
     def _body(self) -> dict[str, Any]:
         session = self._session
@@ -213,7 +227,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            sample_after_anomaly: int = 20, spool_dir: str | os.PathLike | None = None,
            offline: bool | None = None, flush_interval: float | None = None,
            max_batch_steps: int | None = None, resume: bool | None = None,
-           step: int | None = None) -> Attachment:
+           step: int | None = None, record: Any = True) -> Attachment:
     """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
 
     The optimizer is found at its first step when not given (the first whose parameters
@@ -229,11 +243,19 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     `step`: the number of the first step recorded (the trainer's step; set it per step with
     `attachment.step = n`). Without it steps count from 0, or, for a resumed run, on from
     the last step stored.
+
+    `record`: the flight recorder (docs/replay.md). On by default: when a step goes bad it
+    writes a bundle (the batch, RNG states, the model's state as the step began, scaler
+    and autocast settings) off the training thread, within 2 GiB per run and rank, and
+    delivers it like batches; "local" keeps bundles on this machine, False turns it off,
+    a `RecordSettings` sets triggers and budget. Costs a reference to each step's batch
+    held one step longer and a copy of the RNG state per step.
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     run, resume = resolve_run(run, resume)
     check_labels(name, project, tags)
+    record_settings = RecordSettings.parse(record)  # a caller's mistake raises
     if not enabled:
         return Attachment(run)
     try:
@@ -256,21 +278,25 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         fp8_layers = find_fp8_layers(layers)
         if fp8_layers:
             collectors.append(Fp8Collector(fp8_layers, layers))
-        session = Session(model, scaler, optimizer, layers, collectors,
-                          sink=lambda item: False, settings=settings)
-        describe = describe_run(name, project, tags, config)
-        attachment = Attachment(settings.run_id, session, None, describe)
-        worker = Worker(settings, attachment._body(), attachment._decode,
-                        lambda: session.dropped_steps)
-        attachment._worker = worker
-        session.sink = worker.submit
+        recorder = make_recorder(record_settings, settings)
+        if recorder is not None:
+            collectors.append(recorder)  # last: its worker-side read sees the whole record
+        # in order: the worker, the session that hands it steps, the handle over both
+        worker = Worker(settings)
+        session = LoopWatch(model, scaler, optimizer, layers, collectors, sink=worker.submit,
+                            settings=settings)
+        attachment = Attachment(settings.run_id, session, worker,
+                                describe_run(name, project, tags, config), recorder)
+        if recorder is not None:
+            recorder.connect(worker)
         session.on_run_change = guard.guarded("attachment.run_change")(attachment._run_changed)
         session.on_event = attachment.event
         if step is not None:
             worker.explicit_steps = True
             session.step = step
+        body = attachment._body()  # the run as attach() found it, before any hook ran
         session.install()
-        worker._start()
+        worker.start(body, attachment._decode, lambda: session.dropped_steps)
     except Exception as exc:  # noqa: BLE001
         guard.report("attach", exc)
         return Attachment(run)

@@ -15,6 +15,7 @@ from typing import Any
 
 import httpx
 
+from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.transport.spool import spooled_last_step
 from ampwatch.wire import check_label, check_run_id
 
@@ -55,7 +56,7 @@ def check_labels(name: Any, project: Any, tags: Any) -> None:
             check_label(tag, "tag")
 
 
-def refuse_reused_run(settings: Any) -> None:
+def refuse_reused_run(settings: AgentSettings) -> None:
     """ValueError when a run id the caller chose already has steps for this rank, in the
     spool or on the server, and `resume` is off. Costs one GET to the server (up to
     `SERVER_CHECK_TIMEOUT_S`; an unreachable server leaves the spool to decide), made only

@@ -28,12 +28,26 @@ from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
 from ampwatch.agent.compiled import CompileCounter, is_compiled, is_compiled_wrapper, unwrap
 from ampwatch.agent.layers import Layer
+from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.split_params import SplitParams
 
 _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
 _compiling = torch.compiler.is_compiling  # dynamo folds it to True while tracing a hook
 _GRAD = operator.attrgetter("grad")
+
+
+def _unwrap_scaler_method(scaler: Any, name: str, wrapper: Callable) -> None:
+    """Put back what `wrapper` wrapped, skipping the wrappers of attachments detached
+    since (two runs sharing one scaler, detached in either order)."""
+    previous = wrapper.__ampwatch_previous__  # type: ignore[attr-defined]
+    while previous is not None and getattr(previous, "__ampwatch_session__", None) is not None \
+            and not previous.__ampwatch_session__.active:
+        previous = previous.__ampwatch_previous__
+    if previous is None:
+        scaler.__dict__.pop(name, None)
+    else:
+        setattr(scaler, name, previous)
 
 
 @dataclass
@@ -46,7 +60,7 @@ class StepItem:
     meta: dict[str, Any]
 
 
-class Session:
+class LoopWatch:
     """Owns the hooks of one attachment and the step lifecycle (training thread).
 
     `host_reduce`: the model's device is the host (CPU), so statistics tensors are already
@@ -60,7 +74,7 @@ class Session:
 
     def __init__(self, model: nn.Module, scaler: Any, optimizer: Any, layers: list[Layer],
                  collectors: list[Collector], sink: Callable[[StepItem], bool],
-                 settings: Any) -> None:
+                 settings: AgentSettings) -> None:
         self.model = model
         self.inner = unwrap(model)  # the user's model inside torch.compile wrappers
         self.compiled = is_compiled(model)  # no per-layer hooks (see agent/compiled.py)
@@ -104,7 +118,7 @@ class Session:
         self._inplace_compiled: list[tuple[nn.Module, Callable]] = []
         self._handles: list[Any] = []
         self._patch_tokens: list[tuple[patches.GlobalPatch, object]] = []
-        self._scaler_wrapped: list[str] = []
+        self._scaler_wrapped: list[tuple[str, Callable]] = []  # (method, our wrapper)
         # per event, the bound handlers of the collectors that implement it
         self._listeners = {e: [(getattr(c, e), f"{c.name}.{e}") for c in collectors
                                if overrides(c, e)] for e in EVENTS}
@@ -113,7 +127,7 @@ class Session:
         self.on_run_change: Callable[[], None] = lambda: None
         self.on_event: Callable[[str, dict[str, Any]], Any] = lambda kind, detail: None
 
-    def __deepcopy__(self, memo: dict) -> Session:
+    def __deepcopy__(self, memo: dict) -> LoopWatch:
         """A deep copy of the watched model (an EMA copy, `AveragedModel`) copies its hooks,
         bound to this session: they get an inactive twin, so the copy trains and
         evaluates unwatched and the copy needs no thread lock copied."""
@@ -142,9 +156,11 @@ class Session:
         ]
         if self.scaler is not None:
             for name in _SCALER_METHODS:
-                original = getattr(self.scaler, name)
-                setattr(self.scaler, name, getattr(self, f"_wrap_{name.rstrip('_')}")(original))
-                self._scaler_wrapped.append(name)
+                wrapper = getattr(self, f"_wrap_{name.rstrip('_')}")(getattr(self.scaler, name))
+                wrapper.__ampwatch_previous__ = self.scaler.__dict__.get(name)  # type: ignore[attr-defined]
+                wrapper.__ampwatch_session__ = self  # type: ignore[attr-defined]
+                setattr(self.scaler, name, wrapper)
+                self._scaler_wrapped.append((name, wrapper))
         self.active = True
         if self.compiled:
             self.compiles.start()
@@ -167,8 +183,11 @@ class Session:
         for patch, token in self._patch_tokens:
             patch.remove(token)
         self._patch_tokens.clear()
-        for name in self._scaler_wrapped:
-            self.scaler.__dict__.pop(name, None)
+        for name, wrapper in self._scaler_wrapped:
+            if self.scaler.__dict__.get(name) is wrapper:
+                _unwrap_scaler_method(self.scaler, name, wrapper)
+            # else another attachment sharing the scaler wrapped ours: ours stays in its
+            # chain, passing calls through, until that one is detached
         self._scaler_wrapped.clear()
         for module, compiled in self._inplace_compiled:
             if getattr(module, "_compiled_call_impl", None) is not compiled:

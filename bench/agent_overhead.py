@@ -9,7 +9,11 @@ Modes:
   rounds  each configuration in its own process, visited in shuffled interleaved rounds
           so machine noise cancels; a second baseline process shows the noise floor.
   ab      one process alternating steps of an instrumented and a plain copy of the model
-          (same weights, same batches): more precise for small overheads.
+          (same weights, same batches): more precise for small overheads, but the agent's
+          worker thread holds the GIL during the plain copy's steps too.
+  processes  several processes per configuration (no agent, the agent offline, the agent
+          sending to a server on this machine), one torch thread each, in interleaved
+          rounds; also the server's CPU per step (bench/overhead_processes.py).
   memory  host memory (RSS) of the agent over many steps of a tiny model.
 
 The agent sends to a real local server (started here unless --server is given).
@@ -17,7 +21,9 @@ Peers (wandb.watch, transformers' DebugUnderflowOverflow) run only when installe
 
     python bench/agent_overhead.py --mode rounds --rounds 3 --steps 40
     python bench/agent_overhead.py --mode ab --steps 100
+    python bench/agent_overhead.py --mode processes --processes 3 --steps 200
     python bench/agent_overhead.py --mode ab --steps 100 --compile   # torch.compile'd model
+    python bench/agent_overhead.py --mode ab --steps 100 --record off  # no flight recorder
 
 With --compile both copies are `torch.compile`d (inductor) and the agent is attached to the
 compiled model, as nanoGPT users write it; the table also gives dynamo's graph-break and
@@ -127,9 +133,10 @@ def instrument(trainer: Trainer, config: str, server: str | None) -> Any:
     """Apply one configuration; returns a handle with detach() or None."""
     if config.startswith("baseline"):
         return None
-    if config in ("agent", "agent_activations_every_step"):
+    if config in ("agent", "agent_activations_every_step", "agent_offline", "agent_server"):
         from ampwatch import agent
 
+        # agent_offline: AMPWATCH_MODE=offline in its environment keeps it off the network
         every = 1 if config == "agent_activations_every_step" else 10
         return agent.attach(trainer.model, trainer.scaler, server=server, sample_every=every,
                             name=f"bench-{config}")
@@ -246,7 +253,8 @@ def mode_ab(args: argparse.Namespace, server: str) -> None:
     for every in (10,) if args.compile else (10, 1):
         plain, watched = Trainer(compiled=args.compile), Trainer(compiled=args.compile)
         attachment = agent.attach(watched.call, watched.scaler, server=server,
-                                  sample_every=every, name="bench-ab")
+                                  sample_every=every, name="bench-ab",
+                                  record=args.record == "on")
         for _ in range(args.warmup):
             plain.step()
         if args.compile:
@@ -306,9 +314,10 @@ def mode_memory(args: argparse.Namespace, server: str) -> None:
 
 @contextlib.contextmanager
 def local_server(url: str | None):
-    """A real `ampwatch serve` on a free port with a temporary SQLite file."""
+    """A real `ampwatch serve` on a free port with a temporary SQLite file: (its URL, its
+    process id; None for a server given by URL)."""
     if url:
-        yield url
+        yield url, None
         return
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -327,7 +336,7 @@ def local_server(url: str | None):
                         break
                 time.sleep(0.1)
             os.environ["AMPWATCH_SPOOL_DIR"] = f"{tmp}/spool"
-            yield f"http://127.0.0.1:{port}"
+            yield f"http://127.0.0.1:{port}", proc.pid
         finally:
             proc.terminate()
             proc.wait(timeout=30)
@@ -335,14 +344,19 @@ def local_server(url: str | None):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mode", choices=["rounds", "ab", "memory"], default="rounds")
+    parser.add_argument("--mode", choices=["rounds", "ab", "memory", "processes"],
+                        default="rounds")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--processes", type=int, default=3,
+                        help="processes mode: processes per configuration")
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--warmup", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true",
                         help="ab mode: torch.compile both copies (the agent on the compiled one)")
     parser.add_argument("--server", default=None, help="use this server instead of a local one")
+    parser.add_argument("--record", choices=["on", "off"], default="on",
+                        help="ab mode: the flight recorder (attach's record=, on by default)")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
@@ -350,7 +364,12 @@ def main() -> None:
         return
     print(f"torch {torch.__version__}, {os.cpu_count()} CPUs, 1 torch thread; "
           f"model {sum(p.numel() for p in GPT().parameters()) / 1e6:.1f}M parameters")
-    with local_server(args.server) as server:
+    with local_server(args.server) as (server, server_pid):
+        if args.mode == "processes":
+            from bench.overhead_processes import mode_processes
+
+            mode_processes(args, server, server_pid, Path(__file__).resolve())
+            return
         {"rounds": mode_rounds, "ab": mode_ab, "memory": mode_memory}[args.mode](args, server)
 
 

@@ -68,6 +68,8 @@ def check_overhead(ctx: Context) -> None:
     plan = [("ab", "bf16", False, 10), ("ab", "fp16", False, 10),
             ("processes", "bf16", False, 10), ("ab", "bf16", True, 10),
             ("ab", "bf16", False, 1), ("ab", "fp16", False, 1), ("ab", "fp16", True, 10)]
+    if ctx.smoke:  # coverage first: eager, then compiled, then per process (2 torch imports)
+        plan.sort(key=lambda item: (item[0] == "processes", item[2]))
     for kind, precision, compiled, every in plan:
         mode = "compiled" if compiled else "eager"
         sampling = "defaults" if every == 10 else "activations every step"

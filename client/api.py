@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
 
@@ -14,6 +15,7 @@ from ampwatch.client.errors import ConnectionFailed, NotFound, ServerError, erro
 from ampwatch.client.models import (
     Alerts,
     BatchAck,
+    BundleInfo,
     Delivery,
     Finding,
     Health,
@@ -26,6 +28,7 @@ from ampwatch.client.models import (
     Step,
 )
 from ampwatch.wire import DEFAULT_SERVER
+from ampwatch.wire.bundles import bundle_name
 
 MatrixMetric = Literal["grad_norm", "act_absmax", "act_time_ms"]
 
@@ -115,6 +118,43 @@ class Client:
         before and after. Blocks up to `timeout` seconds (not the client's timeout: on a
         large database it takes minutes); a VACUUM cut off by it goes on on the server."""
         return self._request("POST", "/storage/compact", timeout=timeout)
+
+    def bundles(self, run_id: str) -> Records[BundleInfo]:
+        """The run's flight-recorder bundles (docs/replay.md), by step."""
+        data = self._request("GET", f"/runs/{_segment(run_id)}/bundles")
+        return Records([BundleInfo.from_json(b) for b in data["items"]], of=BundleInfo)
+
+    def download_bundle(self, run_id: str, step: int, destination: str | Path, *,
+                        rank: int = 0) -> Path:
+        """Save one bundle to `destination` (a file, or a folder to put it in, under the
+        server's file name); returns the file's path. Streams: a bundle holds a model."""
+        url = f"{self.base_url}/api/v1/runs/{_segment(run_id)}/bundles/{rank}/{step}"
+        target = Path(destination)
+        if target.is_dir():
+            target = target / bundle_name(step)
+        try:
+            with self._http.stream("GET", url, headers=self._headers) as response:
+                if response.is_error:
+                    response.read()
+                    raise error_for_response(response)
+                partial = target.with_name(target.name + ".part")
+                with open(partial, "wb") as out:
+                    for chunk in response.iter_bytes():
+                        out.write(chunk)
+                partial.replace(target)
+        except httpx.TimeoutException as exc:
+            raise ConnectionFailed(f"no answer from {self.base_url} ({exc})") from exc
+        except httpx.TransportError as exc:
+            raise ConnectionFailed(f"cannot reach {self.base_url}: {exc}") from exc
+        return target
+
+    def upload_bundle(self, run_id: str, step: int, path: str | Path, *,
+                      rank: int = 0) -> BundleInfo:
+        """PUT a bundle file (streamed) for `step` of `rank`; a re-sent step replaces it."""
+        with open(path, "rb") as body:
+            data = self._request("PUT", f"/runs/{_segment(run_id)}/bundles/{rank}/{step}",
+                                 content=body, headers={"Content-Type": "application/zip"})
+        return BundleInfo.from_json(data)
 
     def register_run(self, run_id: str, body: dict[str, Any]) -> Run:
         """PUT the run registration `body` (wire form, docs/wire-format.md); idempotent."""

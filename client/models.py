@@ -293,6 +293,23 @@ class Finding(Model):
 
 
 @dataclasses.dataclass(frozen=True)
+class BundleInfo(Model):
+    """A flight-recorder bundle the server holds: the bad step, what triggered it, the
+    first layer whose output held inf/NaN, whether its weights are exact, its size and
+    its download `url` (relative to the server)."""
+
+    run_id: str
+    rank: int
+    step: int
+    trigger: str
+    first_nonfinite_layer: str | None
+    exact: bool
+    bytes: int
+    created_at: datetime
+    url: str
+
+
+@dataclasses.dataclass(frozen=True)
 class BatchAck(Model):
     """The server's receipt for one batch; `duplicate` when it already had it."""
 
@@ -320,6 +337,7 @@ class AlertRule(Model):
     projects: list[str] = dataclasses.field(default_factory=list)
     kinds: list[str] = dataclasses.field(default_factory=list)
     on_resolve: bool = False
+    per: str = "incident"  # one notification per incident, or per finding
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,8 @@ from typing import Any
 
 from ampwatch.client.api import Client
 from ampwatch.client.errors import AmpwatchError, BadRequest, NotFound
+from ampwatch.wire.bundles import BUNDLE_FOLDER, bundle_step
+from ampwatch.wire.bundles import SUFFIX as BUNDLE_SUFFIX
 from ampwatch.wire.spool import (
     FORMAT,
     PROGRESS,
@@ -49,6 +51,7 @@ class SyncReport:
     busy: list[Path] = field(default_factory=list)
     stopped: str | None = None
     crash_lost: int = 0  # steps an agent killed before spooling them (counted dropped)
+    bundles: int = 0  # flight-recorder bundles uploaded (docs/replay.md)
 
     @property
     def ok(self) -> bool:
@@ -114,7 +117,33 @@ def sync_spool(client: Client, root: Path, progress: Progress | None = None) -> 
                 done += 1
                 if progress:
                     progress(done, total, path)
+    for directory in rank_dirs(root):
+        with _locked(directory) as locked:
+            if locked and not _upload_bundles(client, directory, report):
+                return report
     return report
+
+
+def _upload_bundles(client: Client, directory: Path, report: SyncReport) -> bool:
+    """The flight-recorder bundles a rank's spool holds (`bundles/`), after its batches:
+    each deleted once the server has it. False when the sync must stop."""
+    run_id, rank = directory.parent.name, int(directory.name.removeprefix("rank-"))
+    for path in sorted((directory / BUNDLE_FOLDER).glob(f"step-*{BUNDLE_SUFFIX}")):
+        try:
+            client.upload_bundle(run_id, bundle_step(path.name), path, rank=rank)
+        except BadRequest as exc:
+            report.rejected.append((path, exc.message))
+            path.rename(path.with_suffix(".refused"))
+            continue
+        except NotFound as exc:
+            report.failed.append((path, exc.message))
+            continue
+        except AmpwatchError as exc:
+            report.stopped = exc.message
+            return False
+        path.unlink()
+        report.bundles += 1
+    return True
 
 
 def _upload(client: Client, path: Path, registered: dict[str, Any],

@@ -19,7 +19,17 @@ from starlette.types import Scope
 
 from ampwatch.server import __version__, metrics, pages
 from ampwatch.server.alerts import AlertService
-from ampwatch.server.api import alerts, batches, findings, fp8, health, retention, runs, series
+from ampwatch.server.api import (
+    alerts,
+    batches,
+    bundles,
+    findings,
+    fp8,
+    health,
+    retention,
+    runs,
+    series,
+)
 from ampwatch.server.api.error_responses import PROTECTED
 from ampwatch.server.budget import ReadBudget
 from ampwatch.server.db import health_on_commit, make_engine, session_info, upgrade
@@ -138,7 +148,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     api.include_router(health.router)
     protected = APIRouter(dependencies=token_dependencies(settings),
                           responses=PROTECTED if settings.token is not None else {})
-    for module in (runs, batches, series, findings, fp8, retention, alerts):
+    for module in (runs, batches, series, findings, fp8, retention, alerts, bundles):
         protected.include_router(module.router)
     api.include_router(protected)
     app.include_router(api)

@@ -17,12 +17,19 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from ampwatch.server import analysis
+from ampwatch.server.analysis.store import refresh_run_health
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import Batch, Run, RunRank, utcnow
-from ampwatch.server.restarts import restart_from, stored_last_step, supersede
+from ampwatch.server.restarts import (
+    forget_findings,
+    rebuild_summaries,
+    restart_from,
+    stored_last_step,
+    supersede,
+)
 from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
 from ampwatch.server.series import COMPRESSED_FORMAT, FIELD_INDEX, StepSeries, concat
 from ampwatch.server.settings import Settings
@@ -61,6 +68,8 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
                 return stored.ack(batch, target)
             folded = _fold_totals(session, target, batch, stored)
             _analyse(session, target, batch, stored, folded, settings, on_analysed)
+            if stored.forgot:  # findings went with the superseded steps: recount health
+                refresh_run_health(session, session.get(Run, run_id))
             session.commit()
         except BaseException:
             # a failed rollback (the connection is gone) must not hide why it failed
@@ -83,14 +92,15 @@ class _Target:
 
 @dataclass
 class _Stored:
-    """What storing did: the packed row, and the restart it carried (its step and the
-    steps and skipped steps it superseded)."""
+    """What storing did: the packed row, and the restart it carried (its step, the steps
+    and skipped steps it superseded, and whether findings went with them)."""
 
     row: dict
     duplicate: bool
     restart: int | None
     superseded: tuple[int, int]
     fp8: bool
+    forgot: bool = False
 
     def ack(self, batch: BatchIn, target: _Target) -> BatchAck:
         return BatchAck(run_id=target.run_id, rank=batch.rank, seq=batch.seq,
@@ -113,8 +123,11 @@ def _validate(session: Session, run_id: str, batch: BatchIn) -> _Target:
     # The first statement is a write (touching the run), so a writer from another process
     # queues on SQLite's busy timeout instead of failing on a read-to-write lock upgrade.
     now = utcnow()
+    # steps that arrive after an archive are live data again (the next archive drops
+    # them too); a batch that turns out a replay or is refused rolls this back
+    unarchive = {"archived_at": None} if batch.steps else {}
     touched = session.execute(
-        update(Run).where(Run.id == run_id).values(last_seen_at=now)
+        update(Run).where(Run.id == run_id).values(last_seen_at=now, **unarchive)
     ).rowcount
     if not touched:
         raise NotFound(f"no run with id {run_id!r}: register it with PUT /api/v1/runs/{run_id}")
@@ -139,10 +152,11 @@ def _store(session: Session, target: _Target, batch: BatchIn) -> _Stored:
     events = encode_tree([e.model_dump() for e in batch.events])
     restart_event = restart_from(events)
     restart = None if restart_event is None else restart_event["step"]
-    superseded = (0, 0)
+    superseded, forgot = (0, 0), False
     if restart is not None:
         previous_last = stored_last_step(session, run_id, batch.rank)
         superseded = supersede(session, run_id, batch.rank, restart)
+        forgot = forget_findings(session, run_id, batch.rank, restart)
         restart_event["detail"] = {**restart_event.get("detail", {}),
                                    "previous_last_step": previous_last,
                                    "superseded_steps": superseded[0]}
@@ -153,7 +167,7 @@ def _store(session: Session, target: _Target, batch: BatchIn) -> _Stored:
     ).first() is not None
     fp8 = inserted and store_fp8_samples(session, run_id, batch.rank, batch.steps,
                                          target.n_layers)
-    return _Stored(row, not inserted, restart, superseded, bool(fp8))
+    return _Stored(row, not inserted, restart, superseded, bool(fp8), forgot)
 
 
 def _check_replay(session: Session, target: _Target, batch: BatchIn, row: dict) -> None:
@@ -187,7 +201,10 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
         rank_row.steps -= stored.superseded[0]
         rank_row.skipped -= stored.superseded[1]
         rank_row.last_step = restart - 1 if restart > 0 else None
-    elif len(series) and rank_last_step is not None and row["first_step"] <= rank_last_step:
+    # steps that may repeat stored ones (no restart): counted and summarised once
+    behind = (restart is None and len(series) > 0 and rank_last_step is not None
+              and row["first_step"] <= rank_last_step)
+    if behind:
         session.flush()
         new_steps, new_skipped = _unique_step_delta(session, run_id, batch.rank, batch.seq,
                                                     row["first_step"], row["last_step"])
@@ -195,7 +212,10 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
     rank_row.last_seen_at = target.now
     _note_finished(rank_row, batch, target.now)
     update_layer_stats(rank_row, series)
-    fold_batch(session, run_id, batch.rank, series)
+    if behind:  # refold the buckets it touches from what reads see (its copy wins)
+        rebuild_summaries(session, run_id, batch.rank, row["first_step"], row["last_step"])
+    else:
+        fold_batch(session, run_id, batch.rank, series)
     session.flush()
     return _Folded(series, rank_last_step, others)
 

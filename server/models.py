@@ -278,3 +278,23 @@ class AlertAttempt(Base):
     ok: Mapped[bool] = mapped_column(Boolean)
     status_code: Mapped[int | None] = mapped_column(Integer)
     error: Mapped[str | None] = mapped_column(Text)
+
+
+class Bundle(Base):
+    """A flight-recorder bundle of one bad step (docs/replay.md). The file lies in the
+    server's bundle folder (server/bundles.py), named by (run, rank, step); the row holds
+    what lists and pages show, `meta` the bundle's bundle.json."""
+
+    __tablename__ = "bundles"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    trigger: Mapped[str] = mapped_column(String(32))
+    first_nonfinite_layer: Mapped[str | None] = mapped_column(String(512))
+    exact: Mapped[bool] = mapped_column(Boolean)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    meta: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -6,7 +6,8 @@ steps out (storage.unpack_row); the rank's totals and its step-bucket summaries 
 The rule, per (run, rank): a batch carrying a `restart` event at step S (the agent sends
 one in its first batch when it resumes a run with the trainer's step, `attach(...,
 resume=True, step=S)`) supersedes every stored copy of steps S and later: each stored
-batch arrived before it. The event stays in the history, with what it superseded. Only
+batch arrived before it. The event stays in the history, with what it superseded, and
+the findings that the superseded steps raised go with them. Only
 that explicit event restarts: steps that merely arrive out of order (an agent moving a
 batch after a 409, a late replay from an old spool) supersede nothing.
 """
@@ -19,7 +20,7 @@ import numpy as np
 from sqlalchemy import case, delete, func, or_, select, update
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, StepSummary
+from ampwatch.server.models import Batch, Finding, Fp8Sample, Run, RunRank, StepSummary
 from ampwatch.server.storage import load_series, unpack_row
 from ampwatch.server.summaries import SUMMARY_STEPS, fold_batch
 from ampwatch.wire import RESTART_EVENT
@@ -64,27 +65,47 @@ def supersede(session: Session, run_id: str, rank: int, from_step: int) -> tuple
     return steps, skipped
 
 
+def forget_findings(session: Session, run_id: str, rank: int, from_step: int) -> bool:
+    """After a restart from `from_step`: delete the rank's findings that superseded steps
+    raised (first seen at or after it) and cut back those that ran into it, so no finding
+    speaks of data that reads no longer see; the analysis of the re-done steps updates
+    the rest. Returns whether any finding changed (the run's health must be recounted)."""
+    mine = (Finding.run_id == run_id, Finding.rank == rank)
+    gone = session.execute(delete(Finding).where(*mine, Finding.step >= from_step)).rowcount
+    cut = session.execute(
+        update(Finding).where(*mine, Finding.step < from_step, Finding.last_step >= from_step)
+        .values(last_step=from_step - 1)
+    ).rowcount
+    return bool(gone or cut)
+
+
 # steps read at once while rebuilding: 10,000 steps of 1,000 layers are about 40 MB of norms
 REBUILD_CHUNK_STEPS = 10 * SUMMARY_STEPS
 
 
-def rebuild_summaries(session: Session, run_id: str, rank: int, from_step: int = 0) -> None:
-    """Drop the rank's step-bucket summaries from `from_step`'s bucket on and fold the
-    stored steps from that bucket's start on into them again. After a restart (its steps
-    from `from_step` on already superseded) that refolds the bucket's earlier steps; from
-    0 it builds a run's summaries afresh (one stored before summaries existed). Reads the
-    batches REBUILD_CHUNK_STEPS step numbers at a time, so memory does not grow with the
-    run's length."""
+def rebuild_summaries(session: Session, run_id: str, rank: int, from_step: int = 0,
+                      through_step: int | None = None) -> None:
+    """Drop the rank's step-bucket summaries from `from_step`'s bucket on (through
+    `through_step`'s bucket, when given) and fold the stored steps of those buckets into
+    them again. After a restart (its steps from `from_step` on already superseded) that
+    refolds the bucket's earlier steps; from 0 it builds a run's summaries afresh (one
+    stored before summaries existed); over a batch's steps it counts a step sent twice
+    once, as reads see it. Reads the batches REBUILD_CHUNK_STEPS step numbers at a time,
+    so memory does not grow with the run's length."""
     bucket = from_step // SUMMARY_STEPS
-    session.execute(delete(StepSummary).where(StepSummary.run_id == run_id,
-                                              StepSummary.rank == rank,
-                                              StepSummary.bucket >= bucket))
+    mine_summaries = [StepSummary.run_id == run_id, StepSummary.rank == rank,
+                      StepSummary.bucket >= bucket]
+    if through_step is not None:
+        mine_summaries.append(StepSummary.bucket <= through_step // SUMMARY_STEPS)
+    session.execute(delete(StepSummary).where(*mine_summaries))
     n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
     # a batch's last step that reads still see (a restart superseded the later ones)
     readable_last = case((Batch.superseded_from.is_(None), Batch.last_step),
                          else_=Batch.superseded_from - 1)
     mine = (Batch.run_id == run_id, Batch.rank == rank)
     last = session.scalar(select(func.max(readable_last)).where(*mine))
+    if last is not None and through_step is not None:
+        last = min(last, (through_step // SUMMARY_STEPS + 1) * SUMMARY_STEPS - 1)
     start = bucket * SUMMARY_STEPS
     while last is not None and start <= last:
         first = session.scalar(select(func.min(Batch.first_step)).where(

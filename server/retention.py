@@ -5,36 +5,63 @@ from __future__ import annotations
 
 import os
 
-from sqlalchemy import delete, text
+from sqlalchemy import delete, insert, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
+from ampwatch.server.codec import encode_columns
 from ampwatch.server.db import writing
 from ampwatch.server.errors import Conflict
 from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, utcnow
 from ampwatch.server.restarts import rebuild_summaries
 from ampwatch.server.runs import get_run, run_ranks
+from ampwatch.server.storage import new_batch_row
 from ampwatch.server.summaries import summarised_steps
 
 
 def archive_run(session: Session, run_id: str) -> Run:
-    """Drop the run's stored batches (with the agent's events they carry: restart
-    history, speed checks) and FP8 samples; keep the run, its layers, totals, step
-    summaries and findings. Pages of an archived run read the summaries (zoomed in,
-    they show bucket envelopes instead of single steps). A rank whose summaries do not
-    hold all its steps (stored before summaries existed) has them built from its batches
-    first, which reads all of them once; Conflict when they cannot be (its batches are
-    gone too), and nothing is dropped. Idempotent; a batch sent after archiving is stored
-    as usual."""
+    """Drop the run's stored steps and FP8 samples; keep the run, its layers, totals, step
+    summaries, findings and the agent's events (restart history, speed checks), which
+    move into one step-less batch per rank (seq EVENTS_SEQ). Pages of an archived run
+    read the summaries (zoomed in, they show bucket envelopes instead of single steps).
+    A rank whose summaries do not hold all its steps (stored before summaries existed)
+    has them built from its batches first, which reads all of them once; Conflict when
+    they cannot be (its batches are gone too), and nothing is dropped. Idempotent; a
+    batch with steps sent after archiving is stored as usual and un-archives the run."""
     with writing(session):
         run = get_run(session, run_id)
-        for rank_row in run_ranks(session, run_id):
+        ranks = run_ranks(session, run_id)
+        for rank_row in ranks:
             _summarise_all_steps(session, rank_row)
+        kept = {rank_row.rank: _readable_events(session, run_id, rank_row.rank)
+                for rank_row in ranks}
         session.execute(delete(Batch).where(Batch.run_id == run_id))
         session.execute(delete(Fp8Sample).where(Fp8Sample.run_id == run_id))
+        for rank, events in kept.items():
+            if events:
+                session.execute(insert(Batch).values(
+                    **encode_columns(new_batch_row(run_id, rank, EVENTS_SEQ, [],
+                                                   run.n_layers, events))))
         run.archived_at = utcnow()
         session.commit()
         return run
+
+
+# the seq of an archived rank's events-only batch: below any seq an agent sends (>= 0)
+EVENTS_SEQ = -1
+
+
+def _readable_events(session: Session, run_id: str, rank: int) -> list[dict]:
+    """The rank's events as reads see them (a restart's superseded steps take their events
+    with them), in the order `load_batches` reads them. Reads only the events column."""
+    rows = session.execute(
+        select(Batch.events, Batch.superseded_from)
+        .where(Batch.run_id == run_id, Batch.rank == rank)
+        .order_by(Batch.first_step, Batch.seq)
+    ).all()
+    return [event for row in rows for event in row.events or []
+            if row.superseded_from is None or event.get("step") is None
+            or event["step"] < row.superseded_from]
 
 
 def _summarise_all_steps(session: Session, rank_row: RunRank) -> None:

@@ -62,6 +62,12 @@ class Settings(BaseSettings):
     alerts: AlertSettings = Field(default_factory=AlertSettings)
     # GET /metrics accepts this bearer token (for scrapers) or `token`; open without both
     metrics_token: SecretStr | None = None
+    # flight-recorder bundles (docs/replay.md): their folder (default: `bundles/` next to
+    # a SQLite database, else $XDG_DATA_HOME/ampwatch/bundles), the largest one accepted
+    # and the most all of them may take (beyond, 507); they go with their run
+    bundle_dir: Path | None = None
+    bundle_max_bytes: int = Field(4 << 30, ge=1024)
+    bundle_total_bytes: int = Field(100 << 30, ge=1024)
 
     @field_validator("database_url")
     @classmethod
@@ -85,6 +91,16 @@ class Settings(BaseSettings):
                 f"twice max_body_bytes ({self.max_body_bytes}): one request holds its gzip "
                 "body and the inflated one")
         return self
+
+    @property
+    def bundle_folder(self) -> Path:
+        """Where bundle files are kept (see `bundle_dir`)."""
+        if self.bundle_dir is not None:
+            return Path(self.bundle_dir)
+        if self.database_url.startswith("sqlite:///") and ":memory:" not in self.database_url:
+            return Path(self.database_url.removeprefix("sqlite:///")).parent / "bundles"
+        base = Path(os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share")
+        return base / "ampwatch" / "bundles"
 
     @property
     def public_url(self) -> str:

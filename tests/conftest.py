@@ -46,6 +46,32 @@ def private_spool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "spool"))
 
 
+# FastAPI keeps every endpoint and dependency callable it classifies in module-level LRU
+# caches (4,096 entries each, fastapi/dependencies/models.py); FastAPIOffline's docs
+# endpoints close over their app, so each test's app (about 4 MB: routes, response
+# models, the OpenAPI schema) stayed alive until 4,096 newer callables pushed it out:
+# about 2 GB by the end of the suite.
+FASTAPI_CALLABLE_CACHES = ("_is_gen_callable_cached", "_is_async_gen_callable_cached",
+                           "_is_coroutine_callable_cached")
+
+
+def release_fastapi_callables() -> None:
+    """Drop FastAPI's cached references to the callables of the apps made so far; a later
+    app fills the caches again (they only save it work while it is built)."""
+    from fastapi.dependencies import models
+
+    for name in FASTAPI_CALLABLE_CACHES:
+        cached = getattr(models, name, None)
+        if cached is not None:
+            cached.cache_clear()
+
+
+@pytest.fixture(autouse=True)
+def _apps_do_not_outlive_their_test() -> Iterator[None]:
+    yield
+    release_fastapi_callables()
+
+
 @pytest.fixture(scope="session")
 def postgres_database() -> Iterator[str]:
     """A fresh database on the test Postgres server for this test session, dropped after."""
@@ -191,6 +217,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def pytest_unconfigure(config: pytest.Config) -> None:
     """The session is over and the interpreter exits next: its final garbage collections
-    would walk every object the suite left behind (minutes for the ~2 GB of the whole
-    suite, all of it freed with the process anyway); frozen, they are skipped."""
+    would walk every object the suite left behind (module-scoped data, caches; all of it
+    freed with the process anyway); frozen, they are skipped."""
     gc.freeze()

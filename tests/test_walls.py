@@ -36,6 +36,7 @@ WALLS = {
     "server": ("torch", "ampwatch.agent", "ampwatch.client", "ampwatch.demo"),
     "client": ("torch", "ampwatch.agent", "ampwatch.server", "ampwatch.demo"),
     "agent": ("ampwatch.server", "ampwatch.client", "ampwatch.demo"),
+    "replay": ("ampwatch.server", "ampwatch.client", "ampwatch.demo"),
 }
 
 
@@ -54,3 +55,17 @@ def test_a_wall_stops_an_import():
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                           timeout=300)
     assert done.returncode != 0 and "behind a wall" in done.stderr
+
+
+def test_the_replay_command_registers_without_torch():
+    """`ampwatch` loads ampwatch.replay.cli on every call: it must not need torch."""
+    code = IMPORT_ALL.split("package = ")[0] + textwrap.dedent("""
+        import argparse
+        import ampwatch.replay.cli as cli
+        cli.register(argparse.ArgumentParser().add_subparsers())
+        print("2 modules")
+    """)
+    code = code.format(package="replay", blocked=("torch",))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]

@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from ampwatch.agent.buffer import StepBuffer
-    from ampwatch.agent.session import Session
+    from ampwatch.agent.session import LoopWatch
 
 EVENTS = ("on_forward_begin", "on_forward_end", "on_backward_begin", "on_backward_end",
           "on_zero_grad", "on_loss_logged", "on_scale", "on_grads", "on_clip_begin",
@@ -35,13 +35,13 @@ class Collector:
 
     def __init__(self) -> None:
         self.offset = 0
-        self.session: Session | None = None
+        self.session: LoopWatch | None = None
 
     # set-up (training thread, at attach and detach)
     def reserve(self, buffer: StepBuffer) -> None:
         self.offset = buffer.reserve(self.slots)
 
-    def bind(self, session: Session) -> None:
+    def bind(self, session: LoopWatch) -> None:
         self.session = session
         self._view = session.buffer.view(self.offset, self.slots)  # one narrow, not per step
 

@@ -14,11 +14,13 @@ import threading
 import time
 from collections import deque
 from pathlib import Path
-from typing import Any
 
 from ampwatch.agent import guard
+from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.transport.sender import Outcome, Response, Sender
 from ampwatch.agent.transport.spool import Spool, leftover_dirs, read_entry
+from ampwatch.wire.bundles import BUNDLE_FOLDER, bundle_step
+from ampwatch.wire.bundles import SUFFIX as BUNDLE_SUFFIX
 
 logger = logging.getLogger("ampwatch.agent")
 
@@ -40,7 +42,7 @@ class Delivery:
     IDLE_S = 0.5  # how often an idle sender looks at the spool (new batches wake it)
     LEFTOVER_EVERY_S = 30.0
 
-    def __init__(self, settings: Any, spool: Spool, sender: Sender) -> None:
+    def __init__(self, settings: AgentSettings, spool: Spool, sender: Sender) -> None:
         self.settings = settings
         self.spool = spool
         self.sender = sender
@@ -145,10 +147,32 @@ class Delivery:
             return False
         if not self._deliver_spool(self.spool, deadline):
             return False
+        self._deliver_bundles()
         if not force and time.monotonic() >= self._leftovers_at:
             self._leftovers_at = time.monotonic() + self.LEFTOVER_EVERY_S
             self._replay_leftovers(deadline)
         return True
+
+    def _deliver_bundles(self) -> None:
+        """Upload the flight recorder's bundles (agent/bundle.py) once the batches before
+        them are in; each leaves the folder once the server has it. A refused one (the
+        server's limits) stays on this machine, renamed, and is not offered again."""
+        folder = self.spool.dir / BUNDLE_FOLDER
+        if not folder.is_dir():
+            return
+        for path in sorted(folder.glob(f"*{BUNDLE_SUFFIX}")):
+            step = bundle_step(path.name)
+            reply = self.sender.put_bundle(self.settings.run_id, self.settings.rank, step, path)
+            if reply.outcome is Outcome.OK:
+                path.unlink(missing_ok=True)
+            elif reply.outcome is Outcome.REJECT:
+                path.rename(path.with_suffix(".refused"))
+                guard.report("sender.bundle_rejected", RuntimeError(
+                    f"server refused bundle {path.name}: HTTP {reply.status}; it stays in "
+                    f"{folder}"))
+            else:
+                self._backoff()
+                return
 
     def _deliver_spool(self, spool: Spool, deadline: float | None) -> bool:
         """Send the spool's batches in seq order; True when none is left."""

@@ -87,5 +87,20 @@ class Sender:
         """POST a batch: a dict, or its JSON already encoded (bytes)."""
         return self._send("POST", f"/api/v1/runs/{run_id}/batches", batch, limit, compress=True)
 
+    def put_bundle(self, run_id: str, rank: int, step: int, path: Any) -> Response:
+        """PUT a flight-recorder bundle file, streamed from disk (a minute per 64 MiB at
+        the slowest before it counts as failed)."""
+        size = path.stat().st_size
+        timeout = httpx.Timeout(max(self.REQUEST_TIMEOUT_S, 60.0 * (1 + size / (64 << 20))),
+                                connect=self.CONNECT_TIMEOUT_S)
+        try:
+            with open(path, "rb") as body:
+                reply = self._client.put(f"/api/v1/runs/{run_id}/bundles/{rank}/{step}",
+                                         content=body, timeout=timeout,
+                                         headers={"Content-Type": "application/zip"})
+        except (httpx.HTTPError, OSError):
+            return Response(Outcome.RETRY)
+        return Response(classify(reply.status_code), None, reply.status_code)
+
     def close(self) -> None:
         self._client.close()

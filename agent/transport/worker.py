@@ -16,15 +16,48 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ampwatch.agent import guard
+from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.transport.delivery import Delivery
 from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.spool import Spool
 
-_STOP = object()
+if TYPE_CHECKING:
+    from ampwatch.agent.session import StepItem
+
+
+@dataclass
+class EventMessage:
+    """An event for the next batch, as the wire carries it (`step` None: no step)."""
+
+    event: dict[str, Any]
+
+
+@dataclass
+class RunMessage:
+    """The run's registration body changed (its layer table or environment)."""
+
+    body: dict[str, Any]
+
+
+@dataclass
+class FlushMessage:
+    """Cut a batch of everything before it; the worker then sets `no_failures` (no step
+    since the previous flush was lost to an agent error) and `done`."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    no_failures: bool = False
+
+
+class StopMessage:
+    """End the worker thread (after everything before it)."""
+
+
+STOP = StopMessage()
 
 
 class Worker:
@@ -34,12 +67,11 @@ class Worker:
     POLL_S = 0.05
     REGISTER_TIMEOUT_S = 2.0
 
-    def __init__(self, settings: Any, run_body: dict, decode: Callable[[Any], dict | None],
-                 extra_dropped: Callable[[], int]) -> None:
+    def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
-        self.run_body = run_body
-        self._decode = decode
-        self._extra_dropped = extra_dropped
+        self.run_body: dict[str, Any] = {}
+        self._decode: Callable[[StepItem], dict | None] = lambda item: None
+        self._extra_dropped: Callable[[], int] = lambda: 0
         self._items: deque = deque()
         self._wake = threading.Event()
         self._thread: threading.Thread | None = None
@@ -62,20 +94,27 @@ class Worker:
         self.explicit_steps = False  # the loop numbers the steps itself: no offset
 
     # ------------------------------------------------------------------ any thread
-    def submit(self, item: Any) -> bool:
-        """Hand an item to the worker; never blocks. False when it was dropped."""
+    def submit(self, item: StepItem | EventMessage | RunMessage | FlushMessage | StopMessage
+               ) -> bool:
+        """Hand an item to the worker (a closed step from the training thread, or a
+        message); never blocks. False when it was dropped. Items submitted before `start`
+        wait for it."""
         if self.dead or os.getpid() != self._pid:
             return False
-        if self._thread is None:
-            self._start()
         if len(self._items) >= self.MAX_QUEUE:
             return False
         self._items.append(item)  # atomic under the GIL
         return True
 
-    def _start(self) -> None:
+    def start(self, run_body: dict[str, Any], decode: Callable[[StepItem], dict | None],
+              extra_dropped: Callable[[], int]) -> None:
+        """Start the thread once: `run_body` registers the run, `decode` turns a closed
+        step into its wire record (on this thread), `extra_dropped` counts the steps the
+        training thread dropped before they reached the queue."""
         with self._start_lock:
-            if self._thread is None:
+            if self._thread is None and not self.dead:
+                self.run_body = run_body
+                self._decode, self._extra_dropped = decode, extra_dropped
                 self._thread = threading.Thread(target=self._run, name="ampwatch-agent",
                                                 daemon=True)
                 self._thread.start()
@@ -90,16 +129,15 @@ class Worker:
         (or, offline, written) and no step since the previous flush was lost to an agent
         error."""
         deadline = time.monotonic() + timeout
-        cut = threading.Event()
-        box: dict[str, bool] = {}
-        if not self.submit(("flush", cut, box)):
+        message = FlushMessage()
+        if self._thread is None or not self.submit(message):
             return False
         self._wake.set()
-        if not cut.wait(timeout) or self.spool is None:
+        if not message.done.wait(timeout) or self.spool is None:
             return False
         if self.delivery is None:
-            return box.get("no_failures", False)  # offline: written is all there is
-        return self.delivery.flush(deadline) and box.get("no_failures", False)
+            return message.no_failures  # offline: written is all there is
+        return self.delivery.flush(deadline) and message.no_failures
 
     def stop(self, timeout: float) -> bool:
         """Flush within `timeout`, then end both threads. Idempotent."""
@@ -108,7 +146,7 @@ class Worker:
             return True
         deadline = time.monotonic() + timeout
         delivered = self.flush(timeout)
-        self.submit(_STOP)
+        self.submit(STOP)
         self._wake.set()
         self._thread.join(timeout=max(0.1, deadline - time.monotonic()))
         self.dead = True
@@ -131,7 +169,7 @@ class Worker:
             self._wake.clear()
             while self._items and not stop:
                 item = self._items.popleft()
-                if item is _STOP:
+                if isinstance(item, StopMessage):
                     stop = True
                 else:
                     guard.guarded("worker.handle")(self._handle)(item)
@@ -160,23 +198,23 @@ class Worker:
             self.delivery.start()
         self.step_offset = last_step + 1
 
-    def _handle(self, item: Any) -> None:
-        if isinstance(item, tuple) and item and item[0] == "event":
+    def _handle(self, item: StepItem | EventMessage | RunMessage | FlushMessage) -> None:
+        if isinstance(item, EventMessage):
             self._note_pending()
-            event = item[1]
+            event = item.event
             if self.step_offset and not self.explicit_steps and event.get("step") is not None:
                 event["step"] += self.step_offset
             self._events.append(event)
-        elif isinstance(item, tuple) and item and item[0] == "run":
-            self.run_body = item[1]
+        elif isinstance(item, RunMessage):
+            self.run_body = item.body
             self._run_key = ""
-        elif isinstance(item, tuple) and item and item[0] == "flush":
+        elif isinstance(item, FlushMessage):
             try:
                 self._cut(final=True)
-                item[2]["no_failures"] = self.failed_steps == self._failed_seen
+                item.no_failures = self.failed_steps == self._failed_seen
                 self._failed_seen = self.failed_steps
             finally:
-                item[1].set()
+                item.done.set()
         else:
             try:
                 record = self._decode(item)

@@ -21,12 +21,13 @@ class BadUsage(Exception):
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    """Add runs, show, findings, check, export, sync and alerts to the `ampwatch` parser."""
+    """Add runs, show, findings, check, export, sync, alerts and bundles to the `ampwatch`
+    parser."""
     # imported here: those modules import this package's helpers below
-    from ampwatch.client.commands import alerts, export, findings, runs, sync
+    from ampwatch.client.commands import alerts, bundles, export, findings, runs, sync
 
     common = common_options()
-    for module in (runs, findings, export, sync, alerts):
+    for module in (runs, findings, export, sync, alerts, bundles):
         module.register(commands, common)
 
 

@@ -38,9 +38,9 @@ def register(actions: argparse._SubParsersAction, common: argparse.ArgumentParse
 
     archive = actions.add_parser(
         "archive", parents=[common], help="drop full-resolution data, keep summaries",
-        description="Archive runs: drop their per-step data, FP8 samples and agent events "
-                    "(restart history, speed checks), keep their step summaries (the "
-                    "zoomed-out charts and heatmaps), layer table, findings and totals. "
+        description="Archive runs: drop their per-step data and FP8 samples, keep their "
+                    "step summaries (the zoomed-out charts and heatmaps), layer table, "
+                    "findings, totals and agent events (restart history, speed checks). "
                     f"{_COMPACTION}")
     archive.add_argument("run_ids", nargs="*", metavar="RUN", help="run id (or use filters)")
     archive.add_argument("--older-than", type=age, metavar="AGE",

@@ -45,7 +45,7 @@ def sync_command(args: argparse.Namespace) -> int:
             "rejected": [{"path": str(p), "error": e} for p, e in report.rejected],
             "failed": [{"path": str(p), "error": e} for p, e in report.failed],
             "busy": [str(p) for p in report.busy], "stopped": report.stopped,
-            "crash_lost_steps": report.crash_lost,
+            "crash_lost_steps": report.crash_lost, "bundles": report.bundles,
         })
     else:
         print_report(root, report)
@@ -64,6 +64,8 @@ def print_report(root: Path, report: sync.SyncReport) -> None:
     if report.crash_lost:
         print(f"ampwatch sync: {report.crash_lost} steps were lost when an agent was killed "
               f"before spooling them; the server counts them as dropped", file=sys.stderr)
+    if report.bundles:
+        print(f"uploaded {report.bundles} flight-recorder bundles")
     if not (report.uploaded or report.duplicates or not report.ok):
         print(f"nothing to upload in {root}")
         return

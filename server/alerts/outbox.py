@@ -3,7 +3,9 @@ session of the app, is matched against the rules in the same flush, and the
 notifications it calls for are inserted in the same transaction. A finding change that
 commits has its notifications; one that rolls back has none.
 
-When a finding notifies, per rule:
+A rule follows incidents by default (alerts/incidents.py): the incident, the findings of
+one root cause, is what opens, escalates and resolves below. With `per = "finding"`,
+each finding does. When a finding (or incident) notifies, per rule:
 - it opens (or is found already over, within one batch) at or above the rule's severity:
   "opened", once;
 - while open it rises above the severity it was last announced at: "escalated";
@@ -15,7 +17,7 @@ notifies once. What was announced is read back from the outbox itself.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from datetime import UTC, datetime
 from typing import Any
 
@@ -23,6 +25,13 @@ from sqlalchemy import event, insert, inspect, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session, sessionmaker
 
+from ampwatch.server.alerts.incidents import (
+    announced_severities,
+    incident_json,
+    incident_state,
+    rule_members,
+    run_incidents,
+)
 from ampwatch.server.alerts.settings import AlertRule, AlertSettings
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.models import AlertNotification, Finding, Run, utcnow
@@ -65,24 +74,34 @@ class AlertOutbox:
         connection = session.connection()
         rows = []
         runs: dict[str, dict[str, str]] = {}
-        for finding, before, after in transitions:
-            run = runs.get(finding.run_id)
+        by_run: dict[str, list[Transition]] = {}
+        for transition in transitions:
+            by_run.setdefault(transition[0].run_id, []).append(transition)
+        for run_id, changed in by_run.items():
+            run = runs.get(run_id)
             if run is None:
-                run = runs[finding.run_id] = _run_info(connection, finding.run_id)
-            rows += self._notifications(connection, finding, before, after, run)
+                run = runs[run_id] = _run_info(connection, run_id)
+            rules = [r for r in self.settings.rules
+                     if not r.projects or run["project"] in r.projects]
+            per_finding = [r for r in rules if r.per == "finding"]
+            per_incident = [r for r in rules if r.per == "incident"]
+            for finding, before, after in changed if per_finding else ():
+                rows += self._notifications(connection, per_finding, finding, before, after,
+                                            run)
+            if per_incident:
+                rows += self._incident_notifications(connection, per_incident, changed, run)
         if rows:
             connection.execute(insert(AlertNotification), rows)
             session.info[_WROTE] = True
 
-    def _notifications(self, connection: Connection, finding: Finding,
-                       before: tuple[str, str] | None, after: tuple[str, str],
-                       run: dict[str, str]) -> list[dict[str, Any]]:
-        rules = [r for r in self.settings.rules
-                 if (not r.projects or run["project"] in r.projects)
-                 and (not r.kinds or finding.kind in r.kinds)]
+    def _notifications(self, connection: Connection, rules: list[AlertRule],
+                       finding: Finding, before: tuple[str, str] | None,
+                       after: tuple[str, str], run: dict[str, str]) -> list[dict[str, Any]]:
+        rules = [r for r in rules if not r.kinds or finding.kind in r.kinds]
         if not rules:
             return []
-        announced = {} if before is None else _announced(connection, finding)
+        announced = {} if before is None else announced_severities(
+            connection, finding.id, finding.run_id, _iso(finding.created_at), "finding")
         rows = []
         for rule in rules:
             what = _event(rule, before, after, announced.get(rule.name))
@@ -90,7 +109,43 @@ class AlertOutbox:
                 continue
             payload = notification_payload(what, rule.name, _finding_json(finding), run,
                                            self.public_url)
-            rows += [_row(what, rule.name, target, payload, finding) for target in rule.targets]
+            rows += [_row(what, rule.name, target, payload, finding.id, finding.run_id,
+                          finding.severity) for target in rule.targets]
+        return rows
+
+    def _incident_notifications(self, connection: Connection, rules: list[AlertRule],
+                                changed: list[Transition],
+                                run: dict[str, str]) -> list[dict[str, Any]]:
+        before = {finding.id: was for finding, was, _ in changed}
+        incidents, findings = run_incidents(connection, run["id"],
+                                            (f.rank for f, _, _ in changed))
+        rows = []
+        for incident in incidents:
+            if before.keys().isdisjoint(incident.findings):
+                continue
+            lead = findings[incident.id]
+            created = _iso(lead["created_at"])
+            announced = None
+            for rule in rules:
+                members = rule_members(rule, incident, findings)
+                if before.keys().isdisjoint(m["id"] for m in members):
+                    continue
+                was, now = incident_state(members, before)
+                if announced is None:
+                    announced = announced_severities(connection, incident.id,
+                                                     incident.run_id, created)
+                what = _event(rule, was, now, announced.get(rule.name))
+                if what is None:
+                    continue
+                worst = max(members, key=lambda m: (m["status"] == OPEN,
+                                                    SEVERITY_RANK[m["severity"]]))
+                payload = notification_payload(what, rule.name, _finding_json(worst), run,
+                                               self.public_url)
+                payload["incident"] = incident_json(incident, now, created,
+                                                    payload["run"]["url"], lead["message"])
+                payload["title"] = incident_title(what, payload["incident"], run)
+                rows += [_row(what, rule.name, target, payload, incident.id, run["id"],
+                              now[1]) for target in rule.targets]
         return rows
 
     def enqueue_test(self, session: Session, targets: Iterable[str]) -> list[int]:
@@ -151,29 +206,6 @@ def _event(rule: AlertRule, before: tuple[str, str] | None, after: tuple[str, st
     return None
 
 
-def _announced(connection: Connection, finding: Finding) -> dict[str, str]:
-    """Per rule, the highest severity this finding was announced at since its last
-    announced resolution. Rows of an older finding whose id was reused (SQLite reuses
-    the largest id after a delete) are told apart by the finding's creation time."""
-    created = _iso(finding.created_at)
-    rows = connection.execute(
-        select(AlertNotification.rule, AlertNotification.event, AlertNotification.severity,
-               AlertNotification.payload)
-        .where(AlertNotification.finding_id == finding.id,
-               AlertNotification.run_id == finding.run_id)
-        .order_by(AlertNotification.id)
-    ).all()
-    announced: dict[str, str] = {}
-    for rule, what, severity, payload in rows:
-        if (payload or {}).get("finding", {}).get("created_at") != created:
-            continue
-        if what == "resolved":
-            announced.pop(rule, None)
-        elif SEVERITY_RANK.get(severity, 0) >= SEVERITY_RANK.get(announced.get(rule), -1):
-            announced[rule] = severity
-    return announced
-
-
 def _run_info(connection: Connection, run_id: str) -> dict[str, str]:
     row = connection.execute(select(Run.name, Run.project).where(Run.id == run_id)).first()
     name, project = row if row is not None else (run_id, "")
@@ -189,14 +221,16 @@ def _iso(moment: datetime | None) -> str | None:
     return moment.isoformat() + "Z"
 
 
-def _finding_json(finding: Finding) -> dict[str, Any]:
-    return {
-        "id": finding.id, "kind": finding.kind, "code": finding.code,
-        "severity": finding.severity, "status": finding.status, "rank": finding.rank,
-        "step": finding.step, "last_step": finding.last_step, "layer": finding.layer,
-        "message": finding.message, "count": finding.count,
-        "evidence": finding.evidence or {}, "created_at": _iso(finding.created_at),
-    }
+FINDING_FIELDS = ("id", "kind", "code", "severity", "status", "rank", "step", "last_step",
+                  "layer", "message", "count")
+
+
+def _finding_json(finding: Finding | Mapping[str, Any]) -> dict[str, Any]:
+    """A finding (ORM object or row mapping) as the payload's `finding` object."""
+    get = finding.__getitem__ if isinstance(finding, Mapping) else \
+        lambda name: getattr(finding, name)
+    return {**{name: get(name) for name in FINDING_FIELDS},
+            "evidence": get("evidence") or {}, "created_at": _iso(get("created_at"))}
 
 
 def notification_payload(what: str, rule: str, finding: dict[str, Any],
@@ -221,9 +255,17 @@ def notification_title(what: str, finding: dict[str, Any], run: dict[str, Any]) 
     return f"ampwatch {what}: {finding['severity']} {finding['kind']}{layer} in {where}{at}"
 
 
-def _row(what: str, rule: str, target: str, payload: dict[str, Any],
-         finding: Finding) -> dict[str, Any]:
+def incident_title(what: str, incident: dict[str, Any], run: dict[str, Any]) -> str:
+    """"ampwatch opened: critical: Layer 'fc2' overflows fp16 ... in run R (P) from step 145"."""
+    where = f"run {run['name']}" + (f" ({run['project']})" if run.get("project") else "")
+    at = f" from step {incident['step']}" if incident.get("step") is not None else ""
+    return f"ampwatch {what}: {incident['severity']}: {incident['headline']} in {where}{at}"
+
+
+def _row(what: str, rule: str, target: str, payload: dict[str, Any], finding_id: int,
+         run_id: str, severity: str) -> dict[str, Any]:
+    """An outbox row; `finding_id` is the incident's id for a rule per incident."""
     now = utcnow()
-    return {"event": what, "rule": rule, "target": target, "finding_id": finding.id,
-            "run_id": finding.run_id, "severity": finding.severity, "payload": payload,
+    return {"event": what, "rule": rule, "target": target, "finding_id": finding_id,
+            "run_id": run_id, "severity": severity, "payload": payload,
             "status": "pending", "attempts": 0, "next_attempt_at": now, "created_at": now}

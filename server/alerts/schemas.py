@@ -26,6 +26,7 @@ class AlertRulePublic(BaseModel):
     kinds: list[FindingKind]
     on_resolve: bool
     targets: list[str]
+    per: Literal["incident", "finding"]
 
 
 class AlertsPublic(BaseModel):

@@ -36,8 +36,7 @@ def send(target: AlertTarget, payload: dict[str, Any], http: httpx.Client) -> Se
         discord = discord_webhook(url)
         if discord is not None:  # apprise cannot set allowed_mentions
             return _post(discord, discord_payload(payload["title"], notification_text(payload),
-                                                  payload.get("run", {}).get("url", "")),
-                         http, url)
+                                                  notification_link(payload)), http, url)
         return _apprise(url, payload)
     except Exception as exc:  # a target's failure must not stop the dispatcher
         return SendResult(False, error=scrub(f"{type(exc).__name__}: {exc}", url))
@@ -78,9 +77,9 @@ def _notify_apprise(url: str, payload: dict[str, Any]) -> SendResult:
     notifier = apprise.Apprise()
     if not notifier.add(url):
         return SendResult(False, error="apprise does not understand this target's URL")
-    finding = payload.get("finding", {})
+    judged = payload.get("incident") or payload.get("finding", {})
     kind = "success" if payload.get("event") == "resolved" else \
-        APPRISE_TYPES.get(finding.get("severity"), "info")
+        APPRISE_TYPES.get(judged.get("severity"), "info")
     # apprise's messages may quote the target URL: keep them out of the server's log
     # (only the dispatcher thread sends through apprise) and record them scrubbed
     apprise_log = logging.getLogger("apprise")
@@ -88,7 +87,7 @@ def _notify_apprise(url: str, payload: dict[str, Any]) -> SendResult:
     try:
         with apprise.LogCapture(level=logging.WARNING) as captured:
             # plain text: apprise escapes it for the target's own format (Slack: &, <, >
-            # as entities, mrkdwn off; mail: HTML-escaped), so names cannot mention,
+            # as entities, mrkdwn off; mail: no HTML part), so names cannot mention,
             # link or embed anything
             ok = notifier.notify(title=one_line(payload["title"]),
                                  body=notification_body(payload), notify_type=kind,
@@ -102,7 +101,10 @@ def _notify_apprise(url: str, payload: dict[str, Any]) -> SendResult:
 
 
 def notification_text(payload: dict[str, Any]) -> str:
-    """The plain text of a chat or mail notification, without the run's link."""
+    """The plain text of a chat or mail notification, without its link."""
+    incident = payload.get("incident")
+    if incident is not None:
+        return "\n".join(line for line in incident_lines(incident) if line)
     finding = payload.get("finding", {})
     lines = [finding.get("message", "")]
     if finding.get("last_step") is not None and finding.get("step") is not None:
@@ -111,10 +113,15 @@ def notification_text(payload: dict[str, Any]) -> str:
     return "\n".join(line for line in lines if line)
 
 
+def notification_link(payload: dict[str, Any]) -> str:
+    """This server's page for the notification: the incident's, else the run's."""
+    return (payload.get("incident") or {}).get("url") or payload.get("run", {}).get("url", "")
+
+
 def notification_body(payload: dict[str, Any]) -> str:
-    """The plain-text body of a chat or mail notification: its text and the run's link."""
-    link = payload.get("run", {}).get("url", "")
-    return "\n".join(part for part in (notification_text(payload), link) if part)
+    """The plain-text body of a chat or mail notification: its text and its link."""
+    return "\n".join(part for part in (notification_text(payload), notification_link(payload))
+                     if part)
 
 
 def scrub(text: str, url: str) -> str:
@@ -143,3 +150,15 @@ def secret_forms(secret: str) -> set[str]:
         forms |= {plain, quote(plain, safe=""), quote(plain), quote_plus(plain),
                   quote(plain, safe="/:@!$&'()*+,;=")}
     return forms
+
+
+def incident_lines(incident: dict[str, Any]) -> list[str]:
+    """What an incident's notification says: what happened, its cause and layer, the first
+    step and the fix (its link: `notification_link`)."""
+    cause = (incident.get("cause") or "").replace("_", " ")
+    where = [f"cause: {cause}" if cause else "",
+             f"layer: {incident['layer']}" if incident.get("layer") else "",
+             f"first step: {incident['step']}" if incident.get("step") is not None else "",
+             f"rank {incident.get('rank', 0)}"]
+    return [incident.get("headline") or "", ", ".join(w for w in where if w),
+            f"Fix: {incident['fix']}" if incident.get("fix") else ""]

@@ -70,8 +70,9 @@ class AlertTarget(BaseModel):
 
 
 class AlertRule(BaseModel):
-    """Notify `targets` when a finding opens, or escalates, at or above `severity`;
-    optionally only in `projects` or for finding `kinds`, and when it resolves."""
+    """Notify `targets` when an incident (or, with `per = "finding"`, each finding)
+    opens, or escalates, at or above `severity`; optionally only in `projects` or for
+    finding `kinds`, and when it resolves."""
 
     name: str = Field(pattern=NAME_PATTERN)
     severity: Severity = "warning"
@@ -79,6 +80,9 @@ class AlertRule(BaseModel):
     kinds: list[FindingKind] = Field(default_factory=list, description="empty: every finding kind")
     on_resolve: bool = False
     targets: list[str] = Field(min_length=1)
+    per: Literal["incident", "finding"] = Field(
+        "incident", description="one notification per incident (one root cause), or per "
+                                "finding")
 
     def matches(self, project: str, kind: str, severity: str) -> bool:
         return (SEVERITY_RANK[severity] >= SEVERITY_RANK[self.severity]

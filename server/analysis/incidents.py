@@ -3,8 +3,12 @@
 A layer whose fp16 output grows until it overflows raises up to four findings: an
 overflow risk, then non-finite steps, then a skip streak, then the scale at or below 1.
 They have one cause (forward overflow) and one layer, so they form one incident with a
-headline, the first step, the fix and a timeline. Findings with no known cause are an
-incident of their own. Pure functions of the findings (API or ORM shaped): no database.
+headline, the first step, the fix and a timeline. An overflow that a later op absorbed
+(a ReLU turning -inf into 0) is the same cause a step earlier; zero gradients of the layer
+or of layers after it (in forward order), and the overflow risk of a layer after it that
+carries its values on, are its symptoms: all join its incident. Findings with no known
+cause are an incident of their own. Pure functions of the findings (API or ORM shaped)
+and the layer order: no database.
 """
 
 from __future__ import annotations
@@ -28,7 +32,15 @@ STAGES = {
     ("scaler_divergence", "skip_ratio"): (2, "many steps skipped"),
     ("scaler_divergence", "skip_streak"): (3, "steps skipped in a row"),
     ("scaler_divergence", "scale_collapse"): (4, "loss scale at or below 1"),
+    ("underflow_risk", None): (3, "gradients mostly exactly zero"),
 }
+# causes that are one cause seen at two stages: the layer's inf first absorbed by a later
+# op, then reaching the loss; grouped under the first name
+SAME_CAUSE = {"absorbed_overflow": "forward_overflow"}
+OVERFLOW = "forward_overflow"
+# findings that are symptoms of an overflowing layer upstream (or of the layer itself)
+SYMPTOMS = ("underflow_risk",)
+RISK = "overflow_risk"
 HEADLINES = {
     "divergence": "Training diverged: the gradients ran away before any value overflowed",
     "forward_overflow": "Layer {layer!r} overflows {dtype} in the forward pass",
@@ -110,27 +122,82 @@ def _order(finding: Any) -> tuple:
     return (step is None, step or 0, _stage(finding)[0], _get(finding, "id"))
 
 
-def group_incidents(findings: Iterable[Any]) -> list[Incident]:
-    """Group a run's findings (open and resolved) by (rank, cause, layer).
+def group_incidents(findings: Iterable[Any],
+                    layer_order: Mapping[str, int] | None = None) -> list[Incident]:
+    """Group a run's findings (open and resolved) by (rank, cause, layer). With
+    `layer_order` (layer name -> forward position), what a layer after an overflowing one
+    shows of it joins its incident: zero gradients (of the layer itself too, also without
+    the order), and an overflow risk begun no earlier than it, when the overflowing layer
+    went non-finite (its values carried on through a ReLU or a residual).
 
     Returns incidents open first, most severe first, then by first step. An incident is
     open while any of its findings is; its severity is the worst of its open findings
-    (of all of them once resolved). O(n log n) in the number of findings.
+    (of all of them once resolved). O(n log n + n x overflowing layers).
     """
+    order = layer_order or {}
     groups: dict[tuple, list[Any]] = {}
+    symptoms = []
     for finding in findings:
         cause = root_cause(finding)
-        key = ((_get(finding, "run_id"), _get(finding, "rank"), *cause) if cause
+        if cause is None and _get(finding, "kind") in SYMPTOMS and _get(finding, "layer"):
+            symptoms.append(finding)
+            continue
+        key = ((_get(finding, "run_id"), _get(finding, "rank"),
+                SAME_CAUSE.get(cause[0], cause[0]), cause[1]) if cause
                else ("finding", _get(finding, "id")))
         groups.setdefault(key, []).append(finding)
-    incidents = [_incident(sorted(members, key=_order)) for members in groups.values()]
+    _fold_downstream_risks(groups, order)
+    for symptom in symptoms:
+        key = _overflow_upstream(groups, order, _get(symptom, "run_id"), _get(symptom, "rank"),
+                                 _get(symptom, "layer"))
+        groups.setdefault(key or ("finding", _get(symptom, "id")), []).append(symptom)
+    incidents = [_incident(sorted(members, key=_order), key) for key, members in groups.items()]
     return sorted(incidents, key=lambda i: (i.status != "open", -SEVERITY_RANK[i.severity],
                                             i.step is None, i.step or 0, i.id))
 
 
-def _incident(members: list[Any]) -> Incident:
+def _overflow_upstream(groups: Mapping[tuple, list[Any]], order: Mapping[str, int],
+                       run_id: str, rank: int, layer: str, *,
+                       before: bool = False) -> tuple | None:
+    """The key of the overflow incident of (run, rank) nearest at or before `layer` in
+    forward order (`before`: strictly before, and only one that went non-finite)."""
+    position = order.get(layer)
+    best, best_position = None, None
+    for key, members in groups.items():
+        if key[:3] != (run_id, rank, OVERFLOW) or (before and key[3] == layer):
+            continue
+        if before and all(_get(f, "kind") == RISK for f in members):
+            continue
+        culprit = order.get(key[3])
+        if key[3] != layer and (position is None or culprit is None or culprit > position):
+            continue
+        culprit = culprit if culprit is not None else 0
+        if best_position is None or culprit > best_position:
+            best, best_position = key, culprit
+    return best
+
+
+def _fold_downstream_risks(groups: dict[tuple, list[Any]], order: Mapping[str, int]) -> None:
+    """Move each overflow-risk-only group of a layer after an overflowing one, begun no
+    earlier than it, into that layer's group."""
+    risks = [key for key, members in groups.items()
+             if key[0] != "finding" and key[2] == OVERFLOW
+             and all(_get(f, "kind") == RISK for f in members)]
+    for key in risks:
+        target = _overflow_upstream(groups, order, key[0], key[1], key[3], before=True)
+        began, target_began = _first_step(groups[key]), target and _first_step(groups[target])
+        if target is not None and began is not None and target_began is not None \
+                and began >= target_began:
+            groups[target] += groups.pop(key)
+
+
+def _first_step(members: list[Any]) -> int | None:
+    return min((s for f in members if (s := _get(f, "step")) is not None), default=None)
+
+
+def _incident(members: list[Any], key: tuple) -> Incident:
     lead = members[0]
-    cause = root_cause(lead)
+    cause = None if key[0] == "finding" else (_cause_name(members, key[2]), key[3])
     live = [f for f in members if _get(f, "status") == "open"]
     worst = max(live or members, key=lambda f: SEVERITY_RANK[_get(f, "severity")])
     steps = [_get(f, "step") for f in members if _get(f, "step") is not None]
@@ -139,7 +206,7 @@ def _incident(members: list[Any]) -> Incident:
     lasts = [s for s in lasts if s is not None]
     layer = cause[1] if cause and cause[1] != "-" else _get(lead, "layer")
     headline = fix = None
-    timeline = [TimelineEntry(step=_get(f, "step"), what=_stage(f)[1], finding=_get(f, "id"),
+    timeline = [TimelineEntry(step=_get(f, "step"), what=_what(f, layer), finding=_get(f, "id"),
                               severity=_get(f, "severity")) for f in members]
     if cause is not None and cause[0] == "misaligned":
         layer, headline, fix, timeline = _misaligned(members)
@@ -160,6 +227,24 @@ def _incident(members: list[Any]) -> Incident:
         headline=headline, fix=fix, findings=[_get(f, "id") for f in members],
         timeline=timeline,
     )
+
+
+def _cause_name(members: list[Any], grouped: str) -> str:
+    """The cause an incident is told as: of causes grouped as one, the one that went
+    furthest (an absorbed overflow that later reached the loss is a forward overflow)."""
+    named = {(_get(f, "evidence") or {}).get("cause") for f in members}
+    if grouped == OVERFLOW and OVERFLOW not in named and "absorbed_overflow" in named:
+        return "absorbed_overflow"
+    return grouped
+
+
+def _what(finding: Any, layer: str | None) -> str:
+    """A timeline entry's words; a symptom in another layer names that layer."""
+    what = _stage(finding)[1]
+    other = _get(finding, "layer")
+    if _get(finding, "kind") in SYMPTOMS and other and other != layer:
+        return f"{what} in layer {other!r}"
+    return what
 
 
 def _misaligned(members: list[Any]) -> tuple[str | None, str, str, list[TimelineEntry]]:

@@ -5,16 +5,17 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from sqlalchemy import case, func, select
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.incidents import Incident, group_incidents, incident_of
+from ampwatch.server.analysis.incidents import SYMPTOMS, Incident, group_incidents, incident_of
 from ampwatch.server.analysis.schemas import (
     FindingPublic,
     FindingsPublic,
     IncidentPublic,
     IncidentsPublic,
 )
-from ampwatch.server.models import Finding, as_utc
+from ampwatch.server.models import Finding, Layer, as_utc
 
 SEVERITY_ORDER = case({"critical": 0, "warning": 1, "info": 2}, value=Finding.severity, else_=3)
 OPEN_FIRST = case((Finding.status == "open", 0), else_=1)
@@ -77,7 +78,26 @@ def incidents_by_run(session: Session, run_ids: Iterable[str], *,
     by_run: dict[str, list[Finding]] = {run_id: [] for run_id in run_ids}
     for finding in session.scalars(query):
         by_run[finding.run_id].append(finding)
-    return {run_id: group_incidents(found) for run_id, found in by_run.items()}
+    orders = layer_orders(session, [run_id for run_id, found in by_run.items()
+                                    if any(f.kind in SYMPTOMS for f in found)])
+    return {run_id: group_incidents(found, orders.get(run_id))
+            for run_id, found in by_run.items()}
+
+
+def layer_orders(session: Session | Connection,
+                 run_ids: Iterable[str]) -> dict[str, dict[str, int]]:
+    """Per run, layer name -> position in forward execution order (the layer table's
+    order for layers the agent did not see run): what `group_incidents` needs to tell a
+    layer downstream of another. One query, only for the runs given."""
+    run_ids = list(run_ids)
+    if not run_ids:
+        return {}
+    orders: dict[str, dict[str, int]] = {}
+    for run_id, name, index, forward in session.execute(
+            select(Layer.run_id, Layer.name, Layer.index, Layer.forward_index)
+            .where(Layer.run_id.in_(run_ids))):
+        orders.setdefault(run_id, {})[name] = index if forward is None else forward
+    return orders
 
 
 def incident_public(incident: Incident) -> IncidentPublic:

@@ -24,9 +24,9 @@ class CompactPublic(BaseModel):
 @router.post("/runs/{run_id}/archive", response_model=RunPublic,
              responses=WRITE | NOT_FOUND | CONFLICT)
 def post_archive(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
-    """Drop the run's full-resolution steps, FP8 samples and agent events, keep its
-    summaries (built first from its steps when it was stored without them; 409 when
-    they cannot be), layers, findings and totals."""
+    """Drop the run's full-resolution steps and FP8 samples, keep its summaries (built
+    first from its steps when it was stored without them; 409 when they cannot be),
+    layers, findings, totals and agent events."""
     return public_run(session, archive_run(session, run_id), settings)
 
 

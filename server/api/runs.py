@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Path, Query, Response
 
 from ampwatch.server.api.error_responses import NOT_FOUND, READ, WRITE
+from ampwatch.server.bundles import remove_bundle_files
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.fields import NO_NUL
 from ampwatch.server.runs import delete_run, get_run, list_runs, public_run, upsert_run
@@ -56,7 +57,8 @@ def get_one_run(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -
 
 @router.delete("/{run_id}", status_code=204, response_class=Response,
                 responses=WRITE | NOT_FOUND)
-def remove_run(run_id: RunIdPath, session: SessionDep) -> Response:
-    """Delete the run and all its data."""
+def remove_run(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> Response:
+    """Delete the run and all its data (its bundle files too)."""
     delete_run(session, run_id)
+    remove_bundle_files(settings, run_id)
     return Response(status_code=204)

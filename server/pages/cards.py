@@ -44,6 +44,20 @@ RISK_KINDS = ("overflow_risk",)
 LEADING_STEP = re.compile(r"^Step [\d,]+: ")
 
 
+def incident_bundles(incidents: list[dict], bundles: list[dict]) -> dict[int, dict]:
+    """Incident id -> its flight-recorder bundle (docs/replay.md): each bundle goes to the
+    incident of its rank that covers its step and began last (the one the bad step
+    started, not a condition that was already open)."""
+    found: dict[int, dict] = {}
+    for bundle in bundles:
+        covering = [i for i in incidents if i.get("step") is not None
+                    and i.get("rank", 0) == bundle["rank"]
+                    and i["step"] <= bundle["step"] <= (i.get("last_step") or i["step"])]
+        if covering:
+            found.setdefault(max(covering, key=lambda i: i["step"])["id"], bundle)
+    return found
+
+
 def incident_panel(twin: dict) -> dict:
     """The overview's findings panel: one card per incident (root cause), split into
     problems (open, warning or critical), notes (open, info) and resolved ones, each
@@ -59,6 +73,7 @@ def incident_panel(twin: dict) -> dict:
     path = f"/runs/{quote(run_id)}"
     layer_index = twin.get("layer_index", {})
     cards: dict[str, list[dict]] = {"problems": [], "notes": [], "resolved": []}
+    bundles = incident_bundles(twin["incidents"], twin.get("bundles") or [])
     for incident in twin["incidents"]:
         members = [findings[i] for i in incident["findings"] if i in findings]
         if not members:
@@ -68,7 +83,8 @@ def incident_panel(twin: dict) -> dict:
                 "title": card_title(incident, members, run),
                 "lead_step": lead_step(incident, members),
                 "href": (f"{path}/layers#misaligned"
-                         if incident["cause"] == "misaligned" else None)}
+                         if incident["cause"] == "misaligned" else None),
+                "bundle": bundles.get(incident["id"])}
         if incident["step"] is not None:
             card["step_href"] = step_href(path, incident["step"], incident["last_step"],
                                           run_last, rank=rank)

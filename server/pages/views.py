@@ -15,6 +15,8 @@ from sqlalchemy.orm import Session
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.kinds import Section, kinds_in
 from ampwatch.server.analysis.queries import list_findings, list_incidents
+from ampwatch.server.api.bundles import public_bundle
+from ampwatch.server.bundles import list_bundles
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, heatmaps
@@ -96,6 +98,8 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
         "findings": findings,
         "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
         "layer_index": named_layers(session, run_id, findings),
+        "bundles": [public_bundle(b).model_dump(mode="json")
+                    for b in list_bundles(session, run_id)],
     }
 
 

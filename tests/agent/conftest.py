@@ -12,7 +12,7 @@ import torch
 
 from ampwatch import agent
 from ampwatch.agent import guard
-from ampwatch.agent.session import Session
+from ampwatch.agent.session import LoopWatch
 
 
 @pytest.fixture(autouse=True)
@@ -37,7 +37,7 @@ def reduction(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Run a test both ways statistics are reduced: on the worker from host tensors (what
     the CPU does) and on the device into the step buffer (what CUDA does), here on CPU."""
     if request.param == "device":
-        monkeypatch.setattr(Session, "HOST_REDUCE_DEVICES", ())
+        monkeypatch.setattr(LoopWatch, "HOST_REDUCE_DEVICES", ())
     return request.param
 
 

@@ -66,14 +66,21 @@ def test_prints_what_the_alert_webhook_received(demo, reopened: Client) -> None:
     out = demo[0].stdout
     assert "Alerts: the server notified the webhook at http://127.0.0.1:" in out
     delivered = reopened.deliveries(status="delivered")
-    # every warning or critical finding of the demo runs was announced, each once
-    serious = {f.id for run in reopened.runs(project="ampwatch-demo")
-               for f in reopened.findings(run.id) if f.severity_rank >= 1}
+    # every incident (root cause) with a warning or critical finding was announced, once
+    serious = {incident.id for run in reopened.runs(project="ampwatch-demo")
+               for incident in reopened.incidents(run.id)
+               if any(f.severity_rank >= 1 and f.incident == incident.id
+                      for f in reopened.findings(run.id))}
     assert serious and sorted(d.finding_id for d in delivered if d.event == "opened") == \
         sorted(serious)
     for d in delivered:
         assert f"  {d.event:<9} {d.title}" in out
-    assert "critical scaler_divergence in fc2 in run demo-fp16-overflow" in out
+    # the overflowing layer is one problem: one notification when it opened
+    overflow = [d for d in delivered
+                if d.run_id == "demo-fp16-overflow" and d.event == "opened"]
+    assert len(overflow) == 1
+    assert "Layer 'fc2' overflows fp16 in the forward pass in run demo-fp16-overflow" in \
+        overflow[0].title
 
 
 def test_all_four_runs_are_stored(reopened: Client) -> None:

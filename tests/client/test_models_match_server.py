@@ -14,6 +14,7 @@ from ampwatch.client import models
 from ampwatch.server import schemas
 from ampwatch.server.alerts import schemas as alert_schemas
 from ampwatch.server.analysis import schemas as analysis_schemas
+from ampwatch.server.api import bundles as bundle_schemas
 
 # client model -> the server schema of the JSON it is built from
 PAIRS: dict[type, type[BaseModel]] = {
@@ -35,6 +36,7 @@ PAIRS: dict[type, type[BaseModel]] = {
     models.Alerts: alert_schemas.AlertsPublic,
     models.AlertAttempt: alert_schemas.AlertAttemptPublic,
     models.Delivery: alert_schemas.DeliveryPublic,
+    models.BundleInfo: bundle_schemas.BundlePublic,
 }
 
 

@@ -13,7 +13,7 @@ from torch.amp import custom_bwd, custom_fwd
 
 from tests.recipes.models import STEPS, batches, mlp
 from tests.recipes.truth import Truth, check
-from tests.recipes.watch import watch
+from tests.recipes.watch import recipe, watch
 
 loss_fn = nn.MSELoss()
 MAX_NORM = 0.5
@@ -24,32 +24,18 @@ def grad_norm(model: nn.Module) -> float:
 
 
 def test_typical(client, recipe_server) -> None:
-    model = mlp(0)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    truth = Truth(model, optimizer, scaler)
-    run = watch(model, scaler, recipe_server.url, "typical")
+    r = recipe(mlp(0), recipe_server.url, "typical")
     for x, y in batches():
-        optimizer.zero_grad()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = loss_fn(model(x), y)
-        scaler.scale(loss).backward()
-        truth.backprop(loss)
-        scaler.step(optimizer)
-        scaler.update()
-        truth.end_step()
-    assert run.detach(timeout=30)
-    check(client, run.run_id, truth)
+        r.fp16_step(x, y)
+    assert r.run.detach(timeout=30)
+    check(client, r.run.run_id, r.truth)
 
 
 def test_clipping_after_unscale(client, recipe_server) -> None:
     """The stored grad norm is the norm before clipping (what clip_grad_norm_ returns);
     `grad_norm_clipped` the norm the optimizer stepped with."""
-    model = mlp(1)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    truth = Truth(model, optimizer, scaler)
-    run = watch(model, scaler, recipe_server.url, "clipping")
+    r = recipe(mlp(1), recipe_server.url, "clipping")
+    model, optimizer, scaler, truth, run = r.model, r.optimizer, r.scaler, r.truth, r.run
     before = []
     for x, y in batches():
         optimizer.zero_grad()
@@ -74,11 +60,8 @@ def test_clipping_after_unscale(client, recipe_server) -> None:
 
 
 def test_gradient_accumulation(client, recipe_server) -> None:
-    model = mlp(2)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    truth = Truth(model, optimizer, scaler)
-    run = watch(model, scaler, recipe_server.url, "accumulation")
+    r = recipe(mlp(2), recipe_server.url, "accumulation")
+    model, optimizer, scaler, truth, run = r.model, r.optimizer, r.scaler, r.truth, r.run
     iters_to_accumulate = 3
     for i, (x, y) in enumerate(batches(STEPS * iters_to_accumulate)):
         with torch.autocast("cpu", dtype=torch.float16):
@@ -97,11 +80,8 @@ def test_gradient_accumulation(client, recipe_server) -> None:
 def test_gradient_penalty(client, recipe_server) -> None:
     """`autograd.grad` of the scaled loss, then the scaled loss + penalty backpropagated:
     the step's loss is loss + penalty, the one loss backpropagated."""
-    model = mlp(3)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    truth = Truth(model, optimizer, scaler)
-    run = watch(model, scaler, recipe_server.url, "gradient-penalty")
+    r = recipe(mlp(3), recipe_server.url, "gradient-penalty")
+    model, optimizer, scaler, truth, run = r.model, r.optimizer, r.scaler, r.truth, r.run
     for x, y in batches():
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):
@@ -190,11 +170,8 @@ class WithCustomFunction(nn.Module):
 
 
 def test_custom_autograd_function(client, recipe_server) -> None:
-    model = WithCustomFunction()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    truth = Truth(model, optimizer, scaler)
-    run = watch(model, scaler, recipe_server.url, "custom-function")
+    r = recipe(WithCustomFunction(), recipe_server.url, "custom-function")
+    model, optimizer, scaler, truth, run = r.model, r.optimizer, r.scaler, r.truth, r.run
     for x, y in batches():
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):

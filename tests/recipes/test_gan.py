@@ -47,11 +47,12 @@ def timed_backward(tensor: torch.Tensor) -> float:
 
 def gan_loop(G: nn.Module, D: nn.Module, oG: torch.optim.Optimizer, oD: torch.optim.Optimizer,
              scalers: tuple[torch.amp.GradScaler, torch.amp.GradScaler],
-             truth_g: Truth | None, truth_d: Truth | None, fault: str) -> None:
+             truth_g: Truth | None, truth_d: Truth | None, fault: str,
+             data: list | None = None, start: int = 0) -> None:
     scaler_d, scaler_g = scalers
     poison = {"on": False}
     G[-1].weight.register_hook(lambda g: g * math.inf if poison["on"] else g)
-    for i, (real, _) in enumerate(batches(STEPS, seed=2)):
+    for i, (real, _) in enumerate(data or batches(STEPS, seed=2), start=start):
         if fault == "D" and i == NAN_IN_REAL:
             real = real.clone()
             real[0, 0] = math.nan
@@ -125,3 +126,23 @@ def test_gan(client, recipe_server, shared: bool, watched: str) -> None:
         check(client, runs["D"].run_id, truth_d, expected)
         # D's own backward is D's: it includes the slow part
         assert all(s.t_backward_ms >= D_BACKWARD_S * 1000 for s in client.steps(runs["D"].run_id))
+
+
+def test_two_runs_sharing_a_scaler_detach_in_either_order(client, recipe_server) -> None:
+    """G's run is detached halfway; D's run goes on with the scaler they shared."""
+    G, D = generator(), discriminator()
+    oG = torch.optim.Adam(G.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    oD = torch.optim.Adam(D.parameters(), lr=2e-4, betas=(0.5, 0.999))
+    scaler = torch.amp.GradScaler("cpu")
+    truth_g, truth_d = Truth(G, oG, scaler), Truth(D, oD, scaler)
+    run_g = watch(G, scaler, recipe_server.url, "gan-g-first", optimizer=oG)
+    run_d = watch(D, scaler, recipe_server.url, "gan-d-last", optimizer=oD)
+    data = batches(STEPS, seed=2)
+    gan_loop(G, D, oG, oD, (scaler, scaler), truth_g, truth_d, "G", data[:INF_IN_G - 2])
+    assert run_g.detach(timeout=30)
+    gan_loop(G, D, oG, oD, (scaler, scaler), None, truth_d, "G", data[INF_IN_G - 2:],
+             start=INF_IN_G - 2)  # G's inf comes while only D is watched
+    assert run_d.detach(timeout=30)
+    assert not {"scale", "unscale_", "step", "update"} & set(vars(scaler))
+    check(client, run_g.run_id, truth_g)
+    check(client, run_d.run_id, truth_d)

@@ -6,26 +6,12 @@ names itself with `log_loss`."""
 from __future__ import annotations
 
 import torch
-from torch import nn
 from torch.nn import functional as F
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from tests.recipes.models import STEPS, TwoHeads, batches, mlp
 from tests.recipes.truth import Truth, check
-from tests.recipes.watch import watch
-
-
-def fp16_step(model: nn.Module, optimizer: torch.optim.Optimizer,
-              scaler: torch.amp.GradScaler, truth: Truth, x: torch.Tensor,
-              y: torch.Tensor) -> None:
-    optimizer.zero_grad()
-    with torch.autocast("cpu", dtype=torch.float16):
-        loss = F.mse_loss(model(x), y)
-    scaler.scale(loss).backward()
-    truth.backprop(loss)
-    scaler.step(optimizer)
-    scaler.update()
-    truth.end_step()
+from tests.recipes.watch import recipe, watch
 
 
 def test_distillation_from_a_frozen_teacher(client, recipe_server) -> None:
@@ -55,14 +41,11 @@ def test_distillation_from_a_frozen_teacher(client, recipe_server) -> None:
 def test_ema_copy_updated_every_step(client, recipe_server) -> None:
     """The EMA copy is made after attach (a deep copy of the watched model, hooks and
     all) and runs its own evaluation forwards under autocast."""
-    model = mlp(22)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    truth = Truth(model, optimizer, scaler)
-    run = watch(model, scaler, recipe_server.url, "ema")
+    r = recipe(mlp(22), recipe_server.url, "ema")
+    model, truth, run = r.model, r.truth, r.run
     ema = AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
     for x, y in batches():
-        fp16_step(model, optimizer, scaler, truth, x, y)
+        r.fp16_step(x, y)
         ema.update_parameters(model)
         with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
             ema(x)
@@ -122,11 +105,8 @@ def test_lbfgs_closure(client, recipe_server) -> None:
 
 def test_multi_task_two_heads(client, recipe_server) -> None:
     """Two losses, one per head, each backpropagated: the step's loss is their sum."""
-    model = TwoHeads()
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    truth = Truth(model, optimizer, scaler)
-    run = watch(model, scaler, recipe_server.url, "two-heads")
+    r = recipe(TwoHeads(), recipe_server.url, "two-heads")
+    model, optimizer, scaler, truth, run = r.model, r.optimizer, r.scaler, r.truth, r.run
     gen = torch.Generator().manual_seed(7)
     for x, y in batches():
         labels = torch.randint(0, 8, (8,), generator=gen)
@@ -149,11 +129,8 @@ def test_multi_task_two_heads(client, recipe_server) -> None:
 def test_log_loss_names_the_loss(client, recipe_server) -> None:
     """A loop that backpropagates loss + an auxiliary term but wants the main loss
     stored names it: `log_loss` replaces what the agent saw."""
-    model = mlp(25)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    scaler = torch.amp.GradScaler("cpu")
-    truth = Truth(model, optimizer, scaler)
-    run = watch(model, scaler, recipe_server.url, "log-loss")
+    r = recipe(mlp(25), recipe_server.url, "log-loss")
+    model, optimizer, scaler, truth, run = r.model, r.optimizer, r.scaler, r.truth, r.run
     for i, (x, y) in enumerate(batches()):
         optimizer.zero_grad()
         with torch.autocast("cpu", dtype=torch.float16):

@@ -119,6 +119,8 @@ def test_every_route_returns_its_declared_model(api, run_with_data):
             for params in VARIANTS.get(path, [{}]):
                 check(model, api.get(url, params=params), f"GET {path} {params}")
                 checked += 1
+        elif method == "put" and "/bundles/" in path:
+            continue  # a bundle file from real training: tests/server/test_bundles.py
         elif method == "put":
             body = {"name": run_with_data, "project": "tests"}
             check(model, api.put(url, json=body), f"PUT {path}")

@@ -58,9 +58,20 @@ BATCH_STATE_CHECK = {
 }
 
 
+# A bundle upload is a zip file whose bundle.json must name the step in the path: bytes the
+# schema can only call binary, so a schema-valid body may earn a 422 too (docs/replay.md)
+BUNDLE_CONTENT_CHECK = {
+    "include-path": "/api/v1/runs/{run_id}/bundles/{rank}/{step}", "include-method": "PUT",
+    "checks": {"positive_data_acceptance": {"expected-statuses": [
+        *SchemathesisConfig().projects.default.checks.positive_data_acceptance
+        .expected_statuses, "422"]}},
+}
+
+
 @pytest.fixture(scope="module")
 def fuzz_schema(fuzz_app):
-    config = SchemathesisConfig.from_dict({"operations": [BATCH_STATE_CHECK]})
+    config = SchemathesisConfig.from_dict({"operations": [BATCH_STATE_CHECK,
+                                                          BUNDLE_CONTENT_CHECK]})
     return schemathesis.openapi.from_asgi("/openapi.json", fuzz_app, config=config)
 
 

@@ -94,3 +94,38 @@ def test_restart_drops_the_crashed_jobs_fp8_samples(api, app) -> None:
     # 20 and 25 came from the first job, which the restart superseded; 15 was re-done
     assert window.steps.tolist() == [0, 5, 10, 15]
     assert window.stat("input", "amax")[:, 0].tolist() == [1.0, 1.0, 1.0, 2.0]
+
+
+def test_a_step_sent_twice_without_a_restart_is_summarised_once(api, app) -> None:
+    register_run(api, "sent-twice", n_layers=N_LAYERS)
+    assert post_batch(api, "sent-twice", 0,
+                      make_steps(0, 20, N_LAYERS, skipped={15})).status_code == 200
+    # steps 10..19 again under a new seq, with no restart (a batch moved after a 409, a
+    # late replay): reads keep the later copy, which did not skip step 15
+    assert post_batch(api, "sent-twice", 1, redone(10, 10)).status_code == 200
+    items = stored(api, "sent-twice")
+    assert [s["step"] for s in items] == list(range(20)) and not any(s["skipped"] for s in items)
+    (rank,) = api.get("/api/v1/runs/sent-twice").json()["ranks"]
+    assert (rank["steps"], rank["skipped"]) == (20, 0)
+    with app.state.sessionmaker() as session:
+        summary = load_summaries(session, "sent-twice", 0, None, None, N_LAYERS)
+    assert summary.n_steps == 20
+    envelope = summary.envelope
+    assert len(set(envelope.steps.tolist())) == len(envelope)  # no step twice
+    assert not envelope.skipped.any() and envelope.column("loss").max() == 9.0
+
+
+def test_findings_of_superseded_steps_go_with_them(api) -> None:
+    register_run(api, "bad-tail", n_layers=N_LAYERS,
+                 environment={"autocast_dtype": "float16",
+                              "scaler": {"enabled": True, "growth_interval": 2000}})
+    # the crashed job skipped steps 40..59 (inf grads): findings from step 40 on
+    post_batch(api, "bad-tail", 0, make_steps(0, 60, N_LAYERS, skipped=set(range(40, 60))))
+    raised = api.get("/api/v1/runs/bad-tail/findings").json()["items"]
+    assert any(f["step"] is not None and f["step"] >= 40 for f in raised)
+    # resumed from 30: the re-done steps 30..79 are healthy, so no stored step is bad
+    post_batch(api, "bad-tail", 1, make_steps(30, 50, N_LAYERS), events=[restart(30)])
+    assert not any(s["skipped"] for s in stored(api, "bad-tail"))
+    left = api.get("/api/v1/runs/bad-tail/findings").json()["items"]
+    assert [f for f in left if f["step"] is not None and f["step"] >= 30] == []
+    assert api.get("/api/v1/runs/bad-tail").json()["status"] == "healthy"

@@ -55,6 +55,7 @@ def streak_of(items):
             and n["finding"]["evidence"].get("check") == "skip_streak"]
 
 
+@pytest.mark.parametrize("alert_app", [{"per": "finding"}], indirect=True)
 def test_a_persisting_finding_notifies_once_and_once_per_escalation(alert_api, receiver):
     diverging_run(alert_api)
     serious = [f for f in findings(alert_api, "r1") if f["severity"] != "info"]
@@ -89,7 +90,7 @@ def test_a_persisting_finding_notifies_once_and_once_per_escalation(alert_api, r
     assert all(d["status"] == "delivered" and d["attempts"] == 1 for d in items)
 
 
-@pytest.mark.parametrize("alert_app", [{"on_resolve": True}], indirect=True)
+@pytest.mark.parametrize("alert_app", [{"on_resolve": True, "per": "finding"}], indirect=True)
 def test_resolution_is_announced_when_the_rule_asks(alert_api, receiver):
     diverging_run(alert_api)
     post(alert_api, "r1", scaler_steps(200, first=300, init_scale=1024.0), first_seq=30)
@@ -108,7 +109,7 @@ def test_rules_filter_by_project(alert_api, receiver):
     assert {n["run"]["project"] for n in receiver.accepted} == {"vision"}
 
 
-@pytest.mark.parametrize("alert_app", [{"severity": "critical",
+@pytest.mark.parametrize("alert_app", [{"severity": "critical", "per": "finding",
                                         "kinds": ["scaler_divergence"]}], indirect=True)
 def test_rules_filter_by_severity_and_kind(alert_api, receiver):
     diverging_run(alert_api)

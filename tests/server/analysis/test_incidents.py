@@ -103,6 +103,72 @@ def test_incidents_order_open_first_then_most_severe():
     assert order == [[late_critical["id"]], [early_warning["id"]], [resolved["id"]]]
 
 
+def test_an_absorbed_overflow_and_the_overflow_that_follows_are_one_incident():
+    absorbed = finding("nonfinite", 145, layer="boom", last_step=145, cause="absorbed_overflow")
+    reached = finding("nonfinite", 146, layer="boom", severity="critical", last_step=170,
+                      cause="forward_overflow")
+    streak = finding("scaler_divergence", 147, layer="boom", severity="critical",
+                     last_step=170, check="skip_streak", cause="forward_overflow")
+    (incident,) = group_incidents([streak, reached, absorbed])
+    assert (incident.cause, incident.layer, incident.severity) == (
+        "forward_overflow", "boom", "critical")
+    assert incident.headline == "Layer 'boom' overflows fp16 in the forward pass"
+    assert incident.step == 145 and incident.timeline[0].finding == absorbed["id"]
+    # until it reaches the loss, it is told as absorbed
+    (early,) = group_incidents([absorbed])
+    assert early.cause == "absorbed_overflow" and "silently clipped" in early.headline
+
+
+ORDER = {"0": 0, "2": 1, "4": 2, "6": 3, "8": 4}
+
+
+def zeros(layer: str, step: int, **common) -> dict:
+    return finding("underflow_risk", step, layer=layer, last_step=step + 100, **common)
+
+
+def test_zero_gradients_after_an_overflowing_layer_are_its_symptoms():
+    story = overflow_story("6")  # first sign at step 134
+    downstream, itself = zeros("8", 150), zeros("6", 140)
+    # zero gradients show long before the overflow when the scaler fell for it (the
+    # growing layer's gradients overflowed first)
+    early = zeros("8", 20, rank=0)
+    upstream = zeros("2", 150)  # before the overflowing layer: not known to be its symptom
+    other_rank = zeros("8", 150, rank=1)
+    incidents = group_incidents([*story, downstream, itself, early, upstream, other_rank],
+                                ORDER)
+    overflow = next(i for i in incidents if i.cause == "forward_overflow")
+    assert sorted(overflow.findings) == sorted(
+        [f["id"] for f in story] + [downstream["id"], itself["id"], early["id"]])
+    assert overflow.layer == "6" and overflow.step == 20
+    assert "in layer '8'" in next(e.what for e in overflow.timeline
+                                   if e.finding == downstream["id"])
+    alone = [i.findings for i in incidents if i.cause is None]
+    assert sorted(alone) == sorted([[upstream["id"]], [other_rank["id"]]])
+    # without the layer order only the layer's own zero gradients are known to follow it
+    unordered = group_incidents([*story, downstream, itself])
+    assert len(unordered) == 2
+
+
+def test_the_risk_of_a_layer_that_carries_an_overflow_on_joins_it():
+    story = overflow_story("6")
+    carried = finding("overflow_risk", 134, layer="8", last_step=140)
+    (incident,) = group_incidents([*story, carried], ORDER)
+    assert incident.layer == "6" and carried["id"] in incident.findings
+    # a risk that began first, or next to a layer that never went non-finite, is its own
+    first = finding("overflow_risk", 100, layer="8", last_step=140)
+    assert len(group_incidents([*story, first], ORDER)) == 2
+    risk_only = finding("overflow_risk", 134, layer="6", last_step=140)
+    assert len(group_incidents([risk_only, carried], ORDER)) == 2
+
+
+def test_zero_gradients_join_the_nearest_overflowing_layer_before_them():
+    first, second = overflow_story("2"), overflow_story("6")
+    symptom = zeros("8", 200)
+    incidents = group_incidents([*first, *second, symptom], ORDER)
+    owner = next(i for i in incidents if symptom["id"] in i.findings)
+    assert owner.layer == "6" and len(incidents) == 2
+
+
 def test_api_groups_a_runs_findings_and_counts_incidents(api):
     register_run(api, "grouped", n_layers=3)
     steps = make_steps(0, 400, 3, sample_every=1)

@@ -1,0 +1,130 @@
+"""`ampwatch replay BUNDLE --model module:factory [--device cpu|cuda] [--bisect]`.
+
+Registered through the `ampwatch.cli` entry point; torch is imported only when the
+command runs, so the rest of the CLI stays free of it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any
+
+
+def register(commands: argparse._SubParsersAction) -> None:
+    parser = commands.add_parser(
+        "replay", help="run a recorded bad step again; --bisect finds the layers to keep "
+                       "in float32",
+        description="Rebuild the step a flight-recorder bundle holds (its batch, RNG "
+                    "states, the model's state, the recorded autocast and loss scale), run "
+                    "its forward and backward and say whether it fails again, at which "
+                    "layer. --bisect then searches for the smallest set of modules whose "
+                    "upcast to float32 makes the step finite and prints the fix as code.")
+    parser.add_argument("bundle", help="a .ampbundle file (ampwatch bundles pull RUN STEP)")
+    parser.add_argument("--model", required=True, metavar="MODULE:FACTORY",
+                        help="a function returning the model (built as in training, "
+                             "before loading weights), or (model, loss_fn) where "
+                             "loss_fn(output, *args, **kwargs) gives the loss; MODULE is "
+                             "an importable name or a .py path")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda")
+    parser.add_argument("--bisect", action="store_true",
+                        help="search for the modules to keep in float32 and print the fix")
+    parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    parser.set_defaults(func=_replay)
+
+
+def load_factory(spec: str) -> Any:
+    """`module:function` or `path/to/file.py:function` (the current folder is importable)."""
+    module_name, _, function = spec.rpartition(":")
+    if not module_name or not function:
+        raise SystemExit(f"--model must be MODULE:FACTORY, got {spec!r}")
+    if module_name.endswith(".py"):
+        location = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
+        if location is None or location.loader is None:
+            raise SystemExit(f"cannot import {module_name}")
+        module = importlib.util.module_from_spec(location)
+        location.loader.exec_module(module)
+    else:
+        sys.path.insert(0, str(Path.cwd()))
+        module = importlib.import_module(module_name)
+    return getattr(module, function)
+
+
+def build(factory: Any) -> tuple[Any, Any]:
+    made = factory()
+    return (made[0], made[1]) if isinstance(made, tuple) else (made, None)
+
+
+def _number(value: Any) -> str:
+    return "none" if value is None else (f"{value:.6g}" if math.isfinite(value) else str(value))
+
+
+def replay_report(bundle_path: str, factory: Any, device: str, bisect: bool) -> dict[str, Any]:
+    """What `ampwatch replay` prints, as data."""
+    from ampwatch import replay
+
+    bundle = replay.load(bundle_path)
+    model, loss_fn = build(factory)
+    meta = bundle.meta
+    limit = None
+    if bundle.trigger == "loss_spike" and meta.get("loss_baseline") is not None:
+        limit = abs(meta["loss_baseline"]) * float(meta.get("loss_spike_factor") or 10.0)
+
+    def trial(names: list[str]) -> Any:
+        return replay.run_step(model, bundle, loss_fn=loss_fn, device=device,
+                               upcast_names=names, loss_limit=limit)
+
+    outcome = trial([])
+    report: dict[str, Any] = {
+        "step": bundle.step, "trigger": bundle.trigger, "exact": bundle.exact,
+        "recorded": {"loss": meta.get("loss"),
+                     "first_nonfinite_layer": meta.get("first_nonfinite_layer")},
+        "replayed": {"loss": outcome.loss, "first_nonfinite_layer": outcome.first_offender,
+                     "forward_finite": outcome.forward_finite,
+                     "grads_finite": outcome.grads_finite},
+        "reproduced": outcome.bad, "unsupported_inputs": bundle.unsupported(),
+    }
+    if bisect:
+        result = replay.bisect(model, bundle, trial)
+        report["bisect"] = {"modules": result.modules, "fixed": result.fixed,
+                            "trials": result.trials, "fp8_modules": result.fp8_modules,
+                            "reason": result.reason,
+                            "fix": replay.fix_code(result, bundle) if result.fixed else None}
+    return report
+
+
+def _replay(args: argparse.Namespace) -> int:
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        print("ampwatch replay needs torch: pip install 'ampwatch[agent]'", file=sys.stderr)
+        return 2
+    report = replay_report(args.bundle, load_factory(args.model), args.device, args.bisect)
+    if args.json:
+        print(json.dumps(report, default=str))
+        return 0 if report["reproduced"] else 1
+    recorded, replayed = report["recorded"], report["replayed"]
+    print(f"bundle: step {report['step']}, trigger {report['trigger']}; parameters "
+          f"{'exact' if report['exact'] else 'APPROXIMATE (taken after the step)'}")
+    print(f"recorded: loss {_number(recorded['loss'])}, first non-finite layer "
+          f"{recorded['first_nonfinite_layer'] or 'none'}")
+    print(f"replayed on {args.device}: loss {_number(replayed['loss'])}, first non-finite "
+          f"layer {replayed['first_nonfinite_layer'] or 'none'}, grads finite "
+          f"{replayed['grads_finite'] if replayed['grads_finite'] is not None else 'n/a'}")
+    print(f"reproduced: {'yes' if report['reproduced'] else 'no'}")
+    for value in report["unsupported_inputs"]:
+        print(f"note: an input was not data and could not be kept: {value}")
+    if "bisect" in report:
+        result = report["bisect"]
+        if result["fixed"]:
+            print(f"bisect: keeping {', '.join(result['modules'])} in float32 makes the step "
+                  f"finite ({result['trials']} trials). Fix:\n")
+            print(result["fix"])
+        else:
+            print(f"bisect: {result['reason']} ({result['trials']} trials)")
+    return 0 if report["reproduced"] else 1

@@ -1,0 +1,137 @@
+"""/api/v1/runs/{run_id}/bundles: the flight recorder's bad steps (docs/replay.md).
+
+The upload streams to a file (a bundle holds a model: far over the JSON body limit), so
+RequestBodyMiddleware passes this one path through and the route enforces
+`bundle_max_bytes` itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import tempfile
+from datetime import datetime
+from pathlib import Path as FilePath
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Path, Request
+from fastapi.responses import FileResponse
+from pydantic import BaseModel
+from starlette.concurrency import run_in_threadpool
+
+from ampwatch.server.api.error_responses import NOT_FOUND, READ, WRITE
+from ampwatch.server.api.runs import RunIdPath
+from ampwatch.server.bundles import (
+    BundleTimeout,
+    BundleTooLarge,
+    get_bundle,
+    list_bundles,
+    store_bundle,
+)
+from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.errors import InvalidInput
+from ampwatch.server.models import Bundle, as_utc
+from ampwatch.server.runs import get_run
+
+router = APIRouter(prefix="/runs", tags=["bundles"])
+BUNDLE_TYPES = ("application/zip", "application/octet-stream")
+Rank = Annotated[int, Path(ge=0, le=1_000_000)]
+Step = Annotated[int, Path(ge=0, le=2**62)]
+
+
+class BundlePublic(BaseModel):
+    run_id: str
+    rank: int
+    step: int
+    trigger: str
+    first_nonfinite_layer: str | None
+    exact: bool
+    bytes: int
+    created_at: datetime
+    url: str  # the download, relative to the server
+
+
+class BundlesPublic(BaseModel):
+    items: list[BundlePublic]
+
+
+def public_bundle(row: Bundle) -> BundlePublic:
+    return BundlePublic(run_id=row.run_id, rank=row.rank, step=row.step, trigger=row.trigger,
+                        first_nonfinite_layer=row.first_nonfinite_layer, exact=row.exact,
+                        bytes=row.bytes, created_at=as_utc(row.created_at),
+                        url=f"/api/v1/runs/{row.run_id}/bundles/{row.rank}/{row.step}")
+
+
+BUNDLE_BODY = {"requestBody": {"required": True, "content": {
+    media: {"schema": {"type": "string", "format": "binary"}} for media in BUNDLE_TYPES}}}
+
+
+@router.put("/{run_id}/bundles/{rank}/{step}", response_model=BundlePublic,
+            responses=WRITE | NOT_FOUND, openapi_extra=BUNDLE_BODY)
+async def put_bundle(run_id: RunIdPath, rank: Rank, step: Step, request: Request,
+                     settings: SettingsDep) -> Any:
+    """Upload a bundle (the file's bytes, `Content-Type: application/zip`); a re-sent
+    step replaces it. 404 for a run the server does not know (before reading the body),
+    413 over `bundle_max_bytes`, 507 past `bundle_total_bytes`."""
+    sessionmaker = request.app.state.sessionmaker
+
+    def known_run() -> None:
+        with sessionmaker() as session:
+            get_run(session, run_id)
+
+    await run_in_threadpool(known_run)
+    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+    if media not in BUNDLE_TYPES:
+        raise InvalidInput(f"Content-Type must be one of {', '.join(BUNDLE_TYPES)}")
+    length = request.headers.get("content-length", "")
+    if length.isdigit() and int(length) > settings.bundle_max_bytes:
+        raise BundleTooLarge(_too_large(settings))
+    incoming = settings.bundle_folder / ".incoming"
+    await run_in_threadpool(incoming.mkdir, parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=incoming, suffix=".part")
+    upload = FilePath(name)
+    try:
+        size = 0
+        chunks = request.stream().__aiter__()
+        with os.fdopen(fd, "wb") as out:
+            while True:
+                try:  # each piece within the body timeout: a stalled upload ends (408)
+                    chunk = await asyncio.wait_for(anext(chunks), settings.body_timeout_s)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError as exc:
+                    raise BundleTimeout(f"the bundle stopped arriving for "
+                                        f"{settings.body_timeout_s:g} s") from exc
+                size += len(chunk)
+                if size > settings.bundle_max_bytes:
+                    raise BundleTooLarge(_too_large(settings))
+                await run_in_threadpool(out.write, chunk)
+
+        def store() -> BundlePublic:
+            with sessionmaker() as session:
+                return public_bundle(store_bundle(session, settings, run_id, rank, step,
+                                                  upload))
+
+        return await run_in_threadpool(store)
+    finally:
+        upload.unlink(missing_ok=True)
+
+
+def _too_large(settings: Any) -> str:
+    return f"bundle over the limit of {settings.bundle_max_bytes} bytes " \
+           "(AMPWATCH_BUNDLE_MAX_BYTES)"
+
+
+@router.get("/{run_id}/bundles", response_model=BundlesPublic, responses=READ | NOT_FOUND)
+def get_bundles(run_id: RunIdPath, session: SessionDep) -> BundlesPublic:
+    """The run's bundles, by step: trigger, first non-finite layer, exactness, size."""
+    return BundlesPublic(items=[public_bundle(b) for b in list_bundles(session, run_id)])
+
+
+@router.get("/{run_id}/bundles/{rank}/{step}", response_class=FileResponse,
+            responses=READ | NOT_FOUND)
+def download_bundle(run_id: RunIdPath, rank: Rank, step: Step, session: SessionDep,
+                    settings: SettingsDep) -> FileResponse:
+    """The bundle file (`ampwatch replay` reads it)."""
+    _, path = get_bundle(session, settings, run_id, rank, step)
+    return FileResponse(path, media_type="application/zip", filename=path.name)

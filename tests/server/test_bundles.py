@@ -1,0 +1,79 @@
+"""Bundles on the server: upload (streamed, past the JSON body limit), list, download,
+limits, and gone with their run. The bundle is a real one, from real CPU training."""
+
+from __future__ import annotations
+
+import io
+import json
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampwatch import agent
+from ampwatch.server.api.bundles import BundlePublic
+from tests.replay.faults import FAULTS, train
+from tests.utils import register_run
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory: pytest.TempPathFactory) -> bytes:
+    """A bundle the recorder wrote for a NaN input at step 8 (offline, kept locally)."""
+    folder = tmp_path_factory.mktemp("kept")
+    torch.set_num_threads(1)
+    _, attachment = train(FAULTS[2], lambda m, s, record: agent.attach(
+        m, s, run="made-1", offline=True, spool_dir=folder / "spool", record=record),
+        record={"mode": "local", "folder": str(folder / "bundles")})
+    attachment.detach()
+    (path,) = (folder / "bundles").glob("*.ampbundle")
+    return path.read_bytes()
+
+
+def _upload(api, run_id: str, step: int, body: bytes, rank: int = 0,
+            media: str = "application/zip"):
+    return api.put(f"/api/v1/runs/{run_id}/bundles/{rank}/{step}", content=body,
+                   headers={"Content-Type": media})
+
+
+def test_upload_list_download_delete(api, app, bundle: bytes) -> None:
+    register_run(api, "run-b")
+    stored = _upload(api, "run-b", 8, bundle)
+    assert stored.status_code == 200
+    assert set(stored.json()) == set(BundlePublic.model_fields)  # its declared model
+    listed = api.get("/api/v1/runs/run-b/bundles").json()["items"]
+    assert [(b["step"], b["trigger"], b["first_nonfinite_layer"], b["exact"], b["bytes"])
+            for b in listed] == [(8, "forward_nonfinite", "inp", True, len(bundle))]
+    download = api.get(listed[0]["url"])
+    assert download.status_code == 200 and download.content == bundle
+    folder = app.state.settings.bundle_folder / "run-b"
+    assert folder.is_dir()
+    assert api.delete("/api/v1/runs/run-b").status_code == 204
+    assert not folder.exists()
+    assert api.get("/api/v1/runs/run-b/bundles").status_code == 404
+
+
+def test_upload_past_the_json_body_limit(api, app, bundle: bytes) -> None:
+    """A bundle holds a model: far past the 64 MiB of a batch; it streams to disk."""
+    app.state.settings.max_body_bytes = 1024
+    register_run(api, "run-big")
+    assert _upload(api, "run-big", 8, bundle).status_code == 200
+
+
+def test_refused_uploads(api, app, bundle: bytes) -> None:
+    register_run(api, "run-r")
+    assert _upload(api, "run-r", 9, bundle).status_code == 422  # bundle.json says step 8
+    assert _upload(api, "run-r", 8, b"not a zip").status_code == 422
+    empty = io.BytesIO()
+    with zipfile.ZipFile(empty, "w") as archive:
+        archive.writestr("bundle.json", json.dumps([1]))
+    assert _upload(api, "run-r", 8, empty.getvalue()).status_code == 422
+    assert _upload(api, "run-r", 8, bundle, media="application/json").status_code == 422
+    assert _upload(api, "no-such-run", 8, bundle).status_code == 404
+    app.state.settings.bundle_max_bytes = len(bundle) - 1
+    assert _upload(api, "run-r", 8, bundle).status_code == 413
+    app.state.settings.bundle_max_bytes = 10 * len(bundle)
+    app.state.settings.bundle_total_bytes = len(bundle) - 1
+    assert _upload(api, "run-r", 8, bundle).status_code == 507
+    assert api.get("/api/v1/runs/run-r/bundles").json()["items"] == []
+    assert not any(Path(app.state.settings.bundle_folder).rglob("*.part"))

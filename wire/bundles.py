@@ -1,0 +1,21 @@
+"""The flight recorder's bundle file (docs/replay.md), as the agent writes it, the server
+indexes it and `ampwatch replay` reads it: a zip of `bundle.json` (what the server reads,
+without torch) and `state.pt` (the tensors, `torch.save`)."""
+
+from __future__ import annotations
+
+BUNDLE_EVENT = "bundle"  # a batch event: a bundle was kept or dropped (detail says which)
+META_NAME = "bundle.json"
+STATE_NAME = "state.pt"
+SUFFIX = ".ampbundle"
+BUNDLE_FOLDER = "bundles"  # in a rank's spool directory: delivered like its batches
+
+
+def bundle_name(step: int) -> str:
+    """The file name of step `step`'s bundle: `step-000001234.ampbundle`."""
+    return f"step-{step:09d}{SUFFIX}"
+
+
+def bundle_step(name: str) -> int:
+    """Inverse of `bundle_name` (ValueError for another name)."""
+    return int(name.removeprefix("step-").removesuffix(SUFFIX))
