@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request, Response
@@ -31,18 +32,28 @@ from ampwatch.server.api import (
     spikes,
 )
 from ampwatch.server.api.error_responses import PROTECTED
+from ampwatch.server.budget import ReadBudget
 from ampwatch.server.db import health_on_commit, make_engine, session_info, upgrade
 from ampwatch.server.deps import token_dependencies
 from ampwatch.server.errors import AmpwatchServerError, short_errors
 from ampwatch.server.faults import DatabaseHealth, database_error
+from ampwatch.server.guards import (
+    AdmissionMiddleware,
+    RequestSlotMiddleware,
+    SiteGuardMiddleware,
+    trusted_hosts,
+)
 from ampwatch.server.middleware import (
-    GuardMiddleware,
+    QueryTextMiddleware,
     RequestBodyMiddleware,
     SameOriginPolicyMiddleware,
+    SecurityHeadersMiddleware,
 )
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import BatchIn
 from ampwatch.server.settings import Settings
+
+PARSER_THREADS = 2
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -90,16 +101,31 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.db_health = db_health
     app.state.alerts = alert_service
     app.state.metrics = metrics.ServerMetrics(maker, settings)
+    app.state.read_budget = ReadBudget(settings.max_inflight_read_bytes)
+    # Request bodies are parsed here, off the event loop. Two threads: the body budget
+    # admits at least two bodies at once, and every extra thread would keep a malloc
+    # arena of its own (the server's resident memory grew with them). Not shut down with
+    # the lifespan, which a test may run more than once: idle, its threads end with it.
+    app.state.parser = ThreadPoolExecutor(PARSER_THREADS, thread_name_prefix="ampwatch-parse")
+    # The last added runs first: headers on every answer; Host and Origin; metrics; the
+    # token, before anything is held; bodies, under their budget; then a request slot.
+    app.add_middleware(RequestSlotMiddleware, max_requests=settings.max_concurrent_requests)
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes,
                        max_inflight_bytes=settings.max_inflight_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
     app.add_middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc"))
+    app.add_middleware(QueryTextMiddleware)
+    app.add_middleware(AdmissionMiddleware, token=settings.token,
+                       per_client=settings.max_requests_per_client)
     app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
-    app.add_middleware(GuardMiddleware, max_requests=settings.max_concurrent_requests)
+    app.add_middleware(SiteGuardMiddleware, hosts=trusted_hosts(settings))
+    app.add_middleware(SecurityHeadersMiddleware)
 
     @app.exception_handler(AmpwatchServerError)
     async def _domain_error(_request: Request, exc: AmpwatchServerError) -> WireJSONResponse:
-        return WireJSONResponse({"detail": exc.message}, status_code=exc.status_code)
+        retry = getattr(exc, "retry_after", None)
+        return WireJSONResponse({"detail": exc.message}, status_code=exc.status_code,
+                                headers={"Retry-After": str(retry)} if retry else None)
 
     @app.exception_handler(OperationalError)
     @app.exception_handler(PoolTimeout)
@@ -134,14 +160,16 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
+HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")
+
+
 def allowed_methods(app: FastAPI, scope: Scope) -> set[str]:
-    """The methods of every route whose path matches the request's (a 405's Allow)."""
-    methods: set[str] = set()
-    for route in app.router.routes:
-        match, _ = route.matches(scope)
-        if match is not Match.NONE:
-            methods |= getattr(route, "methods", None) or set()
-    return methods
+    """The methods some route answers at the request's path (a 405's Allow). Each method
+    is tried as a full match: FastAPI's included routers do not show their routes'
+    methods on a partial one (Allow was empty)."""
+    return {method for method in HTTP_METHODS
+            if any(route.matches({**scope, "method": method})[0] is Match.FULL
+                   for route in app.router.routes)}
 
 
 def _document_batch_body(app: FastAPI) -> None:

@@ -61,9 +61,10 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ampwatch.server.app import create_app
-    from ampwatch.server.serving import uvicorn_options
+    from ampwatch.server.serving import limit_malloc_arenas, uvicorn_options
 
     settings = _settings(args)
+    limit_malloc_arenas()  # before any thread allocates
     with _clear_database_errors(settings):
         app = create_app(settings)
     print(f"ampwatch: serving on http://{settings.host}:{settings.port} "
@@ -74,8 +75,8 @@ def _serve(args: argparse.Namespace) -> int:
         print(f"ampwatch: alerts: {len(settings.alerts.rules)} rules; targets {targets}",
               flush=True)
     # connections beyond this get uvicorn's 503: room for idle keep-alive connections on
-    # top of the requests the app itself admits (GuardMiddleware)
-    options = uvicorn_options(settings.header_timeout_s,
+    # top of the requests the app itself admits (RequestSlotMiddleware)
+    options = uvicorn_options(settings.header_timeout_s, settings.send_timeout_s,
                               max_connections=settings.max_concurrent_requests * 8 + 64)
     if args.exit_with_parent:
         _exit_when_orphaned(os.getppid())

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import hmac
 from collections.abc import Iterator
 from typing import Annotated
 
@@ -11,6 +10,7 @@ from fastapi.params import Depends as Dependency
 from fastapi.security import APIKeyCookie, HTTPBearer
 from sqlalchemy.orm import Session
 
+from ampwatch.server.guards import token_scheme
 from ampwatch.server.middleware import UNSAFE_METHODS
 from ampwatch.server.settings import Settings
 
@@ -33,23 +33,20 @@ def require_token(request: Request, settings: SettingsDep) -> None:
 
     Accepted as `Authorization: Bearer <token>`, or as the `ampwatch_token` cookie that
     the dashboard's login form sets for browsers. A write authenticated by the cookie must
-    carry an Origin header (browsers send it; `GuardMiddleware` refuses another site's):
-    a cookie alone never authorises a write (CSRF).
+    carry an Origin header (browsers send it; `SiteGuardMiddleware` refuses another
+    site's): a cookie alone never authorises a write (CSRF). (`AdmissionMiddleware` has
+    already answered API requests without the token; pages get here.)
     """
     if settings.token is None:
         return
-    expected = settings.token.get_secret_value().encode()
-    header = request.headers.get("authorization", "")
-    scheme, _, supplied = header.partition(" ")
-    if scheme.lower() != "bearer":
-        supplied = request.cookies.get("ampwatch_token", "")
-    if not hmac.compare_digest(supplied.strip().encode(), expected):
+    scheme = token_scheme(request.headers, request.cookies, settings.token)
+    if scheme is None:
         raise HTTPException(
             status_code=401,
             detail="missing or wrong token: send 'Authorization: Bearer <AMPWATCH_TOKEN>'",
             headers={"WWW-Authenticate": "Bearer"},
         )
-    if (scheme.lower() != "bearer" and request.method in UNSAFE_METHODS
+    if (scheme == "cookie" and request.method in UNSAFE_METHODS
             and "origin" not in request.headers):
         raise HTTPException(status_code=403, detail="a write authenticated by the login "
                             "cookie must carry an Origin header; scripts send "

@@ -27,6 +27,13 @@ class Conflict(AmpwatchServerError):
     status_code = 409
 
 
+class Busy(AmpwatchServerError):
+    """The server is at a budget (reads in flight): retry in `retry_after` seconds."""
+
+    status_code = 503
+    retry_after = 1
+
+
 class SeqConflict(Conflict):
     """A (run, rank, seq) already used by a batch with other steps."""
 

@@ -21,6 +21,7 @@ class DatabaseUnavailable(AmpwatchServerError):
 
 class DiskFull(AmpwatchServerError):
     status_code = 507
+    PREFIX = "the database's disk is full"
 
 
 class DatabaseHealth:
@@ -75,7 +76,7 @@ def database_error(exc: Exception) -> AmpwatchServerError:
     reason = first_line(exc)
     sqlstate = getattr(getattr(exc, "orig", exc), "sqlstate", None)
     if sqlstate == DISK_FULL_SQLSTATE or "disk is full" in reason:
-        return DiskFull(f"the database's disk is full: {reason}")
+        return DiskFull(f"{DiskFull.PREFIX}: {reason}")
     return DatabaseUnavailable(f"database error: {reason}")
 
 

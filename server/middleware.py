@@ -1,5 +1,5 @@
-"""Pure ASGI middleware: request body limits and gzip request bodies; a cap on requests
-in flight, cross-origin write refusal and security headers."""
+"""Pure ASGI middleware: request body limits and gzip request bodies, security headers,
+the docs pages' content policy. Who may hold a slot or write is in `guards.py`."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import json
 import re
 import zlib
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -51,17 +51,17 @@ class RequestBodyMiddleware:
         headers = dict(scope["headers"])
         encoding = headers.get(b"content-encoding", b"identity").decode("latin-1").lower()
         if encoding not in ("identity", "gzip"):
-            await _error(send, 415, f"unsupported Content-Encoding {encoding!r}; use gzip")
+            await error_response(send, 415, f"unsupported Content-Encoding {encoding!r}; use gzip")
             return
         length = headers.get(b"content-length")
         has_body = length not in (None, b"0") or b"transfer-encoding" in headers
         if scope["path"].startswith("/api/") and has_body:
             media_type = headers.get(b"content-type", b"").split(b";")[0].strip().lower()
             if media_type != b"application/json":
-                await _error(send, 415, "Content-Type must be application/json")
+                await error_response(send, 415, "Content-Type must be application/json")
                 return
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            await _error(send, 413, self._too_large())
+            await error_response(send, 413, self._too_large())
             return
         reservation = [0]  # bytes of this request counted in `inflight_bytes`
         try:
@@ -92,13 +92,13 @@ class RequestBodyMiddleware:
                     body += message.get("body", b"")
                     more = message.get("more_body", False)
                     if len(body) > self.max_bytes:
-                        await _error(send, 413, self._too_large())
+                        await error_response(send, 413, self._too_large())
                         return
                     if not self._reserve(reservation, len(body)):
                         await _busy(send)
                         return
         except TimeoutError:
-            await _error(send, 408, f"the request body did not arrive within "
+            await error_response(send, 408, f"the request body did not arrive within "
                          f"{self.body_timeout_s:g} s")
             return
         if encoding == "gzip":
@@ -106,10 +106,10 @@ class RequestBodyMiddleware:
             try:
                 inflated = inflater.decompress(bytes(body), self.max_bytes + 1)
             except zlib.error as exc:
-                await _error(send, 400, f"body is not valid gzip: {exc}")
+                await error_response(send, 400, f"body is not valid gzip: {exc}")
                 return
             if len(inflated) > self.max_bytes or inflater.unconsumed_tail:
-                await _error(send, 413, self._too_large() + " after gzip decompression")
+                await error_response(send, 413, self._too_large() + " after gzip decompression")
                 return
             if not self._reserve(reservation, len(body) + len(inflated)):
                 await _busy(send)
@@ -136,15 +136,35 @@ class RequestBodyMiddleware:
         return f"request body over the limit of {self.max_bytes} bytes (AMPWATCH_MAX_BODY_BYTES)"
 
 
-class GuardMiddleware:
-    """Outermost layer: caps requests in flight at `max_requests` (503 + Retry-After
-    beyond; /api/v1/health is never counted, so it answers while the server is saturated),
-    refuses writes whose Origin is another site (403), and adds security headers."""
+class QueryTextMiddleware:
+    """Refuses (422) a query string with a NUL in any parameter's name or value, on
+    every route at once: Postgres text cannot hold NUL, and a filter that reached the
+    database with one was answered 500."""
 
-    def __init__(self, app: ASGIApp, max_requests: int) -> None:
+    def __init__(self, app: ASGIApp) -> None:
         self.app = app
-        self.max_requests = max_requests
-        self.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        query = scope.get("query_string", b"") if scope["type"] == "http" else b""
+        if b"%00" in query:
+            names = [name for name, value in parse_qsl(query.decode("latin-1"),
+                                                       keep_blank_values=True)
+                     if "\x00" in name or "\x00" in value]
+            if names:
+                await error_response(send, 422, [
+                    {"loc": ["query", name.replace("\x00", "")[:100]],
+                     "msg": "must not contain a NUL character", "type": "value_error"}
+                    for name in names[:10]])
+                return
+        await self.app(scope, receive, send)
+
+
+class SecurityHeadersMiddleware:
+    """Outermost layer: adds SECURITY_HEADERS to every response, errors of the other
+    layers included."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -156,48 +176,21 @@ class GuardMiddleware:
                 message["headers"] = [*message.get("headers", []), *SECURITY_HEADERS]
             await send(message)
 
-        if scope["method"] in UNSAFE_METHODS and not same_origin(scope):
-            await _error(send_with_headers, 403, "cross-origin write refused: the Origin "
-                         "header names another site")
-            return
-        if scope["path"] == HEALTH_PATH:
-            await self.app(scope, receive, send_with_headers)
-            return
-        if self.in_flight >= self.max_requests:
-            await _error(send_with_headers, 503, f"over {self.max_requests} requests in "
-                         "flight (AMPWATCH_MAX_CONCURRENT_REQUESTS); retry", retry_after=1)
-            return
-        self.in_flight += 1
-        try:
-            await self.app(scope, receive, send_with_headers)
-        finally:
-            self.in_flight -= 1
-
-
-def same_origin(scope: Scope) -> bool:
-    """True unless the request carries an Origin whose host differs from its Host header
-    (scripts and forms of another site send their Origin; the agent and client send none)."""
-    headers = dict(scope["headers"])
-    origin = headers.get(b"origin")
-    if origin is None:
-        return True
-    host = headers.get(b"host", b"").decode("latin-1").lower()
-    try:
-        return urlsplit(origin.decode("latin-1")).netloc.lower() == host
-    except ValueError:
-        return False
+        await self.app(scope, receive, send_with_headers)
 
 
 async def _busy(send: Send) -> None:
-    await _error(send, 503, "the server is busy with other large requests "
+    await error_response(send, 503, "the server is busy with other large requests "
                  "(AMPWATCH_MAX_INFLIGHT_BODY_BYTES); retry", retry_after=1)
 
 
-async def _error(send: Send, status: int, detail: str, retry_after: int | None = None
-                 ) -> None:
+async def error_response(send: Send, status: int, detail: str | list[dict],
+                         retry_after: int | None = None,
+                         extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Answer `{"detail": detail}` with `status`, from middleware (no route ran)."""
     payload = json.dumps({"detail": detail}).encode()
     headers = [(b"content-type", b"application/json"),
-               (b"content-length", str(len(payload)).encode())]
+               (b"content-length", str(len(payload)).encode()), *(extra or [])]
     if retry_after is not None:
         headers.append((b"retry-after", str(retry_after).encode()))
     await send({"type": "http.response.start", "status": status, "headers": headers})

@@ -8,7 +8,6 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from pydantic import (
-    AfterValidator,
     BaseModel,
     ConfigDict,
     Field,
@@ -28,11 +27,11 @@ from ampwatch.server.fields import (
     WireFloats,
     integer,
     keyed_by_text,
-    storable,
+    name_text,
     text,
 )
 from ampwatch.server.series import DTYPES
-from ampwatch.wire import LABEL_MAX_CHARS, LABEL_PATTERN, RUN_ID_PATTERN
+from ampwatch.wire import LABEL_MAX_CHARS, RUN_ID_PATTERN
 
 RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
@@ -52,9 +51,9 @@ MAX_SEQ = INT32_MAX  # run_ranks.max_seq is an INTEGER column
 MAX_SEQ_GAP = 1_000_000
 MAX_CONFIG_BYTES = 64 * 1024  # config and environment, each, as JSON; listed with every run
 Scalar = ShortText | JsonInt | WireFloat | bool | None
-# a run's name, project or tag: what the agent's `attach` checks too (wire/runs.py)
-Label = Annotated[str, StringConstraints(min_length=1, max_length=LABEL_MAX_CHARS,
-                                         pattern=LABEL_PATTERN), AfterValidator(storable)]
+# a run's name, project or tag: what the agent's `attach` checks (wire/runs.py), and no
+# invisible formatting characters either
+Label = name_text(1, LABEL_MAX_CHARS)
 PerLayer = Annotated[WireFloats, Field(max_length=MAX_LAYERS)]
 
 
@@ -104,8 +103,8 @@ class Environment(BaseModel):
 
 class LayerIn(Strict):
     index: integer(0, MAX_LAYERS - 1)
-    name: text(1, 512)
-    type: text(1, 128)
+    name: name_text(1, 512)
+    type: name_text(1, 128)
     param_count: BigCount = 0
     dtype: text(max_length=32) | None = None
     shapes: keyed_by_text(list[BigCount]) = {}
@@ -119,7 +118,7 @@ class RunUpsert(Strict):
     tags: list[Label] | None = Field(None, max_length=256)
     config: keyed_by_text(Any) | None = None
     environment: Environment | None = None
-    layers: list[LayerIn] | None = Field(None, max_length=MAX_LAYERS)
+    layers: list[LayerIn] | None = Field(None, max_length=MAX_LAYERS, fail_fast=True)
 
     @field_validator("config", "environment")
     @classmethod
@@ -192,7 +191,7 @@ class RunsPublic(BaseModel):
 
 class ActivationsIn(Strict):
     absmax: PerLayer
-    dtype: list[DtypeName | None] | None = Field(None, max_length=MAX_LAYERS)
+    dtype: list[DtypeName | None] | None = Field(None, max_length=MAX_LAYERS, fail_fast=True)
     time_ms: PerLayer | None = None
 
 
@@ -260,7 +259,7 @@ class StepIn(Strict):
 
 class EventIn(Strict):
     step: integer(0, MAX_STEP) | None = None
-    kind: text(1, 64)
+    kind: name_text(1, 64)
     detail: keyed_by_text(Any) = {}
 
 
@@ -269,8 +268,10 @@ class BatchIn(Strict):
     seq: integer(0, MAX_SEQ)
     dropped_batches: Count = 0
     dropped_steps: Count = 0
-    steps: list[StepIn] = Field(max_length=MAX_STEPS_PER_BATCH)
-    events: list[EventIn] = Field([], max_length=10_000)
+    # fail_fast: validation stops at the first bad step or event, so an invalid body
+    # costs about what a valid one does (docs/security.md)
+    steps: list[StepIn] = Field(max_length=MAX_STEPS_PER_BATCH, fail_fast=True)
+    events: list[EventIn] = Field([], max_length=10_000, fail_fast=True)
 
     @model_validator(mode="after")
     def _increasing_steps(self) -> BatchIn:

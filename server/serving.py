@@ -1,9 +1,11 @@
-"""How `ampwatch serve` runs uvicorn: connection limits and timeouts that keep slow or
-idle clients from holding the server (a reverse proxy in front should add its own)."""
+"""How `ampwatch serve` runs uvicorn: connection limits and timeouts that keep slow,
+idle or non-reading clients from holding the server (a reverse proxy in front should add
+its own)."""
 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
@@ -13,17 +15,25 @@ KEEP_ALIVE_S = 5
 
 
 class HeaderTimeoutProtocol(H11Protocol):
-    """uvicorn's h11 protocol, plus: a connection that has not sent a whole request head
-    within `header_timeout_s` of connecting (or of its first byte after a keep-alive
-    pause) is closed. Without it, a thousand connections sending one header byte a
-    minute hold file descriptors until /api/v1/health cannot be reached."""
+    """uvicorn's h11 protocol, plus three guards against clients that hold connections:
+    - a connection that has not sent a whole request head within `header_timeout_s` of
+      connecting (or of its first byte after a keep-alive pause) is closed;
+    - a response whose client stops reading is abandoned once one write has waited
+      `send_timeout_s` (the connection is aborted, so the request ends and frees its slot);
+    - at the connection limit, a new connection closes the oldest idle ones (no request
+      in progress), so idle connections cannot shut out the next request, /health included.
+    """
 
     header_timeout_s = 15.0
+    send_timeout_s = 30.0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_timer: asyncio.TimerHandle | None = None
+        self._send_timer: asyncio.TimerHandle | None = None
+        self._connected_at = self.loop.time()
         self._arm_head_timer()
+        self._make_room()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -34,9 +44,43 @@ class HeaderTimeoutProtocol(H11Protocol):
             self._head_timer = None
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._head_timer is not None:
-            self._head_timer.cancel()
+        for timer in (self._head_timer, self._send_timer):
+            if timer is not None:
+                timer.cancel()
         super().connection_lost(exc)
+
+    def pause_writing(self) -> None:
+        super().pause_writing()
+        if self._send_timer is None:
+            self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_late)
+
+    def resume_writing(self) -> None:
+        super().resume_writing()
+        if self._send_timer is not None:
+            self._send_timer.cancel()
+            self._send_timer = None
+
+    def _send_late(self) -> None:
+        self._send_timer = None
+        if self.flow.write_paused:
+            # close() would wait for the client to read the buffer: it never will
+            self.transport.abort()
+
+    def is_idle(self) -> bool:
+        """No request in progress: waiting for (the rest of) a request head."""
+        return self.conn.their_state is h11.IDLE and (
+            self.cycle is None or self.cycle.response_complete)
+
+    def _make_room(self) -> None:
+        limit = self.limit_concurrency
+        if limit is None or len(self.connections) < limit:
+            return
+        idle = sorted((c for c in self.connections
+                       if c is not self and isinstance(c, HeaderTimeoutProtocol)
+                       and c.is_idle() and not c.transport.is_closing()),
+                      key=lambda c: c._connected_at)
+        for victim in idle[:len(self.connections) - limit + 1]:
+            victim.transport.abort()
 
     def _arm_head_timer(self) -> None:
         if self._head_timer is None:
@@ -48,10 +92,28 @@ class HeaderTimeoutProtocol(H11Protocol):
             self.transport.close()
 
 
-def uvicorn_options(header_timeout_s: float, max_connections: int) -> dict:
+MALLOC_ARENAS = 2
+_M_ARENA_MAX = -8  # glibc's mallopt parameter
+
+
+def limit_malloc_arenas(arenas: int = MALLOC_ARENAS) -> bool:
+    """Cap glibc's malloc arenas for this process (True when set). Each thread that
+    allocates gets an arena of its own, up to 8 per core, and a freed request's memory
+    stays in its thread's arena: after large requests on many pool threads the resident
+    set held the sum (docs/benchmarks.md). Python threads share the GIL, so fewer arenas
+    cost no parallelism. No-op off glibc."""
+    try:
+        libc = ctypes.CDLL(None)
+        return bool(libc.mallopt(_M_ARENA_MAX, arenas))
+    except (OSError, AttributeError):
+        return False
+
+
+def uvicorn_options(header_timeout_s: float, send_timeout_s: float, max_connections: int
+                    ) -> dict:
     """Keyword arguments for `uvicorn.run`."""
     protocol = type("HeaderTimeoutProtocol", (HeaderTimeoutProtocol,),
-                    {"header_timeout_s": header_timeout_s})
+                    {"header_timeout_s": header_timeout_s, "send_timeout_s": send_timeout_s})
     return {
         "http": protocol,
         "timeout_keep_alive": KEEP_ALIVE_S,

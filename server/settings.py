@@ -34,6 +34,9 @@ class Settings(BaseSettings):
     # while it is parsed); beyond, 503 + Retry-After. At least twice max_body_bytes: one
     # request holds its gzip body and the inflated one
     max_inflight_body_bytes: int = Field(128 * 1024 * 1024, ge=1024)
+    # estimated bytes of read answers (heatmap matrices, layer tables, step series) being
+    # built at once; beyond, 503 + Retry-After (docs/security.md)
+    max_inflight_read_bytes: int = Field(1024 * 1024 * 1024, ge=1024 * 1024)
     # requests in flight beyond this get 503 + Retry-After (/api/v1/health never counts);
     # below the database pool size, so requests never queue for a connection
     max_concurrent_requests: int = Field(16, ge=1, le=10_000)
@@ -41,6 +44,15 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(60.0, gt=0)
     # a connection must send its request headers within this, or it is closed
     header_timeout_s: float = Field(15.0, gt=0)
+    # a response a client stops reading is abandoned (connection closed, slot freed) when
+    # one write has waited this long
+    send_timeout_s: float = Field(30.0, gt=0)
+    # requests without the token (static files, the login page; every request when no
+    # token is set counts as having it) in flight from one client address; 503 beyond
+    max_requests_per_client: int = Field(8, ge=1, le=10_000)
+    # Host names a server without a token answers to besides loopback names, its bind
+    # address and the public URL's host (DNS rebinding); comma-separated, "*" for any
+    allowed_hosts: str = ""
     # a run is live when a batch arrived within this many seconds
     live_seconds: float = Field(60.0, gt=0)
     migrate_on_start: bool = True

@@ -4,14 +4,16 @@ URL. Errors come back as `SendResult`s whose text never holds the target's secre
 from __future__ import annotations
 
 import logging
+import re
 import warnings
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl, quote, quote_plus, unquote, unquote_plus, urlsplit
 
 import httpx
 
 from ampwatch.server import __version__
+from ampwatch.server.alerts.markup import discord_payload, discord_webhook, one_line
 from ampwatch.server.alerts.settings import AlertTarget, redact_url
 
 ERROR_CHARS = 500
@@ -31,22 +33,32 @@ def send(target: AlertTarget, payload: dict[str, Any], http: httpx.Client) -> Se
     try:
         if target.type == "webhook":
             return _webhook(url, payload, http)
+        discord = discord_webhook(url)
+        if discord is not None:  # apprise cannot set allowed_mentions
+            return _post(discord, discord_payload(payload["title"], notification_text(payload),
+                                                  notification_link(payload)), http, url)
         return _apprise(url, payload)
     except Exception as exc:  # a target's failure must not stop the dispatcher
         return SendResult(False, error=scrub(f"{type(exc).__name__}: {exc}", url))
 
 
 def _webhook(url: str, payload: dict[str, Any], http: httpx.Client) -> SendResult:
-    headers = {"User-Agent": f"ampwatch/{__version__}",
-               "Idempotency-Key": f"ampwatch-{payload.get('notification_id')}"}
+    return _post(url, payload, http, url, {
+        "Idempotency-Key": f"ampwatch-{payload.get('notification_id')}"})
+
+
+def _post(url: str, body: dict[str, Any], http: httpx.Client, target_url: str,
+          headers: dict[str, str] | None = None) -> SendResult:
+    """POST `body` as JSON; errors scrubbed of `target_url`'s secrets."""
+    headers = {"User-Agent": f"ampwatch/{__version__}", **(headers or {})}
     try:
-        response = http.post(url, json=payload, headers=headers)
+        response = http.post(url, json=body, headers=headers)
     except httpx.HTTPError as exc:
-        return SendResult(False, error=scrub(f"{type(exc).__name__}: {exc}", url))
+        return SendResult(False, error=scrub(f"{type(exc).__name__}: {exc}", target_url))
     if response.is_success:
         return SendResult(True, response.status_code)
     return SendResult(False, response.status_code,
-                      scrub(f"HTTP {response.status_code}: {response.text[:200]}", url))
+                      scrub(f"HTTP {response.status_code}: {response.text[:200]}", target_url))
 
 
 APPRISE_TYPES = {"critical": "failure", "warning": "warning", "info": "info"}
@@ -74,8 +86,12 @@ def _notify_apprise(url: str, payload: dict[str, Any]) -> SendResult:
     propagate, apprise_log.propagate = apprise_log.propagate, False
     try:
         with apprise.LogCapture(level=logging.WARNING) as captured:
-            ok = notifier.notify(title=payload["title"], body=notification_body(payload),
-                                 notify_type=kind)
+            # plain text: apprise escapes it for the target's own format (Slack: &, <, >
+            # as entities, mrkdwn off; mail: no HTML part), so names cannot mention,
+            # link or embed anything
+            ok = notifier.notify(title=one_line(payload["title"]),
+                                 body=notification_body(payload), notify_type=kind,
+                                 body_format=apprise.NotifyFormat.TEXT)
             text = captured.getvalue().strip()
     finally:
         apprise_log.propagate = propagate
@@ -84,42 +100,65 @@ def _notify_apprise(url: str, payload: dict[str, Any]) -> SendResult:
     return SendResult(False, error=scrub(text or "apprise reported a failed delivery", url))
 
 
-def notification_body(payload: dict[str, Any]) -> str:
-    """The plain-text body of a chat or mail notification."""
-    finding, run = payload.get("finding", {}), payload.get("run", {})
+def notification_text(payload: dict[str, Any]) -> str:
+    """The plain text of a chat or mail notification, without its link."""
     incident = payload.get("incident")
     if incident is not None:
         return "\n".join(line for line in incident_lines(incident) if line)
+    finding = payload.get("finding", {})
     lines = [finding.get("message", "")]
     if finding.get("last_step") is not None and finding.get("step") is not None:
         lines.append(f"steps {finding['step']}..{finding['last_step']}, "
                      f"seen {finding.get('count', 1)} times, rank {finding.get('rank', 0)}")
-    lines.append(run.get("url", ""))
     return "\n".join(line for line in lines if line)
+
+
+def notification_link(payload: dict[str, Any]) -> str:
+    """This server's page for the notification: the incident's, else the run's."""
+    return (payload.get("incident") or {}).get("url") or payload.get("run", {}).get("url", "")
+
+
+def notification_body(payload: dict[str, Any]) -> str:
+    """The plain-text body of a chat or mail notification: its text and its link."""
+    return "\n".join(part for part in (notification_text(payload), notification_link(payload))
+                     if part)
 
 
 def scrub(text: str, url: str) -> str:
     """`text` (an error message) with every part of `url` that can be a secret replaced
     by "***": credentials, path segments, query values, and for non-web URLs the host;
-    the whole URL by its redacted form."""
+    the whole URL by its redacted form. Each part in every form a library may echo it:
+    as written, percent-decoded, and percent-encoded (either case of hex digits, spaces
+    as %20 or +)."""
     text = text.replace(url, redact_url(url))
     parts = urlsplit(url)
     secrets = {parts.password or "", parts.username or "", parts.path, parts.query,
                *parts.path.split("/"), *(v for _, v in parse_qsl(parts.query))}
     if parts.scheme.lower() not in ("http", "https"):
         secrets |= {parts.netloc, parts.hostname or ""}
-    for secret in sorted((s for s in secrets if len(s) >= 4), key=len, reverse=True):
-        text = text.replace(secret, "***")
+    forms = {form for secret in secrets for form in secret_forms(secret) if len(form) >= 4}
+    if forms:
+        pattern = "|".join(re.escape(f) for f in sorted(forms, key=len, reverse=True))
+        text = re.sub(pattern, "***", text, flags=re.IGNORECASE)
     return text[:ERROR_CHARS]
+
+
+def secret_forms(secret: str) -> set[str]:
+    """`secret` as written, decoded, and encoded the ways URL libraries encode."""
+    forms = {secret}
+    for plain in {secret, unquote(secret), unquote_plus(secret)}:
+        forms |= {plain, quote(plain, safe=""), quote(plain), quote_plus(plain),
+                  quote(plain, safe="/:@!$&'()*+,;=")}
+    return forms
 
 
 def incident_lines(incident: dict[str, Any]) -> list[str]:
     """What an incident's notification says: what happened, its cause and layer, the first
-    step, the fix and the link to the run page around that step."""
+    step and the fix (its link: `notification_link`)."""
     cause = (incident.get("cause") or "").replace("_", " ")
     where = [f"cause: {cause}" if cause else "",
              f"layer: {incident['layer']}" if incident.get("layer") else "",
              f"first step: {incident['step']}" if incident.get("step") is not None else "",
              f"rank {incident.get('rank', 0)}"]
     return [incident.get("headline") or "", ", ".join(w for w in where if w),
-            f"Fix: {incident['fix']}" if incident.get("fix") else "", incident.get("url", "")]
+            f"Fix: {incident['fix']}" if incident.get("fix") else ""]

@@ -2,16 +2,18 @@
 
 These routes answer with JSON built by server/queries.py (columns encoded once, no
 pydantic pass over thousands of points), so FastAPI does not check it against their
-`response_model`: tests/server/test_declared_models.py does."""
+`response_model`: tests/server/test_declared_models.py does. The large answers (steps,
+the layer table, the heatmap matrix) hold the read budget while built."""
 
 from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Path, Query, Request
 
 from ampwatch.server.api.error_responses import NOT_FOUND, READ
 from ampwatch.server.api.runs import RunIdPath
+from ampwatch.server.budget import BYTES_PER_STEP_ROW, layers_estimate
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.errors import InvalidInput
 from ampwatch.server.queries import layer_series_query, layers_query, matrix_query, steps_query
@@ -50,6 +52,7 @@ MaxPoints = Annotated[
 def get_steps(
     run_id: RunIdPath,
     session: SessionDep,
+    request: Request,
     start: Start = None,
     end: End = None,
     rank: Annotated[int | None, Query(ge=0, le=1_000_000, description="all ranks if unset")] = None,
@@ -58,16 +61,20 @@ def get_steps(
 ) -> WireJSONResponse:
     """Per-step records (loss scale, skipped, grad norm, loss, lr, timings, ...)."""
     run = get_run(session, run_id)
-    return WireJSONResponse(steps_query(session, run, rank=rank, start=start, end=end,
-                                        max_points=max_points, limit=limit), encoded=True)
+    rows = min(limit, max_points or limit)
+    with request.app.state.read_budget.hold(rows * BYTES_PER_STEP_ROW):
+        return WireJSONResponse(steps_query(session, run, rank=rank, start=start, end=end,
+                                            max_points=max_points, limit=limit), encoded=True)
 
 
 @router.get("/{run_id}/layers", response_model=LayersPublic,
             responses=READ | NOT_FOUND)
-def get_layers(run_id: RunIdPath, session: SessionDep, rank: Rank = 0) -> WireJSONResponse:
+def get_layers(run_id: RunIdPath, session: SessionDep, request: Request, rank: Rank = 0
+               ) -> WireJSONResponse:
     """The layer table with per-layer summaries for one rank."""
-    return WireJSONResponse(layers_query(session, get_run(session, run_id), rank=rank),
-                            encoded=True)
+    run = get_run(session, run_id)
+    with request.app.state.read_budget.hold(layers_estimate(run.n_layers)):
+        return WireJSONResponse(layers_query(session, run, rank=rank), encoded=True)
 
 
 MAX_MATRIX_CELLS = 10_000_000  # about 100 MB of JSON: a 10,000-layer run at 1,000 buckets
@@ -78,6 +85,7 @@ MAX_MATRIX_CELLS = 10_000_000  # about 100 MB of JSON: a 10,000-layer run at 1,0
 def get_matrix(
     run_id: RunIdPath,
     session: SessionDep,
+    request: Request,
     metric: Literal["grad_norm", "act_absmax", "act_time_ms", "update_ratio", "update_lost",
                     "adam_eps_share", "adam_v_zero_share", "attn_max_logit", "logit_absmax",
                     "logit_lse"] = "grad_norm",
@@ -100,9 +108,10 @@ def get_matrix(
             f"{len(layers):,} layers x {buckets:,} buckets is more than {MAX_MATRIX_CELLS:,} "
             f"cells: ask for fewer buckets or a range of layers (layer_offset, layer_limit)")
     picked = None if len(layers) == run.n_layers else list(layers)
-    return WireJSONResponse(matrix_query(session, run, metric=metric, rank=rank, start=start,
-                                         end=end, buckets=buckets, layers=picked),
-                            encoded=True)
+    with request.app.state.read_budget.hold(layers_estimate(len(layers), buckets)):
+        return WireJSONResponse(matrix_query(session, run, metric=metric, rank=rank,
+                                             start=start, end=end, buckets=buckets,
+                                             layers=picked), encoded=True)
 
 
 @router.get("/{run_id}/layers/{index}/series", response_model=LayerSeriesPublic,

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import LiveServer
 from tests.server.pages.conftest import CHROMIUM, CHROMIUM_ARGS, Browser, open_browser
 
 HOST = "ampwatch.test"  # not localhost: Swagger UI would call its online validator for it
@@ -28,8 +29,18 @@ def chromium_with_host() -> Iterator[object]:
 
 
 @pytest.fixture
-def docs_browser(chromium_with_host, live_server, tmp_path: Path) -> Iterator[Browser]:
-    opened = open_browser(chromium_with_host, f"http://{HOST}:{live_server.port}", tmp_path)
+def docs_server(tmp_path: Path) -> Iterator[LiveServer]:
+    """A server without a token that answers HOST (it answers only names it trusts)."""
+    server = LiveServer(f"sqlite:///{tmp_path / 'docs.db'}", tmp_path / "server.log",
+                        env={"AMPWATCH_ALLOWED_HOSTS": HOST})
+    server.start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def docs_browser(chromium_with_host, docs_server, tmp_path: Path) -> Iterator[Browser]:
+    opened = open_browser(chromium_with_host, f"http://{HOST}:{docs_server.port}", tmp_path)
     requested: list[str] = []
     blocked: list[str] = []  # by the page's Content-Security-Policy: never sent
     opened.page.on("request", lambda request: requested.append(request.url))

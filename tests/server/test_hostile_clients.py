@@ -1,0 +1,240 @@
+"""Clients that try to take the server from outside, against a live server on loopback:
+request slots held by clients without the token or by clients that never read, foreign
+Host names (DNS rebinding), and idle connections. Request loops are bounded in count and
+time."""
+
+from __future__ import annotations
+
+import json
+import socket
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import ExitStack, contextmanager
+
+import httpx
+import pytest
+
+from tests.conftest import LiveServer
+from tests.utils import make_layers, make_steps
+
+TOKEN = "hostile-s3cret"
+BEARER = {"Authorization": f"Bearer {TOKEN}"}
+SLOTS = 3  # requests in flight; a small cap, so few hostile connections would fill it
+SEND_TIMEOUT_S = 3
+
+
+def start_server(tmp_path, **env: str) -> LiveServer:
+    server = LiveServer(f"sqlite:///{tmp_path / 'hostile.db'}", tmp_path / "server.log", env={
+        "AMPWATCH_MAX_CONCURRENT_REQUESTS": str(SLOTS), "AMPWATCH_BODY_TIMEOUT_S": "30",
+        "AMPWATCH_SEND_TIMEOUT_S": str(SEND_TIMEOUT_S), **env})
+    server.start()
+    return server
+
+
+@pytest.fixture
+def token_server(tmp_path) -> Iterator[LiveServer]:
+    server = start_server(tmp_path, AMPWATCH_TOKEN=TOKEN)
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def open_server(tmp_path) -> Iterator[LiveServer]:
+    server = start_server(tmp_path)
+    yield server
+    server.stop()
+
+
+def non_reader(server: LiveServer, path: str, headers: str = "") -> socket.socket:
+    """A connection that asks for `path` and never reads (a 4 KiB receive buffer): the
+    server's send blocks as soon as the kernel's buffers are full."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", server.port))
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}\r\n".encode())
+    return sock
+
+
+def slow_body(server: LiveServer, path: str, headers: str = "") -> socket.socket:
+    """A POST whose 1,000-byte body has sent one byte: it is still arriving."""
+    sock = socket.create_connection(("127.0.0.1", server.port))
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                 f"\r\nContent-Length: 1000\r\n{headers}\r\n{{".encode())
+    return sock
+
+
+@contextmanager
+def held(sockets: list[socket.socket]) -> Iterator[list[socket.socket]]:
+    with ExitStack() as stack:
+        for sock in sockets:
+            stack.callback(sock.close)
+        time.sleep(0.5)  # let the server take them in
+        yield sockets
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """Whether the server ends the connection within `within_s` (reading what it sent)."""
+    sock.settimeout(0.5)
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        try:
+            if not sock.recv(1 << 20):
+                return True
+        except TimeoutError:
+            continue
+        except OSError:  # reset: the server aborted the connection
+            return True
+    return False
+
+
+def test_clients_that_never_read_static_files_take_no_slot(token_server):
+    server = token_server
+    with (held([non_reader(server, "/static/plotly.min.js") for _ in range(SLOTS * 2)]),
+          httpx.Client(base_url=server.url, headers=BEARER, timeout=10) as http):
+        for _ in range(3):
+            assert http.get("/api/v1/runs").status_code == 200
+            assert http.get("/").status_code == 200
+
+
+def test_clients_without_the_token_take_no_slot(token_server):
+    server = token_server
+    sockets = [slow_body(server, "/api/v1/runs/r1/batches") for _ in range(SLOTS * 2)]
+    with held(sockets):
+        with httpx.Client(base_url=server.url, headers=BEARER, timeout=10) as http:
+            assert http.get("/api/v1/runs").status_code == 200
+        # refused at once, before their bodies arrive
+        for sock in sockets:
+            sock.settimeout(5)
+            assert sock.recv(1024).startswith(b"HTTP/1.1 401"), "no prompt 401"
+
+
+def test_bodies_still_arriving_take_no_slot(open_server):
+    server = open_server
+    with (held([slow_body(server, "/api/v1/runs/r1/batches") for _ in range(SLOTS * 2)]),
+          httpx.Client(base_url=server.url, timeout=10) as http):
+        assert http.get("/api/v1/runs").status_code == 200
+        http.put("/api/v1/runs/r2", json={"name": "r2"}).raise_for_status()
+
+
+def wide_run(http: httpx.Client, run_id: str = "wide", n_layers: int = 4000,
+             n_steps: int = 300) -> None:
+    """A run whose whole grad-norm matrix is about 12 MB of JSON: more than the kernel
+    buffers a client that does not read (4 MiB on loopback at most)."""
+    http.put(f"/api/v1/runs/{run_id}", json={"name": run_id, "layers": make_layers(n_layers)}
+             ).raise_for_status()
+    for seq in range(n_steps // 20):
+        http.post(f"/api/v1/runs/{run_id}/batches", json={
+            "rank": 0, "seq": seq, "steps": make_steps(seq * 20, 20, n_layers)}
+                  ).raise_for_status()
+
+
+def test_a_response_nobody_reads_gives_its_slot_back(token_server):
+    """Slots are for the token's holders; one that stops reading loses its slot after
+    AMPWATCH_SEND_TIMEOUT_S, and its connection is closed."""
+    server = token_server
+    with httpx.Client(base_url=server.url, headers=BEARER, timeout=30) as http:
+        wide_run(http)
+        auth = f"Authorization: Bearer {TOKEN}\r\n"
+        path = "/api/v1/runs/wide/layers/matrix?metric=grad_norm"
+        with held([non_reader(server, path, auth) for _ in range(SLOTS)]) as sockets:
+            started = time.monotonic()
+            assert http.get("/api/v1/runs").status_code == 503  # the slots are held
+            assert http.get("/api/v1/health").status_code == 200
+            assert all(closed_by_server(s, SEND_TIMEOUT_S + 10) for s in sockets)
+            freed = time.monotonic() - started
+            print(f"non-reading clients: slots free after {freed:.1f} s "
+                  f"(send timeout {SEND_TIMEOUT_S} s)")
+            assert freed < SEND_TIMEOUT_S + 10
+            assert http.get("/api/v1/runs").status_code == 200
+
+
+def test_anonymous_requests_of_one_client_are_capped(token_server):
+    """Without the token, one address holds at most AMPWATCH_MAX_REQUESTS_PER_CLIENT
+    requests (static files, the login page) and never an API slot."""
+    server = token_server
+    limit = 4
+    server.stop()
+    server.env["AMPWATCH_MAX_REQUESTS_PER_CLIENT"] = str(limit)
+    server.start()
+    with (held([non_reader(server, "/static/plotly.min.js") for _ in range(limit)]),
+          httpx.Client(base_url=server.url, timeout=10) as http):
+        assert http.get("/login").status_code == 503
+        assert http.get("/api/v1/runs", headers=BEARER).status_code == 200
+        assert http.get("/api/v1/health").status_code == 200
+
+
+# DNS rebinding: a page on rebind.example whose name now resolves to 127.0.0.1 sends
+# same-origin requests with that Host (and Origin): a server without a token must refuse.
+FOREIGN = "rebind.example"
+
+
+def test_a_foreign_host_is_refused_without_a_token(open_server):
+    server = open_server
+    foreign = f"{FOREIGN}:{server.port}"
+    with httpx.Client(base_url=server.url, timeout=10) as http:
+        http.put("/api/v1/runs/victim", json={"name": "victim"}).raise_for_status()
+        gone = http.delete("/api/v1/runs/victim",
+                           headers={"Host": foreign, "Origin": f"http://{foreign}"})
+        assert gone.status_code == 400 and "Host" in gone.json()["detail"]
+        assert http.get("/api/v1/runs", headers={"Host": foreign}).status_code == 400
+        assert http.get("/", headers={"Host": foreign}).status_code == 400
+        assert http.get("/api/v1/runs/victim").status_code == 200
+        for name in ("localhost", "127.0.0.1", "[::1]", "LOCALHOST."):
+            assert http.get("/api/v1/runs", headers={"Host": f"{name}:{server.port}"}
+                            ).status_code == 200, name
+
+
+def test_the_public_urls_host_and_allowed_hosts_are_trusted(tmp_path):
+    server = start_server(tmp_path, AMPWATCH_ALERTS__PUBLIC_URL="https://watch.example/",
+                          AMPWATCH_ALLOWED_HOSTS="gpu-box,10.0.0.7")
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            for host in ("watch.example", "gpu-box:8000", "10.0.0.7"):
+                assert http.get("/api/v1/runs", headers={"Host": host}).status_code == 200
+            assert http.get("/api/v1/runs", headers={"Host": FOREIGN}).status_code == 400
+    finally:
+        server.stop()
+
+
+def test_any_host_is_answered_with_a_token(token_server):
+    """With a token a rebinding page gains nothing (it has no token, and the login cookie
+    belongs to the real name), and a server behind a proxy sees many names."""
+    with httpx.Client(base_url=token_server.url, headers=BEARER, timeout=10) as http:
+        assert http.get("/api/v1/runs", headers={"Host": FOREIGN}).status_code == 200
+
+
+def test_idle_connections_do_not_shut_out_requests(open_server):
+    """Connections that send nothing are dropped, oldest first, when new ones need room."""
+    server = open_server
+    limit = SLOTS * 8 + 64  # `ampwatch serve`'s connection limit
+    with ExitStack() as stack:
+        for _ in range(limit + 40):
+            sock = socket.create_connection(("127.0.0.1", server.port))
+            stack.callback(sock.close)
+        time.sleep(0.5)
+        with httpx.Client(base_url=server.url, timeout=10) as http:
+            assert http.get("/api/v1/health").status_code == 200
+            assert http.get("/api/v1/runs").status_code == 200
+
+
+def test_a_large_body_is_parsed_off_the_event_loop(open_server):
+    """While a 48 MB batch (under the 64 MiB cap) is parsed, /health keeps answering: it
+    once waited for the whole parse (4.4 s for a 3.6 MB invalid batch)."""
+    server = open_server
+    body = json.dumps({"rank": 0, "seq": 0, "steps": make_steps(0, 6000, 1000)}).encode()
+    with httpx.Client(base_url=server.url, timeout=60) as http, ThreadPoolExecutor(1) as pool:
+        started = time.monotonic()
+        post = pool.submit(http.post, "/api/v1/runs/nope/batches", content=body,
+                           headers={"content-type": "application/json"})
+        slowest = 0.0
+        while not post.done():
+            asked = time.monotonic()
+            assert http.get("/api/v1/health").status_code == 200
+            slowest = max(slowest, time.monotonic() - asked)
+            time.sleep(0.02)
+        took = time.monotonic() - started
+        assert post.result().status_code == 404  # parsed whole, then no such run
+    print(f"/health during a 48 MB parse: slowest {slowest:.2f} s of the POST's {took:.2f} s")
+    assert took > 0.3, "the parse was too quick to tell"
+    assert slowest < 0.5 * took, f"/health took {slowest:.2f} s of the POST's {took:.2f} s"
