@@ -27,13 +27,13 @@ from typing import Any
 import torch
 
 from ampwatch.agent import guard
-from ampwatch.agent.bundle import FORMAT, BundleWriter, to_host
+from ampwatch.agent.bundle import BundleWriter, to_host
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.agent.environment import scaler_config
 from ampwatch.agent.record_triggers import RecordSettings, Triggers
 from ampwatch.agent.transport.worker import EventMessage
 from ampwatch.wire import encode_tree
-from ampwatch.wire.bundles import BUNDLE_EVENT, BUNDLE_FOLDER
+from ampwatch.wire.bundles import BUNDLE_EVENT, BUNDLE_FOLDER, BUNDLE_FORMAT
 
 
 @dataclass
@@ -209,7 +209,7 @@ class Recorder(Collector):
         activations = record.get("activations") or {}
         dtypes = activations.get("dtype") if isinstance(activations, dict) else None
         return {
-            "format": FORMAT, "run_id": session.settings.run_id, "rank": session.rank,
+            "format": BUNDLE_FORMAT, "run_id": session.settings.run_id, "rank": session.rank,
             "step": self.step_number(record["step"]), "trigger": trigger,
             "first_nonfinite_layer": (session.layers[first].name
                                       if isinstance(first, int) else None),

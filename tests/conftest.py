@@ -12,6 +12,7 @@ import sys
 import time
 import uuid
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -188,6 +189,33 @@ class LiveServer:
                 self.process.kill()
                 self.process.wait()
         self.process = None
+
+
+def module_server(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterator[LiveServer]:
+    """A live server on a SQLite file of its own, for module- and session-scoped fixtures
+    (`yield from module_server(tmp_path_factory, "faults")`)."""
+    root = tmp_path_factory.mktemp(name)
+    live = LiveServer(f"sqlite:///{root / f'{name}.db'}", root / "server.log")
+    live.start(timeout=120)  # a loaded CI machine can take a while to import the server
+    yield live
+    live.stop()
+
+
+@contextmanager
+def agent_errors_fail() -> Iterator[list[tuple[str, BaseException]]]:
+    """What the agent's guard swallowed inside the block (it never raises into training);
+    the first one fails the test."""
+    from ampwatch.agent import guard  # imports torch: only the tests that train call this
+
+    swallowed: list[tuple[str, BaseException]] = []
+    guard.set_error_handler(lambda site, exc: swallowed.append((site, exc)))
+    try:
+        yield swallowed
+    finally:
+        guard.set_error_handler(None)
+    if swallowed:
+        site, exc = swallowed[0]
+        raise AssertionError(f"agent swallowed an error in {site}") from exc
 
 
 @pytest.fixture

@@ -4,6 +4,7 @@ without torch) and `state.pt` (the tensors, `torch.save`)."""
 
 from __future__ import annotations
 
+BUNDLE_FORMAT = 1  # bundle.json's "format": the layout of a bundle's two files
 BUNDLE_EVENT = "bundle"  # a batch event: a bundle was kept or dropped (detail says which)
 META_NAME = "bundle.json"
 STATE_NAME = "state.pt"

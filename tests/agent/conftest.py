@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from ampwatch import agent
-from ampwatch.agent import guard
 from ampwatch.agent.session import LoopWatch
+from tests.conftest import agent_errors_fail
 
 
 @pytest.fixture(autouse=True)
@@ -23,13 +23,8 @@ def _one_thread() -> None:
 @pytest.fixture(autouse=True)
 def agent_errors() -> Iterator[list[tuple[str, BaseException]]]:
     """Collects what the guard swallowed; the test fails with the first one."""
-    swallowed: list[tuple[str, BaseException]] = []
-    guard.set_error_handler(lambda site, exc: swallowed.append((site, exc)))
-    yield swallowed
-    guard.set_error_handler(None)
-    if swallowed:
-        site, exc = swallowed[0]
-        raise AssertionError(f"agent swallowed an error in {site}") from exc
+    with agent_errors_fail() as swallowed:
+        yield swallowed
 
 
 @pytest.fixture(params=["host", "device"])

@@ -4,32 +4,20 @@ that fail the test instead of being swallowed."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from ampwatch.agent import guard
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, agent_errors_fail, module_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    root = tmp_path_factory.mktemp("faults")
-    live = LiveServer(f"sqlite:///{root / 'faults.db'}", root / "server.log")
-    live.start()
-    yield live
-    live.stop()
+    yield from module_server(tmp_path_factory, "faults")
 
 
 @pytest.fixture(autouse=True)
-def _agent_errors_fail_the_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+def _agent_errors_fail_the_test() -> Iterator[None]:
     torch.set_num_threads(1)
-    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "spool"))
-    swallowed: list = []
-    guard.set_error_handler(lambda site, exc: swallowed.append((site, exc)))
-    yield
-    guard.set_error_handler(None)
-    if swallowed:
-        site, exc = swallowed[0]
-        raise AssertionError(f"agent swallowed an error in {site}") from exc
+    with agent_errors_fail():
+        yield

@@ -6,13 +6,11 @@ finding of any kind."""
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import torch
 
-from ampwatch.agent import guard
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, agent_errors_fail, module_server
 from tests.spikes.scenarios import (
     SCENARIOS,
     STEP_TOLERANCE,
@@ -28,24 +26,14 @@ HEALTHY = ("healthy_bf16", "attention_qk_norm", "output_z_loss")
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    root = tmp_path_factory.mktemp("spikes")
-    live = LiveServer(f"sqlite:///{root / 'spikes.db'}", root / "server.log")
-    live.start()
-    yield live
-    live.stop()
+    yield from module_server(tmp_path_factory, "spikes")
 
 
 @pytest.fixture(autouse=True)
-def _agent_errors_fail_the_test(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator:
+def _agent_errors_fail_the_test() -> Iterator[None]:
     torch.set_num_threads(1)
-    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "spool"))
-    swallowed: list = []
-    guard.set_error_handler(lambda site, exc: swallowed.append((site, exc)))
-    yield
-    guard.set_error_handler(None)
-    if swallowed:
-        site, exc = swallowed[0]
-        raise AssertionError(f"agent swallowed an error in {site}") from exc
+    with agent_errors_fail():
+        yield
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
