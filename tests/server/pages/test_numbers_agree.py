@@ -61,3 +61,57 @@ def test_unsampled_first_overflow_counts(api) -> None:
     assert first == [len(bad), len(bad)]  # grad steps, output steps: the same steps
     # a later layer's unsampled step is not known: only its sampled ones count
     assert downstream == [0, len(bad) - 1]
+
+
+def test_scheduler_card_counts_what_the_kpi_counts(api) -> None:
+    """A scheduler stepped every step while GradScaler skipped some: the card names the
+    steps it judged, counts the skips as the KPI does, and its percentage is the ratio
+    its words name."""
+    skipped = {40, 41, 42, 90, 150, 199}  # 199: the last step, its scheduler call unseen
+    steps = make_steps(0, 200, 3, skipped=skipped)
+    for step in steps:
+        step["scheduler_steps"] = 1
+    register_run(api, "sched", n_layers=3)
+    assert post_batch(api, "sched", 0, steps).status_code == 200
+    html = api.get("/runs/sched").text
+    kpi = int(re.search(r'<dd id="stat-skipped"[^>]*>([\d,]+)', html).group(1))
+    [chunk] = [c for c in html.split('<li class="finding')[1:] if "LR scheduler" in c]
+    card = re.search(r"LR scheduler stepped on a step GradScaler skipped: ([^;]*);", chunk)
+    assert card, "no scheduler card"
+    ahead = len(skipped) - 1  # every skip but the last was followed by a scheduler step
+    applied = 200 - len(skipped)
+    assert kpi == len(skipped)
+    assert card.group(1) == (
+        f"in steps 0-199 it stepped on {ahead} of the {kpi} skipped steps, so the LR "
+        f"schedule ran {ahead} steps ahead of the optimizer, which stepped {applied} "
+        f"times ({ahead / applied:.1%} ahead)")
+    times = re.search(r'<span class="times"[^>]*>([\d,]+) times</span>', chunk)
+    assert times and int(times.group(1)) == ahead
+
+
+def test_scheduler_card_names_its_window(api) -> None:
+    """On a run longer than the analysis window the card's words count the steps they
+    name, while its "times" and the KPI count the whole run."""
+    skipped = set(range(10, 1100, 7)) | {1099}
+    steps = make_steps(0, 1100, 3, skipped=skipped)
+    for step in steps:
+        step["scheduler_steps"] = 1
+    register_run(api, "long", n_layers=3)
+    for seq, first in enumerate(range(0, 1100, 250)):
+        assert post_batch(api, "long", seq, steps[first:first + 250]).status_code == 200
+    html = api.get("/runs/long").text
+    kpi = int(re.search(r'<dd id="stat-skipped"[^>]*>([\d,]+)', html).group(1))
+    [chunk] = [c for c in html.split('<li class="finding')[1:] if "LR scheduler" in c]
+    words = re.search(r"in steps (\d+)-(\d+) it stepped on (\d+) of the (\d+) skipped steps, "
+                      r"so the LR schedule ran (\d+) steps ahead of the optimizer, which "
+                      r"stepped (\d+) times \(([\d.]+)% ahead\)", chunk)
+    assert words, chunk
+    first, last, ahead, of, lead, applied, share = (float(g) for g in words.groups())
+    window = {s for s in skipped if first <= s <= last}
+    assert last == 1099 and first > 0  # a window, not the run, and the words say so
+    assert (ahead, of, lead) == (len(window - {1099}), len(window), len(window - {1099}))
+    assert applied == last - first + 1 - len(window)
+    assert share == round(100 * ahead / applied, 1)
+    times = re.search(r'<span class="times"[^>]*>([\d,]+) times</span>', chunk)
+    assert kpi == len(skipped)
+    assert times and int(times.group(1)) == len(skipped - {1099})
