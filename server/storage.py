@@ -24,6 +24,7 @@ from ampwatch.server.schemas import StepIn
 from ampwatch.server.series import (
     COMPRESSED_FORMAT,
     DTYPE_CODE,
+    FIELD_INDEX,
     MISSING,
     RAW_FORMAT,
     SCALAR_FIELDS,
@@ -434,6 +435,7 @@ def update_layer_stats(rank_row: RunRank, series: StepSeries) -> None:
         timed = times != MISSING
         stats[TIME_SUM] += np.where(timed, times, 0).sum(axis=0)
         stats[TIME_COUNT] += timed.sum(axis=0)
+    _count_unsampled_first(stats[ACT_NONFINITE], series)
     rank_row.layer_stats = stats.tobytes()
 
 
@@ -445,6 +447,26 @@ def _fold(stats: np.ndarray, block: np.ndarray, max_row: int, nonfinite_row: int
     stats[max_row] = np.maximum(stats[max_row], np.where(finite, block, -1.0).max(axis=0))
     if last_row is not None:
         stats[last_row] = _last_present(block, present, stats[last_row])
+
+
+def _count_unsampled_first(counts: np.ndarray, series: StepSeries) -> None:
+    """Add to each layer's non-finite output steps the steps that sampled no activations
+    but whose every-step forward check named that layer first: its output held inf/NaN
+    there too, and without them the column reads one less than the grad column on the
+    step an overflow begins (sampling turns on only after that step)."""
+    column = FIELD_INDEX["first_nonfinite_layer"]
+    named = series.present[:, column] & _flagged(series, "forward_nonfinite")
+    if series.act_absmax is not None:
+        sampled = series.act_step[(series.act_absmax != MISSING).any(axis=1)]
+        named &= ~np.isin(series.steps, sampled)
+    first = series.scalars[named, column].astype(np.int64)
+    first = first[(first >= 0) & (first < counts.size)]
+    counts += np.bincount(first, minlength=counts.size)
+
+
+def _flagged(series: StepSeries, name: str) -> np.ndarray:
+    i = FIELD_INDEX[name]
+    return series.present[:, i] & (series.scalars[:, i] != 0)
 
 
 def _last_present(block: np.ndarray, present: np.ndarray, default: np.ndarray) -> np.ndarray:

@@ -78,15 +78,21 @@ def _schedule_drift(series: StepSeries, hits: np.ndarray,
                     settings: AnalysisSettings) -> tuple[str, str, dict]:
     """Each scheduler step on a skipped step puts the schedule one step ahead of the
     optimizer: the cost is that lead as a share of the steps the optimizer took. A
-    probing GradScaler (one skip per growth interval) leads by well under 1%: info."""
+    probing GradScaler (one skip per growth interval) leads by well under 1%: info.
+    The words name the steps judged and each count's denominator, so the card reads
+    beside the run's skipped KPI and its own count (the run's, over every pass)."""
     ahead = int(hits.sum())
+    skipped = int(series.skipped.sum())
     applied = int((~series.skipped).sum())
     share = ahead / max(applied, 1)
     severity = "warning" if share >= settings.scheduler_drift_warning else "info"
-    cost = (f"the LR schedule ran {ahead} step{'s' if ahead != 1 else ''} ahead of the "
-            f"optimizer's {applied} ({share:.1%} of the last {len(series)} steps)")
+    first, last = int(series.steps[0]), int(series.steps[-1])
+    cost = (f"in steps {first}-{last} it stepped on {ahead} of the {skipped} skipped "
+            f"step{'s' if skipped != 1 else ''}, so the LR schedule ran {ahead} "
+            f"step{'s' if ahead != 1 else ''} ahead of the optimizer, which stepped "
+            f"{applied} times ({share:.1%} ahead)")
     return severity, cost, {"schedule_ahead_steps": ahead, "optimizer_steps": applied,
-                            "drift_share": round(share, 4)}
+                            "skipped_steps": skipped, "drift_share": round(share, 4)}
 
 
 LOOP_PITFALLS = (

@@ -8,6 +8,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -70,6 +71,8 @@ class FieldRuns:
     first_overflow: int  # growing-fp16: first step layer GROWING_LAYER's output was inf/NaN
     scales: list[float]  # growing-fp16: the loss scale each step ran with
     steps: int = FIELD_STEPS
+    # growing-fp16: the steps layer GROWING_LAYER's output held inf/NaN, by the test's hook
+    output_nonfinite_steps: int = 0
 
 
 @pytest.fixture(scope="session")
@@ -92,7 +95,8 @@ def field_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FieldRuns]:
         Trainer(server.url, "sgd-bf16", "sgd lr=30 bf16", mlp(seed=1), dtype=torch.bfloat16,
                 lr=30.0, sgd=True, tags=["bf16"]).train(150).close()
         yield FieldRuns(server=server, first_overflow=growth.first_nonfinite,
-                        scales=growing.scales)
+                        scales=growing.scales,
+                        output_nonfinite_steps=int((~np.isfinite(growth.absmax)).sum()))
     finally:
         server.stop()
 
