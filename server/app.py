@@ -10,6 +10,7 @@ from contextlib import asynccontextmanager
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi_offline import FastAPIOffline
+from pydantic import BaseModel
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import sessionmaker
@@ -50,7 +51,7 @@ from ampwatch.server.middleware import (
     SecurityHeadersMiddleware,
 )
 from ampwatch.server.responses import WireJSONResponse
-from ampwatch.server.schemas import BatchIn
+from ampwatch.server.schemas import BatchIn, RunUpsert
 from ampwatch.server.settings import Settings
 
 PARSER_THREADS = 2
@@ -156,7 +157,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(api)
     app.include_router(metrics.router)
     app.include_router(pages.router)
-    _document_batch_body(app)
+    _document_parsed_bodies(app, (BatchIn, RunUpsert))
     return app
 
 
@@ -172,18 +173,19 @@ def allowed_methods(app: FastAPI, scope: Scope) -> set[str]:
                    for route in app.router.routes)}
 
 
-def _document_batch_body(app: FastAPI) -> None:
-    """Put BatchIn in the OpenAPI components: the batch route parses its body itself
-    (see server/api/batches.py), so FastAPI does not see the model."""
+def _document_parsed_bodies(app: FastAPI, models: tuple[type[BaseModel], ...]) -> None:
+    """Put the bodies that routes parse themselves (server/api/bodies.py) in the OpenAPI
+    components: FastAPI does not see those models."""
     default_openapi = app.openapi
 
     def openapi() -> dict:
         schema = default_openapi()
         components = schema.setdefault("components", {}).setdefault("schemas", {})
-        if "BatchIn" not in components:
-            body = BatchIn.model_json_schema(ref_template="#/components/schemas/{model}")
-            components.update(body.pop("$defs", {}))
-            components["BatchIn"] = body
+        for model in models:
+            if model.__name__ not in components:
+                body = model.model_json_schema(ref_template="#/components/schemas/{model}")
+                components.update(body.pop("$defs", {}))
+                components[model.__name__] = body
         return schema
 
     app.openapi = openapi

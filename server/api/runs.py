@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query, Response
+from fastapi import APIRouter, Depends, Path, Query, Response
 
+from ampwatch.server.api.bodies import json_body_schema, parsed_off_the_loop
 from ampwatch.server.api.error_responses import NOT_FOUND, READ, WRITE
 from ampwatch.server.bundles import remove_bundle_files
 from ampwatch.server.deps import SessionDep, SettingsDep
@@ -25,8 +26,11 @@ router = APIRouter(prefix="/runs", tags=["runs"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
 
 
-@router.put("/{run_id}", response_model=RunPublic, responses=WRITE)
-def put_run(run_id: RunIdPath, body: RunUpsert, session: SessionDep,
+@router.put("/{run_id}", response_model=RunPublic, responses=WRITE,
+            openapi_extra=json_body_schema(RunUpsert))
+def put_run(run_id: RunIdPath,
+            body: Annotated[RunUpsert, Depends(parsed_off_the_loop(RunUpsert))],
+            session: SessionDep,
             settings: SettingsDep) -> RunPublic:
     """Register a run, or update the fields the body names (idempotent)."""
     run = upsert_run(session, run_id, body, settings)
