@@ -97,9 +97,11 @@ class Attachment:
         """
         if self._detached or self._session is None or self._worker is None:
             return True
+        deadline = time.monotonic() + timeout
         try:
             self._session.close_pending()
-            return self._flush_bundles(timeout) and self._worker.flush(timeout)
+            bundled = self._flush_bundles(deadline)
+            return self._worker.flush(_left(deadline)) and bundled
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.flush", exc)
             return False
@@ -116,27 +118,29 @@ class Attachment:
         session, worker = self._session, self._worker
         assert session is not None and worker is not None
         delivered = False
+        deadline = time.monotonic() + timeout
         try:
             session.close_pending()
             session.uninstall()
-            self._flush_bundles(timeout)
+            bundled = self._flush_bundles(deadline)
             # the server then shows the run finished at once, not after `live_seconds`
             worker.submit(EventMessage({"step": None, "kind": FINISHED_EVENT, "detail": {}}))
-            delivered = worker.stop(timeout)
+            delivered = worker.stop(_left(deadline)) and bundled
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.detach", exc)
         guard.remove_listener(self._on_error)
         _live.discard(self)
         return delivered
 
-    def _flush_bundles(self, timeout: float) -> bool:
+    def _flush_bundles(self, deadline: float) -> bool:
         """The recorder judges steps as the worker decodes them: decode all, then wait
-        for the bundles that asked for (they then travel with the next flush)."""
+        for the bundles that asked for (they then travel with the next flush). False when
+        a step was lost to an agent error or a bundle is still unwritten: this flush is
+        the one that sees the worker's losses, so its answer must not be dropped."""
         if self._recorder is None or self._worker is None:
             return True
-        deadline = time.monotonic() + timeout
-        self._worker.flush(timeout)
-        return self._recorder.flush(max(0.0, deadline - time.monotonic()))
+        decoded = self._worker.flush(_left(deadline))
+        return self._recorder.flush(_left(deadline)) and decoded
 
     def __enter__(self) -> Attachment:
         return self
@@ -334,3 +338,9 @@ def _after_fork_in_child() -> None:
 
 atexit.register(_detach_all_at_exit)
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _left(deadline: float) -> float:
+    """Seconds until `deadline`, at least a moment: a flush that found the worker idle
+    still needs one hand-over to say so."""
+    return max(0.1, deadline - time.monotonic())
