@@ -21,6 +21,8 @@ from typing import Any
 
 import torch
 
+from ampwatch.agent.distributed import SHARDED_PARALLELISMS
+
 _ACCUMULATE_GRAD = torch._C._functions.AccumulateGrad
 WALK_LIMIT = 4096  # graph nodes; past it the backward is taken as the model's (as before)
 
@@ -83,7 +85,7 @@ class BackwardOwner:
 
     # parameters autograd never accumulates into (the all-gathered copies are): every
     # backward is taken as the model's, as the agent cannot tell
-    UNWALKABLE = ("fsdp1", "fsdp2", "dtensor")
+    UNWALKABLE = SHARDED_PARALLELISMS
 
     def __init__(self, param_ids: set[int], parallelism: str | None) -> None:
         self._param_ids = param_ids

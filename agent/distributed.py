@@ -41,6 +41,11 @@ def local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local() if is_dtensor(tensor) else tensor
 
 
+# parallelisms whose ranks each hold a shard of the weights: the whole model exists only
+# through a collective (an all-gather), which one rank alone must never start
+SHARDED_PARALLELISMS = ("fsdp1", "fsdp2", "dtensor")
+
+
 def parallelism(model: nn.Module, params: list[torch.Tensor]) -> str | None:
     """"ddp", "fsdp2", "fsdp1", "dtensor" (tensor parallel or other DTensor params),
     or None (a single process, or a wrapper the agent does not know)."""

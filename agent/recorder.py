@@ -29,6 +29,7 @@ import torch
 from ampwatch.agent import guard
 from ampwatch.agent.bundle import BundleWriter, to_host
 from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.distributed import SHARDED_PARALLELISMS
 from ampwatch.agent.environment import scaler_config
 from ampwatch.agent.record_triggers import RecordSettings, Triggers
 from ampwatch.agent.transport.worker import EventMessage
@@ -94,6 +95,8 @@ class Recorder(Collector):
         self._sealed = 0  # steps held (training thread) ...
         self._read = 0  # ... and judged (worker): each counter has one writer
         self._bound = False
+        self.off = False  # a sharded model (see `bind`): nothing is held or captured
+        self._said_off = False
         self._reset()
 
     def _reset(self) -> None:
@@ -106,6 +109,11 @@ class Recorder(Collector):
     def bind(self, session: Any) -> None:
         super().bind(session)
         self._bound = True
+        if session.parallelism in SHARDED_PARALLELISMS:
+            # a bundle needs the whole weights, which a sharded model's rank has only
+            # through an all-gather: started by the one rank that saw the bad step, it
+            # would leave every other rank waiting in a collective (a deadlock)
+            self.off = True
 
     def unbind(self) -> None:
         """At detach: capture what the worker asked for; later asks capture on the worker
@@ -116,7 +124,11 @@ class Recorder(Collector):
     # ------------------------------------------------------------------ training thread
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
         self._serve()
-        if not training:
+        if self.off and not self._said_off:
+            # said at the first forward, once the run is registered (not during attach)
+            self._said_off = True
+            self.session.note_unsupported("flight_recorder", [])
+        if not training or self.off:
             return
         if self._rng is None:
             self._rng = rng_states(self.session.device)
@@ -140,7 +152,8 @@ class Recorder(Collector):
         the suspect step began, before an update changes them."""
         self._serve()
         session = self.session
-        if not session.host_reduce or self.triggers.started >= self.settings.max_bundles:
+        if (self.off or not session.host_reduce
+                or self.triggers.started >= self.settings.max_bundles):
             return
         last = self._last_held
         if last is not None and last.skipped and not last.judged and last.pre is None:
@@ -185,6 +198,8 @@ class Recorder(Collector):
     # ------------------------------------------------------------------ worker thread
     def read(self, host: Any, meta: Any, record: dict[str, Any]) -> None:
         held: Held | None = meta
+        if self.off:
+            return
         if held is not None:
             self._read += 1
             held.judged = True
