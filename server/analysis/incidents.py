@@ -20,6 +20,7 @@ from typing import Any
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS
 from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
+from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spikes import SPIKE_CAUSE, spike_story
 
 # what a finding says happened, in the order a root cause plays out
@@ -42,6 +43,8 @@ OVERFLOW = "forward_overflow"
 # findings that are symptoms of an overflowing layer upstream (or of the layer itself)
 SYMPTOMS = ("underflow_risk",)
 RISK = "overflow_risk"
+# the steps before a spike that its detector searches for what grew (the setting's default)
+SPIKE_LOOKBACK = AnalysisSettings.model_fields["spike_lookback_steps"].default
 HEADLINES = {
     "divergence": "Training diverged: the gradients ran away before any value overflowed",
     "forward_overflow": "Layer {layer!r} overflows {dtype} in the forward pass",
@@ -131,7 +134,8 @@ def group_incidents(findings: Iterable[Any],
     `layer_order` (layer name -> forward position), what a layer after an overflowing one
     shows of it joins its incident: zero gradients (of the layer itself too, also without
     the order), and an overflow risk begun no earlier than it, when the overflowing layer
-    went non-finite (its values carried on through a ReLU or a residual).
+    went non-finite (its values carried on through a ReLU or a residual). A loss spike
+    shortly before or during a layer's overflow on its rank joins that layer's incident.
 
     Returns incidents open first, most severe first, then by first step. An incident is
     open while any of its findings is; its severity is the worst of its open findings
@@ -150,6 +154,7 @@ def group_incidents(findings: Iterable[Any],
                else ("finding", _get(finding, "id")))
         groups.setdefault(key, []).append(finding)
     _fold_downstream_risks(groups, order)
+    _fold_spikes_into_overflows(groups)
     for symptom in symptoms:
         key = _overflow_upstream(groups, order, _get(symptom, "run_id"), _get(symptom, "rank"),
                                  _get(symptom, "layer"))
@@ -194,8 +199,38 @@ def _fold_downstream_risks(groups: dict[tuple, list[Any]], order: Mapping[str, i
             groups[target] += groups.pop(key)
 
 
+def _fold_spikes_into_overflows(groups: dict[tuple, list[Any]]) -> None:
+    """Move each loss spike into the overflow incident of its rank whose layer went
+    non-finite at most SPIKE_LOOKBACK steps after the spike (the window the spike
+    detector searches for what grew) or while it lasted: that layer's growing
+    activations explain the loss, and the spike is their symptom."""
+    spikes = [key for key in groups if key[0] != "finding" and key[2] == SPIKE_CAUSE]
+    for key in spikes:
+        spike_step = next((step for f in groups[key]
+                           if (step := (_get(f, "evidence") or {}).get("spike_step"))
+                           is not None), None)
+        if spike_step is None:
+            continue
+        near = []
+        for target, members in groups.items():
+            if target[:3] != (key[0], key[1], OVERFLOW) \
+                    or all(_get(f, "kind") == RISK for f in members):
+                continue
+            first, last = _first_step(members), _last_step(members)
+            if first is not None and first - SPIKE_LOOKBACK <= spike_step <= last:
+                near.append((first, target))
+        if near:
+            groups[min(near)[1]] += groups.pop(key)
+
+
 def _first_step(members: list[Any]) -> int | None:
     return min((s for f in members if (s := _get(f, "step")) is not None), default=None)
+
+
+def _last_step(members: list[Any]) -> int:
+    return max((s for f in members
+                if (s := _get(f, "last_step") if _get(f, "last_step") is not None
+                    else _get(f, "step")) is not None), default=-1)
 
 
 def _incident(members: list[Any], key: tuple) -> Incident:

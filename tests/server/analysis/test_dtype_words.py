@@ -18,6 +18,7 @@ from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.registry import Inputs, run_detectors
 from ampwatch.server.analysis.window import Window
 from ampwatch.server.fp8_samples import ROLES, STATS, Fp8Window
+from ampwatch.server.spike_samples import SIGNALS, SpikeWindow
 from tests.server.analysis.factories import (
     INF,
     NAN,
@@ -83,6 +84,32 @@ def _risks(dtype: str, scaler: bool) -> list[dict]:
     return steps
 
 
+def _loss_spike(dtype: str, scaler: bool) -> list[dict]:
+    """A falling noisy loss with a spike at step 150 (the spike signals: `_spike_samples`)."""
+    steps = _steps(dtype, 200, scaler)
+    rng = np.random.default_rng(0)
+    for i, s in enumerate(steps):
+        s["loss"] = 4.0 if i == 150 else float(np.interp(i, [0, 199], [2.0, 1.5])
+                                                  * (1 + 0.03 * rng.standard_normal()))
+    return steps
+
+
+def _spike_samples() -> SpikeWindow:
+    """Before the spike: fc2's second moments empty from step 100, fc0's updates
+    eps-dominated from step 50, and fc1's largest attention logit growing fourfold per
+    sample from step 60 (a precursor of its own)."""
+    steps = np.arange(0, 200, 10)
+    values = np.full((steps.size, len(SIGNALS), 4), np.nan)
+    values[:, SIGNALS.index("update_ratio")] = 1e-3
+    values[:, SIGNALS.index("adam_eps_share")] = 0.0
+    values[:, SIGNALS.index("adam_v_zero_share")] = 0.0
+    values[:, SIGNALS.index("attn_max_logit"), 1] = 3.0
+    values[10:, SIGNALS.index("adam_v_zero_share"), 2] = 0.4
+    values[5:, SIGNALS.index("adam_eps_share"), 0] = 0.9
+    values[6:, SIGNALS.index("attn_max_logit"), 1] *= 4.0 ** np.arange(1, steps.size - 5)
+    return SpikeWindow(steps, values)
+
+
 def _run(dtype: str, fp8: bool = False):
     layers = [linear(i, **(FP8_LAYER if fp8 else {})) for i in range(3)]
     layers.append(LayerInfo(index=3, name="norm", type="LayerNorm", param_count=128,
@@ -108,7 +135,8 @@ def _fp8_samples() -> Fp8Window:
 def _findings(dtype: str, scenario, *, scaler: bool, fp8: bool = False) -> list[dict]:
     """Every registered detector over the scenario's steps, as stored findings."""
     run = _run(dtype, fp8)
-    window = Window(series(scenario(dtype, scaler)), run, fp8=_fp8_samples() if fp8 else None)
+    window = Window(series(scenario(dtype, scaler)), run, fp8=_fp8_samples() if fp8 else None,
+                    spikes=_spike_samples() if scenario is _loss_spike else None)
     drafts = [d for detection in run_detectors(window, SETTINGS, list(Inputs))
               for d in detection.drafts]
     return [{"id": i, "run_id": "run", "rank": 0, "kind": str(d.kind), "code": d.code,
@@ -128,7 +156,7 @@ def _texts(findings: list[dict]) -> Iterator[tuple[str, str]]:
 
 CASES = [(dtype, scenario, scaler, fp8)
          for dtype, fp8 in (("float16", False), ("bfloat16", False), ("bfloat16", True))
-         for scenario in (_forward_overflow, _divergence, _risks)
+         for scenario in (_forward_overflow, _divergence, _risks, _loss_spike)
          for scaler in ((True,) if dtype == "float16" else (False, True))]
 
 
