@@ -23,9 +23,14 @@ def spike_findings(findings: dict) -> list[dict]:
     return sorted(spikes, key=lambda f: f["step"])
 
 
-def mark_spikes(fig: Figure, findings: dict) -> Figure:
-    """A dotted line at each spike's first step, labelled with its likely cause."""
+def mark_spikes(fig: Figure, findings: dict, incidents: list[dict]) -> Figure:
+    """A dotted line at each spike's first step, labelled with its likely cause; a spike
+    that joined another cause's incident (a layer overflowing) is that cause's symptom,
+    told on its card, and is not labelled with a cause of its own here."""
+    own = {i["id"] for i in incidents if i.get("cause") == "loss_spike"}
     for spike in spike_findings(findings):
+        if spike.get("incident") is not None and spike["incident"] not in own:
+            continue
         where = f" ({spike['layer']})" if spike["layer"] else ""
         fig.add_vline(x=spike["step"], line={"color": SPIKE_COLOUR, "dash": "dot", "width": 1},
                       annotation={"text": figures.label(f"{spike['code']}{where}"),

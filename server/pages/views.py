@@ -117,7 +117,8 @@ def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     lines = by_rank(twin["steps"])
     charts = {
         "grad_norm": figures.grad_norm_figure(lines),
-        "loss": spikes.mark_spikes(figures.loss_figure(lines), twin["findings"]),
+        "loss": spikes.mark_spikes(figures.loss_figure(lines), twin["findings"],
+                                   twin["incidents"]),
         "lr": figures.lr_figure(lines),
         "phases": figures.phase_times_figure(lines),
     }
