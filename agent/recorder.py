@@ -37,6 +37,34 @@ from ampwatch.wire import encode_tree
 from ampwatch.wire.bundles import BUNDLE_EVENT, BUNDLE_FOLDER, BUNDLE_FORMAT
 
 
+class HostCopy:
+    """A state dict being copied to the host. A CUDA tensor goes into pinned memory with a
+    non-blocking copy, ordered on its stream before any later update, so taking the copy
+    never waits for the device; `wait()` (the writer thread) does, once."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        devices = set()
+        for key, value in tensors.items():
+            value = value.detach()
+            if value.is_cuda:
+                host = torch.empty(value.shape, dtype=value.dtype, pin_memory=True)
+                host.copy_(value, non_blocking=True)
+                devices.add(value.device)
+            else:
+                host = value.to("cpu", copy=True)
+            self.tensors[key] = host
+        self._ready = [torch.cuda.Event() for _ in devices]
+        for event, device in zip(self._ready, devices, strict=True):
+            event.record(torch.cuda.current_stream(device))
+
+    def wait(self) -> dict[str, torch.Tensor]:
+        for event in self._ready:
+            event.synchronize()
+        self._ready = []
+        return self.tensors
+
+
 @dataclass
 class Held:
     """One step's inputs, kept until the worker has judged the step."""
@@ -44,7 +72,7 @@ class Held:
     batches: list[tuple[tuple, dict]]
     rng: dict[str, torch.Tensor]
     applied_at_begin: int  # optimizer steps applied before this step began
-    pre: dict[str, torch.Tensor] | None = None  # state dict copied before any update
+    pre: HostCopy | None = None  # state dict copied before any update
     skipped: bool = False  # the optimizer did not step (a scaler found inf/NaN)
     judged: bool = False  # the worker has read the step
 
@@ -104,7 +132,7 @@ class Recorder(Collector):
         self._rng: dict[str, torch.Tensor] | None = None
         self._applied_at_begin = self._applied
         self._losses: list[torch.Tensor] = []
-        self._pre: dict[str, torch.Tensor] | None = None
+        self._pre: HostCopy | None = None
 
     def bind(self, session: Any) -> None:
         super().bind(session)
@@ -183,12 +211,11 @@ class Recorder(Collector):
         self._reset()
         return held
 
-    def _state_dict(self) -> dict[str, torch.Tensor]:
-        """The model's parameters and buffers, copied to the host (waits for the device
-        once: incidents only)."""
-        return {k: v.detach().to("cpu", copy=True)
-                for k, v in self.session.inner.state_dict(keep_vars=True).items()
-                if isinstance(v, torch.Tensor)}
+    def _state_dict(self) -> HostCopy:
+        """The model's parameters and buffers, being copied to the host (incidents only;
+        does not wait for the device)."""
+        return HostCopy({k: v for k, v in self.session.inner.state_dict(keep_vars=True).items()
+                         if isinstance(v, torch.Tensor)})
 
     def _serve(self) -> None:
         while self._requests:
@@ -268,7 +295,7 @@ class Recorder(Collector):
 
             def state() -> dict[str, Any]:
                 return {"batches": [(to_host(a), to_host(k)) for a, k in batches],
-                        "rng": rng, "model": params}
+                        "rng": rng, "model": params.wait()}
 
             self.captured.append(meta)
             if not self.writer.submit(meta, state):

@@ -87,6 +87,7 @@ class SpikeCollector(Collector):
         self._sums: tuple[list[int], torch.Tensor] | None = None
         self._kind: str | None = None
         self._unsupported_named = False
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}
 
     def bind(self, session: Any) -> None:
         super().bind(session)
@@ -227,18 +228,30 @@ class SpikeCollector(Collector):
         measured_rows = None
         if sums is not None:
             rows, values = sums
-            index = torch.tensor(rows, dtype=torch.long, device=values.device)
+            index = self._index(rows, values.device)
             torch.index_add(self._zeros, 0, index, values.to(self._zeros.dtype),
                             out=self._sum_slots)
             measured_rows = sorted(set(rows))
         attn_layers = sorted(attn)
         if attn_layers:
-            index = torch.tensor(attn_layers, dtype=torch.long, device=self.session.device)
+            index = self._index(attn_layers, self.session.device)
             values = torch.stack([attn[i] for i in attn_layers]).to(self._attn_slots.dtype)
             self._attn_slots.index_copy_(0, index, values)
         if head is not None:
             self._head_slots.copy_(head[1])
         return measured_rows, kind, attn_layers, None if head is None else head[0]
+
+    def _index(self, rows: list[int], device: torch.device) -> torch.Tensor:
+        """`rows` as an index tensor on `device`, made once per distinct list: a CUDA one is
+        copied from pinned memory without waiting for the device (a pageable copy would)."""
+        key = tuple(rows)
+        index = self._indices.get(key)
+        if index is None:
+            if len(self._indices) >= 64:  # the sampled layers changed many times: start over
+                self._indices.clear()
+            host = torch.tensor(rows, dtype=torch.long, pin_memory=device.type == "cuda")
+            index = self._indices[key] = host.to(device, non_blocking=True)
+        return index
 
     # ------------------------------------------------------------------ worker
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:

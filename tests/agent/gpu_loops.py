@@ -24,6 +24,7 @@ import importlib.util
 import math
 import threading
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -212,7 +213,9 @@ def convert_to_fp8(model: nn.Module, recipe: str, *, emulate: bool) -> None:
 
 def set_sync_debug(mode: str, device: torch.device) -> None:
     if device.type == "cuda":
-        torch.cuda.set_sync_debug_mode(mode)
+        with warnings.catch_warnings():  # "a prototype feature": said once, known here
+            warnings.simplefilter("ignore", UserWarning)
+            torch.cuda.set_sync_debug_mode(mode)
 
 
 @contextlib.contextmanager

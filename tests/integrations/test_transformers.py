@@ -33,7 +33,8 @@ def token_data(n: int) -> list[dict[str, torch.Tensor]]:
 def train(tmp_path: Path, *callbacks: transformers.TrainerCallback, **args
           ) -> transformers.Trainer:
     arguments = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), run_name="tiny-gpt2", use_cpu=True,
+        output_dir=str(tmp_path / "out"), run_name="tiny-gpt2",
+        use_cpu=not args.get("fp16"),  # fp16=True means a GPU with a GradScaler
         per_device_train_batch_size=4, max_steps=6, learning_rate=1e-3, logging_steps=1,
         report_to="none", save_strategy="no", max_grad_norm=1.0, seed=0,
         dataloader_num_workers=0, disable_tqdm=True, **args)
