@@ -92,3 +92,16 @@ def test_a_run_cut_short_still_says_what_it_measured(tmp_path: Path) -> None:
     assert (done.returncode == 2) == bool(report["meta"].get("interrupted"))
     markdown = (tmp_path / "gpu_check.md").read_text()
     assert all(r["check"] in markdown for r in rows)
+
+
+def test_profile_names_the_agents_handlers(tmp_path: Path) -> None:
+    """bench/gpu_profile.py on the CPU (a tiny model): both copies timed, and the agent's
+    handlers labelled, so the GPU window's profile cannot rot."""
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu_profile.py"),
+                           "--out", str(tmp_path), "--steps", "2"],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = (tmp_path / "gpu_profile.md").read_text()
+    assert "| plain |" in report and "| watched |" in report
+    for handler in ("aw.session._step_end", "aw.grads.on_grads", "aw.timing.on_step_end"):
+        assert f"| {handler} |" in report, handler
