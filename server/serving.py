@@ -5,21 +5,38 @@ its own)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
+import socket
+import struct
 
 import h11
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+try:
+    import fcntl
+    import termios
+except ImportError:  # Windows: only this process's share of the unsent bytes is seen
+    fcntl = termios = None  # type: ignore[assignment]
+
 MAX_HEADER_BYTES = 64 * 1024  # h11's limit on an incomplete request head
 KEEP_ALIVE_S = 5
+# what a client must take each send_timeout_s to keep a paused response going; a client
+# that reads nothing still lets its kernel take a few KiB now and then
+MIN_SEND_PROGRESS_BYTES = 64 * 1024
+# SO_LINGER on with 0 s: close() resets the connection and drops the kernel's unsent bytes
+LINGER_RESET = struct.pack("ii", 1, 0)
 
 
 class HeaderTimeoutProtocol(H11Protocol):
     """uvicorn's h11 protocol, plus three guards against clients that hold connections:
     - a connection that has not sent a whole request head within `header_timeout_s` of
       connecting (or of its first byte after a keep-alive pause) is closed;
-    - a response whose client stops reading is abandoned once one write has waited
-      `send_timeout_s` (the connection is aborted, so the request ends and frees its slot);
+    - a response whose client takes less than `MIN_SEND_PROGRESS_BYTES` of it in
+      `send_timeout_s` while writing is paused is abandoned: the connection is reset, which
+      frees the unsent bytes held in this process and in the kernel, and ends a request
+      still streaming (its slot freed). A response sent in one write (JSON answers) gave
+      its slot back when it was written. A slow but steady reader gets its whole answer;
     - at the connection limit, a new connection closes the oldest idle ones (no request
       in progress), so idle connections cannot shut out the next request, /health included.
     """
@@ -52,7 +69,7 @@ class HeaderTimeoutProtocol(H11Protocol):
     def pause_writing(self) -> None:
         super().pause_writing()
         if self._send_timer is None:
-            self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_late)
+            self._arm_send_timer()
 
     def resume_writing(self) -> None:
         super().resume_writing()
@@ -60,11 +77,31 @@ class HeaderTimeoutProtocol(H11Protocol):
             self._send_timer.cancel()
             self._send_timer = None
 
+    def _arm_send_timer(self) -> None:
+        self._unsent_at_arming = self._unsent()
+        self._send_timer = self.loop.call_later(self.send_timeout_s, self._send_late)
+
+    def _unsent(self) -> int:
+        """Bytes written and not yet taken by the client: this process's buffer plus the
+        kernel's send queue (up to 4 MiB, which a slow reader may take longer than
+        `send_timeout_s` to empty). Two cheap calls, one an ioctl."""
+        return self.transport.get_write_buffer_size() + kernel_unsent_bytes(
+            self.transport.get_extra_info("socket"))
+
     def _send_late(self) -> None:
         self._send_timer = None
-        if self.flow.write_paused:
-            # close() would wait for the client to read the buffer: it never will
-            self.transport.abort()
+        if not self.flow.write_paused:
+            return
+        if self._unsent() <= self._unsent_at_arming - MIN_SEND_PROGRESS_BYTES:
+            self._arm_send_timer()  # a slow reader, not a stuck one
+            return
+        # close() would wait for the client to read the buffer: it never will; a plain
+        # abort would leave the kernel's send queue (up to 4 MiB) to an orphan for minutes
+        sock = self.transport.get_extra_info("socket")
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, LINGER_RESET)
+        self.transport.abort()
 
     def is_idle(self) -> bool:
         """No request in progress: waiting for (the rest of) a request head."""
@@ -90,6 +127,17 @@ class HeaderTimeoutProtocol(H11Protocol):
         self._head_timer = None
         if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
             self.transport.close()
+
+
+def kernel_unsent_bytes(sock: socket.socket | None) -> int:
+    """Bytes in `sock`'s kernel send queue that the peer has not acknowledged (Linux's
+    SIOCOUTQ); 0 where the platform does not tell."""
+    if sock is None or fcntl is None:
+        return 0
+    try:
+        return struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, bytes(4)))[0]
+    except (OSError, AttributeError, ValueError):
+        return 0
 
 
 MALLOC_ARENAS = 2

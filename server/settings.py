@@ -44,8 +44,8 @@ class Settings(BaseSettings):
     body_timeout_s: float = Field(60.0, gt=0)
     # a connection must send its request headers within this, or it is closed
     header_timeout_s: float = Field(15.0, gt=0)
-    # a response a client stops reading is abandoned (connection closed, slot freed) when
-    # one write has waited this long
+    # a response whose client takes less than 64 KiB of it in this long, while the server
+    # waits to write, is abandoned: the connection is reset and its unsent bytes freed
     send_timeout_s: float = Field(30.0, gt=0)
     # requests without the token (static files, the login page; every request when no
     # token is set counts as having it) in flight from one client address; 503 beyond
