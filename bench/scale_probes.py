@@ -123,13 +123,17 @@ class QueueProbe(Sampler):
         self.lag: list[float] = []
 
     def read(self) -> tuple[float | None, float | None]:
-        try:
-            return queue_figures(self.client.get("/metrics").text)
-        except httpx.HTTPError:
-            return None, None
+        """(depth, lag) now; raises httpx.HTTPError when /metrics does not answer 200
+        (a server shedding load answers 503: that says nothing about the queue)."""
+        reply = self.client.get("/metrics")
+        reply.raise_for_status()
+        return queue_figures(reply.text)
 
     def sample(self) -> None:
-        depth, lag = self.read()
+        try:
+            depth, lag = self.read()
+        except httpx.HTTPError:
+            return
         if depth is not None:
             self.depth.append((time.monotonic(), depth))
         if lag is not None:

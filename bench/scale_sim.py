@@ -68,12 +68,14 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_serve(database_url: str) -> tuple[subprocess.Popen, str]:
-    """`ampwatch serve` on a free loopback port, once its health answers."""
+def start_serve(database_url: str, embedded_worker: bool) -> tuple[subprocess.Popen, str]:
+    """`ampwatch serve` on a free loopback port, once its health answers;
+    `embedded_worker=False` keeps detection out of it (AMPWATCH_EMBEDDED_WORKER=0)."""
     port = _free_port()
+    env = {**os.environ, "AMPWATCH_EMBEDDED_WORKER": "true" if embedded_worker else "false"}
     proc = subprocess.Popen([*AMPWATCH, "serve", "--database-url", database_url, "--host",
                              "127.0.0.1", "--port", str(port), "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL)
+                            stdout=subprocess.DEVNULL, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline and proc.poll() is None:
@@ -159,11 +161,12 @@ class Cluster:
         self.worker: Worker | None = None
 
     def start(self) -> None:
+        worker = not self.args.no_worker and has_worker_command()
         for _ in range(self.args.servers):  # one after the other: the first migrates
-            proc, url = start_serve(self.database_url)
+            proc, url = start_serve(self.database_url, self.args.embedded_workers or not worker)
             self.procs.append(proc)
             self.urls.append(url)
-        if not self.args.no_worker and has_worker_command():
+        if worker:
             self.worker = Worker(self.database_url)
             self.worker.start()
 
@@ -196,9 +199,9 @@ class Cluster:
         probe = QueueProbe(self.urls[0])
         try:
             while time.monotonic() - t0 < timeout:
-                depth = probe.read()[0]
-                if not depth:
-                    return time.monotonic() - t0
+                with contextlib.suppress(httpx.HTTPError):
+                    if not probe.read()[0]:  # empty, or no queue at all
+                        return time.monotonic() - t0
                 time.sleep(0.5)
             return None
         finally:
@@ -422,7 +425,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--senders", type=int, default=2, help="sender processes")
     parser.add_argument("--drain-timeout", type=float, default=300.0)
-    parser.add_argument("--no-worker", action="store_true", help="start no `ampwatch worker`")
+    parser.add_argument("--no-worker", action="store_true",
+                        help="start no `ampwatch worker` (the servers' own threads analyse)")
+    parser.add_argument("--embedded-workers", action="store_true",
+                        help="keep the servers' worker threads beside the `ampwatch worker`")
     parser.add_argument("--sqlite-steps", type=int, default=20_000)
     parser.add_argument("--sqlite-repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true",
@@ -432,7 +438,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.full:
         args.ranks, args.runs, args.seconds = "64,256,1024,4096", "1,4,16,64", 30.0
     if args.quick:
-        args.rate, args.seconds, args.ranks, args.runs = 16.0, 3.0, "16", "1,2"
+        args.rate, args.seconds, args.ranks, args.runs = 16.0, 3.0, "16", "2"
         args.sqlite_steps, args.sqlite_repeats, args.drain_timeout = 400, 1, 60.0
     return args
 

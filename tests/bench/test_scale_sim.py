@@ -43,7 +43,7 @@ def test_prints_one_row_per_phase_under_the_header(quick_run):
     table = lines[lines.index(header, lines.index(header) + 1) + 2:]  # the final table
     rows = [line.split("|")[1:-1] for line in table if line.startswith("|")]
     shapes = [(r[0].strip(), r[1].strip(), r[2].strip()) for r in rows]
-    expected = [("a", "16", "1"), ("b", "64", "1"), ("b", "64", "2")]
+    expected = [("a", "16", "1"), ("b", "64", "2")]
     with_worker = "no worker" not in lines[0]
     assert shapes == expected + ([("c", "64", "1")] if with_worker else [])
     assert all(len(r) == len(COLUMNS) for r in rows)
