@@ -2,10 +2,11 @@
 `ampwatch serve` processes on one Postgres (and one `ampwatch worker` when this ampwatch
 has the command), shaped three ways, and SQLite's one-sender ingest rate.
 
-Shapes, each a phase with its own runs: (a) one run of R ranks, R = 64, 256, 1,024, 4,096;
-(b) K runs of 64 ranks, K = 1, 4, 16, 64; (c) with a worker only: one run of 64 ranks for
-three windows, the worker at full speed, then slowed tenfold (SIGSTOP/SIGCONT, running
-10% of each 100 ms), then killed (SIGKILL) and restarted halfway through the third.
+Shapes, each a phase with its own runs: (a) one run of R ranks, R = 64, 256, 1,024 (and
+4,096 with --full); (b) K runs of 64 ranks, K = 1, 4, 16 (and 64); (c) with a worker
+only: one run of 64 ranks for three windows, the worker at full speed, then slowed
+tenfold (SIGSTOP/SIGCONT, running 10% of each 100 ms), then killed (SIGKILL) and
+restarted halfway through the third.
 Every rank of a phase sends its first batch before the clock starts (the prefill); then
 sender processes (bench/scale_senders.py) replay pre-encoded gzip batches at `--rate`
 batches/s in total, each rank in order and one batch at a time, retrying what did not
@@ -20,10 +21,10 @@ queue depth and worker lag (the server's /metrics); the run page and ranks API p
 ingesting; batches stored in the database against those acknowledged. The database is
 one of its own on the Postgres server named by `--postgres`, dropped at the end.
 
-    python bench/scale_sim.py                         # about 5 minutes on 2 cores
-    python bench/scale_sim.py --rate 80 --seconds 60  # closer to capacity, longer windows
-    python bench/scale_sim.py --shapes a --ranks 4096 --seconds 120
-    python bench/scale_sim.py --quick --json out.json # seconds: what tests/bench runs
+    python bench/scale_sim.py                  # 4 to 10 minutes on 2 shared cores
+    python bench/scale_sim.py --full           # the issue's shapes: add R=4,096 and K=64
+    python bench/scale_sim.py --rate 40 --seconds 60 --shapes a,c
+    python bench/scale_sim.py --quick --json out.json   # a minute: what tests/bench runs
 """
 
 from __future__ import annotations
