@@ -59,9 +59,9 @@ def start_server(database_url: str, detect: bool = True) -> tuple[subprocess.Pop
     raise SystemExit("server did not start")
 
 
-def fresh_database(admin_url: str) -> str:
+def fresh_database(admin_url: str, prefix: str = "ampwatch_ranks") -> str:
     """A new empty database beside the one `admin_url` names; returns its SQLAlchemy URL."""
-    name = f"ampwatch_ranks_{uuid.uuid4().hex[:8]}"
+    name = f"{prefix}_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(admin_url.replace("+psycopg", ""), autocommit=True) as conn:
         conn.execute(f"CREATE DATABASE {name}")
     return admin_url.rsplit("/", 1)[0] + "/" + name
