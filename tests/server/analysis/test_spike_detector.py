@@ -89,7 +89,7 @@ def test_a_spike_starts_where_the_loss_rose_not_where_it_crossed() -> None:
                            spread_factor=6, min_rise=0.1)
     assert (spike.start, spike.end, spike.recovered_at) == (150, 159, 160)
     assert spike.peak_step == 155 and spike.length == 10
-    assert spike.median < median + spread  # judged against the losses before the rise
+    assert spike.median < median + spread  # five steps of the rise in its reference move it little
 
 
 def test_a_lone_step_over_the_end_band_before_a_spike_is_not_its_start() -> None:
