@@ -22,7 +22,7 @@ sys.path.insert(0, str(REPO))
 import torch  # noqa: E402
 
 from tests.conftest import LiveServer  # noqa: E402
-from tests.spikes.scenarios import SCENARIOS, expected, observed, train  # noqa: E402
+from tests.spikes.scenarios import SCENARIOS, expected, observed, train_pinned  # noqa: E402
 
 BEGIN, END = "<!-- spike-table: bench/spikes_table.py -->", "<!-- /spike-table -->"
 SPIKE_KINDS = ("loss_spike", "spike_precursor", "optimizer_state")
@@ -48,7 +48,7 @@ def table() -> str:
         server.start()
         try:
             for scenario in SCENARIOS:
-                run_id, truth = train(scenario, server.url)
+                run_id, truth = train_pinned(scenario, server.url)
                 want, _ = expected(truth)
                 serious, _ = observed(server.url, run_id)
                 got = {f for f in serious if f[0] in SPIKE_KINDS}

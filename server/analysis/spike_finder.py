@@ -4,9 +4,12 @@ A step's loss is a spike when it lies more than `spike_spread_factor` robust spr
 median absolute deviation, scaled to a normal's sigma) over the median of the last
 `spike_reference_steps` clean steps, and at least `spike_min_rise` of the median over it.
 The spread has a floor (1% of the median) so a loss that has flattened out does not make
-every wobble a spike. The episode runs on until the loss has stayed under median + 3
-spreads for RECOVER_STEPS steps in a row (a run breaking down wobbles back and forth: one
-spike, not five); its steps never enter a later reference. Pure numpy; O(n * reference) per window.
+every wobble a spike. The spike starts where the loss rose: the steps just before the one
+over the threshold that were already over median + 3 spreads are its own (a loss that
+steps up to just under the threshold and crosses it later broke at the step up). The
+episode runs on until the loss has stayed under median + 3 spreads for RECOVER_STEPS
+steps in a row (a run breaking down wobbles back and forth: one spike, not five); its
+steps never enter a later reference. Pure numpy; O(n * reference) per window.
 """
 
 from __future__ import annotations
@@ -23,9 +26,10 @@ RECOVER_STEPS = 5  # ... for this many steps in a row (a breaking run wobbles ba
 
 @dataclass(frozen=True)
 class Spike:
-    """One loss spike: its first and last step over the threshold, its peak, the median
-    and spread it was judged against, and the first step back under median + 3 spreads
-    (None: not recovered within the window)."""
+    """One loss spike: its first step (where the rise that crossed the threshold began)
+    and its last step over median + 3 spreads, its peak, the median and spread it was
+    judged against, and the first step back under median + 3 spreads (None: not
+    recovered within the window)."""
 
     start: int
     end: int
@@ -88,11 +92,13 @@ def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_hist
     if not _may_spike(loss, reference, min_history, spread_factor, min_rise):
         return []
     clean: list[float] = []  # losses outside spikes, most recent last
+    clean_at: list[int] = []  # their indices
     spikes: list[Spike] = []
     i, n = 0, loss.size
     while i < n:
         if len(clean) < min_history:
             clean.append(float(loss[i]))
+            clean_at.append(i)
             i += 1
             continue
         ref = np.asarray(clean[-reference:])
@@ -102,8 +108,15 @@ def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_hist
         x = float(loss[i])
         if x <= median + spread_factor * spread or x - median < min_rise * abs(median):
             clean.append(x)
+            clean_at.append(i)
             i += 1
             continue
+        start = i  # back over the steps just before that were already over the end threshold
+        while (len(clean) > min_history and clean_at[-1] == start - 1
+               and clean[-1] > median + END_SPREADS * spread):
+            clean.pop()
+            clean_at.pop()
+            start -= 1
         j, below = i, 0  # the last step over the end threshold; steps under it since
         for k in range(i + 1, n):
             if loss[k] > median + END_SPREADS * spread:
@@ -112,8 +125,8 @@ def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_hist
                 below += 1
                 if below >= RECOVER_STEPS:
                     break
-        peak = i + int(np.argmax(loss[i: j + 1]))
-        spikes.append(Spike(start=int(steps[i]), end=int(steps[j]), peak_step=int(steps[peak]),
+        peak = start + int(np.argmax(loss[start: j + 1]))
+        spikes.append(Spike(start=int(steps[start]), end=int(steps[j]), peak_step=int(steps[peak]),
                             peak=float(loss[peak]), median=median, spread=spread,
                             recovered_at=int(steps[j + 1]) if below >= RECOVER_STEPS else None))
         i = j + 1

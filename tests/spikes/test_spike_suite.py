@@ -17,7 +17,7 @@ from tests.spikes.scenarios import (
     Scenario,
     expected,
     observed,
-    train,
+    train_pinned,
 )
 
 SPIKE_KINDS = ("loss_spike", "spike_precursor", "optimizer_state")
@@ -39,7 +39,7 @@ def _agent_errors_fail_the_test() -> Iterator[None]:
 @pytest.mark.parametrize("scenario", SCENARIOS, ids=[s.name for s in SCENARIOS])
 def test_spike_findings_are_what_the_truth_calls_for(server: LiveServer,
                                                      scenario: Scenario) -> None:
-    run_id, truth = train(scenario, server.url)
+    run_id, truth = train_pinned(scenario, server.url)
     want, spikes = expected(truth)
     got, items = observed(server.url, run_id)
     if scenario.name in HEALTHY:

@@ -75,6 +75,37 @@ def test_a_run_that_breaks_down_is_one_spike_not_recovered() -> None:
     assert spike.start == 150 and spike.recovered_at is None
 
 
+def test_a_spike_starts_where_the_loss_rose_not_where_it_crossed() -> None:
+    """A loss that steps up to just under the threshold and crosses it a few steps later
+    broke at the step up (the suite's output_divergence run: up 1.5-1.66x from step 77,
+    over 6 spreads only at 84): the spike starts there, and its rise is not a reference."""
+    loss = losses()
+    ref = loss[100:150]
+    median = float(np.median(ref))
+    spread = 1.4826 * float(np.median(np.abs(ref - median)))
+    loss[150:155] = median + 4.5 * spread  # over the end band, under the threshold
+    loss[155:160] = median + 10 * spread
+    (spike,) = find_spikes(np.arange(loss.size), loss, reference=50, min_history=20,
+                           spread_factor=6, min_rise=0.1)
+    assert (spike.start, spike.end, spike.recovered_at) == (150, 159, 160)
+    assert spike.peak_step == 155 and spike.length == 10
+    assert spike.median < median + spread  # five steps of the rise in its reference move it little
+
+
+def test_a_lone_step_over_the_end_band_before_a_spike_is_not_its_start() -> None:
+    """Only the steps right before the crossing belong to it: a step back under the end
+    band in between ends the walk back."""
+    loss = losses()
+    ref = loss[100:150]
+    median = float(np.median(ref))
+    spread = 1.4826 * float(np.median(np.abs(ref - median)))
+    loss[148] = median + 4.5 * spread
+    loss[149] = median
+    loss[150:153] = median + 10 * spread
+    (spike,) = find_spikes(np.arange(loss.size), loss, reference=50, min_history=20,
+                           spread_factor=6, min_rise=0.1)
+    assert (spike.start, spike.end, spike.recovered_at) == (150, 152, 153)
+
 def detect(steps, samples: SpikeWindow):
     return detect_spikes(Window(steps, context(N_LAYERS), spikes=samples), SETTINGS)
 
