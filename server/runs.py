@@ -42,7 +42,9 @@ def _upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Settin
         config={}, environment={}, status="healthy", open_findings=0, n_layers=0,
         created_at=now, updated_at=now,
     ).on_conflict_do_nothing(index_elements=[Run.id]))
-    run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
+    # FOR NO KEY UPDATE: ingest's inserts hold KEY SHARE on the run's row (their foreign
+    # keys), which FOR UPDATE would wait for, and every batch for the PUT
+    run = session.get(Run, run_id, with_for_update={"key_share": True}, populate_existing=True)
     if body.name is not None:
         run.name = body.name
     if body.project is not None:
