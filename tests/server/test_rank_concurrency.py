@@ -12,7 +12,8 @@ from sqlalchemy import event, text
 
 from ampwatch.server.app import create_app
 from ampwatch.server.ingest import ingest_batch
-from ampwatch.server.schemas import BatchIn
+from ampwatch.server.runs import upsert_run
+from ampwatch.server.schemas import BatchIn, RunUpsert
 from ampwatch.server.settings import Settings
 from tests.conftest import fresh_database_url
 from tests.utils import make_layers, make_steps
@@ -30,9 +31,6 @@ def maker(request, tmp_path):
 
 
 def register(maker, run_id: str) -> None:
-    from ampwatch.server.runs import upsert_run
-    from ampwatch.server.schemas import RunUpsert
-
     with maker() as session:
         upsert_run(session, run_id, RunUpsert(name=run_id, layers=make_layers(N_LAYERS),
                                               environment={"world_size": 3}), Settings())
@@ -68,12 +66,15 @@ def test_a_rank_held_before_commit_blocks_no_other_rank(maker):
         assert at_commit.wait(30), "rank 0's batch never reached its commit"
         started = time.monotonic()
         # rank 1: a first batch (its row is made) and a second (its row is updated);
-        # rank 2: a first batch. A lock wait fails at lock_timeout instead of hanging.
+        # rank 2: a first batch; then a PUT. A lock wait fails at lock_timeout instead of hanging.
         for rank, seq in ((1, 0), (1, 1), (2, 0)):
             with maker() as session:
                 session.execute(text(f"SET LOCAL lock_timeout = '{WAIT_S}s'"))
                 ack = ingest_batch(session, "wide", batch(rank, seq), Settings())
                 assert ack.stored_steps == 5 and not ack.duplicate
+        with maker() as session:  # an agent registering again (PUT) does not wait either
+            session.execute(text(f"SET LOCAL lock_timeout = '{WAIT_S}s'"))
+            upsert_run(session, "wide", RunUpsert(tags=["again"]), Settings())
         took = time.monotonic() - started
         assert holder.is_alive(), "rank 0 committed before the others were tested"
     finally:
