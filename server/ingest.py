@@ -12,7 +12,7 @@ from datetime import datetime
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import literal, select, update
+from sqlalchemy import func, literal, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -117,7 +117,7 @@ class _Folded:
 
     series: StepSeries
     rank_last_step: int | None  # the rank's last step before this batch (a restart's: before it)
-    others: list[int | None]  # the other ranks' last steps
+    others: _OtherRanks
 
 
 def _validate(session: Session, run_id: str, batch: BatchIn) -> _Target:
@@ -213,7 +213,7 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
     rank_row = target.rank_row
     # a restart's steps are the rank's newest, whatever their numbers
     rank_last_step = rank_row.last_step if restart is None else restart - 1
-    others = _other_ranks_last_steps(session, run_id, batch.rank)
+    others = _other_ranks(session, run_id, batch.rank)
     new_steps, new_skipped = len(series), int(series.skipped.sum())
     if restart is not None:
         rank_row.steps -= stored.superseded[0]
@@ -269,22 +269,36 @@ def _note_finished(rank_row: RunRank, batch: BatchIn, now) -> None:
         rank_row.finished_at = None
 
 
-def _other_ranks_last_steps(session: Session, run_id: str, rank: int) -> list[int | None]:
-    return list(session.scalars(select(RunRank.last_step).where(
-        RunRank.run_id == run_id, RunRank.rank != rank)))
+@dataclass(frozen=True)
+class _OtherRanks:
+    """The run's other ranks as the rank comparison needs them: how many there are, how
+    many have sent steps, and the lowest last step among those."""
+
+    count: int
+    with_steps: int
+    floor: int | None
 
 
-def _all_ranks_through(run: Run, others: list[int | None], before: int | None,
+def _other_ranks(session: Session, run_id: str, rank: int) -> _OtherRanks:
+    """One aggregate row, whatever the rank count (a list of every rank's last step cost
+    each batch a row per rank in Python)."""
+    count, with_steps, floor = session.execute(
+        select(func.count(), func.count(RunRank.last_step), func.min(RunRank.last_step))
+        .where(RunRank.run_id == run_id, RunRank.rank != rank)).one()
+    return _OtherRanks(count, with_steps, floor)
+
+
+def _all_ranks_through(run: Run, others: _OtherRanks, before: int | None,
                        after: int | None) -> int | None:
     """The last step every rank of the run has sent, when this batch moved it forward
     (else None): the ranks are compared once per such advance. Needs every rank of the
     run's world size to have sent steps."""
     world = (run.environment or {}).get("world_size")
-    if not isinstance(world, int) or world < 2 or len(others) + 1 < world:
+    if not isinstance(world, int) or world < 2 or others.count + 1 < world:
         return None
-    if after is None or any(step is None for step in others):
+    if after is None or others.floor is None or others.with_steps < others.count:
         return None
-    floor = min(others)  # type: ignore[type-var]
+    floor = others.floor
     through = min(floor, after)
     previous = -1 if before is None else min(floor, before)
     return through if through > previous else None
