@@ -152,7 +152,7 @@ def _validate(session: Session, run_id: str, batch: BatchIn) -> _Target:
 def _touch_rank(session: Session, run_id: str, rank: int, now: datetime) -> bool:
     """Set the rank's `last_seen_at`, making its row (empty totals) on its first batch;
     the row stays locked to the transaction. False when the run does not exist. Run-level
-    `last_seen_at` is the newest of its ranks' (`runs.last_seen_by_run`)."""
+    `last_seen_at` is the newest of its ranks' (`runs.run_public`, `runs.live_runs`)."""
     fresh = {"run_id": run_id, "rank": rank, "batches": 0, "max_seq": -1, "steps": 0,
              "skipped": 0, "dropped_batches": 0, "dropped_steps": 0, "last_seen_at": now}
     values = select(*(literal(v, RunRank.__table__.c[k].type).label(k) for k, v in fresh.items())
