@@ -33,6 +33,7 @@ from ampwatch.server.api import (
     spikes,
 )
 from ampwatch.server.api.error_responses import PROTECTED
+from ampwatch.server.backpressure import BacklogMiddleware
 from ampwatch.server.budget import ReadBudget
 from ampwatch.server.db import health_on_commit, make_engine, session_info, upgrade
 from ampwatch.server.deps import token_dependencies
@@ -109,11 +110,14 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # the lifespan, which a test may run more than once: idle, its threads end with it.
     app.state.parser = ThreadPoolExecutor(PARSER_THREADS, thread_name_prefix="ampwatch-parse")
     # The last added runs first: headers on every answer; Host and Origin; metrics; the
-    # token, before anything is held; bodies, under their budget; then a request slot.
-    app.add_middleware(RequestSlotMiddleware, max_requests=settings.max_concurrent_requests)
+    # token, before anything is held; batches refused while analysis is behind; bodies,
+    # under their budget; then a request slot.
+    app.add_middleware(RequestSlotMiddleware, max_requests=settings.max_concurrent_requests,
+                       wait_s=settings.slot_wait_s)
     app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes,
                        max_inflight_bytes=settings.max_inflight_body_bytes,
                        body_timeout_s=settings.body_timeout_s)
+    app.add_middleware(BacklogMiddleware, maker=maker, limit=settings.max_pending_batches)
     app.add_middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc"))
     app.add_middleware(QueryTextMiddleware)
     app.add_middleware(AdmissionMiddleware, token=settings.token,

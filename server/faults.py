@@ -19,6 +19,13 @@ class DatabaseUnavailable(AmpwatchServerError):
     status_code = 503
 
 
+class DatabaseBusy(DatabaseUnavailable):
+    """Every pooled connection stayed taken for the pool's timeout: the database is
+    behind; retry in `retry_after` seconds."""
+
+    retry_after = 1
+
+
 class DiskFull(AmpwatchServerError):
     status_code = 507
     PREFIX = "the database's disk is full"
@@ -72,7 +79,7 @@ def database_error(exc: Exception) -> AmpwatchServerError:
     """The domain error for a driver failure: DiskFull (507) or DatabaseUnavailable (503),
     with a one-line reason (never a statement or its parameters)."""
     if isinstance(exc, TimeoutError):
-        return DatabaseUnavailable("all database connections are busy; retry")
+        return DatabaseBusy("all database connections are busy; retry")
     reason = first_line(exc)
     sqlstate = getattr(getattr(exc, "orig", exc), "sqlstate", None)
     if sqlstate == DISK_FULL_SQLSTATE or "disk is full" in reason:

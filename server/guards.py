@@ -1,13 +1,16 @@
 """Who may hold what, as pure ASGI middleware: the trusted-Host check and cross-site write
 refusal (`SiteGuardMiddleware`), the token checked before a request holds anything, with a
 per-client cap on requests that carry no token (`AdmissionMiddleware`), and the request
-slots that only the token's holders take, once their body has arrived
-(`RequestSlotMiddleware`)."""
+slots that only the token's holders take, once their body has arrived, waiting their turn
+when all are taken (`RequestSlotMiddleware`)."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
-from collections import Counter
+import math
+from collections import Counter, deque
 from collections.abc import Mapping
 from typing import Literal
 from urllib.parse import urlsplit
@@ -148,26 +151,71 @@ class AdmissionMiddleware:
 
 
 class RequestSlotMiddleware:
-    """Caps requests in flight at `max_requests` (503 + Retry-After beyond). Inside the
-    body middleware, so a request takes its slot once its body has arrived: a client
-    trickling a body holds a connection, not a slot. Anonymous requests (see
-    `AdmissionMiddleware`) and /api/v1/health take none."""
+    """At most `max_requests` requests run at once; the rest wait their turn, in order of
+    arrival, for up to `wait_s` each. Only a request that waited that long without a slot
+    freeing is answered 503 + Retry-After: the server is behind, not merely busy (a fixed
+    cap that answered the excess at once shed a 64-rank run's ordinary traffic, since a
+    slot is held until the answer has left). Inside the body middleware, so a request
+    takes its slot once its body has arrived: a client trickling a body holds a
+    connection, not a slot. Anonymous requests (see `AdmissionMiddleware`) and
+    /api/v1/health take none."""
 
-    def __init__(self, app: ASGIApp, max_requests: int) -> None:
+    def __init__(self, app: ASGIApp, max_requests: int, wait_s: float) -> None:
         self.app = app
         self.max_requests = max_requests
+        self.wait_s = wait_s
         self.in_flight = 0
+        self.waiting: deque[asyncio.Future[None]] = deque()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] == HEALTH_PATH or scope.get(ANONYMOUS):
             await self.app(scope, receive, send)
             return
-        if self.in_flight >= self.max_requests:
-            await error_response(send, 503, f"over {self.max_requests} requests in flight "
-                                 "(AMPWATCH_MAX_CONCURRENT_REQUESTS); retry", retry_after=1)
+        if not await self._take_slot():
+            await error_response(send, 503, f"no request slot freed within {self.wait_s:g} s "
+                                 f"({self.max_requests} requests running, "
+                                 f"{len(self.waiting)} waiting): the server is behind; retry",
+                                 retry_after=math.ceil(self.wait_s))
             return
-        self.in_flight += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight -= 1
+            self._give_slot()
+
+    async def _take_slot(self) -> bool:
+        """A slot now, or the next freed one within `wait_s` (False: none freed)."""
+        if self.in_flight < self.max_requests and not self.waiting:
+            self.in_flight += 1
+            return True
+        turn = asyncio.get_running_loop().create_future()
+        self.waiting.append(turn)
+        try:
+            async with asyncio.timeout(self.wait_s):
+                await asyncio.shield(turn)
+            return True
+        except TimeoutError:
+            return self._handed(turn)
+        except BaseException:  # the client left: a slot handed over meanwhile goes on
+            if self._handed(turn):
+                self._give_slot()
+            raise
+        finally:
+            with contextlib.suppress(ValueError):
+                self.waiting.remove(turn)
+
+    @staticmethod
+    def _handed(turn: asyncio.Future[None]) -> bool:
+        """Whether a freed slot was handed to `turn` (and stop it taking one later)."""
+        if turn.done():
+            return True
+        turn.cancel()
+        return False
+
+    def _give_slot(self) -> None:
+        """Hand the slot to the longest waiter still waiting, else free it."""
+        while self.waiting:
+            turn = self.waiting.popleft()
+            if not turn.done():
+                turn.set_result(None)
+                return
+        self.in_flight -= 1

@@ -12,7 +12,7 @@ from datetime import datetime
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import select, update
+from sqlalchemy import func, literal, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -53,7 +53,8 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
     A repeat must carry the same steps (a replay); a different batch under a used seq
     is refused with SeqConflict rather than silently dropped. May block while other
     requests ingest: on SQLite, writers of this process take turns on the session's
-    `write_lock` (server/db.py), on Postgres on the run's row lock.
+    `write_lock` (server/db.py); on Postgres only batches of the same rank wait for each
+    other (on the rank's row), never the run's other ranks.
 
     The steps, in order: validate, store or dedupe, fold totals, hand to analysis. Each
     only adds to the transaction; this function alone commits or rolls it back (on a
@@ -83,11 +84,11 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
 @dataclass
 class _Target:
     """The run and rank a batch goes to, as validation found them (the rank's row is
-    locked for the transaction; None before its first batch)."""
+    locked for the transaction; made empty by validation on the rank's first batch)."""
 
     run_id: str
     n_layers: int
-    rank_row: RunRank | None
+    rank_row: RunRank
     now: datetime
 
 
@@ -116,36 +117,52 @@ class _Folded:
 
     series: StepSeries
     rank_last_step: int | None  # the rank's last step before this batch (a restart's: before it)
-    others: list[int | None]  # the other ranks' last steps
+    others: _OtherRanks
 
 
 def _validate(session: Session, run_id: str, batch: BatchIn) -> _Target:
     """The run exists, the batch's vectors fit its layer table, and its seq is not far
-    past the rank's next one. Touches the run's `last_seen_at` and locks the rank's row."""
-    # The first statement is a write (touching the run), so a writer from another process
+    past the rank's next one. Touches and locks the rank's own row (made on the rank's
+    first batch), never the run's: ranks of one run commit concurrently on Postgres."""
+    # The first statement is a write (on the rank's row), so a writer from another process
     # queues on SQLite's busy timeout instead of failing on a read-to-write lock upgrade.
     now = utcnow()
-    # steps that arrive after an archive are live data again (the next archive drops
-    # them too); a batch that turns out a replay or is refused rolls this back
-    unarchive = {"archived_at": None} if batch.steps else {}
-    touched = session.execute(
-        update(Run).where(Run.id == run_id).values(last_seen_at=now, **unarchive)
-    ).rowcount
-    if not touched:
+    if not _touch_rank(session, run_id, batch.rank, now):
         raise NotFound(f"no run with id {run_id!r}: register it with PUT /api/v1/runs/{run_id}")
-    n_layers = session.scalar(select(Run.n_layers).where(Run.id == run_id))
+    run = session.execute(select(Run.n_layers, Run.archived_at).where(Run.id == run_id)).one()
+    if run.archived_at is not None and batch.steps:
+        # steps that arrive after an archive are live data again (the next archive drops
+        # them too); the run's row is locked only on this rare path
+        session.execute(update(Run).where(Run.id == run_id).values(archived_at=None))
+    n_layers = run.n_layers
     errors = (vector_length_errors(batch.steps, n_layers)
               + fp8_length_errors(batch.steps, n_layers)
               + spike_length_errors(batch.steps, n_layers))
     if errors:
         raise InvalidInput("; ".join(errors))
-    rank_row = session.get(RunRank, (run_id, batch.rank), with_for_update=True)
-    next_seq = 0 if rank_row is None else rank_row.max_seq + 1
+    rank_row = session.get(RunRank, (run_id, batch.rank), populate_existing=True)
+    next_seq = rank_row.max_seq + 1
     if batch.seq > next_seq + MAX_SEQ_GAP:
         raise SeqConflict(
             f"seq {batch.seq} of rank {batch.rank} is more than {MAX_SEQ_GAP} past the "
             f"next seq {next_seq}: register the run again (PUT) and continue from next_seq")
     return _Target(run_id, n_layers, rank_row, now)
+
+
+def _touch_rank(session: Session, run_id: str, rank: int, now: datetime) -> bool:
+    """Set the rank's `last_seen_at`, making its row (empty totals) on its first batch;
+    the row stays locked to the transaction. False when the run does not exist. Run-level
+    `last_seen_at` is the newest of its ranks' (`runs.run_public`, `runs.live_runs`)."""
+    fresh = {"run_id": run_id, "rank": rank, "batches": 0, "max_seq": -1, "steps": 0,
+             "skipped": 0, "dropped_batches": 0, "dropped_steps": 0, "last_seen_at": now}
+    values = select(*(literal(v, RunRank.__table__.c[k].type).label(k) for k, v in fresh.items())
+                    ).where(select(Run.id).where(Run.id == run_id).exists())
+    return session.execute(
+        dialect_insert(session, RunRank).from_select(list(fresh), values)
+        .on_conflict_do_update(index_elements=[RunRank.run_id, RunRank.rank],
+                               set_={"last_seen_at": now})
+        .returning(RunRank.rank)  # rowcount is -1 for INSERT .. SELECT on psycopg
+    ).first() is not None
 
 
 def _store(session: Session, target: _Target, batch: BatchIn) -> _Stored:
@@ -194,14 +211,9 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
     series = unpack_row(SimpleNamespace(**row), target.n_layers, with_layers=True,
                         with_acts=True)
     rank_row = target.rank_row
-    if rank_row is None:
-        rank_row = target.rank_row = RunRank(
-            run_id=run_id, rank=batch.rank, batches=0, max_seq=-1, steps=0, skipped=0,
-            dropped_batches=0, dropped_steps=0)
-        session.add(rank_row)
     # a restart's steps are the rank's newest, whatever their numbers
     rank_last_step = rank_row.last_step if restart is None else restart - 1
-    others = _other_ranks_last_steps(session, run_id, batch.rank)
+    others = _other_ranks(session, run_id, batch.rank)
     new_steps, new_skipped = len(series), int(series.skipped.sum())
     if restart is not None:
         rank_row.steps -= stored.superseded[0]
@@ -215,7 +227,6 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
         new_steps, new_skipped = _unique_step_delta(session, run_id, batch.rank, batch.seq,
                                                     row["first_step"], row["last_step"])
     _add_counts(rank_row, batch, series, new_steps, new_skipped)
-    rank_row.last_seen_at = target.now
     _note_finished(rank_row, batch, target.now)
     update_layer_stats(rank_row, series)
     if behind:  # refold the buckets it touches from what reads see (its copy wins)
@@ -258,22 +269,36 @@ def _note_finished(rank_row: RunRank, batch: BatchIn, now) -> None:
         rank_row.finished_at = None
 
 
-def _other_ranks_last_steps(session: Session, run_id: str, rank: int) -> list[int | None]:
-    return list(session.scalars(select(RunRank.last_step).where(
-        RunRank.run_id == run_id, RunRank.rank != rank)))
+@dataclass(frozen=True)
+class _OtherRanks:
+    """The run's other ranks as the rank comparison needs them: how many there are, how
+    many have sent steps, and the lowest last step among those."""
+
+    count: int
+    with_steps: int
+    floor: int | None
 
 
-def _all_ranks_through(run: Run, others: list[int | None], before: int | None,
+def _other_ranks(session: Session, run_id: str, rank: int) -> _OtherRanks:
+    """One aggregate row, whatever the rank count (a list of every rank's last step cost
+    each batch a row per rank in Python)."""
+    count, with_steps, floor = session.execute(
+        select(func.count(), func.count(RunRank.last_step), func.min(RunRank.last_step))
+        .where(RunRank.run_id == run_id, RunRank.rank != rank)).one()
+    return _OtherRanks(count, with_steps, floor)
+
+
+def _all_ranks_through(run: Run, others: _OtherRanks, before: int | None,
                        after: int | None) -> int | None:
     """The last step every rank of the run has sent, when this batch moved it forward
     (else None): the ranks are compared once per such advance. Needs every rank of the
     run's world size to have sent steps."""
     world = (run.environment or {}).get("world_size")
-    if not isinstance(world, int) or world < 2 or len(others) + 1 < world:
+    if not isinstance(world, int) or world < 2 or others.count + 1 < world:
         return None
-    if after is None or any(step is None for step in others):
+    if after is None or others.floor is None or others.with_steps < others.count:
         return None
-    floor = min(others)  # type: ignore[type-var]
+    floor = others.floor
     through = min(floor, after)
     previous = -1 if before is None else min(floor, before)
     return through if through > previous else None

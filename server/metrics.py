@@ -34,7 +34,8 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.deps import SettingsDep
-from ampwatch.server.models import AlertNotification, Finding, Run, RunRank, as_utc, utcnow
+from ampwatch.server.models import AlertNotification, Finding, RunRank, as_utc, utcnow
+from ampwatch.server.runs import live_runs
 from ampwatch.server.schemas import BatchAck
 from ampwatch.server.settings import Settings
 
@@ -131,9 +132,7 @@ class RunHealthCollector:
                                       labels=[*labels, "severity"]),
         }
         with self.maker() as session:
-            runs = session.execute(
-                select(Run.id, Run.project, Run.last_seen_at)
-                .where(Run.last_seen_at >= now - self.live)).all()
+            runs = live_runs(session, now - self.live)
             ids = [run.id for run in runs]
             totals = {row.run_id: row for row in session.execute(
                 select(RunRank.run_id, func.count().label("ranks"),

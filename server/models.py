@@ -66,7 +66,8 @@ class Run(Base):
     n_layers: Mapped[int] = mapped_column(Integer, default=0)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
-    last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
+    # no last_seen_at: it is the newest of the ranks' (a per-batch write here made every
+    # rank of the run wait on this row); see runs.live_runs
     # set when the full-resolution data was dropped (summaries and findings are kept)
     archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from sqlalchemy import delete, func, select
+from datetime import datetime
+
+from sqlalchemy import Row, delete, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import analysis
@@ -40,7 +42,9 @@ def _upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Settin
         config={}, environment={}, status="healthy", open_findings=0, n_layers=0,
         created_at=now, updated_at=now,
     ).on_conflict_do_nothing(index_elements=[Run.id]))
-    run = session.get(Run, run_id, with_for_update=True, populate_existing=True)
+    # FOR NO KEY UPDATE: ingest's inserts hold KEY SHARE on the run's row (their foreign
+    # keys), which FOR UPDATE would wait for, and every batch for the PUT
+    run = session.get(Run, run_id, with_for_update={"key_share": True}, populate_existing=True)
     if body.name is not None:
         run.name = body.name
     if body.project is not None:
@@ -117,6 +121,16 @@ def _ranks_of(session: Session, run_ids: list[str]) -> dict[str, list[RunRank]]:
     return by_run
 
 
+def live_runs(session: Session, since: datetime) -> list[Row]:
+    """Runs that a rank sent a batch to at `since` or later: id, project and
+    `last_seen_at` (the newest of their ranks'; ingest never writes a run's own row).
+    One grouped read of `run_ranks`."""
+    newest = func.max(RunRank.last_seen_at).label("last_seen_at")
+    return list(session.execute(
+        select(Run.id, Run.project, newest).join(RunRank, RunRank.run_id == Run.id)
+        .group_by(Run.id, Run.project).having(newest >= since)))
+
+
 def run_ranks(session: Session, run_id: str) -> list[RunRank]:
     return _ranks_of(session, [run_id]).get(run_id, [])
 
@@ -133,7 +147,8 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
     counted (problems: warning or critical; notes: info)."""
     steps = sum(r.steps for r in ranks)
     skipped = sum(r.skipped for r in ranks)
-    last_seen = as_utc(run.last_seen_at)
+    last_seen = max((as_utc(r.last_seen_at) for r in ranks if r.last_seen_at is not None),
+                    default=None)
     finished = bool(ranks) and all(r.finished_at is not None for r in ranks)
     live = not finished and last_seen is not None and (
         (utcnow() - last_seen).total_seconds() <= settings.live_seconds

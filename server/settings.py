@@ -37,9 +37,15 @@ class Settings(BaseSettings):
     # estimated bytes of read answers (heatmap matrices, layer tables, step series) being
     # built at once; beyond, 503 + Retry-After (docs/security.md)
     max_inflight_read_bytes: int = Field(1024 * 1024 * 1024, ge=1024 * 1024)
-    # requests in flight beyond this get 503 + Retry-After (/api/v1/health never counts);
-    # below the database pool size, so requests never queue for a connection
+    # requests running at once (/api/v1/health never counts); more wait their turn. Below
+    # the database pool size, so requests never queue for a connection
     max_concurrent_requests: int = Field(16, ge=1, le=10_000)
+    # how long a request waits for one of those; beyond, the server is behind: 503 +
+    # Retry-After (the agent keeps the batch in its spool and waits that long)
+    slot_wait_s: float = Field(5.0, gt=0, le=300)
+    # batches stored and not yet analysed, all runs together; beyond, new batches get
+    # 503 + Retry-After until the analysis workers catch up (docs/architecture.md)
+    max_pending_batches: int = Field(100_000, ge=1)
     # a request body (after its headers) must arrive within this (408)
     body_timeout_s: float = Field(60.0, gt=0)
     # a connection must send its request headers within this, or it is closed

@@ -54,6 +54,8 @@ class Delivery:
         self._put_key: str | None = None
         self._backoff_s = 0.0
         self._retry_at = 0.0
+        self._server_wait_until = 0.0  # its Retry-After: even a flush() waits for it
+        self._stopped = threading.Event()
         self._leftovers_at = 0.0
         self._auth_reported = False
         self.delivered_batches = 0
@@ -69,7 +71,8 @@ class Delivery:
 
     def flush(self, deadline: float) -> bool:
         """Wait until the spool is sent or `deadline` (monotonic) passes; True when sent.
-        Retries at once even while backing off."""
+        Retries at once even while backing off, but never before the server's
+        Retry-After has passed."""
         request = _Request(deadline)
         with self._requests_lock:
             self._requests.append(request)
@@ -79,6 +82,7 @@ class Delivery:
 
     def stop(self, timeout: float) -> None:
         self._stop = True
+        self._stopped.set()
         self._wake.set()
         if self._thread is not None:
             self._thread.join(timeout=max(0.1, timeout))
@@ -109,6 +113,8 @@ class Delivery:
         reply = self.sender.put_run(self.settings.run_id, body, limit)
         if reply.outcome is not Outcome.OK:
             self._refused(reply)
+            if reply.retry_after is not None:  # the server is behind: wait as it asks
+                self._backoff(reply)
             return -1
         self._put_key = json.dumps(body, sort_keys=True)
         last_step = -1
@@ -120,9 +126,26 @@ class Delivery:
                     last_step = int(rank["last_step"])
         return last_step
 
-    def _backoff(self) -> None:
+    def _backoff(self, reply: Response | None = None) -> None:
+        """Wait before the next send: twice the last wait (BACKOFF_MIN_S..BACKOFF_MAX_S),
+        and at least the Retry-After the server answered with (a server behind asks for
+        the time it needs; sooner would only be refused again)."""
         self._backoff_s = min(self.BACKOFF_MAX_S, max(self.BACKOFF_MIN_S, self._backoff_s * 2))
-        self._retry_at = time.monotonic() + self._backoff_s
+        now = time.monotonic()
+        asked = reply.retry_after if reply is not None else None
+        if asked is not None:
+            self._server_wait_until = now + asked
+        self._retry_at = now + max(self._backoff_s, asked or 0.0)
+
+    def _server_ready(self, deadline: float | None) -> bool:
+        """Whether the server's Retry-After has passed, waiting for it (a flush) when it
+        ends before `deadline`. Never sends early, so never loses the batch's turn."""
+        wait = self._server_wait_until - time.monotonic()
+        if wait <= 0:
+            return True
+        if deadline is None or self._server_wait_until > deadline:
+            return False
+        return not self._stopped.wait(wait)
 
     def _refused(self, reply: Response) -> None:
         """401/403: say so once, loudly, in the training log; the data stays spooled."""
@@ -144,6 +167,8 @@ class Delivery:
         """Send the spool in order until it is empty, the deadline passes or the server
         fails (then back off). Returns whether this run's spool is empty."""
         if not force and time.monotonic() < self._retry_at:
+            return False
+        if not self._server_ready(deadline if force else None):
             return False
         if not self._deliver_spool(self.spool, deadline):
             return False
@@ -171,7 +196,7 @@ class Delivery:
                     f"server refused bundle {path.name}: HTTP {reply.status}; it stays in "
                     f"{folder}"))
             else:
-                self._backoff()
+                self._backoff(reply)
                 return
 
     def _deliver_spool(self, spool: Spool, deadline: float | None) -> bool:
@@ -198,7 +223,6 @@ class Delivery:
                 # the batch moves past every seq in use, so order is kept
                 moved = self._renumber(spool, path, entry or read_entry(path), limit)
                 if moved is None:
-                    self._backoff()
                     return False
                 pending.append(moved)
             elif reply.outcome is Outcome.REJECT or (
@@ -211,7 +235,7 @@ class Delivery:
                 if reply.outcome is Outcome.MISSING:
                     self._put_key = None
                 self._refused(reply)
-                self._backoff()
+                self._backoff(reply)
                 return False
         return not pending
 
@@ -228,16 +252,18 @@ class Delivery:
             reply = self.sender.put_run(entry["run_id"], entry["run"], limit)
             if reply.outcome is not Outcome.OK:
                 self._refused(reply)
-                self._backoff()
+                self._backoff(reply)
                 return None, None
             self._put_key = key
         return self.sender.post_batch(entry["run_id"], entry["batch"], limit), entry
 
     def _renumber(self, spool: Spool, path: Path, entry: dict,
                   limit: float | None) -> Path | None:
-        """Ask the server for the rank's next free seq (PUT) and move the batch there."""
+        """Ask the server for the rank's next free seq (PUT) and move the batch there;
+        None (backing off) when the server did not answer."""
         reply = self.sender.put_run(entry["run_id"], entry["run"], limit)
         if reply.outcome is not Outcome.OK:
+            self._backoff(reply)
             return None
         ranks = (reply.body or {}).get("ranks") or []
         next_seq = max((int(r["next_seq"]) for r in ranks if r.get("rank") == entry["rank"]),

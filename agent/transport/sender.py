@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
 from dataclasses import dataclass
+from datetime import UTC
+from email.utils import parsedate_to_datetime
 from enum import Enum
 from typing import Any
 
@@ -21,11 +24,35 @@ class Outcome(Enum):
     REJECT = "reject"    # any other 4xx: sending it again cannot succeed
 
 
+# the longest Retry-After honoured: a server's mistake must not silence an agent for hours
+MAX_RETRY_AFTER_S = 300.0
+
+
 @dataclass
 class Response:
     outcome: Outcome
     body: Any = None
     status: int | None = None
+    retry_after: float | None = None  # seconds the server asked to wait (Retry-After)
+
+
+def retry_after_s(value: str | None) -> float | None:
+    """Seconds a Retry-After header asks for (delta-seconds or an HTTP date), at most
+    MAX_RETRY_AFTER_S; None when absent or unreadable."""
+    if not value:
+        return None
+    value = value.strip()
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            moment = parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if moment.tzinfo is None:  # "-0000": UTC, RFC 5322 says
+            moment = moment.replace(tzinfo=UTC)
+        seconds = moment.timestamp() - time.time()
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
 
 
 def classify(status: int) -> Outcome:
@@ -77,7 +104,8 @@ class Sender:
             parsed = reply.json()
         except ValueError:
             parsed = None
-        return Response(outcome, parsed, reply.status_code)
+        return Response(outcome, parsed, reply.status_code,
+                        retry_after_s(reply.headers.get("retry-after")))
 
     def put_run(self, run_id: str, body: dict, limit: float | None = None) -> Response:
         return self._send("PUT", f"/api/v1/runs/{run_id}", body, limit, compress=False)
@@ -100,7 +128,8 @@ class Sender:
                                          headers={"Content-Type": "application/zip"})
         except (httpx.HTTPError, OSError):
             return Response(Outcome.RETRY)
-        return Response(classify(reply.status_code), None, reply.status_code)
+        return Response(classify(reply.status_code), None, reply.status_code,
+                        retry_after_s(reply.headers.get("retry-after")))
 
     def close(self) -> None:
         self._client.close()

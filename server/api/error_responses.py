@@ -24,8 +24,10 @@ DESCRIPTIONS = {
     413: "the body is over AMPWATCH_MAX_BODY_BYTES (after gzip decompression too)",
     415: "the body is not application/json, or its Content-Encoding is not gzip",
     422: "invalid parameters or body: `detail` lists the fields (at most 10), or says why",
-    503: "busy (over AMPWATCH_MAX_CONCURRENT_REQUESTS or the body bytes in flight; "
-         "Retry-After) or the database is unreachable, locked or gone",
+    503: "behind (no request slot freed within AMPWATCH_SLOT_WAIT_S, the body bytes in "
+         "flight, every database connection busy, or more than AMPWATCH_MAX_PENDING_BATCHES "
+         "batches awaiting analysis; Retry-After) or the database is unreachable, locked "
+         "or gone",
     507: "the database's disk is full: nothing was stored",
 }
 RETRY_AFTER = {"Retry-After": {"description": "seconds to wait, when the server is busy",

@@ -25,7 +25,7 @@ def backdate(server, run_id: str, days: int) -> None:
     engine = create_engine(server.database_url)
     moment = datetime.now(UTC) - timedelta(days=days)
     with engine.begin() as conn:
-        conn.execute(text("UPDATE runs SET last_seen_at = :m, created_at = :m WHERE id = :id"),
+        conn.execute(text("UPDATE runs SET created_at = :m WHERE id = :id"),
                      {"m": moment, "id": run_id})
         conn.execute(text("UPDATE run_ranks SET last_seen_at = :m WHERE run_id = :id"),
                      {"m": moment, "id": run_id})
