@@ -108,8 +108,9 @@ class RunRank(Base):
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # when the rank's agent detached (its "finished" event); None while it trains
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # per-layer running summaries, float64 (LAYER_STATS_ROWS, n_layers); server/storage.py
-    layer_stats: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # the rank's last PANEL_STEPS steps and their step times (server/rollups.py): the
+    # ranks panel reads this instead of the rank's batches
+    step_ms_window: Mapped[bytes | None] = mapped_column(LargeBinary)
 
     @property
     def lost_batches(self) -> int:
@@ -175,6 +176,21 @@ class StepSummary(Base):
     grad_max: Mapped[bytes | None] = mapped_column(LargeBinary)
     grad_min: Mapped[bytes | None] = mapped_column(LargeBinary)
     act_max: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
+class RankLayerStat(Base):
+    """One of a rank's per-layer running statistics (server/rollups.py: the last and
+    largest grad norm, non-finite counts, ...), float64 per layer, one row per statistic
+    so that a batch rewrites only the statistics it changed."""
+
+    __tablename__ = "rank_layer_stats"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    stat: Mapped[int] = mapped_column(Integer, primary_key=True)
+    values: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Fp8Sample(Base):

@@ -24,7 +24,7 @@ from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
-from ampwatch.server.ranks import ranks_panel
+from ampwatch.server.ranks import overlaid_ranks, ranks_panel
 from ampwatch.server.runs import get_run, list_runs, public_run
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import layer_rows
@@ -86,16 +86,21 @@ def named_layers(session: Session, run_id: str, findings: dict) -> dict[str, int
 
 def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: int | None,
                   steps: StepRange) -> dict:
-    """/runs/{id}: the run, its downsampled steps (all ranks unless one is picked), its
-    findings and its incidents (the findings grouped by root cause)."""
+    """/runs/{id}: the run, its downsampled steps (the picked rank, else all ranks up to
+    MAX_OVERLAID_RANKS, else the ones `overlaid_ranks` picks), its findings and its
+    incidents (the findings grouped by root cause). Its reads do not grow with ranks."""
     run = get_run(session, run_id)
     public = page_run(session, run_id, settings)
     findings = findings_of(session, run_id)
+    panel = ranks_panel(session, run) if len(public["ranks"]) > 1 else []
+    overlaid = overlaid_ranks(panel) if rank is None else None
     return {
         "run": public,
         "rank": rank,
-        "ranks": ranks_panel(session, run) if len(public["ranks"]) > 1 else [],
-        "steps": steps_query(session, run, rank=rank, max_points=MAX_POINTS, **steps.query()),
+        "ranks": panel,
+        "overlaid_ranks": overlaid,
+        "steps": steps_query(session, run, rank=rank, ranks=overlaid, max_points=MAX_POINTS,
+                             **steps.query()),
         "findings": findings,
         "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
         "layer_index": named_layers(session, run_id, findings),
