@@ -108,9 +108,9 @@ class RunRank(Base):
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # when the rank's agent detached (its "finished" event); None while it trains
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # the rank's last PANEL_STEPS steps and their step times (server/rollups.py): the
-    # ranks panel reads this instead of the rank's batches
-    step_ms_window: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # median step time of the rank's last steps, kept at ingest (server/rollups.py);
+    # negative: none of them had one; None: stored before migration 0013
+    step_ms_median: Mapped[float | None] = mapped_column(Float)
 
     @property
     def lost_batches(self) -> int:
@@ -178,18 +178,18 @@ class StepSummary(Base):
     act_max: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
-class RankLayerStat(Base):
-    """One of a rank's per-layer running statistics (server/rollups.py: the last and
-    largest grad norm, non-finite counts, ...), float64 per layer, one row per statistic
-    so that a batch rewrites only the statistics it changed."""
+class RankRollup(Base):
+    """One of a rank's rollups kept at ingest (server/rollups.py): a per-layer statistic
+    (float64 per layer: the last and largest grad norm, non-finite counts, ...) or its
+    step-time window. One row each, so that a batch rewrites only the ones it changed."""
 
-    __tablename__ = "rank_layer_stats"
+    __tablename__ = "rank_rollups"
 
     run_id: Mapped[str] = mapped_column(
         ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
     )
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    stat: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rollup: Mapped[int] = mapped_column(Integer, primary_key=True)
     values: Mapped[bytes] = mapped_column(LargeBinary)
 
 

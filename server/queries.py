@@ -50,12 +50,13 @@ LONG_RANGE_STEPS = 20 * SUMMARY_STEPS
 
 def _summarised(session: Session, run: Run, rank: int, start: int | None,
                 end: int | None, layers: np.ndarray | None = None,
-                **parts) -> SimpleNamespace | None:
+                rank_row: RunRank | None = None, **parts) -> SimpleNamespace | None:
     """The rank's step summaries over [start, end] when a zoomed-out read should use them
     (an archived run, or a range longer than LONG_RANGE_STEPS whose every step is
     summarised); None to read the steps themselves. `parts`: what `load_summaries`
-    reads (all of it by default)."""
-    rank_row = session.get(RunRank, (run.id, rank))
+    reads (all of it by default). `rank_row`: the rank's row when already read."""
+    if rank_row is None:
+        rank_row = session.get(RunRank, (run.id, rank))
     if rank_row is None or rank_row.last_step is None:
         return None
     if run.archived_at is None:
@@ -65,13 +66,6 @@ def _summarised(session: Session, run: Run, rank: int, start: int | None,
                 session, run.id, rank) < rank_row.steps:
             return None
     return load_summaries(session, run.id, rank, start, end, run.n_layers, layers, **parts)
-
-
-def _ranks(session: Session, run: Run, rank: int | None) -> list[int]:
-    ranks = [r.rank for r in run_ranks(session, run.id)]
-    if rank is None:
-        return ranks
-    return [rank]
 
 
 def _step_rows(series: StepSeries, rank: int) -> list[dict]:
@@ -116,14 +110,15 @@ def steps_query(
     and no `events`. The ranks' batches are one read; a long range's summaries, one
     read per rank."""
     every = rank is None and ranks is None
-    ranks = _ranks(session, run, rank) if ranks is None else list(ranks)
+    rows = {} if rank is not None else {r.rank: r for r in run_ranks(session, run.id)}
+    ranks = [rank] if rank is not None else list(rows) if ranks is None else list(ranks)
     items: list[dict] = []
     events: list[dict] = []
     total = 0
     downsampled = False
     next_start = None
     budget = max(1, (max_points or 0) // max(1, len(ranks)))
-    summaries = {r: _summarised(session, run, r, start, end, blocks=())
+    summaries = {r: _summarised(session, run, r, start, end, blocks=(), rank_row=rows.get(r))
                  for r in ranks} if max_points is not None else {}
     unsummarised = [r for r in ranks if summaries.get(r) is None]
     every = every and len(unsummarised) == len(ranks)  # then no list of ranks to send

@@ -2,15 +2,16 @@
 number of ranks and its length: the ranks panel reads one narrow row per rank, the layer
 table one rank's statistics, and neither reads a batch.
 
-- The step-time window (`run_ranks.step_ms_window`): the rank's last PANEL_STEPS steps
-  and their `t_step_ms`, for the ranks panel's median step time. A batch past the rank's
-  last step appends to it (no read); a restart or a batch that repeats stored steps (rare)
-  rebuilds it from the rank's newest batches, as the panel used to read them.
-- The per-layer statistics (`rank_layer_stats`, one row per statistic, float64 per
-  layer): last and largest grad norm, non-finite grad and output steps, largest
-  activation abs-max, the dtype computed in, forward time sum and count. A batch
-  rewrites only the statistics it changed: the last grad norm (8 bytes a layer) on a
-  batch with per-layer grads, the others when they move (times on sampled steps).
+A rank's rollups are `rank_rollups` rows, one per rollup, so that a batch rewrites only
+those it changed:
+- the per-layer statistics (float64 per layer): last and largest grad norm, non-finite
+  grad and output steps, largest activation abs-max, the dtype computed in, forward time
+  sum and count. A batch with per-layer grads rewrites the last grad norm (8 bytes a
+  layer); the others when they move (times on sampled steps);
+- the step-time window: the rank's last PANEL_STEPS steps and their `t_step_ms`, whose
+  median goes to `run_ranks.step_ms_median` for the ranks panel. A batch past the rank's
+  last step appends to it (no read); a restart, or a batch that repeats stored steps
+  (rare), rebuilds it from the rank's newest batches, as the panel used to read them.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import RankLayerStat, RunRank
+from ampwatch.server.models import RankRollup, RunRank
 from ampwatch.server.series import FIELD_INDEX, MISSING, StepSeries
 from ampwatch.server.storage import load_series
 
 PANEL_STEPS = 200  # recent steps the ranks panel takes its median step time over
 
-# the statistics, one `rank_layer_stats` row each
+# the rollups: the per-layer statistics, then the step-time window
 (
     GRAD_LAST,
     GRAD_MAX,
@@ -35,41 +36,80 @@ PANEL_STEPS = 200  # recent steps the ranks panel takes its median step time ove
     ACT_DTYPE,
     TIME_SUM,
     TIME_COUNT,
-) = range(8)
+    STEP_MS_WINDOW,
+) = range(9)
 LAYER_STATS_ROWS = 8
+NO_STEP_MS = -1.0  # `step_ms_median` when none of the window's steps had a step time
 
 
 def fold_rank_rollups(session: Session, rank_row: RunRank, series: StepSeries, *,
                       n_layers: int, rebuild_window: bool) -> None:
-    """Fold a just-stored batch (`series`, inside the ingest transaction) into its rank's
-    rollups. `rebuild_window`: the batch restarted the rank or repeated stored steps, so
-    its step-time window is read again from the rank's batches (one read); otherwise no
-    history is read. Reads the rank's statistics (8 rows) and writes the changed ones."""
-    window = _window(rank_row.step_ms_window)
-    if rebuild_window or (window is None and rank_row.steps > len(series)):
-        session.flush()  # the batch and its superseded steps, as reads will see them
-        rank_row.step_ms_window = _pack(*_window_from_batches(
-            session, rank_row.run_id, rank_row.rank, n_layers))
+    """Fold a just-stored batch (`series`, inside the ingest transaction, its counts
+    already added to `rank_row`) into the rank's rollups and `step_ms_median`.
+    `rebuild_window`: the batch restarted the rank or repeated stored steps, so the
+    step-time window is read again from the rank's batches (one more read); otherwise no
+    history is read. One read of the rank's rollups (9 rows); writes the changed ones."""
+    rows = _rollup_rows(session, rank_row.run_id, rank_row.rank)
+    _write(session, rank_row, rows, _fold_window(session, rank_row, rows, series, n_layers,
+                                                 rebuild_window))
+    stats = fold_layer_stats(_stats_of(rows), series)
+    for stat in range(LAYER_STATS_ROWS):
+        _write(session, rank_row, rows, (stat, stats[stat].tobytes()))
+
+
+def _rollup_rows(session: Session, run_id: str, rank: int, *,
+                 below: int = STEP_MS_WINDOW + 1) -> dict[int, RankRollup]:
+    return {row.rollup: row for row in session.scalars(select(RankRollup).where(
+        RankRollup.run_id == run_id, RankRollup.rank == rank, RankRollup.rollup < below))}
+
+
+def _write(session: Session, rank_row: RunRank, rows: dict[int, RankRollup],
+           rollup: tuple[int, bytes] | None) -> None:
+    """Store one rollup's new bytes, unless unchanged (or None: nothing to store)."""
+    if rollup is None:
+        return
+    key, values = rollup
+    row = rows.get(key)
+    if row is None:
+        session.add(RankRollup(run_id=rank_row.run_id, rank=rank_row.rank, rollup=key,
+                               values=values))
+    elif bytes(row.values) != values:
+        row.values = values
+
+
+def _fold_window(session: Session, rank_row: RunRank, rows: dict[int, RankRollup],
+                 series: StepSeries, n_layers: int, rebuild: bool
+                 ) -> tuple[int, bytes] | None:
+    """The step-time window with the batch in it (its new bytes, None when unchanged),
+    and the rank's `step_ms_median` set from it."""
+    old = rows.get(STEP_MS_WINDOW)
+    window = None if old is None else _unpack(bytes(old.values))
+    if rebuild or (window is None and rank_row.steps > len(series)):
+        session.flush()  # the batch and the steps it superseded, as reads see them
+        steps, times = _window_from_batches(session, rank_row, n_layers)
     elif len(series):
-        rank_row.step_ms_window = _pack(*_appended(window, series))
-    _fold_layer_stats(session, rank_row.run_id, rank_row.rank, series)
+        steps, times = _appended(window, series)
+    else:
+        return None
+    times_known = times[~np.isnan(times)]
+    rank_row.step_ms_median = float(np.median(times_known)) if times_known.size else NO_STEP_MS
+    return STEP_MS_WINDOW, _pack(steps, times)
 
 
 def step_ms_median(session: Session, rank_row: RunRank, n_layers: int) -> float | None:
-    """The median `t_step_ms` of the rank's last PANEL_STEPS steps (None without one).
-    Reads nothing but the row, except for a rank whose window predates it (stored before
-    migration 0013 and silent since): its newest batches, once per call."""
-    window = _window(rank_row.step_ms_window)
-    if window is None:
-        window = _window_from_batches(session, rank_row.run_id, rank_row.rank, n_layers)
-    times = window[1][~np.isnan(window[1])]
-    return float(np.median(times)) if times.size else None
+    """The median `t_step_ms` of the rank's last PANEL_STEPS steps (None without one),
+    as ingest keeps it. A rank stored before migration 0013 and silent since has none
+    kept: its newest batches are read (one read)."""
+    median = rank_row.step_ms_median
+    if median is None and rank_row.steps:
+        times = _window_from_batches(session, rank_row, n_layers)[1]
+        times = times[~np.isnan(times)]
+        median = float(np.median(times)) if times.size else None
+    return None if median is None or median < 0 else median
 
 
-def _window(data: bytes | None) -> tuple[np.ndarray, np.ndarray] | None:
+def _unpack(data: bytes) -> tuple[np.ndarray, np.ndarray]:
     """(steps int64, t_step_ms float64, NaN where a step had none) of a packed window."""
-    if data is None:
-        return None
     n = len(data) // 16
     return (np.frombuffer(data, dtype=np.int64, count=n),
             np.frombuffer(data, dtype=np.float64, offset=8 * n))
@@ -92,30 +132,24 @@ def _appended(window: tuple[np.ndarray, np.ndarray] | None, series: StepSeries
     return steps[last_copy][-PANEL_STEPS:], times[last_copy][-PANEL_STEPS:]
 
 
-def _window_from_batches(session: Session, run_id: str, rank: int, n_layers: int
+def _window_from_batches(session: Session, rank_row: RunRank, n_layers: int
                          ) -> tuple[np.ndarray, np.ndarray]:
-    recent = load_series(session, run_id, rank, last_n=PANEL_STEPS, n_layers=n_layers,
-                         with_layers=False, with_acts=False)
+    """The rank's last PANEL_STEPS steps and their step times, from its newest batches.
+    Batches a restart cut short hold fewer steps than they count: then a wider read, up
+    to three more times."""
+    wanted = min(PANEL_STEPS, rank_row.steps)
+    for batch_steps in PANEL_STEPS * 4 ** np.arange(4):
+        recent = load_series(session, rank_row.run_id, rank_row.rank,
+                             last_n=int(batch_steps), n_layers=n_layers, with_layers=False,
+                             with_acts=False)
+        if len(recent) >= wanted:
+            break
+    recent = recent.take(np.arange(max(0, len(recent) - PANEL_STEPS), len(recent)))
     return recent.steps, recent.column("t_step_ms")
 
 
-def _fold_layer_stats(session: Session, run_id: str, rank: int, series: StepSeries) -> None:
-    """Fold one batch into the rank's per-layer statistics; write the rows that changed."""
-    rows = {row.stat: row for row in session.scalars(select(RankLayerStat).where(
-        RankLayerStat.run_id == run_id, RankLayerStat.rank == rank))}
-    old = _stats_of(rows)
-    stats = fold_layer_stats(old, series)
-    for stat in range(LAYER_STATS_ROWS):
-        values = stats[stat].tobytes()
-        row = rows.get(stat)
-        if row is None:
-            session.add(RankLayerStat(run_id=run_id, rank=rank, stat=stat, values=values))
-        elif bytes(row.values) != values:
-            row.values = values
-
-
-def _stats_of(rows: dict[int, RankLayerStat]) -> np.ndarray | None:
-    if len(rows) < LAYER_STATS_ROWS:
+def _stats_of(rows: dict[int, RankRollup]) -> np.ndarray | None:
+    if any(stat not in rows for stat in range(LAYER_STATS_ROWS)):
         return None
     return np.stack([np.frombuffer(rows[stat].values, dtype=np.float64)
                      for stat in range(LAYER_STATS_ROWS)])
@@ -183,11 +217,9 @@ def _last_present(block: np.ndarray, present: np.ndarray, default: np.ndarray) -
 
 def load_layer_stats(session: Session, run_id: str, rank: int, n_layers: int
                      ) -> np.ndarray | None:
-    """The rank's statistics (LAYER_STATS_ROWS, n_layers), None before its first batch.
-    One read of 8 rows."""
-    rows = {row.stat: row for row in session.scalars(select(RankLayerStat).where(
-        RankLayerStat.run_id == run_id, RankLayerStat.rank == rank))}
-    stats = _stats_of(rows)
+    """The rank's per-layer statistics (LAYER_STATS_ROWS, n_layers), None before its
+    first batch. One read of 8 rows."""
+    stats = _stats_of(_rollup_rows(session, run_id, rank, below=LAYER_STATS_ROWS))
     if stats is None or stats.shape[1] == n_layers:
         return stats
     if stats.shape[1] > n_layers:

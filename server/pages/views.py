@@ -92,12 +92,12 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
     run = get_run(session, run_id)
     public = page_run(session, run_id, settings)
     findings = findings_of(session, run_id)
-    panel = ranks_panel(session, run) if len(public["ranks"]) > 1 else []
+    panel = ranks_panel(session, run)  # read for one rank too: the same reads for any number
     overlaid = overlaid_ranks(panel) if rank is None else None
     return {
         "run": public,
         "rank": rank,
-        "ranks": panel,
+        "ranks": panel if len(panel) > 1 else [],
         "overlaid_ranks": overlaid,
         "steps": steps_query(session, run, rank=rank, ranks=overlaid, max_points=MAX_POINTS,
                              **steps.query()),
