@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from sqlalchemy import event, select
+from sqlalchemy.orm import Session
 
 from ampwatch.server.models import RankRollup
 from ampwatch.server.ranks import MAX_OVERLAID_RANKS
@@ -211,3 +212,43 @@ def test_a_batch_rewrites_only_the_rollups_it_changed(tmp_path):
                 RankRollup.run_id == "wide")).all()
         assert sorted(rollups) == list(range(9))
     app.state.engine.dispose()
+
+
+def test_migration_0013_moves_each_ranks_layer_statistics_and_back(database_url):
+    """The statistics stored in run_ranks.layer_stats before 0013 read back the same from
+    rank_rollups after it, and go back into the blob on downgrade."""
+    from alembic import command
+    from alembic.script import ScriptDirectory
+    from sqlalchemy import text
+
+    from ampwatch.server.db import alembic_config, make_engine
+    from ampwatch.server.rollups import LAYER_STATS_ROWS, load_layer_stats
+
+    engine = make_engine(database_url)
+    cfg = alembic_config(engine.url.render_as_string(hide_password=False))
+    before = ScriptDirectory.from_config(cfg).get_revision("0013").down_revision
+    stats = np.random.default_rng(0).random((LAYER_STATS_ROWS, 5))
+
+    def migrate(step, revision: str) -> None:
+        with engine.begin() as connection:
+            cfg.attributes["connection"] = connection
+            step(cfg, revision)
+
+    migrate(command.upgrade, before)
+    with engine.begin() as conn:
+        conn.execute(text("INSERT INTO runs (id, name, project, tags, config, environment, "
+                          "status, open_findings, n_layers, created_at, updated_at) VALUES "
+                          "('old', 'old', 'p', '[]', '{}', '{}', 'healthy', 0, 5, "
+                          "CURRENT_TIMESTAMP, CURRENT_TIMESTAMP)"))
+        conn.execute(text("INSERT INTO run_ranks (run_id, rank, batches, max_seq, steps, "
+                          "skipped, dropped_batches, dropped_steps, layer_stats) VALUES "
+                          "('old', 3, 1, 0, 10, 0, 0, 0, :blob)"), {"blob": stats.tobytes()})
+    migrate(command.upgrade, "0013")
+    with Session(engine) as session:
+        assert np.array_equal(load_layer_stats(session, "old", 3, 5), stats)
+    migrate(command.downgrade, before)
+    with engine.connect() as conn:
+        blob = conn.execute(text("SELECT layer_stats FROM run_ranks")).scalar_one()
+    assert bytes(blob) == stats.tobytes()
+    migrate(command.upgrade, "head")
+    engine.dispose()
