@@ -102,15 +102,18 @@ def steps_query(
     max_points: int | None = None,
     limit: int = 10_000,
     ranks: Sequence[int] | None = None,
+    rank_rows: list[RunRank] | None = None,
 ) -> dict:
     """Step records in [start, end] of `rank`, else of `ranks`, else of every rank. With
     max_points: at most that many `items`, chosen per rank so that the extremes of
     loss_scale, grad_norm and loss survive, and every skipped or non-finite step of the
     range in `events`. Without: the first `limit` steps, with `next_start` for the rest,
     and no `events`. The ranks' batches are one read; a long range's summaries, one
-    read per rank."""
+    read per rank. `rank_rows`: the run's rank rows, when already read."""
     every = rank is None and ranks is None
-    rows = {} if rank is not None else {r.rank: r for r in run_ranks(session, run.id)}
+    if rank is None and rank_rows is None:
+        rank_rows = run_ranks(session, run.id)
+    rows = {} if rank is not None else {r.rank: r for r in rank_rows}
     ranks = [rank] if rank is not None else list(rows) if ranks is None else list(ranks)
     items: list[dict] = []
     events: list[dict] = []

@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Run
+from ampwatch.server.models import Run, RunRank
 from ampwatch.server.rollups import step_ms_median
 from ampwatch.server.runs import run_ranks
 from ampwatch.server.series import MISSING, StepSeries
@@ -111,12 +111,14 @@ def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
     }
 
 
-def ranks_panel(session: Session, run: Run) -> list[dict]:
+def ranks_panel(session: Session, run: Run, rank_rows: list[RunRank] | None = None
+                ) -> list[dict]:
     """Per rank: steps, skipped, the latest loss scale, the median step time of its last
     PANEL_STEPS steps, dropped and lost data. One read of the ranks' rows (their rollups,
-    server/rollups.py), whatever their number; no batch is read."""
+    server/rollups.py; none when `rank_rows` are given), whatever their number; no batch
+    is read."""
     rows = []
-    for rank_row in run_ranks(session, run.id):
+    for rank_row in run_ranks(session, run.id) if rank_rows is None else rank_rows:
         rows.append({
             "rank": rank_row.rank,
             "steps": rank_row.steps,

@@ -234,7 +234,8 @@ def test_migration_0013_moves_each_ranks_layer_statistics_and_back(database_url)
             cfg.attributes["connection"] = connection
             step(cfg, revision)
 
-    migrate(command.upgrade, before)
+    migrate(command.upgrade, "head")  # an empty database, or one another test migrated
+    migrate(command.downgrade, before)
     with engine.begin() as conn:
         conn.execute(text("INSERT INTO runs (id, name, project, tags, config, environment, "
                           "status, open_findings, n_layers, created_at, updated_at) VALUES "
