@@ -30,6 +30,7 @@ from ampwatch.server.restarts import (
     stored_last_step,
     supersede,
 )
+from ampwatch.server.rollups import fold_rank_rollups
 from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
 from ampwatch.server.series import COMPRESSED_FORMAT, FIELD_INDEX, StepSeries, concat
 from ampwatch.server.settings import Settings
@@ -38,7 +39,6 @@ from ampwatch.server.storage import (
     clip_steps,
     new_batch_row,
     unpack_row,
-    update_layer_stats,
     vector_length_errors,
 )
 from ampwatch.server.summaries import fold_batch
@@ -228,7 +228,8 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
                                                     row["first_step"], row["last_step"])
     _add_counts(rank_row, batch, series, new_steps, new_skipped)
     _note_finished(rank_row, batch, target.now)
-    update_layer_stats(rank_row, series)
+    fold_rank_rollups(session, rank_row, series, n_layers=target.n_layers,
+                      rebuild_window=restart is not None or behind)
     if behind:  # refold the buckets it touches from what reads see (its copy wins)
         rebuild_summaries(session, run_id, batch.rank, row["first_step"], row["last_step"])
     else:

@@ -109,8 +109,9 @@ class RunRank(Base):
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # when the rank's agent detached (its "finished" event); None while it trains
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # per-layer running summaries, float64 (LAYER_STATS_ROWS, n_layers); server/storage.py
-    layer_stats: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # median step time of the rank's last steps, kept at ingest (server/rollups.py);
+    # negative: none of them had one; None: stored before migration 0013
+    step_ms_median: Mapped[float | None] = mapped_column(Float)
 
     @property
     def lost_batches(self) -> int:
@@ -176,6 +177,21 @@ class StepSummary(Base):
     grad_max: Mapped[bytes | None] = mapped_column(LargeBinary)
     grad_min: Mapped[bytes | None] = mapped_column(LargeBinary)
     act_max: Mapped[bytes | None] = mapped_column(LargeBinary)
+
+
+class RankRollup(Base):
+    """One of a rank's rollups kept at ingest (server/rollups.py): a per-layer statistic
+    (float64 per layer: the last and largest grad norm, non-finite counts, ...) or its
+    step-time window. One row each, so that a batch rewrites only the ones it changed."""
+
+    __tablename__ = "rank_rollups"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rollup: Mapped[int] = mapped_column(Integer, primary_key=True)
+    values: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Fp8Sample(Base):

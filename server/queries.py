@@ -18,6 +18,17 @@ from ampwatch.server.downsample import always_kept, bucket_matrix, keep_extremes
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.models import Run, RunRank
 from ampwatch.server.responses import FloatRows
+from ampwatch.server.rollups import (
+    ACT_DTYPE,
+    ACT_MAX,
+    ACT_NONFINITE,
+    GRAD_LAST,
+    GRAD_MAX,
+    GRAD_NONFINITE,
+    TIME_COUNT,
+    TIME_SUM,
+    load_layer_stats,
+)
 from ampwatch.server.runs import run_ranks
 from ampwatch.server.series import (
     BOOL_FIELDS,
@@ -28,20 +39,7 @@ from ampwatch.server.series import (
     StepSeries,
 )
 from ampwatch.server.spike_samples import SIGNALS, spike_matrix
-from ampwatch.server.storage import (
-    ACT_DTYPE,
-    ACT_MAX,
-    ACT_NONFINITE,
-    GRAD_LAST,
-    GRAD_MAX,
-    GRAD_NONFINITE,
-    TIME_COUNT,
-    TIME_SUM,
-    layer_rows,
-    layer_stats,
-    load_layers,
-    load_series,
-)
+from ampwatch.server.storage import layer_rows, load_layers, load_ranks_series, load_series
 from ampwatch.server.summaries import SUMMARY_STEPS, load_summaries, summarised_steps
 from ampwatch.wire import encode_float, encode_float_array
 
@@ -52,12 +50,13 @@ LONG_RANGE_STEPS = 20 * SUMMARY_STEPS
 
 def _summarised(session: Session, run: Run, rank: int, start: int | None,
                 end: int | None, layers: np.ndarray | None = None,
-                **parts) -> SimpleNamespace | None:
+                rank_row: RunRank | None = None, **parts) -> SimpleNamespace | None:
     """The rank's step summaries over [start, end] when a zoomed-out read should use them
     (an archived run, or a range longer than LONG_RANGE_STEPS whose every step is
     summarised); None to read the steps themselves. `parts`: what `load_summaries`
-    reads (all of it by default)."""
-    rank_row = session.get(RunRank, (run.id, rank))
+    reads (all of it by default). `rank_row`: the rank's row when already read."""
+    if rank_row is None:
+        rank_row = session.get(RunRank, (run.id, rank))
     if rank_row is None or rank_row.last_step is None:
         return None
     if run.archived_at is None:
@@ -67,13 +66,6 @@ def _summarised(session: Session, run: Run, rank: int, start: int | None,
                 session, run.id, rank) < rank_row.steps:
             return None
     return load_summaries(session, run.id, rank, start, end, run.n_layers, layers, **parts)
-
-
-def _ranks(session: Session, run: Run, rank: int | None) -> list[int]:
-    ranks = [r.rank for r in run_ranks(session, run.id)]
-    if rank is None:
-        return ranks
-    return [rank]
 
 
 def _step_rows(series: StepSeries, rank: int) -> list[dict]:
@@ -109,28 +101,41 @@ def steps_query(
     end: int | None = None,
     max_points: int | None = None,
     limit: int = 10_000,
+    ranks: Sequence[int] | None = None,
+    rank_rows: list[RunRank] | None = None,
 ) -> dict:
-    """Step records in [start, end]. With max_points: at most that many `items`, chosen
-    per rank so that the extremes of loss_scale, grad_norm and loss survive, and every
-    skipped or non-finite step of the range in `events`. Without: the first `limit`
-    steps, with `next_start` for the rest, and no `events`."""
-    ranks = _ranks(session, run, rank)
+    """Step records in [start, end] of `rank`, else of `ranks`, else of every rank. With
+    max_points: at most that many `items`, chosen per rank so that the extremes of
+    loss_scale, grad_norm and loss survive, and every skipped or non-finite step of the
+    range in `events`. Without: the first `limit` steps, with `next_start` for the rest,
+    and no `events`. The ranks' batches are one read; a long range's summaries, one
+    read per rank. `rank_rows`: the run's rank rows, when already read."""
+    every = rank is None and ranks is None
+    if rank is None and rank_rows is None:
+        rank_rows = run_ranks(session, run.id)
+    rows = {} if rank is not None else {r.rank: r for r in rank_rows}
+    ranks = [rank] if rank is not None else list(rows) if ranks is None else list(ranks)
     items: list[dict] = []
     events: list[dict] = []
     total = 0
     downsampled = False
     next_start = None
     budget = max(1, (max_points or 0) // max(1, len(ranks)))
+    summaries = {r: _summarised(session, run, r, start, end, blocks=(), rank_row=rows.get(r))
+                 for r in ranks} if max_points is not None else {}
+    unsummarised = [r for r in ranks if summaries.get(r) is None]
+    every = every and len(unsummarised) == len(ranks)  # then no list of ranks to send
+    stored = load_ranks_series(session, run.id, None if every else unsummarised, start, end,
+                               n_layers=run.n_layers, with_layers=False, with_acts=False
+                               ) if unsummarised else {}
     for r in ranks:
-        summary = (_summarised(session, run, r, start, end, blocks=())
-                   if max_points is not None else None)
+        summary = summaries.get(r)
         if summary is not None:  # the envelope rows: every extreme and anomaly of the range
             series = summary.envelope
             total += summary.n_steps
             downsampled = True
         else:
-            series = load_series(session, run.id, r, start, end, n_layers=run.n_layers,
-                                 with_layers=False, with_acts=False)
+            series = stored[r] if r in stored else StepSeries.empty(run.n_layers)
             total += len(series)
         if max_points is not None:
             events.extend(_step_rows(series.take(np.flatnonzero(always_kept(series))), r))
@@ -178,8 +183,7 @@ def layers_query(session: Session, run: Run, *, rank: int = 0,
                  layers: Sequence[int] | None = None) -> dict:
     """The layer table with per-layer summaries kept up to date at ingest; with `layers`
     (indices), only those layers, in that order."""
-    rank_row = next((r for r in run_ranks(session, run.id) if r.rank == rank), None)
-    stats = layer_stats(rank_row, run.n_layers)
+    stats = load_layer_stats(session, run.id, rank, run.n_layers)
     items = []
     for layer in load_layers(session, run.id, layers):
         i = layer.index

@@ -16,15 +16,15 @@ from __future__ import annotations
 import numpy as np
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Run
+from ampwatch.server.models import Run, RunRank
+from ampwatch.server.rollups import step_ms_median
 from ampwatch.server.runs import run_ranks
 from ampwatch.server.series import MISSING, StepSeries
-from ampwatch.server.storage import load_series
+from ampwatch.server.storage import load_ranks_series, load_series
 from ampwatch.wire import encode_float_array
 
 SHARDED, REPLICATED = "sharded", "replicated"
 MAX_COMBINED_STEPS = 10_000
-PANEL_STEPS = 200  # recent steps the ranks panel takes its median step time over
 
 
 def grad_layout(run: Run) -> str:
@@ -76,15 +76,17 @@ def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
                         end: int | None = None, with_layers: bool = False,
                         limit: int = MAX_COMBINED_STEPS) -> dict:
     """The run's grad norms over [start, end], combined over its ranks (see the module
-    docstring); at most `limit` steps from `start`. Reads every rank's batches in the
-    range: cost grows with ranks x steps (x layers with `with_layers`)."""
+    docstring); at most `limit` steps from `start`. Two reads whatever the number of
+    ranks; sharded, the second returns every rank's batches in the range (ranks x steps
+    x layers with `with_layers`), replicated only the lead rank's."""
     ranks = [r.rank for r in run_ranks(session, run.id)]
     layout = grad_layout(run)
     n_ranks = expected_ranks(run, ranks)
     n_layers = run.n_layers
     if layout == SHARDED:
-        parts = {r: load_series(session, run.id, r, start, end, n_layers=n_layers,
-                                with_layers=with_layers, with_acts=False) for r in ranks}
+        found = load_ranks_series(session, run.id, None, start, end, n_layers=n_layers,
+                                  with_layers=with_layers, with_acts=False)
+        parts = {r: found.get(r, StepSeries.empty(n_layers)) for r in ranks}
         steps, total, known, layers = combine_sharded(parts, n_ranks, n_layers, with_layers)
     else:
         lead = min(ranks, default=0)
@@ -109,23 +111,49 @@ def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
     }
 
 
-def ranks_panel(session: Session, run: Run) -> list[dict]:
+def ranks_panel(session: Session, run: Run, rank_rows: list[RunRank] | None = None
+                ) -> list[dict]:
     """Per rank: steps, skipped, the latest loss scale, the median step time of its last
-    PANEL_STEPS steps, dropped and lost data. One batch read per rank (no layers)."""
+    PANEL_STEPS steps, dropped and lost data. One read of the ranks' rows (their rollups,
+    server/rollups.py; none when `rank_rows` are given), whatever their number; no batch
+    is read."""
     rows = []
-    for rank_row in run_ranks(session, run.id):
-        recent = load_series(session, run.id, rank_row.rank, last_n=PANEL_STEPS,
-                             n_layers=run.n_layers, with_layers=False, with_acts=False)
-        step_ms = recent.column("t_step_ms")
-        step_ms = step_ms[~np.isnan(step_ms)]
+    for rank_row in run_ranks(session, run.id) if rank_rows is None else rank_rows:
         rows.append({
             "rank": rank_row.rank,
             "steps": rank_row.steps,
             "skipped": rank_row.skipped,
             "last_step": rank_row.last_step,
             "loss_scale": rank_row.loss_scale,
-            "step_ms_median": float(np.median(step_ms)) if step_ms.size else None,
+            # an archived run's steps are gone: so is their step time
+            "step_ms_median": None if run.archived_at is not None
+            else step_ms_median(session, rank_row, run.n_layers),
             "dropped_steps": rank_row.dropped_steps,
             "lost_batches": rank_row.lost_batches,
         })
     return rows
+
+
+MAX_OVERLAID_RANKS = 8  # lines per chart of the run page when no rank is picked
+
+
+def overlaid_ranks(panel: list[dict], limit: int = MAX_OVERLAID_RANKS) -> list[int] | None:
+    """The ranks whose lines the run page draws when no rank is picked: every rank (None)
+    up to `limit` ranks; past that the lead rank, then those whose skipped steps or loss
+    scale differ from the lead's (the panel's warnings), then the slowest, then the lowest
+    numbered, `limit` in all, in rank order. So the page reads `limit` ranks' steps
+    whatever the run's number of ranks. `panel`: `ranks_panel`'s rows, lowest rank first."""
+    if len(panel) <= limit:
+        return None
+    lead = panel[0]
+    differ = [r for r in panel[1:] if (r["skipped"], r["loss_scale"])
+              != (lead["skipped"], lead["loss_scale"])]
+    slowest = sorted((r for r in panel[1:] if r["step_ms_median"] is not None),
+                     key=lambda r: -r["step_ms_median"])
+    picked: list[int] = []
+    for row in (lead, *differ, *slowest, *panel[1:]):
+        if row["rank"] not in picked:
+            picked.append(row["rank"])
+        if len(picked) == limit:
+            break
+    return sorted(picked)

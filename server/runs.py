@@ -135,9 +135,10 @@ def run_ranks(session: Session, run_id: str) -> list[RunRank]:
     return _ranks_of(session, [run_id]).get(run_id, [])
 
 
-def public_run(session: Session, run: Run, settings: Settings) -> RunPublic:
-    """`run_public` of one run, reading its ranks and open incidents."""
-    return run_public(run, run_ranks(session, run.id), settings,
+def public_run(session: Session, run: Run, settings: Settings,
+               ranks: list[RunRank] | None = None) -> RunPublic:
+    """`run_public` of one run, reading its ranks (unless given) and open incidents."""
+    return run_public(run, run_ranks(session, run.id) if ranks is None else ranks, settings,
                       incidents_by_run(session, [run.id], open_only=True)[run.id])
 
 

@@ -13,18 +13,18 @@ from types import SimpleNamespace
 
 import numpy as np
 from psycopg.rows import namedtuple_row
-from sqlalchemy import Row, Select, bindparam, select
+from sqlalchemy import Integer, Row, Select, any_, bindparam, select
 from sqlalchemy.dialects import postgresql
+from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import ITEMSIZE, decode_column
 from ampwatch.server.errors import InvalidInput
-from ampwatch.server.models import Batch, Layer, RunRank
+from ampwatch.server.models import Batch, Layer
 from ampwatch.server.schemas import StepIn
 from ampwatch.server.series import (
     COMPRESSED_FORMAT,
     DTYPE_CODE,
-    FIELD_INDEX,
     MISSING,
     RAW_FORMAT,
     SCALAR_FIELDS,
@@ -43,20 +43,6 @@ _CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars, Bat
 _LAYER_COLUMNS = (Batch.layer_grad,)
 _ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time,
                 Batch.act_grad_zero)
-
-# rows of RunRank.layer_stats
-(
-    GRAD_LAST,
-    GRAD_MAX,
-    GRAD_NONFINITE,
-    ACT_MAX,
-    ACT_NONFINITE,
-    ACT_DTYPE,
-    TIME_SUM,
-    TIME_COUNT,
-) = range(8)
-LAYER_STATS_ROWS = 8
-
 
 def _vector(values: list[float | None]) -> list[float | None]:
     """None as `_NONE_MARK`; the list itself when nothing is missing (a C-level scan)."""
@@ -267,19 +253,29 @@ def _fit(block: np.ndarray, n_layers: int, fill) -> np.ndarray:
     return np.pad(block, ((0, 0), (0, n_layers - width)), constant_values=fill)
 
 
+ONE_RANK, SOME_RANKS, EVERY_RANK = "one", "some", "every"
+
+
 @functools.cache
 def _batch_query(with_layers: bool, with_acts: bool, bounded_start: bool, bounded_end: bool,
-                 newest_first: bool) -> Select:
+                 newest_first: bool, ranks: str = ONE_RANK, postgres: bool = False) -> Select:
     """The batch read behind `load_batches`, with bind parameters run_id, rank, start and
     end; built once per shape (building a select costs about as much as running it on a
-    500-step window)."""
+    500-step window). `ranks`: ONE_RANK (`rank`), SOME_RANKS (the list `ranks`; the rows
+    come with their rank, in rank order) or EVERY_RANK of the run (likewise)."""
     columns = list(_CORE_COLUMNS)
     if with_layers:
         columns += _LAYER_COLUMNS
     if with_acts:
         columns += _ACT_COLUMNS
-    query = select(*columns).where(Batch.run_id == bindparam("run_id"),
-                                   Batch.rank == bindparam("rank"))
+    query = select(*columns).where(Batch.run_id == bindparam("run_id"))
+    if ranks == ONE_RANK:
+        query = query.where(Batch.rank == bindparam("rank"))
+    else:
+        query = query.add_columns(Batch.rank).order_by(Batch.rank)
+    if ranks == SOME_RANKS:  # psycopg's binary cursor takes a list as one array, not IN
+        query = query.where(Batch.rank == any_(bindparam("ranks", type_=ARRAY(Integer)))
+                            if postgres else Batch.rank.in_(bindparam("ranks", expanding=True)))
     if bounded_start:
         query = query.where(Batch.last_step >= bindparam("start"))
     if bounded_end:
@@ -325,6 +321,32 @@ def load_batches(
         else:
             rows = list(result)
     return [unpack_row(r, n_layers, with_layers, with_acts, layers) for r in rows]
+
+
+def load_ranks_series(session: Session, run_id: str, ranks: Sequence[int] | None,
+                      start: int | None = None, end: int | None = None, *, n_layers: int,
+                      with_layers: bool = True, with_acts: bool = True
+                      ) -> dict[int, StepSeries]:
+    """`load_series` of several ranks (every rank of the run when `ranks` is None) in one
+    statement: {rank: its steps in [start, end]}, every asked rank present. Cost: one row
+    per stored batch in range of those ranks."""
+    postgres = session.connection().dialect.name == "postgresql"
+    query = _batch_query(with_layers, with_acts, start is not None, end is not None, False,
+                         EVERY_RANK if ranks is None else SOME_RANKS, postgres)
+    params: dict = {"run_id": run_id}
+    if ranks is not None:
+        params["ranks"] = list(ranks)
+    if start is not None:
+        params["start"] = start
+    if end is not None:
+        params["end"] = end
+    parts: dict[int, list[StepSeries]] = {rank: [] for rank in ranks or ()}
+    with _batch_rows(session, query, params) as result:
+        for row in result:
+            parts.setdefault(row.rank, []).append(
+                unpack_row(row, n_layers, with_layers, with_acts))
+    return {rank: clip_steps(concat(batches, n_layers), start, end)
+            for rank, batches in parts.items()}
 
 
 @contextlib.contextmanager
@@ -414,75 +436,6 @@ def layer_rows(session: Session, run_id: str, indices: Sequence[int] | None = No
         return [row for row in session.execute(query.order_by(Layer.index))
                 if row.index in wanted]
     return list(session.execute(query.order_by(Layer.index)))
-
-
-def update_layer_stats(rank_row: RunRank, series: StepSeries) -> None:
-    """Fold one batch into the rank's per-layer running summaries (no history read)."""
-    n_layers = series.n_layers
-    stats = np.zeros((LAYER_STATS_ROWS, n_layers))
-    stats[[GRAD_LAST, GRAD_MAX, ACT_MAX]] = -1.0
-    if rank_row.layer_stats is not None:
-        old = np.frombuffer(rank_row.layer_stats, dtype=np.float64).reshape(LAYER_STATS_ROWS, -1)
-        width = min(old.shape[1], n_layers)
-        stats[:, :width] = old[:, :width]
-    if series.layer_grad is not None:
-        _fold(stats, series.layer_grad, GRAD_MAX, GRAD_NONFINITE, GRAD_LAST)
-    if series.act_absmax is not None:
-        _fold(stats, series.act_absmax, ACT_MAX, ACT_NONFINITE)
-        dtypes = series.act_dtype
-        stats[ACT_DTYPE] = _last_present(dtypes, dtypes != 0, stats[ACT_DTYPE])
-        times = series.act_time
-        timed = times != MISSING
-        stats[TIME_SUM] += np.where(timed, times, 0).sum(axis=0)
-        stats[TIME_COUNT] += timed.sum(axis=0)
-    _count_unsampled_first(stats[ACT_NONFINITE], series)
-    rank_row.layer_stats = stats.tobytes()
-
-
-def _fold(stats: np.ndarray, block: np.ndarray, max_row: int, nonfinite_row: int,
-          last_row: int | None = None) -> None:
-    finite = np.isfinite(block)
-    present = block != MISSING
-    stats[nonfinite_row] += (~finite).sum(axis=0)
-    stats[max_row] = np.maximum(stats[max_row], np.where(finite, block, -1.0).max(axis=0))
-    if last_row is not None:
-        stats[last_row] = _last_present(block, present, stats[last_row])
-
-
-def _count_unsampled_first(counts: np.ndarray, series: StepSeries) -> None:
-    """Add to each layer's non-finite output steps the steps that sampled no activations
-    but whose every-step forward check named that layer first: its output held inf/NaN
-    there too, and without them the column reads one less than the grad column on the
-    step an overflow begins (sampling turns on only after that step)."""
-    column = FIELD_INDEX["first_nonfinite_layer"]
-    named = series.present[:, column] & _flagged(series, "forward_nonfinite")
-    if series.act_absmax is not None:
-        sampled = series.act_step[(series.act_absmax != MISSING).any(axis=1)]
-        named &= ~np.isin(series.steps, sampled)
-    first = series.scalars[named, column].astype(np.int64)
-    first = first[(first >= 0) & (first < counts.size)]
-    counts += np.bincount(first, minlength=counts.size)
-
-
-def _flagged(series: StepSeries, name: str) -> np.ndarray:
-    i = FIELD_INDEX[name]
-    return series.present[:, i] & (series.scalars[:, i] != 0)
-
-
-def _last_present(block: np.ndarray, present: np.ndarray, default: np.ndarray) -> np.ndarray:
-    """Per column, the last value where `present`, else `default`."""
-    last_index = block.shape[0] - 1 - present[::-1].argmax(axis=0)
-    last = block[last_index, np.arange(block.shape[1])]
-    return np.where(present.any(axis=0), last, default)
-
-
-def layer_stats(rank_row: RunRank | None, n_layers: int) -> np.ndarray | None:
-    if rank_row is None or rank_row.layer_stats is None:
-        return None
-    stats = np.frombuffer(rank_row.layer_stats, dtype=np.float64).reshape(LAYER_STATS_ROWS, -1)
-    if stats.shape[1] != n_layers:
-        stats = _fit(stats, n_layers, 0.0)
-    return stats
 
 
 def new_batch_row(run_id: str, rank: int, seq: int, steps: list[StepIn], n_layers: int,

@@ -19,13 +19,13 @@ from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.api.bundles import public_bundle
 from ampwatch.server.bundles import list_bundles
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
-from ampwatch.server.models import Run
+from ampwatch.server.models import Run, RunRank
 from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
-from ampwatch.server.ranks import ranks_panel
-from ampwatch.server.runs import get_run, list_runs, public_run
+from ampwatch.server.ranks import overlaid_ranks, ranks_panel
+from ampwatch.server.runs import get_run, list_runs, public_run, run_ranks
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import layer_rows
 
@@ -62,10 +62,12 @@ def projects(session: Session) -> list[str]:
     return list(session.scalars(select(Run.project).distinct().order_by(Run.project)))
 
 
-def page_run(session: Session, run_id: str, settings: Settings) -> dict:
+def page_run(session: Session, run_id: str, settings: Settings,
+             ranks: list[RunRank] | None = None) -> dict:
     """The run as every page of it shows it: its public fields and whether it has FP8
-    layers (the FP8 tab)."""
-    run = public_run(session, get_run(session, run_id), settings).model_dump(mode="json")
+    layers (the FP8 tab). `ranks`: its rank rows, when already read."""
+    run = public_run(session, get_run(session, run_id), settings,
+                     ranks).model_dump(mode="json")
     run["has_fp8"] = has_fp8_layers(session, run_id)  # the FP8 tab is shown for these
     return run
 
@@ -86,16 +88,22 @@ def named_layers(session: Session, run_id: str, findings: dict) -> dict[str, int
 
 def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: int | None,
                   steps: StepRange) -> dict:
-    """/runs/{id}: the run, its downsampled steps (all ranks unless one is picked), its
-    findings and its incidents (the findings grouped by root cause)."""
+    """/runs/{id}: the run, its downsampled steps (the picked rank, else all ranks up to
+    MAX_OVERLAID_RANKS, else the ones `overlaid_ranks` picks), its findings and its
+    incidents (the findings grouped by root cause). Its reads do not grow with ranks."""
     run = get_run(session, run_id)
-    public = page_run(session, run_id, settings)
+    rank_rows = run_ranks(session, run_id)  # once: 1,024 rows take tens of ms to load
+    public = page_run(session, run_id, settings, rank_rows)
     findings = findings_of(session, run_id)
+    panel = ranks_panel(session, run, rank_rows)
+    overlaid = overlaid_ranks(panel) if rank is None else None
     return {
         "run": public,
         "rank": rank,
-        "ranks": ranks_panel(session, run) if len(public["ranks"]) > 1 else [],
-        "steps": steps_query(session, run, rank=rank, max_points=MAX_POINTS, **steps.query()),
+        "ranks": panel if len(panel) > 1 else [],
+        "overlaid_ranks": overlaid,
+        "steps": steps_query(session, run, rank=rank, ranks=overlaid, rank_rows=rank_rows,
+                             max_points=MAX_POINTS, **steps.query()),
         "findings": findings,
         "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
         "layer_index": named_layers(session, run_id, findings),
