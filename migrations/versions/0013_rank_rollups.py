@@ -3,7 +3,7 @@ window and median, so that a batch rewrites only what it changed and the ranks p
 reads no batch
 
 Revision ID: 0013
-Revises: 0010
+Revises: 0012
 Create Date: 2026-11-26
 """
 
@@ -11,7 +11,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0013"
-down_revision = "0010"
+down_revision = "0012"
 branch_labels = None
 depends_on = None
 
