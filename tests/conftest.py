@@ -38,6 +38,9 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         # TestClient's requests name the host "testserver": a server without a token
         # answers only names it trusts (DNS rebinding); tests of that name others
         patch.setenv("AMPWATCH_ALLOWED_HOSTS", "testserver")
+        # detection runs in a worker, after the ingest answered: reads wait for it, so
+        # a test reads findings right after it stored their batches
+        patch.setenv("AMPWATCH_ANALYSIS_WAIT_S", "30")
         yield home
 
 
