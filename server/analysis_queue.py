@@ -73,9 +73,12 @@ def claim(session: Session, limit: int) -> list[AnalysisTask]:
                 func.hashtextextended(run_id, LOCK_SEED)))):
             passed.append(run_id)  # another worker judges this run now
             continue
-        return list(session.scalars(
+        tasks = list(session.scalars(
             select(AnalysisTask).where(AnalysisTask.run_id == run_id)
             .order_by(AnalysisTask.id).limit(limit).with_for_update(skip_locked=True)))
+        if tasks:
+            return tasks
+        passed.append(run_id)  # its holder finished it since we looked
     return []
 
 

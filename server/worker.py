@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 import anyio
 from sqlalchemy import event
-from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -33,7 +33,7 @@ from ampwatch.server.analysis_queue import (
 )
 from ampwatch.server.db import make_engine, session_info, writing
 from ampwatch.server.faults import DatabaseHealth
-from ampwatch.server.models import AnalysisTask, Run, as_utc, utcnow
+from ampwatch.server.models import AnalysisTask, Run
 from ampwatch.server.settings import Settings
 
 __all__ = ["AnalysisWorker", "pending_batches"]
@@ -65,7 +65,6 @@ class AnalysisWorker:
         self.on_analysed = on_analysed
         self.windows = RankWindows(settings.worker_window_bytes)
         self.analysed = 0  # batches judged and committed by this worker
-        self.last_lag_s = 0.0  # enqueue to commit of the last claim's oldest batch
         self._wake = threading.Event()
         self._stop = threading.Event()
         self._idle = threading.Condition()
@@ -111,10 +110,8 @@ class AnalysisWorker:
             for task in tasks:
                 self._judge(session, task)
             done(session, tasks)
-            session.info.pop(ENQUEUED, None)
             session.commit()
         self.analysed += len(tasks)
-        self.last_lag_s = max((utcnow() - as_utc(tasks[0].enqueued_at)).total_seconds(), 0.0)
         return len(tasks)
 
     def _judge(self, session: Session, task: AnalysisTask) -> None:
@@ -246,9 +243,12 @@ class AnalysisWaitMiddleware:
     def _settle(self) -> None:
         deadline = time.monotonic() + self.wait_s
         while True:
-            with self.maker() as session:
-                if not pending_batches(session):
-                    return
+            try:
+                with self.maker() as session:
+                    if not pending_batches(session):
+                        return
+            except SQLAlchemyError:  # the request itself meets the fault and answers it
+                return
             left = deadline - time.monotonic()
             if left <= 0:
                 return

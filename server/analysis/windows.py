@@ -88,11 +88,6 @@ class RankWindows:
             self._keep(run_id, rank, n_layers, parts)
         return part
 
-    def forget_run(self, run_id: str) -> None:
-        with self._lock:
-            for key in [k for k in self._ranks if k[0] == run_id]:
-                self._bytes -= self._ranks.pop(key).nbytes
-
     @property
     def nbytes(self) -> int:
         return self._bytes
