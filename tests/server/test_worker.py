@@ -73,6 +73,7 @@ def test_ingest_answers_first_and_the_worker_finds_what_inline_analysis_found(
             assert pending_batches(session, "nope") == 0
         text = api.get("/metrics").text
         assert "ampwatch_analysis_backlog_batches 8.0" in text
+        assert _gauge(text, "ampwatch_analysis_lag_seconds") > 0
         worker = AnalysisWorker(maker, idle_app.state.settings)
         assert worker.drain() == 8
         with maker() as session:
@@ -83,7 +84,9 @@ def test_ingest_answers_first_and_the_worker_finds_what_inline_analysis_found(
         assert [(f["step"], f["last_step"], f["severity"]) for f in streaks] == \
             [(100, 199, "critical")]
         assert api.get("/api/v1/runs/r1").json()["status"] == "critical"
-        assert "ampwatch_analysis_backlog_batches 0.0" in api.get("/metrics").text
+        text = api.get("/metrics").text
+        assert "ampwatch_analysis_backlog_batches 0.0" in text
+        assert _gauge(text, "ampwatch_analysis_lag_seconds") == 0
     # the same batches on a server whose own worker thread judges them as they arrive
     embedded = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'e.db'}",
                                    analysis_wait_s=0))
@@ -96,6 +99,11 @@ def test_ingest_answers_first_and_the_worker_finds_what_inline_analysis_found(
     assert _without_times(finding_rows(embedded.state.sessionmaker)) == \
         _without_times(finding_rows(maker))
     embedded.state.engine.dispose()
+
+
+def _gauge(text: str, name: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return float(line.split()[1])
 
 
 def _without_times(rows: list[tuple]) -> list[tuple]:
@@ -190,3 +198,57 @@ def test_workers_in_parallel_judge_every_batch_once(postgres_database: str) -> N
     assert [(r[0], r[7], r[8], r[5]) for r in streaks] == \
         [(run, 100, 199, "critical") for run in ("a", "b", "c")]
     app.state.engine.dispose()
+
+
+def test_a_batch_that_cannot_be_judged_is_dropped_and_the_rest_judged(
+        idle_app, caplog: pytest.LogCaptureFixture) -> None:
+    from sqlalchemy import update
+
+    from ampwatch.server.models import Batch
+
+    maker = idle_app.state.sessionmaker
+    with TestClient(idle_app) as api:
+        for run_id in ("bad", "good"):
+            register_run(api, run_id, N_LAYERS, environment=ENV)
+            post(api, run_id, diverging())
+    with maker() as session:  # the last stored batch of "bad" no longer unpacks
+        session.execute(update(Batch).where(Batch.run_id == "bad", Batch.seq == 7)
+                        .values(scalars=b"\x00" * 3, present=b"\x00" * 3, format=1))
+        session.commit()
+    worker = AnalysisWorker(maker, idle_app.state.settings, claim_size=5)
+    assert worker.drain() == 16
+    assert worker.analysed == 15  # the bad one is counted as taken, not as judged
+    with maker() as session:
+        assert pending_batches(session) == 0
+    assert "run bad rank 0 seq 7 failed twice" in caplog.text
+    streaks = [r for r in finding_rows(maker)
+               if r[2] == "scaler_divergence" and r[0] == "good" and r[5] == "critical"]
+    assert streaks
+
+
+def test_ampwatch_worker_drains_and_stops_on_sigterm(idle_app, database_url: str,
+                                                     tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    maker = idle_app.state.sessionmaker
+    with TestClient(idle_app) as api:
+        register_run(api, "r1", N_LAYERS, environment=ENV)
+        post(api, "r1", diverging())
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ampwatch.client.cli", "worker", "--database-url",
+         database_url, "--poll", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with maker() as session:
+            if not pending_batches(session):
+                break
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, out
+    assert out.strip().splitlines()[-1] == "ampwatch: analysis worker stopped after 8 batches"
+    assert any(r[2] == "scaler_divergence" and r[5] == "critical" for r in finding_rows(maker))
