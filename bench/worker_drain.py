@@ -1,7 +1,8 @@
 """What the analysis worker costs per batch, and what its in-memory windows save.
 
 Posts `--batches` agent-shaped batches per rank (bench/ingest.py's 200-layer run, 20
-steps each, activation samples every 10 steps) of `--ranks` ranks, round-robin, into an
+steps each, activation samples every 10 steps; the last rank skips every step of its
+middle fifth) of `--ranks` ranks, round-robin, into an
 app whose worker is off (ingest alone: CPU ms per batch). Then drains the queue with one
 worker three ways, each from the same queued tasks: windows held in memory (the worker
 as it runs), windows dropped before every batch (every batch re-reads its rank's
@@ -42,9 +43,18 @@ HEADERS = {"content-encoding": "gzip", "content-type": "application/json"}
 
 
 def bodies(ranks: int, batches: int) -> list[bytes]:
+    """Round-robin batches of every rank; the last rank skips every step of its middle
+    fifth of batches (so the detectors have findings to agree on)."""
     rng = random.Random(0)
     templates = [make_template(rng, STEPS) for _ in range(5)]
-    return [gzip.compress(templates[(seq + rank) % len(templates)] % {
+    skipping = templates[0].replace(b'"skipped": false', b'"skipped": true')
+
+    def template(rank: int, seq: int) -> bytes:
+        if rank == ranks - 1 and 2 * batches // 5 <= seq < 3 * batches // 5:
+            return skipping
+        return templates[(seq + rank) % len(templates)]
+
+    return [gzip.compress(template(rank, seq) % {
         b"rank": rank, b"seq": seq, **{b"s%d" % i: seq * STEPS + i for i in range(STEPS)}}, 1)
         for seq in range(batches) for rank in range(ranks)]
 
