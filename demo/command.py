@@ -81,7 +81,8 @@ class ServerProcess:
     def __init__(self, port: int, database_url: str, log_path: Path,
                  env: dict[str, str] | None = None) -> None:
         self.port = port
-        self.env = {**os.environ, **(env or {})}
+        # the summary reads findings right after training: reads wait for the detectors
+        self.env = {"AMPWATCH_ANALYSIS_WAIT_S": "10", **os.environ, **(env or {})}
         self.database_url = database_url
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path

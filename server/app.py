@@ -54,6 +54,7 @@ from ampwatch.server.middleware import (
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import BatchIn, RunUpsert
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker import AnalysisWaitMiddleware, embedded_worker
 
 PARSER_THREADS = 2
 
@@ -67,6 +68,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     maker = sessionmaker(engine, expire_on_commit=False, info=session_info(engine, db_health))
     health_on_commit(maker, db_health)
     alert_service = AlertService(maker, settings.alerts, settings.public_url)
+    server_metrics = metrics.ServerMetrics(maker, settings)
+    worker = (embedded_worker(maker, settings, server_metrics.analysis_seconds.observe)
+              if settings.embedded_worker else None)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -76,7 +80,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # requests made, instead of pausing one request for 0.1 s now and then.
         gc.freeze()
         alert_service.start()
+        if worker is not None:
+            worker.start()
         yield
+        if worker is not None:
+            worker.stop()
         alert_service.stop()
         gc.unfreeze()
         engine.dispose()
@@ -102,7 +110,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.sessionmaker = maker
     app.state.db_health = db_health
     app.state.alerts = alert_service
-    app.state.metrics = metrics.ServerMetrics(maker, settings)
+    app.state.metrics = server_metrics
+    app.state.analysis_worker = worker
     app.state.read_budget = ReadBudget(settings.max_inflight_read_bytes)
     # Request bodies are parsed here, off the event loop. Two threads: the body budget
     # admits at least two bodies at once, and every extra thread would keep a malloc
@@ -119,6 +128,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
                        body_timeout_s=settings.body_timeout_s)
     app.add_middleware(BacklogMiddleware, maker=maker, limit=settings.max_pending_batches)
     app.add_middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc"))
+    if settings.analysis_wait_s:
+        app.add_middleware(AnalysisWaitMiddleware, maker=maker, worker=worker,
+                           wait_s=settings.analysis_wait_s)
     app.add_middleware(QueryTextMiddleware)
     app.add_middleware(AdmissionMiddleware, token=settings.token,
                        per_client=settings.max_requests_per_client)

@@ -1,4 +1,4 @@
-"""`ampwatch serve` and `ampwatch db upgrade`, registered into the ampwatch CLI
+"""`ampwatch serve`, `ampwatch worker` and `ampwatch db upgrade`, registered into the ampwatch CLI
 through the `ampwatch.cli` entry point (client/ never imports server/)."""
 
 from __future__ import annotations
@@ -33,6 +33,21 @@ def register(commands: argparse._SubParsersAction) -> None:
     # `ampwatch demo` starts its server with this: a demo killed by SIGKILL cannot stop it
     serve.add_argument("--exit-with-parent", action="store_true", help=argparse.SUPPRESS)
     serve.set_defaults(func=_serve)
+
+    worker = commands.add_parser(
+        "worker", help="run an analysis worker",
+        description="Judge stored batches with the detectors: drain the analysis queue "
+                    "that servers fill. Run any number beside any number of servers on one "
+                    "Postgres (each run's batches are judged in order by one worker at a "
+                    "time); servers run one as a thread too unless AMPWATCH_EMBEDDED_WORKER=0. "
+                    "Stops on SIGTERM or Ctrl-C after the batches in hand.")
+    worker.add_argument("--database-url", help="as for serve (AMPWATCH_DATABASE_URL)")
+    worker.add_argument("--poll", type=float, default=1.0, metavar="SECONDS",
+                        help="how often an idle worker looks for work (default %(default)s)")
+    worker.add_argument("--claim", type=int, default=None, metavar="BATCHES",
+                        help="batches of one run judged per transaction (default 64; 4 on "
+                             "SQLite)")
+    worker.set_defaults(func=_worker)
 
     db = commands.add_parser("db", help="database schema commands",
                              description="Database schema commands (Alembic migrations).")
@@ -95,6 +110,27 @@ def _exit_when_orphaned(parent: int, poll_s: float = 1.0) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
     threading.Thread(target=watch, name="ampwatch-parent-watch", daemon=True).start()
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from ampwatch.server.db import make_engine, upgrade
+    from ampwatch.server.worker import run_worker
+
+    if args.poll <= 0 or (args.claim is not None and args.claim < 1):
+        sys.exit("ampwatch: --poll must be above 0 and --claim at least 1")
+    settings = _settings(args)
+    with _clear_database_errors(settings):
+        if settings.migrate_on_start:
+            engine = make_engine(settings.database_url)
+            upgrade(engine)
+            engine.dispose()
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    print(f"ampwatch: analysis worker on {_display_url(settings.database_url)}", flush=True)
+    judged = run_worker(settings, stop, poll_s=args.poll, claim_size=args.claim)
+    print(f"ampwatch: analysis worker stopped after {judged} batches", flush=True)
+    return 0
 
 
 def _db_upgrade(args: argparse.Namespace) -> int:

@@ -5,8 +5,6 @@ commits or rolls back, in one place."""
 from __future__ import annotations
 
 import contextlib
-import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from types import SimpleNamespace
@@ -16,13 +14,13 @@ from sqlalchemy import func, literal, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from ampwatch.server import analysis
 from ampwatch.server.analysis.store import refresh_run_health
+from ampwatch.server.analysis_queue import enqueue
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
-from ampwatch.server.models import Batch, Run, RunRank, utcnow
+from ampwatch.server.models import AnalysisTask, Batch, Run, RunRank, utcnow
 from ampwatch.server.restarts import (
     forget_findings,
     rebuild_summaries,
@@ -45,10 +43,8 @@ from ampwatch.server.summaries import fold_batch
 from ampwatch.wire import FINISHED_EVENT, encode_tree
 
 
-def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings, *,
-                 on_analysed: Callable[[float], None] | None = None) -> BatchAck:
+def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings) -> BatchAck:
     """Store `batch` in one transaction; a repeated (run, rank, seq) changes nothing.
-    `on_analysed` gets the seconds the detectors took, when they ran on the batch.
 
     A repeat must carry the same steps (a replay); a different batch under a used seq
     is refused with SeqConflict rather than silently dropped. May block while other
@@ -69,7 +65,7 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
                 session.rollback()  # a replay changes nothing, not even last_seen_at
                 return stored.ack(batch, target)
             folded = _fold_totals(session, target, batch, stored)
-            _analyse(session, target, batch, stored, folded, settings, on_analysed)
+            _analyse(session, target, batch, stored, folded, settings)
             if stored.forgot:  # findings went with the superseded steps: recount health
                 refresh_run_health(session, session.get(Run, run_id))
             session.commit()
@@ -239,25 +235,25 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
 
 
 def _analyse(session: Session, target: _Target, batch: BatchIn, stored: _Stored,
-             folded: _Folded, settings: Settings,
-             on_analysed: Callable[[float], None] | None) -> None:
-    """Hand the batch to the detectors (its rank's window, FP8 samples, and the ranks
-    compared when every rank passed a new step)."""
+             folded: _Folded, settings: Settings) -> None:
+    """Hand the batch to the detectors: a task on the analysis queue, in this transaction
+    (server/worker.py judges it off the request path), with what the rank's judgement
+    depends on as this request saw it."""
     # a batch holding only the detach's "finished" event has nothing to analyse (an empty
     # window would look like every condition had ended)
-    if not len(folded.series) and all(event.kind == FINISHED_EVENT for event in batch.events):
+    if not settings.analysis.enabled or (
+            not len(folded.series)
+            and all(event.kind == FINISHED_EVENT for event in batch.events)):
         return
-    analysis_start = time.perf_counter()
     run = session.get(Run, target.run_id)
-    analysis.on_ingest(session, run, batch.rank, folded.series, settings.analysis,
-                       rank_last_step=folded.rank_last_step, fp8=stored.fp8,
-                       spikes=stored.spikes)
-    through = _all_ranks_through(run, folded.others, folded.rank_last_step,
-                                 target.rank_row.last_step)
-    if through is not None:
-        analysis.on_ranks_advanced(session, run, through, settings.analysis)
-    if on_analysed is not None and settings.analysis.enabled:
-        on_analysed(time.perf_counter() - analysis_start)
+    after = target.rank_row.last_step
+    last = int(folded.series.steps[-1]) if len(folded.series) else -1
+    enqueue(session, AnalysisTask(
+        run_id=target.run_id, rank=batch.rank, seq=batch.seq,
+        rank_last_step=folded.rank_last_step, current=after is None or after <= last,
+        fp8=stored.fp8, spikes=stored.spikes,
+        ranks_through=_all_ranks_through(run, folded.others, folded.rank_last_step, after),
+        enqueued_at=target.now))
 
 
 def _note_finished(rank_row: RunRank, batch: BatchIn, now) -> None:

@@ -4,7 +4,8 @@ Per live run (data within `live_seconds`, not finished), labelled project and ru
 loss scale, steps and skipped steps (counters: `rate()` of their ratio is the recent skip
 rate), the last step, seconds since data, open findings by severity. Read from the
 database by a custom collector at scrape time, so a finished run drops out by itself and
-every replica reports the same runs (no per-run gauges to forget). Server counters and
+every replica reports the same runs (no per-run gauges to forget); so are the analysis
+queue's depth and lag (server/analysis_queue.py). Server counters and
 latency histograms are per process, in a registry of the app's own (no global state).
 """
 
@@ -22,7 +23,6 @@ from prometheus_client import (
     CONTENT_TYPE_LATEST,
     CollectorRegistry,
     Counter,
-    Gauge,
     Histogram,
     ProcessCollector,
     generate_latest,
@@ -33,6 +33,7 @@ from sqlalchemy.orm import sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis_queue import lag_seconds, pending_batches
 from ampwatch.server.deps import SettingsDep
 from ampwatch.server.models import AlertNotification, Finding, RunRank, as_utc, utcnow
 from ampwatch.server.runs import live_runs
@@ -69,20 +70,16 @@ class ServerMetrics:
                                     "Batch request bytes as received (gzip bodies compressed)",
                                     registry=r)
         self.ingest_seconds = Histogram("ampwatch_ingest_duration_seconds",
-                                        "Batch POST latency, analysis included",
+                                        "Batch POST latency (analysis is not part of it)",
                                         buckets=LATENCY_BUCKETS, registry=r)
         self.analysis_seconds = Histogram(
             "ampwatch_analysis_duration_seconds",
-            "Detector time per stored batch (part of the batch POST latency): it reads a "
+            "Detector time per stored batch, in this server's worker thread: it judges a "
             "fixed window, so it should not grow with the run's length",
             buckets=LATENCY_BUCKETS, registry=r)
         self.page_seconds = Histogram("ampwatch_page_duration_seconds",
                                       "Dashboard page latency by page", ["page"],
                                       buckets=LATENCY_BUCKETS, registry=r)
-        self.analysis_backlog = Gauge(
-            "ampwatch_analysis_backlog_batches",
-            "Batches received and not yet stored and analysed (analysis runs inside the "
-            "ingest request, so this is the ingest requests in flight)", registry=r)
         ProcessCollector(registry=r)
         r.register(RunHealthCollector(maker, settings.live_seconds))
 
@@ -94,7 +91,8 @@ class ServerMetrics:
             self.ingest_steps.inc(ack.stored_steps)
 
     def scrape(self) -> bytes:
-        """The text exposition; costs four grouped queries (live runs only)."""
+        """The text exposition; costs six grouped queries (live runs only, and the
+        analysis queue)."""
         return generate_latest(self.registry)
 
 
@@ -148,6 +146,7 @@ class RunHealthCollector:
                 .group_by(Finding.run_id, Finding.severity))} if ids else {}
             pending = session.scalar(select(func.count()).select_from(AlertNotification)
                                      .where(AlertNotification.status == "pending"))
+            backlog, lag = pending_batches(session), lag_seconds(session)
         # a run whose every rank detached (the agent's "finished" event) is over
         runs = [run for run in runs if run.id not in totals
                 or totals[run.id].finished < totals[run.id].ranks]
@@ -175,6 +174,12 @@ class RunHealthCollector:
         yield GaugeMetricFamily("ampwatch_alert_notifications_pending",
                                 "Alert notifications in the outbox not yet delivered",
                                 value=pending or 0)
+        yield GaugeMetricFamily("ampwatch_analysis_backlog_batches",
+                                "Stored batches waiting for the detectors (the analysis "
+                                "queue, all servers and workers)", value=backlog)
+        yield GaugeMetricFamily("ampwatch_analysis_lag_seconds",
+                                "Seconds the oldest waiting batch has waited for the "
+                                "detectors (0: none waits)", value=lag)
 
 
 class MetricsMiddleware:
@@ -220,11 +225,9 @@ class MetricsMiddleware:
             await send(message)
 
         start = time.perf_counter()
-        metrics.analysis_backlog.inc()
         try:
             await self.app(scope, counting_receive, status_send)
         finally:
-            metrics.analysis_backlog.dec()
             metrics.ingest_seconds.observe(time.perf_counter() - start)
             metrics.ingest_requests.labels(str(status[0])).inc()
 

@@ -331,3 +331,29 @@ class Bundle(Base):
     bytes: Mapped[int] = mapped_column(BigInteger)
     meta: Mapped[dict[str, Any]] = mapped_column(default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class AnalysisTask(Base):
+    """A stored batch waiting for the detectors (server/worker.py), enqueued in the batch's
+    own transaction and deleted in the transaction that writes its findings. Carries what
+    ingest knew about the rank when it stored the batch, so the worker judges it as the
+    request would have."""
+
+    __tablename__ = "analysis_queue"
+
+    id: Mapped[int] = mapped_column(BigInteger().with_variant(Integer, "sqlite"),
+                                    primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rank: Mapped[int] = mapped_column(Integer)
+    seq: Mapped[int] = mapped_column(BigInteger)
+    # the rank's last step before this batch (a restart's: before it); None: it had none
+    rank_last_step: Mapped[int | None] = mapped_column(BigInteger)
+    # the batch held the rank's newest steps when it was stored
+    current: Mapped[bool] = mapped_column(Boolean)
+    fp8: Mapped[bool] = mapped_column(Boolean)
+    spikes: Mapped[bool] = mapped_column(Boolean)
+    # the step every rank had then sent through, when this batch moved it forward
+    ranks_through: Mapped[int | None] = mapped_column(BigInteger)
+    enqueued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+    __table_args__ = (Index("ix_analysis_queue_run_id_id", "run_id", "id"),)

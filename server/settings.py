@@ -64,6 +64,15 @@ class Settings(BaseSettings):
     migrate_on_start: bool = True
     # detector thresholds; env vars like AMPWATCH_ANALYSIS__SKIP_STREAK_WARNING
     analysis: AnalysisSettings = Field(default_factory=AnalysisSettings)
+    # the detectors run off the request path (server/worker.py): a worker thread in this
+    # server drains the analysis queue unless this is off (then `ampwatch worker`
+    # processes must run); safe beside other servers' threads and worker processes
+    embedded_worker: bool = True
+    # memory a worker keeps recent rank windows in (past it, windows are read again)
+    worker_window_bytes: int = Field(512 << 20, ge=0)
+    # GET requests first wait up to this long for queued batches to be analysed, so a
+    # read right after ingest sees their findings (CI checks, tests); 0 answers at once
+    analysis_wait_s: float = Field(0.0, ge=0, le=300)
     # alert rules and targets (docs/alerts.md); AMPWATCH_ALERTS__FILE=alerts.toml
     alerts: AlertSettings = Field(default_factory=AlertSettings)
     # GET /metrics accepts this bearer token (for scrapers) or `token`; open without both

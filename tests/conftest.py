@@ -38,6 +38,9 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         # TestClient's requests name the host "testserver": a server without a token
         # answers only names it trusts (DNS rebinding); tests of that name others
         patch.setenv("AMPWATCH_ALLOWED_HOSTS", "testserver")
+        # detection runs in a worker, after the ingest answered: reads wait for it, so
+        # a test reads findings right after it stored their batches
+        patch.setenv("AMPWATCH_ANALYSIS_WAIT_S", "30")
         yield home
 
 
@@ -136,12 +139,27 @@ def app(settings):
     app.state.engine.dispose()
 
 
-@pytest.fixture
-def api(app):
-    """A real HTTP client (httpx over ASGI) on the real app."""
+def judged_client(app, **kwargs):
+    """A real HTTP client (httpx over ASGI, FastAPI's TestClient) on `app`; each request
+    returns once the app's analysis worker has judged what it stored, so a test reads
+    the findings of what it posted, from the API or the database."""
     from fastapi.testclient import TestClient
 
-    with TestClient(app, raise_server_exceptions=True) as client:
+    class JudgedClient(TestClient):
+        def request(self, *args, **kw):
+            response = super().request(*args, **kw)
+            worker = app.state.analysis_worker
+            if worker is not None:
+                assert worker.wait_idle(30), "the analysis worker did not finish in 30 s"
+            return response
+
+    return JudgedClient(app, **kwargs)
+
+
+@pytest.fixture
+def api(app):
+    """A real HTTP client on the real app (`judged_client`)."""
+    with judged_client(app, raise_server_exceptions=True) as client:
         yield client
 
 

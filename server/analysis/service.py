@@ -15,11 +15,12 @@ from ampwatch.server.analysis.registry import Inputs, run_detectors
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.store import apply_detections, refresh_run_health, update_run_health
 from ampwatch.server.analysis.window import Window
+from ampwatch.server.analysis.windows import RankWindows
 from ampwatch.server.fp8_samples import load_fp8_window
 from ampwatch.server.models import Batch, Run, RunRank
 from ampwatch.server.series import StepSeries, concat
 from ampwatch.server.spike_samples import load_spike_window
-from ampwatch.server.storage import clip_steps, load_batches, load_layers, load_series
+from ampwatch.server.storage import clip_steps, load_layers, load_series
 
 # Setup findings (layer table, environment) live on rank 0.
 SETUP_RANK = 0
@@ -69,17 +70,19 @@ def _rank_first_step(session: Session, run_id: str, rank: int, rank_row: RunRank
 
 
 def _window(session: Session, run: Run, rank: int, batch: StepSeries, start: int,
-            rank_last_step: int | None) -> StepSeries:
+            rank_last_step: int | None, windows: RankWindows, keep_from: int) -> StepSeries:
     """The rank's steps from `start` through `batch`, exactly as `load_series` reads them.
-    A batch past every stored step (the usual case) is joined to the history before it
-    rather than read back: one fewer batch row to read and unpack."""
+    A batch past every stored step (the usual case) is joined to the history before it,
+    as the request that stored it saw that history. keep_from: where the rank's next
+    window will start (`windows` forgets the batches before it)."""
     first_step, last_step = _span(batch)
     follows = rank_last_step is None or rank_last_step < first_step
     if not len(batch) or not follows or batch.n_layers != run.n_layers:
-        return load_series(session, run.id, rank, start=start, end=last_step,
-                           n_layers=run.n_layers)
-    history = load_batches(session, run.id, rank, start=start, end=first_step - 1,
-                           n_layers=run.n_layers)
+        parts = windows.batches(session, run.id, rank, start, last_step,
+                                n_layers=run.n_layers, keep_from=keep_from)
+        return clip_steps(concat(parts, run.n_layers), start, last_step)
+    history = windows.batches(session, run.id, rank, start, first_step - 1,
+                              n_layers=run.n_layers, keep_from=keep_from)
     return clip_steps(concat([*history, batch], run.n_layers), start, last_step)
 
 
@@ -90,12 +93,14 @@ def _span(batch: StepSeries) -> tuple[int, int]:
 
 
 def on_ingest(session: Session, run: Run, rank: int, batch: StepSeries,
-              settings: AnalysisSettings, *, rank_last_step: int | None,
-              fp8: bool = False, spikes: bool = False) -> None:
-    """Analyse `batch`, just stored for `rank` and unpacked with every column, inside the
-    ingest transaction (the caller commits). rank_last_step: the rank's last step before
-    this batch (None when it had none). fp8, spikes: the batch stored FP8 or spike
-    samples.
+              settings: AnalysisSettings, *, rank_last_step: int | None, current: bool,
+              fp8: bool = False, spikes: bool = False,
+              windows: RankWindows | None = None) -> None:
+    """Analyse `batch`, stored for `rank` and unpacked with every column (the caller
+    commits). rank_last_step: the rank's last step before this batch (None when it had
+    none); current: the batch held the rank's newest steps when it was stored; fp8,
+    spikes: it stored FP8 or spike samples. windows: the rank windows held in memory
+    (server/analysis/windows.py); without, the history is read from storage.
 
     Reads the rank's last `history_steps` before the batch, runs the step detectors (and
     the setup ones on rank 0) on them plus the batch, upserts findings and updates
@@ -107,12 +112,12 @@ def on_ingest(session: Session, run: Run, rank: int, batch: StepSeries,
         return
     first_step, last_step = _span(batch)
     rank_row = session.get(RunRank, (run.id, rank))
-    current = rank_row is None or rank_row.last_step is None or rank_row.last_step <= last_step
     start = first_step - settings.history_steps
     rank_first = _rank_first_step(session, run.id, rank, rank_row, start, settings)
     if rank_first is not None:
         start = max(start, rank_first)
-    series = _window(session, run, rank, batch, start, rank_last_step)
+    series = _window(session, run, rank, batch, start, rank_last_step,
+                     windows or RankWindows(), keep_from=last_step + 1 - settings.history_steps)
     if not len(series) and not series.events:
         return
     context = RunContext.build(layer_tables.get(session, run), run.environment, rank,
@@ -157,11 +162,11 @@ def _judge_fp8(session: Session, run: Run, context: RunContext, last_step: int,
 
 
 def on_ranks_advanced(session: Session, run: Run, through: int,
-                      settings: AnalysisSettings) -> None:
+                      settings: AnalysisSettings, windows: RankWindows | None = None) -> None:
     """Compare the ranks over their last `rank_window_steps` through `through`, a step
     every rank has now sent (the caller calls this when that step advanced, so the pass
     runs about once per round of batches, not once per batch). Reads every rank's recent
-    steps with activations, without per-layer grads."""
+    steps with activations, without per-layer grads (from `windows` where held)."""
     if not settings.enabled:
         return
     ranks = [r.rank for r in session.scalars(
@@ -170,8 +175,8 @@ def on_ranks_advanced(session: Session, run: Run, through: int,
         return
     start = max(through - settings.rank_window_steps + 1, 0)
     table = layer_tables.get(session, run)
-    peers = {r: Window(load_series(session, run.id, r, start=start, end=through,
-                                   n_layers=run.n_layers, with_layers=False),
+    windows = windows or RankWindows()
+    peers = {r: Window(_rank_series(session, windows, run, r, start, through),
                        RunContext.build(table, run.environment, r)) for r in ranks}
     lead = peers[ranks[0]]
     window = Window(lead.series, lead.run, peers=peers)
@@ -179,6 +184,15 @@ def on_ranks_advanced(session: Session, run: Run, through: int,
         for rank, part in _by_rank(detection, ranks).items():
             change = apply_detections(session, run.id, rank, [part], settings, since=start)
             update_run_health(session, run, change)
+
+
+def _rank_series(session: Session, windows: RankWindows, run: Run, rank: int, start: int,
+                 end: int) -> StepSeries:
+    """`load_series(..., with_layers=False)` of the rank over [start, end], from memory
+    where the rank's window holds it."""
+    parts = windows.batches(session, run.id, rank, start, end, n_layers=run.n_layers,
+                            with_layers=False)
+    return clip_steps(concat(parts, run.n_layers), start, end)
 
 
 def _by_rank(detection: Detection, ranks: list[int]) -> dict[int, Detection]:

@@ -30,7 +30,6 @@ def post_batch(run_id: RunIdPath, batch: Annotated[BatchIn, Depends(parsed_off_t
     `duplicate: true` and ignored; a gap in seq is counted as lost batches.
     """
     metrics = request.app.state.metrics
-    ack = ingest_batch(session, run_id, batch, settings,
-                       on_analysed=metrics.analysis_seconds.observe)
+    ack = ingest_batch(session, run_id, batch, settings)
     metrics.batch_acknowledged(ack)
     return ack

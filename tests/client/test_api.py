@@ -6,7 +6,6 @@ import math
 import threading
 
 import pytest
-from fastapi.testclient import TestClient
 
 from ampwatch.client import (
     BadRequest,
@@ -22,7 +21,7 @@ from ampwatch.client import (
 from ampwatch.server.app import create_app
 from ampwatch.server.settings import Settings
 from tests.client.conftest import N_LAYERS, seed_diverging, seed_healthy
-from tests.conftest import free_port
+from tests.conftest import free_port, judged_client
 from tests.utils import make_steps, post_batch, register_run
 
 
@@ -191,7 +190,7 @@ def test_send_batch_is_idempotent(api, client: Client) -> None:
 
 def test_bad_or_missing_token_is_unauthorized(settings) -> None:
     app = create_app(Settings(database_url=settings.database_url, token="s3cret"))
-    with TestClient(app) as http:
+    with judged_client(app) as http:
         assert Client(http_client=http, token="s3cret").runs() == []
         assert Client(http_client=http, token="s3cret").health().status == "ok"
         with pytest.raises(Unauthorized, match="missing or wrong token"):

@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 
 from ampwatch.server.app import create_app
 from ampwatch.server.settings import Settings
+from tests.conftest import judged_client
 
 
 @pytest.fixture
 def token_api(settings):
     app = create_app(Settings(database_url=settings.database_url, token="s3cret"))
-    with TestClient(app) as client:
+    with judged_client(app) as client:
         yield client
     app.state.engine.dispose()
 

@@ -33,14 +33,13 @@ def full_after(engine, pages: int):
 
 
 def test_a_full_database_is_507_and_health_degraded_until_it_has_room(tmp_path):
-    from fastapi.testclient import TestClient
-
     from ampwatch.server.app import create_app
     from ampwatch.server.settings import Settings
+    from tests.conftest import judged_client
 
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'full.db'}"))
     engine = app.state.engine
-    with TestClient(app) as api:
+    with judged_client(app) as api:
         register_run(api, "r1", n_layers=WIDE)
         assert post_batch(api, "r1", 0, make_steps(0, 20, WIDE)).status_code == 200
         with engine.connect() as connection:

@@ -39,9 +39,9 @@ def app(shared_app):
 
 @pytest.fixture
 def api(app):
-    from fastapi.testclient import TestClient
+    from tests.conftest import judged_client
 
-    with TestClient(app) as client:
+    with judged_client(app) as client:
         yield client
 
 

@@ -174,12 +174,11 @@ def test_malformed_json_and_bad_gzip(api, app):
 
 @pytest.fixture
 def small_limit_api(settings):
-    from fastapi.testclient import TestClient
-
     from ampwatch.server.app import create_app
+    from tests.conftest import judged_client
 
     app = create_app(settings.model_copy(update={"max_body_bytes": 4096}))
-    with TestClient(app) as client:
+    with judged_client(app) as client:
         yield client
     app.state.engine.dispose()
 

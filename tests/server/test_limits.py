@@ -10,11 +10,10 @@ import time
 
 import httpx
 import pytest
-from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from ampwatch.server.app import create_app
-from tests.conftest import LiveServer
+from tests.conftest import LiveServer, judged_client
 from tests.utils import make_layers, make_steps, register_run
 
 TOKEN = "s3cret-token"
@@ -24,7 +23,7 @@ JSON = {"content-type": "application/json"}
 @pytest.fixture
 def token_api(settings):
     app = create_app(settings.model_copy(update={"token": SecretStr(TOKEN)}))
-    with TestClient(app) as client:
+    with judged_client(app) as client:
         yield client
     app.state.engine.dispose()
 

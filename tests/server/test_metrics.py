@@ -134,14 +134,13 @@ def test_metrics_follow_a_streaming_run_and_drop_it_when_it_finishes(tmp_path):
 ])
 def test_metrics_want_a_token_when_one_is_set(tmp_path, token, metrics_token, accepted,
                                               refused):
-    from fastapi.testclient import TestClient
-
     from ampwatch.server.app import create_app
     from ampwatch.server.settings import Settings
+    from tests.conftest import judged_client
 
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}", token=token,
                               metrics_token=metrics_token))
-    with TestClient(app) as client:
+    with judged_client(app) as client:
         for supplied in accepted:
             headers = {"Authorization": f"Bearer {supplied}"} if supplied else {}
             reply = client.get("/metrics", headers=headers)
@@ -154,14 +153,13 @@ def test_metrics_want_a_token_when_one_is_set(tmp_path, token, metrics_token, ac
 
 
 def test_a_run_that_stops_sending_drops_out_after_live_seconds(tmp_path):
-    from fastapi.testclient import TestClient
-
     from ampwatch.server.app import create_app
     from ampwatch.server.settings import Settings
+    from tests.conftest import judged_client
     from tests.utils import make_steps, post_batch, register_run
 
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}", live_seconds=3))
-    with TestClient(app) as api:
+    with judged_client(app) as api:
         register_run(api, "quiet", n_layers=2)
         assert post_batch(api, "quiet", 0, make_steps(0, 10, 2)).status_code == 200
         live = api.get("/metrics").text

@@ -12,14 +12,13 @@ import pytest
 
 schemathesis = pytest.importorskip("schemathesis")
 
-from fastapi.testclient import TestClient  # noqa: E402
 from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.config import SchemathesisConfig  # noqa: E402
 from schemathesis.core.parameters import ParameterLocation  # noqa: E402
 
 from ampwatch.server.app import create_app  # noqa: E402
 from ampwatch.server.settings import Settings  # noqa: E402
-from tests.conftest import fresh_database_url  # noqa: E402
+from tests.conftest import fresh_database_url, judged_client  # noqa: E402
 from tests.utils import make_steps, register_run  # noqa: E402
 
 TOKEN = "fuzz-token"
@@ -35,7 +34,7 @@ def fuzz_app(request, tmp_path_factory):
     url = fresh_database_url(request, backend, tmp_path_factory.mktemp("fuzz"))
     token = TOKEN if request.param.endswith("-token") else None
     app = create_app(Settings(database_url=url, token=token))
-    with TestClient(app, headers=auth_headers(app)) as client:  # data for reads to read
+    with judged_client(app, headers=auth_headers(app)) as client:  # data for reads to read
         register_run(client, "r1", n_layers=4)
         client.post("/api/v1/runs/r1/batches",
                     json={"rank": 0, "seq": 0, "steps": make_steps(0, 50, 4, skipped={5},

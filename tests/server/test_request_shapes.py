@@ -6,11 +6,11 @@ those without the token."""
 from __future__ import annotations
 
 import pytest
-from fastapi.testclient import TestClient
 from pydantic import SecretStr
 
 from ampwatch.server.app import create_app
 from ampwatch.server.settings import Settings
+from tests.conftest import judged_client
 from tests.utils import make_layers, make_steps, post_batch, register_run
 
 NUL_QUERIES = [
@@ -89,7 +89,7 @@ def unreachable_database_api(tmp_path):
     settings = Settings(database_url="postgresql+psycopg://ampwatch:pw@127.0.0.1:1/secretdb",
                         migrate_on_start=False, token=SecretStr(TOKEN))
     app = create_app(settings)
-    with TestClient(app) as client:
+    with judged_client(app) as client:
         yield client
     app.state.engine.dispose()
 

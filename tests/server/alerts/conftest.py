@@ -41,7 +41,7 @@ def alert_app(database_url, receiver, request):
 
 @pytest.fixture
 def alert_api(alert_app):
-    from fastapi.testclient import TestClient
+    from tests.conftest import judged_client
 
-    with TestClient(alert_app, raise_server_exceptions=True) as client:
+    with judged_client(alert_app, raise_server_exceptions=True) as client:
         yield client

@@ -172,15 +172,14 @@ def test_a_slow_target_does_not_hold_up_ingest(alert_api, receiver):
 
 
 def test_alert_routes_need_the_token(database_url, receiver):
-    from fastapi.testclient import TestClient
-
     from ampwatch.server.app import create_app
     from ampwatch.server.settings import Settings
+    from tests.conftest import judged_client
     from tests.server.alerts.conftest import alert_config
 
     app = create_app(Settings(database_url=database_url, token="t0ken",
                               alerts=alert_config(receiver.url)))
-    with TestClient(app) as api:
+    with judged_client(app) as api:
         for method, path in [("get", "/api/v1/alerts"), ("get", "/api/v1/alerts/deliveries"),
                              ("get", "/api/v1/alerts/deliveries/1"),
                              ("post", "/api/v1/alerts/test")]:

@@ -7,10 +7,10 @@ from __future__ import annotations
 import json
 
 import pytest
-from fastapi.testclient import TestClient
 
 from ampwatch.server.app import create_app
 from ampwatch.server.settings import Settings
+from tests.conftest import judged_client
 from tests.utils import make_steps, post_batch, register_run
 
 XSS = "<script>alert(1)</script>"
@@ -90,7 +90,7 @@ def test_unknown_run_is_an_html_404(api):
 def test_pages_need_the_token_and_the_login_form_sets_a_strict_cookie(database_url):
     app = create_app(Settings(database_url=database_url, token="s3cret"))
     try:
-        with TestClient(app, follow_redirects=False) as client:
+        with judged_client(app, follow_redirects=False) as client:
             redirect = client.get("/runs/x?rank=1")
             assert redirect.status_code == 303
             assert redirect.headers["location"] == "/login?next=%2Fruns%2Fx%3Frank%3D1"

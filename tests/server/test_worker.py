@@ -1,0 +1,254 @@
+"""The analysis queue and its worker (server/worker.py): ingest answers before the
+detectors run and hands them a durable task; a worker judges it exactly as the request
+once did, one run at a time, from rank windows it keeps in memory."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from ampwatch.server.analysis.windows import RankWindows
+from ampwatch.server.analysis_queue import claim, pending_batches
+from ampwatch.server.app import create_app
+from ampwatch.server.models import Finding
+from ampwatch.server.settings import Settings
+from ampwatch.server.storage import load_batches
+from ampwatch.server.worker import AnalysisWorker
+from ampwatch.wire import encode_tree
+from tests.server.analysis.factories import scaler_steps
+from tests.utils import register_run
+
+ENV = {"autocast_dtype": "float16", "scaler": {"growth_interval": 2000, "enabled": True}}
+N_LAYERS = 4
+
+
+def post(api, run_id: str, steps: list[dict], *, rank: int = 0, first_seq: int = 0,
+         per_batch: int = 25, **fields) -> None:
+    for i in range(0, len(steps), per_batch):
+        body = {"rank": rank, "seq": first_seq + i // per_batch,
+                "steps": encode_tree(steps[i:i + per_batch]), **fields}
+        response = api.post(f"/api/v1/runs/{run_id}/batches", json=body)
+        assert response.status_code == 200, response.text
+
+
+def finding_rows(maker) -> list[tuple]:
+    """Every finding as the API would tell it, in a stable order."""
+    with maker() as session:
+        rows = session.execute(select(
+            Finding.run_id, Finding.rank, Finding.kind, Finding.code, Finding.key,
+            Finding.severity, Finding.status, Finding.step, Finding.last_step,
+            Finding.layer, Finding.count, Finding.message)).all()
+    return sorted(tuple(r) for r in rows)
+
+
+@pytest.fixture
+def idle_app(database_url: str):
+    """An app whose worker never runs by itself: tests drain it."""
+    app = create_app(Settings(database_url=database_url, embedded_worker=False,
+                              analysis_wait_s=0))
+    yield app
+    app.state.engine.dispose()
+
+
+def diverging(first_skip: int = 100, total: int = 200) -> list[dict]:
+    """Steps whose scaler skips every step from `first_skip` on (a critical streak)."""
+    return scaler_steps(total, overflow=range(first_skip, total), init_scale=2.0**40)
+
+
+def test_ingest_answers_first_and_the_worker_finds_what_inline_analysis_found(
+        idle_app, database_url: str, tmp_path) -> None:
+    maker = idle_app.state.sessionmaker
+    with TestClient(idle_app) as api:
+        register_run(api, "r1", N_LAYERS, environment=ENV)
+        post(api, "r1", diverging())
+        # registration judged the setup; nothing judged the steps yet
+        assert {f["kind"] for f in api.get("/api/v1/runs/r1/findings").json()["items"]} \
+            == {"pitfall"}
+        with maker() as session:
+            assert pending_batches(session) == 8
+            assert pending_batches(session, "r1") == 8
+            assert pending_batches(session, "nope") == 0
+        text = api.get("/metrics").text
+        assert "ampwatch_analysis_backlog_batches 8.0" in text
+        assert _gauge(text, "ampwatch_analysis_lag_seconds") > 0
+        worker = AnalysisWorker(maker, idle_app.state.settings)
+        assert worker.drain() == 8
+        with maker() as session:
+            assert pending_batches(session) == 0
+        streaks = [f for f in api.get("/api/v1/runs/r1/findings").json()["items"]
+                   if f["kind"] == "scaler_divergence"
+                   and f["evidence"]["check"] == "skip_streak"]
+        assert [(f["step"], f["last_step"], f["severity"]) for f in streaks] == \
+            [(100, 199, "critical")]
+        assert api.get("/api/v1/runs/r1").json()["status"] == "critical"
+        text = api.get("/metrics").text
+        assert "ampwatch_analysis_backlog_batches 0.0" in text
+        assert _gauge(text, "ampwatch_analysis_lag_seconds") == 0
+    # the same batches on a server whose own worker thread judges them as they arrive
+    embedded = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'e.db'}",
+                                   analysis_wait_s=0))
+    with TestClient(embedded) as api:
+        register_run(api, "r1", N_LAYERS, environment=ENV)
+        post(api, "r1", diverging())
+        assert embedded.state.analysis_worker.wait_idle(30)
+        with embedded.state.sessionmaker() as session:
+            assert pending_batches(session) == 0
+    assert _without_times(finding_rows(embedded.state.sessionmaker)) == \
+        _without_times(finding_rows(maker))
+    embedded.state.engine.dispose()
+
+
+def _gauge(text: str, name: str) -> float:
+    (line,) = [line for line in text.splitlines() if line.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+def _without_times(rows: list[tuple]) -> list[tuple]:
+    return [r[1:] for r in rows]  # run ids are the same; no row holds a time
+
+
+def test_windows_read_each_batch_once_and_equal_storage(idle_app) -> None:
+    maker = idle_app.state.sessionmaker
+    with TestClient(idle_app) as api:
+        register_run(api, "r1", N_LAYERS, environment=ENV)
+        post(api, "r1", diverging(total=300), per_batch=20)
+        # a resend of steps 290..299 under a new seq (a resumed agent)
+        post(api, "r1", diverging(total=300)[290:], first_seq=15)
+    windows = RankWindows()
+    with maker() as session:
+        for end in range(19, 300, 20):
+            start = max(end - 120, 0)
+            got = windows.batches(session, "r1", 0, start, end, n_layers=N_LAYERS,
+                                  keep_from=end + 20 - 120)  # the next window's start
+            want = load_batches(session, "r1", 0, start, end, n_layers=N_LAYERS)
+            assert [_content(p) for p in got] == [_content(p) for p in want]
+        assert windows.reads == 16  # each stored batch read once
+        got = windows.batches(session, "r1", 0, 250, 299, n_layers=N_LAYERS,
+                              with_layers=False)
+        want = load_batches(session, "r1", 0, 250, 299, n_layers=N_LAYERS,
+                            with_layers=False)
+        assert [_content(p) for p in got] == [_content(p) for p in want]
+        assert windows.reads == 16  # all of them held already
+        small = RankWindows(max_bytes=1)  # holds one rank's batches at most
+        small.batches(session, "r1", 0, 0, 299, n_layers=N_LAYERS)
+        assert small.nbytes > 0
+
+
+def _content(series) -> tuple:
+    arrays = (series.scalars, series.present, series.layer_grad, series.act_step,
+              series.act_absmax, series.act_dtype, series.act_time, series.act_grad_zero)
+    return (tuple(None if a is None else a.tobytes() for a in arrays), series.n_layers,
+            repr(series.events))
+
+
+@pytest.mark.postgres
+def test_a_run_held_by_one_worker_is_skipped_by_the_others(postgres_database: str) -> None:
+    from tests.conftest import empty_postgres
+
+    empty_postgres(postgres_database)
+    app = create_app(Settings(database_url=postgres_database, embedded_worker=False,
+                              analysis_wait_s=0))
+    maker = app.state.sessionmaker
+    with TestClient(app) as api:
+        for run_id in ("a", "b"):
+            register_run(api, run_id, N_LAYERS, environment=ENV)
+            post(api, run_id, diverging(total=100))
+    with maker() as first, maker() as second:
+        held = claim(first, 2)
+        assert [t.run_id for t in held] == ["a", "a"]
+        assert [t.seq for t in held] == [0, 1]
+        other = claim(second, 10)  # "a" is held: its later batches wait for its holder
+        assert {t.run_id for t in other} == {"b"} and len(other) == 4
+        second.rollback()
+        first.rollback()
+        assert [t.run_id for t in claim(second, 1)] == ["a"]  # released with the txn
+        second.rollback()
+    app.state.engine.dispose()
+
+
+@pytest.mark.postgres
+def test_workers_in_parallel_judge_every_batch_once(postgres_database: str) -> None:
+    from tests.conftest import empty_postgres
+
+    empty_postgres(postgres_database)
+    settings = Settings(database_url=postgres_database, embedded_worker=False,
+                        analysis_wait_s=0)
+    app = create_app(settings)
+    maker = app.state.sessionmaker
+    with TestClient(app) as api:
+        for run_id in ("a", "b", "c"):
+            register_run(api, run_id, N_LAYERS, environment=ENV)
+            post(api, run_id, diverging(), per_batch=10)
+    workers = [AnalysisWorker(maker, settings, claim_size=3) for _ in range(3)]
+    threads = [threading.Thread(target=w.drain) for w in workers]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    workers[0].drain()  # a worker stops when every run left is held by another
+    assert sum(w.analysed for w in workers) == 60
+    assert all(w.analysed for w in workers)
+    with maker() as session:
+        assert pending_batches(session) == 0
+    rows = finding_rows(maker)
+    streaks = [r for r in rows if r[2] == "scaler_divergence" and "skip_streak" in r[4]]
+    assert [(r[0], r[7], r[8], r[5]) for r in streaks] == \
+        [(run, 100, 199, "critical") for run in ("a", "b", "c")]
+    app.state.engine.dispose()
+
+
+def test_a_batch_that_cannot_be_judged_is_dropped_and_the_rest_judged(
+        idle_app, caplog: pytest.LogCaptureFixture) -> None:
+    from sqlalchemy import update
+
+    from ampwatch.server.models import Batch
+
+    maker = idle_app.state.sessionmaker
+    with TestClient(idle_app) as api:
+        for run_id in ("bad", "good"):
+            register_run(api, run_id, N_LAYERS, environment=ENV)
+            post(api, run_id, diverging())
+    with maker() as session:  # the last stored batch of "bad" no longer unpacks
+        session.execute(update(Batch).where(Batch.run_id == "bad", Batch.seq == 7)
+                        .values(scalars=b"\x00" * 3, present=b"\x00" * 3, format=1))
+        session.commit()
+    worker = AnalysisWorker(maker, idle_app.state.settings, claim_size=5)
+    assert worker.drain() == 16
+    assert worker.analysed == 15  # the bad one is counted as taken, not as judged
+    with maker() as session:
+        assert pending_batches(session) == 0
+    assert "run bad rank 0 seq 7 failed twice" in caplog.text
+    streaks = [r for r in finding_rows(maker)
+               if r[2] == "scaler_divergence" and r[0] == "good" and r[5] == "critical"]
+    assert streaks
+
+
+def test_ampwatch_worker_drains_and_stops_on_sigterm(idle_app, database_url: str,
+                                                     tmp_path) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    maker = idle_app.state.sessionmaker
+    with TestClient(idle_app) as api:
+        register_run(api, "r1", N_LAYERS, environment=ENV)
+        post(api, "r1", diverging())
+    process = subprocess.Popen(
+        [sys.executable, "-m", "ampwatch.client.cli", "worker", "--database-url",
+         database_url, "--poll", "0.1"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+        text=True)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        with maker() as session:
+            if not pending_batches(session):
+                break
+        time.sleep(0.1)
+    process.send_signal(signal.SIGTERM)
+    out, _ = process.communicate(timeout=30)
+    assert process.returncode == 0, out
+    assert out.strip().splitlines()[-1] == "ampwatch: analysis worker stopped after 8 batches"
+    assert any(r[2] == "scaler_divergence" and r[5] == "critical" for r in finding_rows(maker))

@@ -1,0 +1,128 @@
+"""A worker killed mid-drain loses nothing and duplicates nothing: the ground-truth fault
+suite (tests/diagnosis/scenarios.py) trains into a server on Postgres whose detectors run
+only in `ampwatch worker` processes; one is killed with SIGKILL while it drains, another
+finishes, and every scenario's findings are exactly what the truth calls for and row for
+row what one uninterrupted drain of the same stored batches writes."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+from sqlalchemy import create_engine, text
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import sessionmaker
+
+from ampwatch.server.analysis_queue import pending_batches
+from ampwatch.server.settings import Settings
+from ampwatch.server.worker import AnalysisWorker
+from tests.conftest import LiveServer, agent_errors_fail, empty_postgres
+from tests.server.test_worker import finding_rows
+
+pytestmark = pytest.mark.postgres
+
+
+def _pending(url: str) -> int:
+    engine = create_engine(url)
+    try:
+        with sessionmaker(engine)() as session:
+            return pending_batches(session)
+    finally:
+        engine.dispose()
+
+
+def _worker(url: str, log: Path) -> subprocess.Popen:
+    with log.open("ab") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "ampwatch.client.cli", "worker", "--database-url", url,
+             "--poll", "0.05", "--claim", "2"], stdout=out, stderr=subprocess.STDOUT)
+
+
+def _copy_database(url: str) -> str:
+    """A copy of the database at `url` (nobody may be connected to it meanwhile)."""
+    admin_url = make_url(url)
+    name = f"{admin_url.database}_ref_{uuid.uuid4().hex[:6]}"
+    admin = create_engine(admin_url.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{admin_url.database}"'))
+    admin.dispose()
+    return admin_url.set(database=name).render_as_string(hide_password=False)
+
+
+def _drop_database(url: str) -> None:
+    parsed = make_url(url)
+    admin = create_engine(parsed.set(database="postgres"), isolation_level="AUTOCOMMIT")
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{parsed.database}" WITH (FORCE)'))
+    admin.dispose()
+
+
+def test_a_killed_worker_loses_and_duplicates_nothing(postgres_database: str,
+                                                      tmp_path: Path) -> None:
+    import torch
+
+    from tests.diagnosis.scenarios import SCENARIOS, expected, observed, train
+
+    torch.set_num_threads(1)
+    url = postgres_database
+    empty_postgres(url)
+    server = LiveServer(url, tmp_path / "server.log", env={"AMPWATCH_EMBEDDED_WORKER": "0"})
+    server.start(timeout=120)
+    try:
+        with agent_errors_fail():
+            trained = [(scenario, *train(scenario, server.url)) for scenario in SCENARIOS]
+    finally:
+        server.stop()
+    total = _pending(url)
+    assert total >= len(SCENARIOS)  # nothing judged them yet
+    reference = _copy_database(url)
+    try:
+        # the same stored batches, drained once without interruption
+        engine = create_engine(reference)
+        settings = Settings(database_url=reference, embedded_worker=False)
+        maker = sessionmaker(engine, expire_on_commit=False)
+        assert AnalysisWorker(maker, settings).drain() == total
+        want_rows = finding_rows(maker)
+        engine.dispose()
+    finally:
+        _drop_database(reference)
+
+    log = tmp_path / "worker.log"
+    first = _worker(url, log)
+    deadline = time.monotonic() + 120
+    while _pending(url) == total and time.monotonic() < deadline:
+        time.sleep(0.01)
+    first.send_signal(signal.SIGKILL)  # while it drains: its claim in hand rolls back
+    first.wait(30)
+    left = _pending(url)
+    assert 0 < left < total, log.read_text()[-2000:]
+
+    second = _worker(url, log)
+    deadline = time.monotonic() + 180
+    while _pending(url) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second.send_signal(signal.SIGTERM)
+    assert second.wait(30) == 0, log.read_text()[-2000:]
+    assert _pending(url) == 0
+    stopped = log.read_text().strip().splitlines()[-1]
+    assert stopped == f"ampwatch: analysis worker stopped after {left} batches", stopped
+
+    engine = create_engine(url)
+    got_rows = finding_rows(sessionmaker(engine))
+    engine.dispose()
+    assert got_rows == want_rows  # the run ids are the same: one database, copied
+    server.start(timeout=120)
+    try:
+        for scenario, run_id, truth in trained:
+            got, items = observed(server.url, run_id)
+            assert got == expected(scenario, truth), (scenario.name, items)
+            infos = {(f["kind"] if f["kind"] != "pitfall" else f"pitfall:{f['code']}",
+                      f["layer"]) for f in items if f["severity"] == "info"}
+            assert set(scenario.infos) <= infos, scenario.name
+    finally:
+        server.stop()
