@@ -10,27 +10,15 @@ import contextlib
 import re
 import time
 
-from sqlalchemy import func, inspect, select, table
-from sqlalchemy.orm import Session, sessionmaker
+from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from ampwatch.server.analysis_queue import pending_batches
 from ampwatch.server.faults import DATABASE_ERRORS
 from ampwatch.server.middleware import error_response
 
-# the hand-off table of the analysis workers (issue 31); absent while analysis runs
-# inside the ingest request
-ANALYSIS_QUEUE_TABLE = "analysis_queue"
 BATCH_POST = re.compile(r"/api/v1/runs/[^/]+/batches")
-
-
-def pending_batches(session: Session) -> int:
-    """Batches stored and not yet analysed, all runs together: the analysis queue's rows,
-    or 0 where that table does not exist. Costs a catalogue lookup and a count of the
-    queue (the count reads every queued row: call it about once a second, not per batch)."""
-    if not inspect(session.connection()).has_table(ANALYSIS_QUEUE_TABLE):
-        return 0
-    return session.scalar(select(func.count()).select_from(table(ANALYSIS_QUEUE_TABLE))) or 0
 
 
 class BacklogMiddleware:

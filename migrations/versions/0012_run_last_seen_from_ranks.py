@@ -5,7 +5,7 @@ Postgres (issue 31). The run's value is now read as the newest of its ranks'
 `run_ranks.last_seen_at`, which every batch already sets on its own rank's row.
 
 Revision ID: 0012
-Revises: 0010 (the lead's merge sets 0011, the analysis queue)
+Revises: 0011
 Create Date: 2026-11-26
 """
 
@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from alembic import op
 
 revision = "0012"
-down_revision = "0010"
+down_revision = "0011"
 branch_labels = None
 depends_on = None
 

@@ -12,11 +12,14 @@ from pathlib import Path
 import httpx
 import pytest
 from fastapi.testclient import TestClient
-from sqlalchemy import event, text
+from sqlalchemy import event
 
+from ampwatch.server.analysis_queue import pending_batches
 from ampwatch.server.app import create_app
-from ampwatch.server.backpressure import ANALYSIS_QUEUE_TABLE, BacklogMiddleware, pending_batches
+from ampwatch.server.backpressure import BacklogMiddleware
+from ampwatch.server.models import AnalysisTask
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker import AnalysisWorker
 from tests.conftest import LiveServer
 from tests.utils import make_layers, make_steps, post_batch, register_run
 
@@ -86,52 +89,44 @@ def test_only_a_request_that_waited_out_its_slot_gets_503(one_slot):
         assert http.get("/api/v1/runs").json()["total"] == 2
 
 
-def queue_rows(maker, rows: int) -> None:
-    """`rows` batches awaiting analysis, in a stand-in for the analysis workers' queue
-    table (made here while that table does not exist)."""
-    with maker() as session:
-        session.execute(text(f"CREATE TABLE IF NOT EXISTS {ANALYSIS_QUEUE_TABLE} "
-                             "(id INTEGER PRIMARY KEY)"))
-        session.execute(text(f"DELETE FROM {ANALYSIS_QUEUE_TABLE}"))
-        for _ in range(rows):
-            session.execute(text(f"INSERT INTO {ANALYSIS_QUEUE_TABLE} DEFAULT VALUES"))
-        session.commit()
-
-
 def test_batches_wait_while_analysis_is_behind(tmp_path):
+    """No worker drains (the embedded one is off): each stored batch waits in the queue,
+    and past the limit new batches are refused until a worker catches up."""
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'q.db'}",
-                              max_pending_batches=2))
+                              max_pending_batches=2, embedded_worker=False))
     maker = app.state.sessionmaker
     try:
-        with maker() as session:
-            assert pending_batches(session) == 0  # no queue table: nothing pending
         with TestClient(app) as api:
             register_run(api, "r1")
-            assert post_batch(api, "r1", 0, make_steps(0, 5, 4)).status_code == 200
-            queue_rows(maker, 3)
+            for seq in range(3):
+                assert post_batch(api, "r1", seq, make_steps(5 * seq, 5, 4)).status_code == 200
+            with maker() as session:
+                assert pending_batches(session) == 3
             time.sleep(BacklogMiddleware.REFRESH_S)  # the depth is read once a REFRESH_S
-            refused = post_batch(api, "r1", 1, make_steps(5, 5, 4))
+            refused = post_batch(api, "r1", 3, make_steps(15, 5, 4))
             assert refused.status_code == 503
             assert refused.headers["retry-after"] == str(BacklogMiddleware.RETRY_AFTER_S)
             assert "3 batches await analysis" in refused.json()["detail"]
             # reads and registration go on; only new batches wait
-            assert api.get("/api/v1/runs/r1").json()["steps"] == 5
+            assert api.get("/api/v1/runs/r1").json()["steps"] == 15
             register_run(api, "r2")
-            queue_rows(maker, 2)  # at the limit, not over it
+            assert AnalysisWorker(maker, app.state.settings).drain() == 3
             time.sleep(BacklogMiddleware.REFRESH_S)
-            assert post_batch(api, "r1", 1, make_steps(5, 5, 4)).status_code == 200
-            assert api.get("/api/v1/runs/r1").json()["steps"] == 10
+            assert post_batch(api, "r1", 3, make_steps(15, 5, 4)).status_code == 200
+            assert api.get("/api/v1/runs/r1").json()["steps"] == 20
     finally:
         app.state.engine.dispose()
 
 
 def test_the_queue_depth_is_read_at_most_once_a_refresh(tmp_path):
-    """Whatever the batch rate, a server looks at the queue once every REFRESH_S."""
-    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'q.db'}"))
+    """Whatever the batch rate, a server counts the queue once every REFRESH_S (the
+    worker is off: its claims read the queue too)."""
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'q.db'}",
+                              embedded_worker=False))
     looks: list[str] = []
 
     def statement(_conn, _cursor, sql: str, *_args) -> None:
-        if ANALYSIS_QUEUE_TABLE in sql and "temp." not in sql:  # SQLite looks in two schemas
+        if "count(*)" in sql and AnalysisTask.__tablename__ in sql:
             looks.append(sql)
 
     event.listen(app.state.engine, "before_cursor_execute", statement)
