@@ -10,8 +10,7 @@ carries its values on, and the gradient overflows of the layer or of a layer aft
 that began before its overflow ended (its growing outputs make the gradients of the layers
 fed by them outgrow the loss scale, so the scaler falls for them first) are its
 symptoms: all join its incident. Findings with no known cause are an incident of their
-own. Pure functions of the findings (API or ORM shaped)
-and the layer order: no database.
+own. Pure functions of the findings (API or ORM shaped) and the layer order: no database.
 """
 
 from __future__ import annotations
