@@ -19,7 +19,7 @@ from sqlalchemy.engine import Connection
 
 from ampwatch.server.alerts.settings import AlertRule
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.incidents import SYMPTOMS, Incident, group_incidents
+from ampwatch.server.analysis.incidents import Incident, group_incidents, needs_layer_order
 from ampwatch.server.analysis.queries import layer_orders
 from ampwatch.server.models import AlertNotification, Finding
 
@@ -35,15 +35,14 @@ FINDING_COLUMNS = (Finding.id, Finding.run_id, Finding.rank, Finding.kind, Findi
 def run_incidents(connection: Connection, run_id: str,
                   ranks: Iterable[int]) -> tuple[list[Incident], dict[int, Mapping[str, Any]]]:
     """The run's incidents on `ranks` as stored now (inside the flush that changed them),
-    and its findings by id. One query (two with zero-gradient findings, which need the
-    layer order); the cost grows with the run's findings, and it is paid only by a flush
-    that changed a finding's status or severity."""
+    and its findings by id. One query (two with findings that need the layer order to
+    join an overflow: `needs_layer_order`); the cost grows with the run's findings, and it
+    is paid only by a flush that changed a finding's status or severity."""
     rows = connection.execute(
         select(*FINDING_COLUMNS).where(Finding.run_id == run_id,
                                        Finding.rank.in_(sorted(set(ranks))))
     ).mappings().all()
-    order = (layer_orders(connection, [run_id]).get(run_id)
-             if any(row["kind"] in SYMPTOMS for row in rows) else None)
+    order = layer_orders(connection, [run_id]).get(run_id) if needs_layer_order(rows) else None
     return group_incidents(rows, order), {row["id"]: row for row in rows}
 
 

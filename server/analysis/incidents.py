@@ -5,10 +5,12 @@ overflow risk, then non-finite steps, then a skip streak, then the scale at or b
 They have one cause (forward overflow) and one layer, so they form one incident with a
 headline, the first step, the fix and a timeline. An overflow that a later op absorbed
 (a ReLU turning -inf into 0) is the same cause a step earlier; zero gradients of the layer
-or of layers after it (in forward order), and the overflow risk of a layer after it that
-carries its values on, are its symptoms: all join its incident. Findings with no known
-cause are an incident of their own. Pure functions of the findings (API or ORM shaped)
-and the layer order: no database.
+or of layers after it (in forward order), the overflow risk of a layer after it that
+carries its values on, and the gradient overflows of the layer or of a layer after it
+that began before its overflow ended (its growing outputs make the gradients of the layers
+fed by them outgrow the loss scale, so the scaler falls for them first) are its
+symptoms: all join its incident. Findings with no known cause are an incident of their
+own. Pure functions of the findings (API or ORM shaped) and the layer order: no database.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ STAGES = {
 # op, then reaching the loss; grouped under the first name
 SAME_CAUSE = {"absorbed_overflow": "forward_overflow"}
 OVERFLOW = "forward_overflow"
+GRAD_OVERFLOW = "grad_overflow"
 # findings that are symptoms of an overflowing layer upstream (or of the layer itself)
 SYMPTOMS = ("underflow_risk",)
 RISK = "overflow_risk"
@@ -117,6 +120,13 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
     return None
 
 
+def needs_layer_order(findings: Iterable[Any]) -> bool:
+    """Whether grouping `findings` can use the layer order (a query): only what may join
+    an overflow upstream of it (zero gradients, overflow risks, gradient overflows)."""
+    return any(_get(f, "kind") in (*SYMPTOMS, RISK)
+               or (_get(f, "evidence") or {}).get("cause") == GRAD_OVERFLOW for f in findings)
+
+
 def _stage(finding: Any) -> tuple[int, str]:
     kind = _get(finding, "kind")
     check = (_get(finding, "evidence") or {}).get("check")
@@ -133,8 +143,10 @@ def group_incidents(findings: Iterable[Any],
     """Group a run's findings (open and resolved) by (rank, cause, layer). With
     `layer_order` (layer name -> forward position), what a layer after an overflowing one
     shows of it joins its incident: zero gradients (of the layer itself too, also without
-    the order), and an overflow risk begun no earlier than it, when the overflowing layer
-    went non-finite (its values carried on through a ReLU or a residual). A loss spike
+    the order), an overflow risk begun no earlier than it, when the overflowing layer
+    went non-finite (its values carried on through a ReLU or a residual), and gradient
+    overflows (with the scaler's findings about them) begun no later than its last
+    non-finite step (the scaler fell for the gradients its growing outputs fed). A loss spike
     shortly before or during a layer's overflow on its rank joins that layer's incident.
 
     Returns incidents open first, most severe first, then by first step. An incident is
@@ -154,6 +166,7 @@ def group_incidents(findings: Iterable[Any],
                else ("finding", _get(finding, "id")))
         groups.setdefault(key, []).append(finding)
     _fold_downstream_risks(groups, order)
+    _fold_gradient_overflows(groups, order)
     _fold_spikes_into_overflows(groups)
     for symptom in symptoms:
         key = _overflow_upstream(groups, order, _get(symptom, "run_id"), _get(symptom, "rank"),
@@ -165,16 +178,17 @@ def group_incidents(findings: Iterable[Any],
 
 
 def _overflow_upstream(groups: Mapping[tuple, list[Any]], order: Mapping[str, int],
-                       run_id: str, rank: int, layer: str, *,
-                       before: bool = False) -> tuple | None:
+                       run_id: str, rank: int, layer: str, *, before: bool = False,
+                       went_nonfinite: bool = False) -> tuple | None:
     """The key of the overflow incident of (run, rank) nearest at or before `layer` in
-    forward order (`before`: strictly before, and only one that went non-finite)."""
+    forward order (`before`: strictly before; `before` or `went_nonfinite`: only one
+    that went non-finite, not an overflow risk alone)."""
     position = order.get(layer)
     best, best_position = None, None
     for key, members in groups.items():
         if key[:3] != (run_id, rank, OVERFLOW) or (before and key[3] == layer):
             continue
-        if before and all(_get(f, "kind") == RISK for f in members):
+        if (before or went_nonfinite) and all(_get(f, "kind") == RISK for f in members):
             continue
         culprit = order.get(key[3])
         if key[3] != layer and (position is None or culprit is None or culprit > position):
@@ -196,6 +210,20 @@ def _fold_downstream_risks(groups: dict[tuple, list[Any]], order: Mapping[str, i
         began, target_began = _first_step(groups[key]), target and _first_step(groups[target])
         if target is not None and began is not None and target_began is not None \
                 and began >= target_began:
+            groups[target] += groups.pop(key)
+
+
+def _fold_gradient_overflows(groups: dict[tuple, list[Any]],
+                             order: Mapping[str, int]) -> None:
+    """Move each gradient-overflow group of an overflowing layer, or of a layer after it,
+    begun no later than that layer's last non-finite step, into that layer's group: the
+    layer's growing outputs scale the gradients of the layers they feed, which outgrow
+    the loss scale (and the scaler skips and falls) before the outputs outgrow fp16."""
+    grads = [key for key in groups if key[0] != "finding" and key[2] == GRAD_OVERFLOW]
+    for key in grads:
+        target = _overflow_upstream(groups, order, key[0], key[1], key[3], went_nonfinite=True)
+        began = _first_step(groups[key])
+        if target is not None and began is not None and began <= _last_step(groups[target]):
             groups[target] += groups.pop(key)
 
 
@@ -244,7 +272,8 @@ def _incident(members: list[Any], key: tuple) -> Incident:
     lasts = [s for s in lasts if s is not None]
     layer = cause[1] if cause and cause[1] != "-" else _get(lead, "layer")
     headline = fix = None
-    timeline = [TimelineEntry(step=_get(f, "step"), what=_what(f, layer), finding=_get(f, "id"),
+    timeline = [TimelineEntry(step=_get(f, "step"), what=_what(f, layer, cause and key[2]),
+                              finding=_get(f, "id"),
                               severity=_get(f, "severity")) for f in members]
     if cause is not None and cause[0] == "misaligned":
         layer, headline, fix, timeline = _misaligned(members)
@@ -279,10 +308,16 @@ def _cause_name(members: list[Any], grouped: str) -> str:
     return grouped
 
 
-def _what(finding: Any, layer: str | None) -> str:
-    """A timeline entry's words; a symptom in another layer names that layer."""
+def _what(finding: Any, layer: str | None, grouped: str | None) -> str:
+    """A timeline entry's words; a symptom in another layer names that layer. In a
+    forward overflow's story, the non-finite steps of a gradient overflow are its
+    gradients', not its outputs' first inf/NaN."""
     what = _stage(finding)[1]
     other = _get(finding, "layer")
+    if grouped == OVERFLOW and _get(finding, "kind") == "nonfinite" \
+            and (_get(finding, "evidence") or {}).get("cause") == GRAD_OVERFLOW:
+        return "gradients inf/NaN" + (f" in layer {other!r}" if other and other != layer
+                                      else "")
     if _get(finding, "kind") in SYMPTOMS and other and other != layer:
         return f"{what} in layer {other!r}"
     return what

@@ -8,7 +8,12 @@ from sqlalchemy import case, func, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.incidents import SYMPTOMS, Incident, group_incidents, incident_of
+from ampwatch.server.analysis.incidents import (
+    Incident,
+    group_incidents,
+    incident_of,
+    needs_layer_order,
+)
 from ampwatch.server.analysis.schemas import (
     FindingPublic,
     FindingsPublic,
@@ -79,7 +84,7 @@ def incidents_by_run(session: Session, run_ids: Iterable[str], *,
     for finding in session.scalars(query):
         by_run[finding.run_id].append(finding)
     orders = layer_orders(session, [run_id for run_id, found in by_run.items()
-                                    if any(f.kind in SYMPTOMS for f in found)])
+                                    if needs_layer_order(found)])
     return {run_id: group_incidents(found, orders.get(run_id))
             for run_id, found in by_run.items()}
 

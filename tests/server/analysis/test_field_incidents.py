@@ -1,8 +1,11 @@
 """One incident for one cause on the growing-layer run issue #35 was found on (a 6-Linear
 fp16 MLP whose layer "6" has a gain that grows 2.5% a step): the zero gradients of the
-layers at and after it, and the overflow risk of the ReLU that carries its output on,
-join its incident instead of standing as problems of their own. The truth (the step
-its output first held inf/NaN) comes from the test's own forward hook."""
+layers at and after it, the overflow risk of the ReLU that carries its output on, and the
+gradient overflows its growing output caused first (the scaler skipped and fell for the
+gradients of the layer it feeds long before the output itself overflowed) join its
+incident instead of standing as problems of their own. The truth (the step its output
+first held inf/NaN, the steps whose gradients did before it) comes from the test's own
+hooks."""
 
 from __future__ import annotations
 
@@ -32,9 +35,18 @@ def test_the_growing_layer_is_one_incident_with_its_symptoms(server) -> None:
     torch.set_num_threads(1)
     model = mlp(seed=0)
     growth = GrowingGain(model, GROWING, start=8.0)  # overflows fp16 near step 400
-    Trainer(server.url, "growing-fp16", "growing fp16", model, after_step=growth).train(
+    grads_bad: list[int] = []  # truth: the steps whose (unscaled) gradients held inf/NaN
+
+    def after_step() -> None:
+        if not all(torch.isfinite(p.grad).all() for p in model.parameters()
+                   if p.grad is not None):
+            grads_bad.append(growth.step)
+        growth()
+
+    Trainer(server.url, "growing-fp16", "growing fp16", model, after_step=after_step).train(
         500).close()
     assert growth.first_nonfinite is not None, "the layer never overflowed"
+    grads_first = [step for step in grads_bad if step < growth.first_nonfinite]
 
     with httpx.Client(base_url=f"{server.url}/api/v1", timeout=30) as api:
         findings = api.get("/runs/growing-fp16/findings").json()["items"]
@@ -46,6 +58,12 @@ def test_the_growing_layer_is_one_incident_with_its_symptoms(server) -> None:
     assert (incident["step"] is not None and incident["step"] <= growth.first_nonfinite)
     assert any(e["step"] == growth.first_nonfinite and e["what"] == "first non-finite step"
                for e in incident["timeline"])
+    # the gradients that overflowed while every output was finite are the ones its
+    # incident tells, and they are told in it
+    grads = [f for f in findings if (f["evidence"] or {}).get("cause") == "grad_overflow"]
+    assert min((f["step"] for f in grads if f["kind"] == "nonfinite"), default=None) == (
+        grads_first[0] if grads_first else None), (grads_first, grads)
+    assert {f["id"] for f in grads} <= set(incident["findings"])
     at_or_after = {f["id"] for f in findings
                    if f["kind"] in ("underflow_risk", "overflow_risk")
                    and ORDER.index(f["layer"]) >= ORDER.index(GROWING)}

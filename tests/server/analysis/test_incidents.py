@@ -198,3 +198,44 @@ def test_api_groups_a_runs_findings_and_counts_incidents(api):
     assert post_batch(api, "grouped", 4, [], events=finished).status_code == 200
     after = api.get("/api/v1/runs/grouped/findings?status=open").json()["items"]
     assert [f["id"] for f in after] == [f["id"] for f in findings]
+
+
+def grad_overflow(layer: str, step: int, last_step: int, **common) -> list[dict]:
+    """A gradient overflow the scaler skipped, and the scale decline it caused."""
+    return [finding("nonfinite", step, layer=layer, severity="info", status="resolved",
+                    last_step=last_step, cause="grad_overflow", **common),
+            finding("scaler_divergence", step + 40, layer=layer, status="resolved",
+                    last_step=last_step + 100, check="scale_decline", cause="grad_overflow",
+                    **common)]
+
+
+def test_gradient_overflows_the_overflowing_layer_fed_join_it():
+    story = overflow_story("6")  # first non-finite at 145, last at 499
+    # the scaler fell for the gradients of the layer fed by "6" long before "6" overflowed
+    fed = grad_overflow("8", 20, 60)
+    (incident,) = group_incidents([*story, *fed], ORDER)
+    assert (incident.cause, incident.layer, incident.step) == ("forward_overflow", "6", 20)
+    assert sorted(incident.findings) == sorted(f["id"] for f in [*story, *fed])
+    what = {e.finding: e.what for e in incident.timeline}
+    assert what[fed[0]["id"]] == "gradients inf/NaN in layer '8'"
+    assert what[story[2]["id"]] == "first non-finite step"
+    # its own gradients too, also without the order
+    (itself,) = group_incidents([*story, *grad_overflow("6", 20, 60)])
+    assert itself.layer == "6"
+
+
+def test_gradient_overflows_the_data_cannot_tie_to_an_overflow_stay_apart():
+    story = overflow_story("6")
+    upstream = grad_overflow("2", 20, 60)  # before the overflowing layer in forward order
+    other_rank = grad_overflow("8", 20, 60, rank=1)
+    after = grad_overflow("8", 600, 620)  # began after the overflow's last non-finite step
+    incidents = group_incidents([*story, *upstream, *other_rank, *after], ORDER)
+    assert len(incidents) == 4
+    grads = [i for i in incidents if i.cause == "grad_overflow"]
+    assert sorted(i.findings for i in grads) == sorted(
+        [f["id"] for f in g] for g in (upstream, other_rank, after))
+    # next to a layer that only came close to fp16's maximum, nothing is known to follow it
+    risk_only = finding("overflow_risk", 10, layer="6", last_step=140)
+    assert len(group_incidents([risk_only, *grad_overflow("8", 20, 60)], ORDER)) == 2
+    # without the layer order, another layer's gradients are not known to be fed by it
+    assert len(group_incidents([*story, *grad_overflow("8", 20, 60)])) == 2
