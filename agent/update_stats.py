@@ -125,8 +125,7 @@ def param_sums(optimizer: Any, kind: str, wanted: dict[int, int],
             picked.append(Picked(row, group, pick(p.detach()), pick(grad), state, stride))
     if not picked:
         return None
-    if kind == "adam" and all(_host_number(one.state["step"]) and _host_number(one.group["lr"])
-                              for one in picked):
+    if kind == "adam" and all(_vectorizable(one) for one in picked):
         return [one.row for one in picked], _adam_sums(optimizer, picked)
     sums = []
     for one in picked:
@@ -153,8 +152,18 @@ class Picked:
 
 
 def _host_number(value: Any) -> bool:
-    """A value readable without waiting for a device: a number or a CPU tensor."""
-    return not isinstance(value, torch.Tensor) or value.device.type == "cpu"
+    """A number or a CPU 0-d tensor: combined on the host without waiting for a device."""
+    return not isinstance(value, torch.Tensor) or (value.device.type == "cpu"
+                                                   and value.dim() == 0)
+
+
+def _vectorizable(one: Picked) -> bool:
+    """Adam's sums can be taken together: host step count and learning rate, plain betas
+    and eps (a capturable Adam keeps its step on the device)."""
+    group = one.group
+    return (_host_number(one.state["step"]) and _host_number(group["lr"])
+            and not any(isinstance(b, torch.Tensor) for b in group["betas"])
+            and not isinstance(group["eps"], torch.Tensor))
 
 
 def _to(device: torch.device, host: torch.Tensor) -> torch.Tensor:
@@ -188,16 +197,17 @@ def _adam_sums(optimizer: Any, picked: list[Picked]) -> torch.Tensor:
 
 
 def _adam_chunk(optimizer: Any, ones: list[Picked], device: torch.device) -> torch.Tensor:
+    groups = [one.group for one in ones]
     lengths = torch.tensor([one.w.numel() for one in ones])
-    per_param = []
-    for one in ones:
-        group, step = one.group, float(one.state["step"])
-        beta1, beta2 = group["betas"]
-        lr = float(group["lr"])
-        decay = lr * group.get("weight_decay", 0.0) if _decoupled(optimizer, group) else 0.0
-        per_param.append((1 - beta1 ** step, 1 - beta2 ** step, group["eps"], lr,
-                          decay / (1 - decay)))
-    host = torch.tensor(per_param, dtype=torch.float32)
+    decays = [g.get("weight_decay", 0.0) if _decoupled(optimizer, g) else 0.0 for g in groups]
+    # step counts and learning rates may be CPU tensors: combined as tensors, never read
+    steps = _host_vector([one.state["step"] for one in ones])
+    lr = _host_vector([g["lr"] for g in groups])
+    beta = torch.tensor([g["betas"] for g in groups], dtype=torch.float64)
+    decay = lr * torch.tensor(decays, dtype=torch.float64)
+    host = torch.stack([1 - beta[:, 0] ** steps, 1 - beta[:, 1] ** steps,
+                        torch.tensor([g["eps"] for g in groups], dtype=torch.float64), lr,
+                        decay / (1 - decay)], dim=1).float()
     bias1, bias2, eps, lr, decoupled = _to(
         device, host.repeat_interleave(lengths, dim=0)).unbind(1)
     segment = _to(device, torch.repeat_interleave(torch.arange(len(ones)), lengths))
@@ -207,7 +217,7 @@ def _adam_chunk(optimizer: Any, ones: list[Picked], device: torch.device) -> tor
                    for one in ones])
     root = (v.float() / bias2).sqrt()
     update = m.float() / bias1 / (root + eps) * lr
-    if host[:, 4].any():  # AdamW's decoupled decay (a host tensor: no wait)
+    if any(decays):  # AdamW's decoupled decay
         update = update + (w.float() + update) * decoupled
     v_zero = torch.cat([one.state["exp_avg_sq"] for one in ones]) == 0
     columns = _columns(w, torch.cat([one.grad for one in ones]), update, root < eps, v_zero)
@@ -215,6 +225,13 @@ def _adam_chunk(optimizer: Any, ones: list[Picked], device: torch.device) -> tor
     sums.index_add_(0, segment, columns)
     strides = torch.tensor([float(one.stride) for one in ones], dtype=torch.float64)
     return sums * _to(device, strides).unsqueeze(1)
+
+
+def _host_vector(values: list[Any]) -> torch.Tensor:
+    """Numbers or CPU 0-d tensors as one float64 CPU tensor, without reading a tensor."""
+    if all(isinstance(v, torch.Tensor) for v in values):
+        return torch.stack(values).to(torch.float64)
+    return torch.stack([torch.as_tensor(v, dtype=torch.float64) for v in values])
 
 
 def _columns(w: torch.Tensor, grad: torch.Tensor, update: torch.Tensor,
