@@ -14,9 +14,10 @@ it in the environment; docs/ranks.md):
 from __future__ import annotations
 
 import numpy as np
+from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Run, RunRank
+from ampwatch.server.models import Finding, Run, RunRank
 from ampwatch.server.rollups import step_ms_median
 from ampwatch.server.runs import run_ranks
 from ampwatch.server.series import MISSING, StepSeries
@@ -135,15 +136,48 @@ def ranks_panel(session: Session, run: Run, rank_rows: list[RunRank] | None = No
 
 
 MAX_OVERLAID_RANKS = 8  # lines per chart of the run page when no rank is picked
+PANEL_ROWS = 32  # rows of the run page's ranks panel: the rest are in /api/v1/runs/{id}/ranks
+SLOWEST_SHOWN = 8  # of them, at most this many only for being the slowest
 
 
-def overlaid_ranks(panel: list[dict], limit: int = MAX_OVERLAID_RANKS) -> list[int] | None:
+def panel_rank_rows(session: Session, run_id: str, limit: int = PANEL_ROWS) -> list[RunRank]:
+    """The rank rows the run page shows, lowest numbered first: the lead (lowest) rank,
+    then the ranks whose skipped steps or loss scale differ from the lead's or that have
+    an open finding, then the SLOWEST_SHOWN slowest by `step_ms_median`, then the lowest
+    numbered; `limit` in all. Two reads (the lead, then the pick by ORDER BY/LIMIT in
+    SQL) fetching at most `limit` + 1 rows, whatever the number of ranks."""
+    lead = session.scalars(select(RunRank).where(RunRank.run_id == run_id)
+                           .order_by(RunRank.rank).limit(1)).first()
+    if lead is None:
+        return []
+    differs = or_(RunRank.skipped != lead.skipped,
+                  RunRank.loss_scale.is_distinct_from(lead.loss_scale),
+                  RunRank.rank.in_(select(Finding.rank).where(Finding.run_id == run_id,
+                                                              Finding.status == "open")))
+    ranked = select(
+        RunRank.rank,
+        case((RunRank.rank == lead.rank, 0), (differs, 1), else_=2).label("kind"),
+        func.row_number().over(order_by=(RunRank.step_ms_median.desc().nulls_last(),
+                                         RunRank.rank)).label("slow"),
+    ).where(RunRank.run_id == run_id).subquery()
+    kind = case((ranked.c.kind < 2, ranked.c.kind), (ranked.c.slow <= SLOWEST_SHOWN, 2),
+                else_=3)
+    rows = session.scalars(
+        select(RunRank).join(ranked, RunRank.rank == ranked.c.rank)
+        .where(RunRank.run_id == run_id)
+        .order_by(kind, case((kind < 3, ranked.c.slow), else_=0), RunRank.rank).limit(limit))
+    return sorted(rows, key=lambda r: r.rank)
+
+
+def overlaid_ranks(panel: list[dict], n_ranks: int, limit: int = MAX_OVERLAID_RANKS
+                   ) -> list[int] | None:
     """The ranks whose lines the run page draws when no rank is picked: every rank (None)
     up to `limit` ranks; past that the lead rank, then those whose skipped steps or loss
     scale differ from the lead's (the panel's warnings), then the slowest, then the lowest
     numbered, `limit` in all, in rank order. So the page reads `limit` ranks' steps
-    whatever the run's number of ranks. `panel`: `ranks_panel`'s rows, lowest rank first."""
-    if len(panel) <= limit:
+    whatever the run's number of ranks. `panel`: `ranks_panel`'s rows (of
+    `panel_rank_rows`), lowest rank first; `n_ranks`: the run's ranks."""
+    if n_ranks <= limit:
         return None
     lead = panel[0]
     differ = [r for r in panel[1:] if (r["skipped"], r["loss_scale"])

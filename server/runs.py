@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import Row, delete, func, select
+from sqlalchemy import Row, case, delete, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import analysis
@@ -106,7 +106,9 @@ def list_runs(
     )
     ids = [r.id for r in runs]
     ranks, incidents = _ranks_of(session, ids), incidents_by_run(session, ids, open_only=True)
-    items = [run_public(r, ranks.get(r.id, []), settings, incidents[r.id]) for r in runs]
+    totals = rank_totals(session, ids)
+    items = [run_public(r, ranks.get(r.id, []), settings, incidents[r.id], totals.get(r.id))
+             for r in runs]
     return RunsPublic(items=items, total=total, limit=limit, offset=offset)
 
 
@@ -135,22 +137,56 @@ def run_ranks(session: Session, run_id: str) -> list[RunRank]:
     return _ranks_of(session, [run_id]).get(run_id, [])
 
 
+def rank_totals(session: Session, run_ids: list[str]) -> dict[str, Row]:
+    """Per run, its ranks summed up in SQL: one grouped row per run (n_ranks, steps,
+    skipped, last_step, last_seen_at, finished ranks, lost and dropped data), whatever
+    the number of ranks. A run with no rank has no row."""
+    if not run_ids:
+        return {}
+    rows = session.execute(
+        select(RunRank.run_id, func.count().label("n_ranks"),
+               func.sum(RunRank.steps).label("steps"),
+               func.sum(RunRank.skipped).label("skipped"),
+               func.max(RunRank.last_step).label("last_step"),
+               func.max(RunRank.last_seen_at).label("last_seen_at"),
+               func.count(RunRank.finished_at).label("finished"),
+               func.sum(RunRank.max_seq + 1 - RunRank.batches).label("lost_batches"),
+               func.sum(RunRank.dropped_batches).label("dropped_batches"),
+               func.sum(RunRank.dropped_steps).label("dropped_steps"),
+               func.sum(_missing_steps()).label("missing_steps"))
+        .where(RunRank.run_id.in_(run_ids)).group_by(RunRank.run_id))
+    return {row.run_id: row for row in rows}
+
+
+def _missing_steps():
+    """`RunRank.missing_steps` in SQL (no GREATEST on SQLite): the larger of the dropped
+    steps and the holes up to the last step, at least 0."""
+    holes = func.coalesce(RunRank.last_step + 1 - RunRank.steps, 0)
+    most = case((RunRank.dropped_steps > holes, RunRank.dropped_steps), else_=holes)
+    return case((most > 0, most), else_=0)
+
+
 def public_run(session: Session, run: Run, settings: Settings,
                ranks: list[RunRank] | None = None) -> RunPublic:
-    """`run_public` of one run, reading its ranks (unless given) and open incidents."""
+    """`run_public` of one run: its totals (one aggregate row), its ranks (read unless
+    given: the pages give at most `ranks.PANEL_ROWS`, the lead first) and its open
+    incidents."""
     return run_public(run, run_ranks(session, run.id) if ranks is None else ranks, settings,
-                      incidents_by_run(session, [run.id], open_only=True)[run.id])
+                      incidents_by_run(session, [run.id], open_only=True)[run.id],
+                      rank_totals(session, [run.id]).get(run.id))
 
 
 def run_public(run: Run, ranks: list[RunRank], settings: Settings,
-               open_incidents: list[Incident]) -> RunPublic:
-    """The API view of a run: its fields, totals over its ranks and its open incidents
-    counted (problems: warning or critical; notes: info)."""
-    steps = sum(r.steps for r in ranks)
-    skipped = sum(r.skipped for r in ranks)
-    last_seen = max((as_utc(r.last_seen_at) for r in ranks if r.last_seen_at is not None),
-                    default=None)
-    finished = bool(ranks) and all(r.finished_at is not None for r in ranks)
+               open_incidents: list[Incident], totals: Row | None) -> RunPublic:
+    """The API view of a run: its fields, `totals` over its ranks (`rank_totals`; None:
+    no rank), the `ranks` given (lowest numbered first: the first is the lead) and its
+    open incidents counted (problems: warning or critical; notes: info)."""
+    n_ranks = totals.n_ranks if totals else 0
+    # Postgres sums BIGINT to NUMERIC
+    steps = int(totals.steps or 0) if totals else 0
+    skipped = int(totals.skipped or 0) if totals else 0
+    last_seen = as_utc(totals.last_seen_at) if totals else None
+    finished = n_ranks > 0 and totals.finished == n_ranks
     live = not finished and last_seen is not None and (
         (utcnow() - last_seen).total_seconds() <= settings.live_seconds
     )
@@ -172,16 +208,17 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
         steps=steps,
         skipped=skipped,
         skip_rate=skipped / steps if steps else None,
-        last_step=max((r.last_step for r in ranks if r.last_step is not None), default=None),
+        last_step=totals.last_step if totals else None,
         loss_scale=lead.loss_scale if lead else None,
-        lost_batches=sum(r.lost_batches for r in ranks),
-        dropped_batches=sum(r.dropped_batches for r in ranks),
-        dropped_steps=sum(r.dropped_steps for r in ranks),
-        missing_steps=sum(r.missing_steps for r in ranks),
+        lost_batches=int(totals.lost_batches or 0) if totals else 0,
+        dropped_batches=int(totals.dropped_batches or 0) if totals else 0,
+        dropped_steps=int(totals.dropped_steps or 0) if totals else 0,
+        missing_steps=int(totals.missing_steps or 0) if totals else 0,
         created_at=as_utc(run.created_at),
         updated_at=as_utc(run.updated_at),
         last_seen_at=last_seen,
         archived_at=as_utc(run.archived_at),
+        n_ranks=n_ranks,
         ranks=[
             RankPublic(
                 rank=r.rank,

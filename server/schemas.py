@@ -179,6 +179,7 @@ class RunPublic(BaseModel):
     last_seen_at: datetime | None
     # its full-resolution steps were dropped (pages read its step summaries)
     archived_at: datetime | None = None
+    n_ranks: int  # every rank that sent anything; `ranks` may list fewer (the pages' twins)
     ranks: list[RankPublic]
 
 

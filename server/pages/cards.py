@@ -79,7 +79,7 @@ def incident_panel(twin: dict) -> dict:
         members = [findings[i] for i in incident["findings"] if i in findings]
         if not members:
             continue
-        rank = incident["rank"] if len(run["ranks"]) > 1 else None
+        rank = incident["rank"] if run["n_ranks"] > 1 else None
         card = {**incident, "members": members, "message": members[0]["message"],
                 "title": card_title(incident, members, run),
                 "lead_step": lead_step(incident, members),

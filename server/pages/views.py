@@ -24,8 +24,8 @@ from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
-from ampwatch.server.ranks import overlaid_ranks, ranks_panel
-from ampwatch.server.runs import get_run, list_runs, public_run, run_ranks
+from ampwatch.server.ranks import overlaid_ranks, panel_rank_rows, ranks_panel
+from ampwatch.server.runs import get_run, list_runs, public_run
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import layer_rows
 
@@ -64,8 +64,10 @@ def projects(session: Session) -> list[str]:
 
 def page_run(session: Session, run_id: str, settings: Settings,
              ranks: list[RunRank] | None = None) -> dict:
-    """The run as every page of it shows it: its public fields and whether it has FP8
-    layers (the FP8 tab). `ranks`: its rank rows, when already read."""
+    """The run as every page of it shows it: its public fields (`ranks`: the ranks panel's,
+    at most PANEL_ROWS; `n_ranks` counts them all) and whether it has FP8 layers (the FP8
+    tab). `ranks`: those rank rows, when already read."""
+    ranks = panel_rank_rows(session, run_id) if ranks is None else ranks
     run = public_run(session, get_run(session, run_id), settings,
                      ranks).model_dump(mode="json")
     run["has_fp8"] = has_fp8_layers(session, run_id)  # the FP8 tab is shown for these
@@ -89,18 +91,19 @@ def named_layers(session: Session, run_id: str, findings: dict) -> dict[str, int
 def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: int | None,
                   steps: StepRange) -> dict:
     """/runs/{id}: the run, its downsampled steps (the picked rank, else all ranks up to
-    MAX_OVERLAID_RANKS, else the ones `overlaid_ranks` picks), its findings and its
-    incidents (the findings grouped by root cause). Its reads do not grow with ranks."""
+    MAX_OVERLAID_RANKS, else the ones `overlaid_ranks` picks), the ranks panel (at most
+    PANEL_ROWS ranks, `panel_rank_rows`), its findings and its incidents (the findings
+    grouped by root cause). Neither its reads nor the rows they fetch grow with ranks."""
     run = get_run(session, run_id)
-    rank_rows = run_ranks(session, run_id)  # once: 1,024 rows take tens of ms to load
+    rank_rows = panel_rank_rows(session, run_id)  # every rank when there are few
     public = page_run(session, run_id, settings, rank_rows)
     findings = findings_of(session, run_id)
     panel = ranks_panel(session, run, rank_rows)
-    overlaid = overlaid_ranks(panel) if rank is None else None
+    overlaid = overlaid_ranks(panel, public["n_ranks"]) if rank is None else None
     return {
         "run": public,
         "rank": rank,
-        "ranks": panel if len(panel) > 1 else [],
+        "ranks": panel if public["n_ranks"] > 1 else [],
         "overlaid_ranks": overlaid,
         "steps": steps_query(session, run, rank=rank, ranks=overlaid, rank_rows=rank_rows,
                              max_points=MAX_POINTS, **steps.query()),
