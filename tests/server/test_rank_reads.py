@@ -167,6 +167,30 @@ def test_the_run_page_draws_the_lead_the_ranks_that_differ_and_the_slowest(api):
     assert "The charts draw ranks " + ", ".join(map(str, drawn)) + " of 16" in page
 
 
+def test_the_ranks_panel_shows_the_ranks_that_differ_then_the_slowest_then_the_lowest(api):
+    """40 ranks, past PANEL_ROWS: rank 37 skips a step, rank 38 runs at another loss scale
+    and the step times grow with the rank number (rank 39 the slowest by far)."""
+    client, run, size = api, "many-ranks", 40
+    register_run(client, run, n_layers=N_LAYERS, environment={"world_size": size})
+    for rank in range(size):
+        steps = make_steps(0, 20, N_LAYERS, skipped={12} if rank == 37 else frozenset(),
+                           loss_scale=32768.0 if rank == 38 else 65536.0)
+        for step in steps:
+            step["t_step_ms"] = 90.0 if rank == 39 else 33.0 + rank / 100
+        assert post_batch(client, run, 0, steps, rank=rank).status_code == 200
+    twin = client.get(f"/runs/{run}?format=json").json()
+    slowest = sorted(range(size), key=lambda r: 90.0 if r == 39 else 33.0 + r / 100)[-8:]
+    picked = {0, 37, 38, *slowest}
+    lowest = [r for r in range(size) if r not in picked][:PANEL_ROWS - len(picked)]
+    assert [r["rank"] for r in twin["ranks"]] == sorted(picked | set(lowest))
+    assert twin["run"]["n_ranks"] == size and twin["run"]["steps"] == 20 * size
+    assert twin["run"]["skipped"] == 1  # the totals count every rank, not the panel's
+    assert {0, 37, 38, 39} <= set(twin["overlaid_ranks"])
+    page = client.get(f"/runs/{run}").text
+    assert f"{PANEL_ROWS} of 40 ranks shown" in page
+    assert f'href="/api/v1/runs/{run}/ranks"' in page
+
+
 def test_step_time_median_follows_restarts_and_repeated_steps(client):
     """The panel's median against the test's own steps: the last PANEL_STEPS steps as the
     rank holds them after a restart and after a batch that repeats stored steps."""
