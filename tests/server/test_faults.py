@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import numpy as np
 import pytest
 from sqlalchemy import create_engine, event, text
 
@@ -32,6 +33,16 @@ def full_after(engine, pages: int):
     return _limit
 
 
+def noisy(steps: list[dict]) -> list[dict]:
+    """`steps` with random layer grad norms: they compress to no less than their size, so
+    the batch cannot fit in the free pages a full file still has (made steps compress
+    to a few pages)."""
+    rng = np.random.default_rng(0)
+    for step in steps:
+        step["layer_grad_norm"] = rng.random(len(step["layer_grad_norm"])).tolist()
+    return steps
+
+
 def test_a_full_database_is_507_and_health_degraded_until_it_has_room(tmp_path):
     from ampwatch.server.app import create_app
     from ampwatch.server.settings import Settings
@@ -46,7 +57,7 @@ def test_a_full_database_is_507_and_health_degraded_until_it_has_room(tmp_path):
             pages = connection.execute(text("PRAGMA page_count")).scalar()
         limit = full_after(engine, pages)
 
-        response = post_batch(api, "r1", 1, make_steps(20, 200, WIDE, sample_every=2))
+        response = post_batch(api, "r1", 1, noisy(make_steps(20, 200, WIDE, sample_every=2)))
         assert response.status_code == 507
         assert "disk is full" in response.json()["detail"]
         health = api.get("/api/v1/health")

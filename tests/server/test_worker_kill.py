@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 from sqlalchemy.orm import sessionmaker
 
 from ampwatch.server.analysis_queue import pending_batches
@@ -49,7 +50,19 @@ def _copy_database(url: str) -> str:
     name = f"{admin_url.database}_ref_{uuid.uuid4().hex[:6]}"
     admin = create_engine(admin_url.set(database="postgres"), isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
-        conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{admin_url.database}"'))
+        # a closed client's backend can outlive it for a moment under load: end this
+        # test's own database's sessions, then copy
+        for _ in range(20):
+            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                              "WHERE datname = :db AND pid <> pg_backend_pid()"),
+                         {"db": admin_url.database})
+            try:
+                conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{admin_url.database}"'))
+                break
+            except OperationalError:  # ObjectInUse: a session was still leaving
+                time.sleep(0.5)
+        else:
+            raise AssertionError(f"{admin_url.database} stayed in use: no copy")
     admin.dispose()
     return admin_url.set(database=name).render_as_string(hide_password=False)
 
