@@ -121,6 +121,7 @@ class Run(Model):
     missing_steps: int = 0
     last_seen_at: datetime | None = None
     archived_at: datetime | None = None  # per-step data dropped, summaries kept
+    n_ranks: int = 0  # every rank that sent anything (`ranks` lists them all here)
     ranks: list[RankTotals] = dataclasses.field(default_factory=list)
 
 
