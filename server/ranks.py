@@ -13,6 +13,8 @@ it in the environment; docs/ranks.md):
 
 from __future__ import annotations
 
+from collections.abc import Sized
+
 import numpy as np
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
@@ -33,7 +35,7 @@ def grad_layout(run: Run) -> str:
     return layout if layout in (SHARDED, REPLICATED) else "local"
 
 
-def expected_ranks(run: Run, present: list[int]) -> int:
+def expected_ranks(run: Run, present: Sized) -> int:
     """How many ranks a combined step needs: the run's world size when the agent sent
     one, else the ranks that sent anything."""
     world = (run.environment or {}).get("world_size")
@@ -133,6 +135,29 @@ def ranks_panel(session: Session, run: Run, rank_rows: list[RunRank] | None = No
             "lost_batches": rank_row.lost_batches,
         })
     return rows
+
+
+RANKS_PAGE = 512  # ranks per answer of /api/v1/runs/{id}/ranks unless `limit` says
+MAX_RANKS_PAGE = 4096
+
+
+def rank_count(session: Session, run_id: str) -> int:
+    """The ranks that sent the run a batch: counted on the primary key's index."""
+    return session.scalar(select(func.count()).select_from(RunRank)
+                          .where(RunRank.run_id == run_id))
+
+
+def rank_page(session: Session, run_id: str, after: int, limit: int
+              ) -> tuple[list[RunRank], int | None]:
+    """The rank rows numbered above `after`, lowest first, at most `limit` (one keyset
+    read on the primary key, whatever the number of ranks), and the `after` of the next
+    page (None: none is left)."""
+    rows = list(session.scalars(select(RunRank).where(RunRank.run_id == run_id,
+                                                      RunRank.rank > after)
+                                .order_by(RunRank.rank).limit(limit + 1)))
+    if len(rows) > limit:
+        return rows[:limit], rows[limit - 1].rank
+    return rows, None
 
 
 MAX_OVERLAID_RANKS = 8  # lines per chart of the run page when no rank is picked

@@ -442,7 +442,10 @@ class RanksPublic(BaseModel):
     run_id: str
     world_size: int
     grad_layout: str
-    items: list[RankPanelPublic]
+    n_ranks: int = Field(description="every rank of the run that sent a batch")
+    items: list[RankPanelPublic] = Field(description="ranks after `after`, lowest first")
+    next_after: int | None = Field(
+        description="pass as `after` for the next ranks; null: these are the last")
 
 
 class ValidationErrorPublic(BaseModel):

@@ -19,9 +19,13 @@ from ampwatch.server.errors import InvalidInput
 from ampwatch.server.queries import layer_series_query, layers_query, matrix_query, steps_query
 from ampwatch.server.ranks import (
     MAX_COMBINED_STEPS,
+    MAX_RANKS_PAGE,
+    RANKS_PAGE,
     combined_grad_norms,
     expected_ranks,
     grad_layout,
+    rank_count,
+    rank_page,
     ranks_panel,
 )
 from ampwatch.server.responses import WireJSONResponse
@@ -151,9 +155,18 @@ def get_combined_grad_norms(
 
 @router.get("/{run_id}/ranks", response_model=RanksPublic,
             responses=READ | NOT_FOUND)
-def get_ranks(run_id: RunIdPath, session: SessionDep) -> RanksPublic:
-    """Each rank side by side: steps, skipped, loss scale, median step time, lost data."""
+def get_ranks(
+    run_id: RunIdPath,
+    session: SessionDep,
+    after: Annotated[int, Query(ge=-1, le=2**31 - 1,
+                                description="list the ranks numbered above this one")] = -1,
+    limit: Annotated[int, Query(ge=1, le=MAX_RANKS_PAGE)] = RANKS_PAGE,
+) -> RanksPublic:
+    """Each rank side by side: steps, skipped, loss scale, median step time, lost data;
+    `limit` ranks at a time (a 16,384-rank run reads in pages: follow `next_after`)."""
     run = get_run(session, run_id)
-    items = ranks_panel(session, run)
-    return RanksPublic(run_id=run.id, world_size=expected_ranks(run, [r["rank"] for r in items]),
-                       grad_layout=grad_layout(run), items=items)
+    rows, next_after = rank_page(session, run.id, after, limit)
+    n_ranks = rank_count(session, run.id)
+    return RanksPublic(run_id=run.id, world_size=expected_ranks(run, range(n_ranks)),
+                       grad_layout=grad_layout(run), n_ranks=n_ranks,
+                       items=ranks_panel(session, run, rows), next_after=next_after)

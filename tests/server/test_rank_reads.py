@@ -133,6 +133,26 @@ def test_the_ranks_panel_reads_no_batch(client):
     assert {item["step_ms_median"] for item in items} == {33.0}  # make_steps' t_step_ms
 
 
+def test_the_ranks_api_pages_by_rank_reading_at_most_a_page_of_rows(client):
+    """`limit` ranks an answer, however many the run has: following `next_after` lists
+    every rank once, in order, each page fetching at most limit + 1 rank rows (and the
+    count)."""
+    seen_ranks, after, pages = [], -1, 0
+    while after is not None:
+        seen = reads(client, f"/api/v1/runs/r64/ranks?limit=10&after={after}")
+        body = seen["answer"].json()
+        assert seen["rows"]["run_ranks"] <= 10 + 1 + 1, seen["rows"]
+        assert (body["n_ranks"], body["world_size"]) == (64, 64)
+        assert len(body["items"]) == (10 if body["next_after"] is not None else 4)
+        seen_ranks += [item["rank"] for item in body["items"]]
+        after, pages = body["next_after"], pages + 1
+    assert seen_ranks == list(range(64)) and pages == 7
+    whole = client.get("/api/v1/runs/r64/ranks").json()  # the default page holds them all
+    assert [i["rank"] for i in whole["items"]] == list(range(64)) and whole["next_after"] is None
+    for bad in ("limit=0", "limit=4097", "after=-2", "after=x"):
+        assert client.get(f"/api/v1/runs/r64/ranks?{bad}").status_code == 422, bad
+
+
 def test_combined_grad_norms_issue_the_same_statements_whatever_the_number_of_ranks(client):
     by_size = {size: reads(client, f"/api/v1/runs/r{size}/grad_norms?layers=true")
                for size in SIZES}
