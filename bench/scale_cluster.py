@@ -14,7 +14,7 @@ import time
 
 import httpx
 from ranks import drop_database, free_port, fresh_database, layer_table
-from scale_probes import PostgresProbe, QueueProbe, cpu_seconds
+from scale_probes import READER_APP, PostgresProbe, QueueProbe, cpu_seconds
 
 AMPWATCH = [sys.executable, "-m", "ampwatch.client.cli"]
 SLOW_RUN_S, SLOW_PERIOD_S = 0.01, 0.1  # the slowed worker runs 10 ms of every 100 ms
@@ -114,7 +114,9 @@ class Cluster:
         self.dsn = self.database_url.replace("+psycopg", "")
         self.database = self.database_url.rsplit("/", 1)[1]
         self.procs: list[subprocess.Popen] = []
-        self.urls: list[str] = []
+        self.urls: list[str] = []  # the ingest servers the senders post to
+        self.reader: subprocess.Popen | None = None
+        self.reader_url: str | None = None  # where the page probe reads
         self.worker: Worker | None = None
 
     def start(self) -> None:
@@ -123,6 +125,11 @@ class Cluster:
             proc, url = start_serve(self.database_url, self.args.embedded_workers or not worker)
             self.procs.append(proc)
             self.urls.append(url)
+        if self.args.reader:  # a replica that only serves pages: their CPU is its own
+            self.reader, self.reader_url = start_serve(
+                f"{self.database_url}?application_name={READER_APP}", False)
+        else:
+            self.reader_url = self.urls[-1]
         if worker:
             self.worker = Worker(self.database_url)
             self.worker.start()
@@ -130,13 +137,14 @@ class Cluster:
     def close(self) -> None:
         if self.worker is not None:
             self.worker.stop()
-        for proc in self.procs:
+        for proc in [*self.procs, *([self.reader] if self.reader else [])]:
             proc.terminate()
             proc.wait(timeout=30)
         drop_database(self.args.postgres, self.database_url)
 
     def cpu(self, pg: PostgresProbe) -> dict[str, float]:
         return {"servers": sum(cpu_seconds(p.pid) for p in self.procs),
+                "reader": cpu_seconds(self.reader.pid) if self.reader else 0.0,
                 "worker": self.worker.cpu() if self.worker is not None else 0.0,
                 **{f"pg{pid}": s for pid, s in pg.backend_cpu().items()}}
 
@@ -170,4 +178,5 @@ def cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, fl
     backends (one that started in between counts from zero)."""
     pg = sum(v - before.get(k, 0.0) for k, v in after.items() if k.startswith("pg"))
     return {"servers": after["servers"] - before["servers"],
+            "reader": after["reader"] - before["reader"],
             "worker": after["worker"] - before["worker"], "postgres": pg}

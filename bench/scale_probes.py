@@ -15,6 +15,7 @@ import psycopg
 from prometheus_client.parser import text_string_to_metric_families
 
 TICKS = os.sysconf("SC_CLK_TCK")
+READER_APP = "ampwatch-scale-reader"  # application_name of the page reader's connections
 
 
 def cpu_seconds(pid: int) -> float:
@@ -75,8 +76,11 @@ class PostgresProbe(Sampler):
         self.active.append(active)
 
     def backend_cpu(self) -> dict[int, float]:
-        pids = self.conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s",
-                                 (self.database,)).fetchall()
+        """CPU seconds of the database's backends, but the page reader's (its connections
+        name themselves READER_APP)."""
+        pids = self.conn.execute("SELECT pid FROM pg_stat_activity WHERE datname = %s AND "
+                                 "application_name IS DISTINCT FROM %s",
+                                 (self.database, READER_APP)).fetchall()
         return {pid: cpu_seconds(pid) for (pid,) in pids}
 
     def summary(self) -> dict:

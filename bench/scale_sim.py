@@ -18,8 +18,11 @@ Per phase it prints committed vs offered batches/s; CPU-ms per committed batch o
 servers, the database's backends and the worker (from /proc); sessions waiting on a lock
 (pg_stat_activity, every 0.25 s); ingest p50/p99 (first attempt to commit) and 503s;
 queue depth and worker lag (the server's /metrics); the run page and ranks API p99 while
-ingesting; batches stored in the database against those acknowledged. The database is
-one of its own on the Postgres server named by `--postgres`, dropped at the end.
+ingesting, read from a third `ampwatch serve` on the same database that only serves pages
+(so the ingest CPU is ingest's; its Postgres sessions are left out of the database's CPU
+too; `--pages-on-ingest` reads from the last ingest server instead); batches stored in
+the database against those acknowledged. The database is one of its own on the Postgres
+server named by `--postgres`, dropped at the end.
 
     python bench/scale_sim.py                  # 4 to 10 minutes on 2 shared cores
     python bench/scale_sim.py --full           # the issue's shapes: add R=4,096 and K=64
@@ -79,7 +82,7 @@ def run_phase(cluster: Cluster, shape: str, runs: int, ranks: int, seconds: floa
 
     pg = PostgresProbe(cluster.dsn, cluster.database)
     queue = QueueProbe(cluster.urls[0])
-    pages = PageProbe(cluster.urls[-1], run_ids[0])
+    pages = PageProbe(cluster.reader_url, run_ids[0])
     load_before = os.getloadavg()[0]
     start_at.value = time.time() + 1.0
     start = time.monotonic() + 1.0
@@ -122,6 +125,7 @@ def figures(cluster: Cluster, shape: str, run_ids: list[str], ranks: int, second
         "cpu_ms_servers": cpu["servers"] * per_batch,
         "cpu_ms_postgres": cpu["postgres"] * per_batch,
         "cpu_ms_worker": cpu["worker"] * per_batch, **pg.summary(),
+        "reader_cpu_s": cpu["reader"],
         "ingest_p50_s": percentile(latencies, 0.5), "ingest_p99_s": percentile(latencies, 0.99),
         "shed_503": sum(o.shed for o in outcomes),
         "late_median_s": statistics.median(late) if (late := [t for o in outcomes
@@ -260,6 +264,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "(FSDP); replicated: rank 0's only (DDP)")
     parser.add_argument("--servers", type=int, default=2)
     parser.add_argument("--senders", type=int, default=2, help="sender processes")
+    parser.add_argument("--pages-on-ingest", dest="reader", action="store_false",
+                        help="read pages from the last ingest server (their CPU then counts "
+                             "as ingest's) instead of a third server that only serves them")
     parser.add_argument("--drain-timeout", type=float, default=300.0)
     parser.add_argument("--no-worker", action="store_true",
                         help="start no `ampwatch worker` (the servers' own threads analyse)")
@@ -290,7 +297,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cluster.start()
         print(f"scale_sim {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, load "
-              f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.servers} servers, "
+              f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.servers} servers{' + a page reader' if args.reader else ''}, "
               f"{'one worker' if cluster.worker else 'no worker (analysis inside ingest)'}; "
               f"{args.rate:g} batches/s offered, {args.steps_per_batch} steps x "
               f"{args.layers} layers ({args.layout}), {args.seconds:g} s windows", flush=True)
@@ -316,6 +323,12 @@ def main(argv: list[str] | None = None) -> None:
     report(args, rows, sqlite, note, started, load, cluster.database)
 
 
+def _reader_cpu(r: dict) -> str:
+    if not r["reader_cpu_s"]:
+        return "pages read from an ingest server"
+    return f"page reader {1000 * r['reader_cpu_s'] / max(r['page_reads'], 1):.0f} CPU-ms a read"
+
+
 def report(args: argparse.Namespace, rows: list[dict], sqlite: dict | None, note: str,
            started: datetime, load: tuple[float, float, float], database: str) -> None:
     print()
@@ -330,7 +343,8 @@ def report(args: argparse.Namespace, rows: list[dict], sqlite: dict | None, note
               f"{100 * r['lock_wait_share']:.0f}%, senders late (median) "
               f"{_s(r['late_median_s'])} s, run page p99 {_s(r['run page p99_s'])} s, ranks API "
               f"p99 {_s(r['ranks API p99_s'])} s ({r['page_reads']} reads, "
-              f"{r['page_shed_503']} 503s retried), load {r['load_before']:.1f}->"
+              f"{r['page_shed_503']} 503s retried; {_reader_cpu(r)}), load "
+              f"{r['load_before']:.1f}->"
               f"{r['load_after']:.1f}{extra}")
         for failure in r["failures"] + r["page_errors"]:
             print(f"  {failure}")
