@@ -72,36 +72,41 @@ def run_phase(cluster: Cluster, shape: str, runs: int, ranks: int, seconds: floa
     start_at = ctx.Value("d", 0.0)
     senders = [ctx.Process(target=sender_main, args=(plan, k, ready, go, start_at, results))
                for k, plan in enumerate(plans)]
-    t_prefill = time.monotonic()
-    for proc in senders:
-        proc.start()
-    for _ in senders:
-        ready.get(timeout=1800)
-    prefill_s = time.monotonic() - t_prefill
-    cluster.drain(args.drain_timeout)  # the prefill's analysis is not the window's work
+    try:
+        t_prefill = time.monotonic()
+        for proc in senders:
+            proc.start()
+        for _ in senders:
+            ready.get(timeout=1800)
+        prefill_s = time.monotonic() - t_prefill
+        cluster.drain(args.drain_timeout)  # the prefill's analysis is not the window's work
 
-    pg = PostgresProbe(cluster.dsn, cluster.database)
-    queue = QueueProbe(cluster.urls[0])
-    pages = PageProbe(cluster.reader_url, run_ids[0])
-    load_before = os.getloadavg()[0]
-    start_at.value = time.time() + 1.0
-    start = time.monotonic() + 1.0
-    go.set()
-    time.sleep(max(0.0, start - time.monotonic()))
-    cpu_before = cluster.cpu(pg)
-    for probe in (pg, queue, pages):
-        probe.start()
-    if during is not None:
-        during(start)
-    time.sleep(max(0.0, start + seconds - time.monotonic()))
-    cpu = cpu_delta(cpu_before, cluster.cpu(pg))
-    for probe in (pg, pages):
-        probe.stop()
-    outcomes = [results.get(timeout=seconds + GRACE_S + 120)[1] for _ in senders]
-    for proc in senders:
-        proc.join()
-    drain_s = cluster.drain(args.drain_timeout)
-    queue.stop()
+        pg = PostgresProbe(cluster.dsn, cluster.database)
+        queue = QueueProbe(cluster.urls[0])
+        pages = PageProbe(cluster.reader_url, run_ids[0])
+        load_before = os.getloadavg()[0]
+        start_at.value = time.time() + 1.0
+        start = time.monotonic() + 1.0
+        go.set()
+        time.sleep(max(0.0, start - time.monotonic()))
+        cpu_before = cluster.cpu(pg)
+        for probe in (pg, queue, pages):
+            probe.start()
+        if during is not None:
+            during(start)
+        time.sleep(max(0.0, start + seconds - time.monotonic()))
+        cpu = cpu_delta(cpu_before, cluster.cpu(pg))
+        for probe in (pg, pages):
+            probe.stop()
+        outcomes = [results.get(timeout=seconds + GRACE_S + 120)[1] for _ in senders]
+        for proc in senders:
+            proc.join()
+        drain_s = cluster.drain(args.drain_timeout)
+        queue.stop()
+    finally:  # an interrupt (Ctrl-C) must not leave senders for the exit to wait on
+        for proc in senders:
+            if proc.is_alive():
+                proc.terminate()
     return figures(cluster, shape, run_ids, ranks, seconds, outcomes, cpu, pg, queue, pages,
                    prefill_s=prefill_s, drain_s=drain_s, start=start,
                    load=(load_before, os.getloadavg()[0]))
@@ -297,7 +302,8 @@ def main(argv: list[str] | None = None) -> None:
     try:
         cluster.start()
         print(f"scale_sim {started:%Y-%m-%d %H:%M} UTC, {os.cpu_count()} cores, load "
-              f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.servers} servers{' + a page reader' if args.reader else ''}, "
+              f"{load[0]:.1f} {load[1]:.1f} {load[2]:.1f}; {args.servers} servers"
+              f"{' + a page reader' if args.reader else ''}, "
               f"{'one worker' if cluster.worker else 'no worker (analysis inside ingest)'}; "
               f"{args.rate:g} batches/s offered, {args.steps_per_batch} steps x "
               f"{args.layers} layers ({args.layout}), {args.seconds:g} s windows", flush=True)
