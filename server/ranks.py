@@ -19,7 +19,7 @@ import numpy as np
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Finding, Run, RunRank
+from ampwatch.server.models import Batch, Finding, Run, RunRank
 from ampwatch.server.rollups import step_ms_median
 from ampwatch.server.runs import run_ranks
 from ampwatch.server.series import MISSING, StepSeries
@@ -28,6 +28,9 @@ from ampwatch.wire import encode_float_array
 
 SHARDED, REPLICATED = "sharded", "replicated"
 MAX_COMBINED_STEPS = 10_000
+# values a sharded combined read unpacks at once (a chunk of ranks' steps, x layers with
+# layers=true): 8M float32 values, and their float64 copy, are about 100 MB
+COMBINED_VALUES = 8_000_000
 
 
 def grad_layout(run: Run) -> str:
@@ -42,76 +45,132 @@ def expected_ranks(run: Run, present: Sized) -> int:
     return world if isinstance(world, int) and world >= 1 else max(len(present), 1)
 
 
-def combine_sharded(parts: dict[int, StepSeries], n_ranks: int, n_layers: int,
-                    with_layers: bool
-                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
-    """Steps every one of `n_ranks` ranks sent, their total norm, whether every rank
-    sent a total for the step, and (with_layers) the per-layer norms: sqrt of the sum
-    over ranks of the squares, in float64. A layer none of the ranks had a grad for is
-    MISSING; one rank without it adds nothing."""
-    if len(parts) < n_ranks or not parts:
-        return np.zeros(0, dtype=np.int64), np.zeros(0), np.zeros(0, dtype=bool), None
-    steps = None
-    for series in parts.values():
-        steps = series.steps if steps is None else np.intersect1d(steps, series.steps)
-    total_sq = np.zeros(steps.size)
-    layer_sq = np.zeros((steps.size, n_layers)) if with_layers else None
-    seen = np.zeros((steps.size, n_layers), dtype=bool) if with_layers else None
-    total_known = np.ones(steps.size, dtype=bool)
-    for series in parts.values():
-        rows = np.searchsorted(series.steps, steps)
-        has = series.has("grad_norm")[rows]
-        total_known &= has
-        total_sq += np.square(np.where(has, series.column("grad_norm")[rows], 0.0))
-        if with_layers and series.layer_grad is not None:
-            block = series.layer_grad[rows].astype(np.float64)
+class ShardSums:
+    """The ranks' squared grad norms summed step by step over [start, end], fed a few
+    ranks at a time (`add`), so a read of any number of ranks holds one span's sums and
+    one chunk of ranks' batches, never every rank's at once."""
+
+    def __init__(self, start: int, end: int, n_layers: int, with_layers: bool) -> None:
+        size = end - start + 1
+        self.start = start
+        self.ranks_sent = np.zeros(size, dtype=np.int64)  # ranks that sent each step
+        self.total_known = np.ones(size, dtype=bool)
+        self.total_sq = np.zeros(size)
+        self.layer_sq = np.zeros((size, n_layers)) if with_layers else None
+        self.seen = np.zeros((size, n_layers), dtype=bool) if with_layers else None
+
+    def add(self, series: StepSeries) -> None:
+        """One rank's steps (within the span, each once)."""
+        rows = series.steps - self.start
+        self.ranks_sent[rows] += 1
+        has = series.has("grad_norm")
+        self.total_known[rows] &= has
+        self.total_sq[rows] += np.square(np.where(has, series.column("grad_norm"), 0.0))
+        if self.layer_sq is not None and series.layer_grad is not None:
+            block = series.layer_grad.astype(np.float64)
             present = block != MISSING
-            seen |= present
-            layer_sq += np.where(present, np.square(block), 0.0)
-    total = np.sqrt(total_sq)
-    layers = None
-    if with_layers:
-        layers = np.where(seen, np.sqrt(layer_sq), float(MISSING))
-    return steps, total, total_known, layers
+            self.seen[rows] |= present
+            self.layer_sq[rows] += np.where(present, np.square(block), 0.0)
+
+    def combined(self, n_ranks: int
+                 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """Steps every one of `n_ranks` ranks sent, their total norm (sqrt of the summed
+        squares, float64), whether every rank sent a total for the step, and the
+        per-layer norms (with layers): a layer none of the ranks had a grad for is
+        MISSING; one rank without it adds nothing."""
+        keep = np.flatnonzero(self.ranks_sent >= max(n_ranks, 1))
+        layers = None
+        if self.layer_sq is not None:
+            layers = np.where(self.seen[keep], np.sqrt(self.layer_sq[keep]), float(MISSING))
+        return (keep + self.start, np.sqrt(self.total_sq[keep]), self.total_known[keep],
+                layers)
 
 
 def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
                         end: int | None = None, with_layers: bool = False,
                         limit: int = MAX_COMBINED_STEPS) -> dict:
     """The run's grad norms over [start, end], combined over its ranks (see the module
-    docstring); at most `limit` steps from `start`. Two reads whatever the number of
-    ranks; sharded, the second returns every rank's batches in the range (ranks x steps
-    x layers with `with_layers`), replicated only the lead rank's."""
-    ranks = [r.rank for r in run_ranks(session, run.id)]
+    docstring): the steps of a span of at most `limit` step numbers from `start` (the
+    lead rank's first step when None), fewer where a sharded read would pass
+    steps' per-layer sums would pass COMBINED_VALUES / 8 values; `next_start` continues
+    while the lead rank has later steps. Reads the lead rank's row, the count of ranks
+    and its first step, then the batches in the span: the lead rank's when replicated;
+    when sharded, every rank's, a chunk of ranks at a time (`ShardSums`), so the values
+    unpacked at once stay near COMBINED_VALUES however many ranks there are, and a long
+    run costs what a short one does. (Per-layer norms of thousands of ranks are then
+    many chunks: a sharded step's norm needs every rank's shards.)"""
+    lead = session.scalars(select(RunRank).where(RunRank.run_id == run.id)
+                           .order_by(RunRank.rank).limit(1)).first()
+    reporting = rank_count(session, run.id) if lead is not None else 0
     layout = grad_layout(run)
-    n_ranks = expected_ranks(run, ranks)
+    n_ranks = expected_ranks(run, range(reporting))
     n_layers = run.n_layers
-    if layout == SHARDED:
-        found = load_ranks_series(session, run.id, None, start, end, n_layers=n_layers,
-                                  with_layers=with_layers, with_acts=False)
-        parts = {r: found.get(r, StepSeries.empty(n_layers)) for r in ranks}
-        steps, total, known, layers = combine_sharded(parts, n_ranks, n_layers, with_layers)
+    first = start if start is not None else _first_step(session, run.id, lead)
+    last = lead.last_step if lead is not None else None
+    if end is not None:
+        last = end if last is None else min(last, end)
+    span = limit
+    if layout == SHARDED and with_layers:  # the span's float64 per-layer sums: 8 MB at most
+        span = max(1, min(limit, COMBINED_VALUES // 8 // max(n_layers, 1)))
+    if first is None or last is None or first > last:
+        steps = np.zeros(0, dtype=np.int64)
+        total, known, layers = np.zeros(0), np.zeros(0, dtype=bool), None
+        bound = last
     else:
-        lead = min(ranks, default=0)
-        series = load_series(session, run.id, lead, start, end, n_layers=n_layers,
-                             with_layers=with_layers, with_acts=False)
-        steps, total, known = series.steps, series.column("grad_norm"), series.has("grad_norm")
-        layers = series.layer_grad if with_layers else None
-        if with_layers and layers is None:
-            layers = np.full((len(series), n_layers), MISSING, dtype=np.float32)
-    cut = steps.size > limit
-    steps, total, known = steps[:limit], total[:limit], known[:limit]
+        bound = min(last, first + span - 1)
+        steps, total, known, layers = _combined_span(session, run, layout, lead, n_ranks,
+                                                     first, bound, with_layers)
+    if with_layers and layers is None:
+        layers = np.full((len(steps), n_layers), MISSING, dtype=np.float32)
     return {
         "run_id": run.id,
         "grad_layout": layout,
         "ranks": n_ranks,
-        "ranks_reporting": len(ranks),
+        "ranks_reporting": reporting,
         "steps": steps.tolist(),
         "grad_norm": encode_float_array(total, missing=~known),
-        "layer_grad_norm": None if layers is None else encode_float_array(
-            layers[:limit], missing=layers[:limit] == MISSING),
-        "next_start": int(steps[-1]) + 1 if cut else None,
+        "layer_grad_norm": None if not with_layers else encode_float_array(
+            layers, missing=layers == MISSING),
+        "next_start": bound + 1 if bound is not None and bound < last else None,
     }
+
+
+def _first_step(session: Session, run_id: str, lead: RunRank | None) -> int | None:
+    """The lead rank's first step (a combined step needs every rank, the lead too): one
+    probe of the batches' (run, rank, first_step) index."""
+    if lead is None:
+        return None
+    return session.scalar(select(func.min(Batch.first_step)).where(
+        Batch.run_id == run_id, Batch.rank == lead.rank, Batch.first_step >= 0))
+
+
+def _combined_span(session: Session, run: Run, layout: str, lead: RunRank, n_ranks: int,
+                   start: int, end: int, with_layers: bool
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Steps in [start, end] combined as the layout says: (steps, total norm, whether
+    the total is known, per-layer norms or None)."""
+    n_layers = run.n_layers
+    if layout == SHARDED:
+        sums = ShardSums(start, end, n_layers, with_layers)
+        # ranks a chunk: their batches in the span, unpacked at once, stay near
+        # COMBINED_VALUES (a batch is unpacked whole, so a rank's rows reach past the
+        # span by up to a batch at either end: the lead's mean batch is the estimate)
+        width = n_layers if with_layers else 1
+        batch_steps = lead.steps // max(lead.batches, 1)
+        chunk = max(1, COMBINED_VALUES // ((end - start + 1 + 2 * batch_steps) * width))
+        after = -1
+        while after is not None:
+            rows, after = rank_page(session, run.id, after, chunk)
+            parts = load_ranks_series(session, run.id, [r.rank for r in rows], start, end,
+                                      n_layers=n_layers, with_layers=with_layers,
+                                      with_acts=False)
+            for series in parts.values():
+                sums.add(series)
+        return sums.combined(n_ranks)
+    series = load_series(session, run.id, lead.rank, start, end, n_layers=n_layers,
+                         with_layers=with_layers, with_acts=False)
+    return (series.steps, series.column("grad_norm"), series.has("grad_norm"),
+            series.layer_grad if with_layers else None)
 
 
 def ranks_panel(session: Session, run: Run, rank_rows: list[RunRank] | None = None
