@@ -88,7 +88,9 @@ def list_runs(
     limit: int = 50,
     offset: int = 0,
 ) -> RunsPublic:
-    """Runs newest first; `name` matches a substring, case-insensitively."""
+    """Runs newest first; `name` matches a substring, case-insensitively. Each run's
+    `ranks` holds its lead rank only (`n_ranks` counts them all; `GET /runs/{id}` and
+    `/runs/{id}/ranks` list every rank), so a page of runs reads one rank row a run."""
     query = select(Run)
     if project is not None:
         query = query.where(Run.project == project)
@@ -105,22 +107,22 @@ def list_runs(
         session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset))
     )
     ids = [r.id for r in runs]
-    ranks, incidents = _ranks_of(session, ids), incidents_by_run(session, ids, open_only=True)
+    ranks, incidents = lead_ranks(session, ids), incidents_by_run(session, ids, open_only=True)
     totals = rank_totals(session, ids)
     items = [run_public(r, ranks.get(r.id, []), settings, incidents[r.id], totals.get(r.id))
              for r in runs]
     return RunsPublic(items=items, total=total, limit=limit, offset=offset)
 
 
-def _ranks_of(session: Session, run_ids: list[str]) -> dict[str, list[RunRank]]:
-    by_run: dict[str, list[RunRank]] = {}
-    if run_ids:
-        rows = session.scalars(
-            select(RunRank).where(RunRank.run_id.in_(run_ids)).order_by(RunRank.rank)
-        )
-        for row in rows:
-            by_run.setdefault(row.run_id, []).append(row)
-    return by_run
+def lead_ranks(session: Session, run_ids: list[str]) -> dict[str, list[RunRank]]:
+    """Each run's lowest numbered rank row: one read, whatever the number of ranks."""
+    if not run_ids:
+        return {}
+    lowest = (select(RunRank.run_id, func.min(RunRank.rank).label("rank"))
+              .where(RunRank.run_id.in_(run_ids)).group_by(RunRank.run_id).subquery())
+    rows = session.scalars(select(RunRank).join(
+        lowest, (RunRank.run_id == lowest.c.run_id) & (RunRank.rank == lowest.c.rank)))
+    return {row.run_id: [row] for row in rows}
 
 
 def live_runs(session: Session, since: datetime) -> list[Row]:
@@ -134,7 +136,10 @@ def live_runs(session: Session, since: datetime) -> list[Row]:
 
 
 def run_ranks(session: Session, run_id: str) -> list[RunRank]:
-    return _ranks_of(session, [run_id]).get(run_id, [])
+    """Every rank row of the run, lowest numbered first (one row per rank: the run's
+    own API and retention; the pages read `ranks.panel_rank_rows`)."""
+    return list(session.scalars(select(RunRank).where(RunRank.run_id == run_id)
+                                .order_by(RunRank.rank)))
 
 
 def rank_totals(session: Session, run_ids: list[str]) -> dict[str, Row]:

@@ -25,7 +25,7 @@ from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import overlaid_ranks, panel_rank_rows, ranks_panel
-from ampwatch.server.runs import get_run, list_runs, public_run
+from ampwatch.server.runs import get_run, lead_ranks, list_runs, public_run
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import layer_rows
 
@@ -351,14 +351,16 @@ def _layer_flag(group: list[dict]) -> dict:
 
 
 def compare_twin(session: Session, settings: Settings, run_ids: list[str]) -> dict:
-    """/compare: each run's lowest rank, downsampled; unknown ids listed apart."""
+    """/compare: each run's lowest rank, downsampled; unknown ids listed apart. A run's
+    `ranks` holds that lead rank only (one row, whatever the number of ranks)."""
     runs, steps, missing = [], {}, []
     for run_id in run_ids[:MAX_COMPARED]:
         run = session.get(Run, run_id)
         if run is None:
             missing.append(run_id)
             continue
-        public = public_run(session, run, settings).model_dump(mode="json")
+        public = public_run(session, run, settings,
+                            lead_ranks(session, [run_id]).get(run_id, [])).model_dump(mode="json")
         lead = min((r["rank"] for r in public["ranks"]), default=0)
         runs.append(public)
         steps[run_id] = steps_query(session, run, rank=lead, max_points=MAX_POINTS)
