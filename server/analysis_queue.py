@@ -44,6 +44,17 @@ def pending_batches(session: Session, run_id: str | None = None) -> int:
     return session.scalar(query) or 0
 
 
+def pending_by_run(session: Session, run_ids: list[str]) -> dict[str, int]:
+    """`pending_batches` of each of `run_ids` in one grouped count (a page of runs); a
+    run with none waiting has no entry."""
+    if not run_ids:
+        return {}
+    rows = session.execute(
+        select(AnalysisTask.run_id, func.count()).where(AnalysisTask.run_id.in_(run_ids))
+        .group_by(AnalysisTask.run_id))
+    return {run_id: count for run_id, count in rows}
+
+
 def oldest_enqueued(session: Session) -> datetime | None:
     """When the oldest batch still waiting was stored (None: the queue is empty)."""
     return as_utc(session.scalar(select(func.min(AnalysisTask.enqueued_at))))

@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server import analysis
 from ampwatch.server.analysis.incidents import Incident
 from ampwatch.server.analysis.queries import incidents_by_run
+from ampwatch.server.analysis_queue import pending_batches, pending_by_run
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import NotFound
 from ampwatch.server.models import Layer, Run, RunRank, as_utc, utcnow
@@ -106,8 +107,9 @@ def list_runs(
     )
     ids = [r.id for r in runs]
     ranks, incidents = _ranks_of(session, ids), incidents_by_run(session, ids, open_only=True)
-    totals = rank_totals(session, ids)
-    items = [run_public(r, ranks.get(r.id, []), settings, incidents[r.id], totals.get(r.id))
+    totals, pending = rank_totals(session, ids), pending_by_run(session, ids)
+    items = [run_public(r, ranks.get(r.id, []), settings, incidents[r.id], totals.get(r.id),
+                        pending.get(r.id, 0))
              for r in runs]
     return RunsPublic(items=items, total=total, limit=limit, offset=offset)
 
@@ -169,18 +171,21 @@ def _missing_steps():
 def public_run(session: Session, run: Run, settings: Settings,
                ranks: list[RunRank] | None = None) -> RunPublic:
     """`run_public` of one run: its totals (one aggregate row), its ranks (read unless
-    given: the pages give at most `ranks.PANEL_ROWS`, the lead first) and its open
-    incidents."""
+    given: the pages give at most `ranks.PANEL_ROWS`, the lead first), its open
+    incidents and its batches still on the analysis queue (one indexed count)."""
     return run_public(run, run_ranks(session, run.id) if ranks is None else ranks, settings,
                       incidents_by_run(session, [run.id], open_only=True)[run.id],
-                      rank_totals(session, [run.id]).get(run.id))
+                      rank_totals(session, [run.id]).get(run.id),
+                      pending_batches(session, run.id))
 
 
 def run_public(run: Run, ranks: list[RunRank], settings: Settings,
-               open_incidents: list[Incident], totals: Row | None) -> RunPublic:
+               open_incidents: list[Incident], totals: Row | None,
+               analysis_pending: int) -> RunPublic:
     """The API view of a run: its fields, `totals` over its ranks (`rank_totals`; None:
-    no rank), the `ranks` given (lowest numbered first: the first is the lead) and its
-    open incidents counted (problems: warning or critical; notes: info)."""
+    no rank), the `ranks` given (lowest numbered first: the first is the lead), its
+    open incidents counted (problems: warning or critical; notes: info) and its
+    `analysis_pending` batches (stored, not yet judged: findings may still come)."""
     n_ranks = totals.n_ranks if totals else 0
     # Postgres sums BIGINT to NUMERIC
     steps = int(totals.steps or 0) if totals else 0
@@ -204,6 +209,7 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
         open_findings=run.open_findings,
         open_problems=sum(i.problem for i in open_incidents),
         open_notes=sum(not i.problem for i in open_incidents),
+        analysis_pending=analysis_pending,
         n_layers=run.n_layers,
         steps=steps,
         skipped=skipped,
