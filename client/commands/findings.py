@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 
 from ampwatch.client import render
 from ampwatch.client.api import Client
 from ampwatch.client.commands import BadUsage, connect, print_json
-from ampwatch.client.models import SEVERITIES, Finding, Records, Run
+from ampwatch.client.models import SEVERITIES, Finding, Records
 
 ANALYSIS_WAIT_S = 60.0  # `check --wait` default: how long a run's pending analysis may take
-POLL_S = 0.5  # between reads of a run whose analysis is pending
 
 
 def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -75,25 +73,27 @@ def check_run(args: argparse.Namespace) -> int:
     if args.wait < 0:
         raise BadUsage("--wait must be 0 or more seconds")
     with connect(args) as client:
-        run = analysed_run(client, args.run, args.wait)
+        run = client.run(args.run)
+        if run.analysis_pending:  # findings may still come: neither pass nor fail on half
+            print(f"waiting for the analysis of {run.analysis_pending} batch"
+                  f"{'es' if run.analysis_pending != 1 else ''} of run {run.id} "
+                  f"(up to {args.wait:g} s)", file=sys.stderr, flush=True)
+            try:
+                run = client.wait_for_analysis(run.id, args.wait)
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc} (is an analysis worker running? wait longer "
+                                   f"with --wait)") from None
         failing = at_or_above(client, run.id, args.fail_on, status="open")
-    verdict = {"run_id": run.id, "status": run.status, "fail_on": args.fail_on,
-               "analysis_pending": run.analysis_pending}
-    if run.analysis_pending:  # findings may still come: neither pass nor fail on half
-        if args.json:
-            print_json({**verdict, "passed": False, "findings": failing})
-        print(f"run {run.id}: findings are not all in yet: analysis of "
-              f"{_batches(run.analysis_pending)} still pending after {args.wait:g} s "
-              f"(is an analysis worker running? wait longer with --wait)", file=sys.stderr)
-        return 2
     if run.status == "no_data":  # a monitor that recorded nothing must not pass a gate
         if args.json:
-            print_json({**verdict, "passed": False, "findings": failing})
+            print_json({"run_id": run.id, "status": run.status, "fail_on": args.fail_on,
+                        "passed": False, "findings": failing})
         print(f"run {run.id} has no steps stored: nothing to check", file=sys.stderr)
         return 2
     passed = not failing
     if args.json:
-        print_json({**verdict, "passed": passed, "findings": failing})
+        print_json({"run_id": run.id, "status": run.status, "fail_on": args.fail_on,
+                    "passed": passed, "findings": failing})
     elif passed:
         print(f"ok: run {run.id} has no open findings at or above {args.fail_on} "
               f"(status {run.status}, {run.steps} steps)")
@@ -105,27 +105,6 @@ def check_run(args: argparse.Namespace) -> int:
               f"{'s' if len(failing) != 1 else ''} at or above {args.fail_on} ({counts})",
               file=sys.stderr)
     return 0 if passed else 1
-
-
-def analysed_run(client: Client, run_id: str, wait_s: float) -> Run:
-    """The run once the server has judged all its stored batches, or as it is after
-    `wait_s` seconds (its `analysis_pending` then says how many wait). Reads it every
-    POLL_S, saying on stderr how many batches wait whenever that changes."""
-    deadline = time.monotonic() + wait_s
-    run = client.run(run_id)
-    said = 0
-    while run.analysis_pending and time.monotonic() < deadline:
-        if run.analysis_pending != said:
-            print(f"waiting for the analysis of {_batches(run.analysis_pending)} of run "
-                  f"{run.id} (up to {wait_s:g} s)", file=sys.stderr, flush=True)
-            said = run.analysis_pending
-        time.sleep(min(POLL_S, max(deadline - time.monotonic(), 0)))
-        run = client.run(run_id)
-    return run
-
-
-def _batches(n: int) -> str:
-    return f"{n} batch" if n == 1 else f"{n} batches"
 
 
 def findings_table(findings: list[Finding], *, with_run: bool) -> str:
