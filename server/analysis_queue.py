@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import ColumnElement, ScalarSelect, delete, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import AnalysisTask, as_utc, utcnow
@@ -44,15 +44,12 @@ def pending_batches(session: Session, run_id: str | None = None) -> int:
     return session.scalar(query) or 0
 
 
-def pending_by_run(session: Session, run_ids: list[str]) -> dict[str, int]:
-    """`pending_batches` of each of `run_ids` in one grouped count (a page of runs); a
-    run with none waiting has no entry."""
-    if not run_ids:
-        return {}
-    rows = session.execute(
-        select(AnalysisTask.run_id, func.count()).where(AnalysisTask.run_id.in_(run_ids))
-        .group_by(AnalysisTask.run_id))
-    return {run_id: count for run_id, count in rows}
+def pending_count(run_id: ColumnElement[str]) -> ScalarSelect[int]:
+    """The run's batches still waiting, as a scalar subquery to select beside the run's
+    row: read in the same statement, so in the same snapshot (a count of 0 then means
+    the row already holds what the worker wrote). One probe of the (run_id, id) index."""
+    return (select(func.count()).select_from(AnalysisTask)
+            .where(AnalysisTask.run_id == run_id).scalar_subquery())
 
 
 def oldest_enqueued(session: Session) -> datetime | None:

@@ -10,7 +10,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server import analysis
 from ampwatch.server.analysis.incidents import Incident
 from ampwatch.server.analysis.queries import incidents_by_run
-from ampwatch.server.analysis_queue import pending_batches, pending_by_run
+from ampwatch.server.analysis_queue import pending_count
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import NotFound
 from ampwatch.server.models import Layer, Run, RunRank, as_utc, utcnow
@@ -102,15 +102,15 @@ def list_runs(
         else:
             query = query.where(Run.status == status, Run.id.in_(with_steps))
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    runs = list(
-        session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset))
-    )
-    ids = [r.id for r in runs]
+    # each run with its pending batches, read in one statement (see `public_run`)
+    page = list(session.execute(
+        query.add_columns(pending_count(Run.id))
+        .order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset)))
+    ids = [run.id for run, _ in page]
     ranks, incidents = _ranks_of(session, ids), incidents_by_run(session, ids, open_only=True)
-    totals, pending = rank_totals(session, ids), pending_by_run(session, ids)
+    totals = rank_totals(session, ids)
     items = [run_public(r, ranks.get(r.id, []), settings, incidents[r.id], totals.get(r.id),
-                        pending.get(r.id, 0))
-             for r in runs]
+                        pending) for r, pending in page]
     return RunsPublic(items=items, total=total, limit=limit, offset=offset)
 
 
@@ -170,13 +170,19 @@ def _missing_steps():
 
 def public_run(session: Session, run: Run, settings: Settings,
                ranks: list[RunRank] | None = None) -> RunPublic:
-    """`run_public` of one run: its totals (one aggregate row), its ranks (read unless
-    given: the pages give at most `ranks.PANEL_ROWS`, the lead first), its open
-    incidents and its batches still on the analysis queue (one indexed count)."""
+    """`run_public` of one run: its row read again with its pending batches (one
+    statement), then its totals (one aggregate row), its ranks (read unless given: the
+    pages give at most `ranks.PANEL_ROWS`, the lead first) and its open incidents."""
+    # what is read after a count of 0 holds all the worker wrote (its findings, the
+    # run's status): on Postgres each statement reads the latest commits
+    row = session.execute(select(Run, pending_count(Run.id)).where(Run.id == run.id)
+                          .execution_options(populate_existing=True)).one_or_none()
+    if row is None:
+        raise NotFound(f"no run with id {run.id!r}")  # deleted since it was read
+    run, pending = row
     return run_public(run, run_ranks(session, run.id) if ranks is None else ranks, settings,
                       incidents_by_run(session, [run.id], open_only=True)[run.id],
-                      rank_totals(session, [run.id]).get(run.id),
-                      pending_batches(session, run.id))
+                      rank_totals(session, [run.id]).get(run.id), pending)
 
 
 def run_public(run: Run, ranks: list[RunRank], settings: Settings,
