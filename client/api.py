@@ -197,6 +197,24 @@ class Client:
                     f"run {run_id!r} did not reach step {step} within {timeout:g} s ({seen})")
             time.sleep(min(poll_interval, left))
 
+    def wait_for_analysis(self, run_id: str, timeout: float = 60.0, *,
+                          poll_interval: float = 0.5) -> Run:
+        """Poll until the server has judged every stored batch of the run (its
+        `analysis_pending` is 0: its findings are all in) and return it. Blocks up to
+        `timeout` seconds, then raises TimeoutError saying how many batches wait."""
+        deadline = time.monotonic() + timeout
+        while True:
+            run = self.run(run_id)
+            if not run.analysis_pending:
+                return run
+            left = deadline - time.monotonic()
+            if left <= 0:
+                n = run.analysis_pending
+                raise TimeoutError(
+                    f"run {run_id!r}: findings are not all in yet: analysis of {n} "
+                    f"batch{'es' if n != 1 else ''} still pending after {timeout:g} s")
+            time.sleep(min(poll_interval, left))
+
     # a run's data
 
     def steps(self, run_id: str, *, start: int | None = None, end: int | None = None,

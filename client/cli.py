@@ -4,7 +4,8 @@ plug in through the `ampwatch.cli` entry point group, so this module imports nei
 server nor torch.
 
 Exit status: 0 ok; 1 `check` found what it gates on; 2 an error (usage, server down,
-unknown run, bad token), reported in one line on stderr; 130 interrupted.
+unknown run, bad token; `check` of a run whose analysis is still pending after --wait),
+reported in one line on stderr; 130 interrupted.
 """
 
 from __future__ import annotations

@@ -109,6 +109,7 @@ class Run(Model):
     open_findings: int = 0
     open_problems: int = 0  # open incidents at warning or critical
     open_notes: int = 0  # open info incidents
+    analysis_pending: int = 0  # batches not judged yet: findings may still come
     n_layers: int = 0
     steps: int = 0
     skipped: int = 0

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import delete, func, select
+from sqlalchemy import ColumnElement, ScalarSelect, delete, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import AnalysisTask, as_utc, utcnow
@@ -42,6 +42,14 @@ def pending_batches(session: Session, run_id: str | None = None) -> int:
     if run_id is not None:
         query = query.where(AnalysisTask.run_id == run_id)
     return session.scalar(query) or 0
+
+
+def pending_count(run_id: ColumnElement[str]) -> ScalarSelect[int]:
+    """The run's batches still waiting, as a scalar subquery to select beside the run's
+    row: read in the same statement, so in the same snapshot (a count of 0 then means
+    the row already holds what the worker wrote). One probe of the (run_id, id) index."""
+    return (select(func.count()).select_from(AnalysisTask)
+            .where(AnalysisTask.run_id == run_id).scalar_subquery())
 
 
 def oldest_enqueued(session: Session) -> datetime | None:

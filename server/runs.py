@@ -10,6 +10,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server import analysis
 from ampwatch.server.analysis.incidents import Incident
 from ampwatch.server.analysis.queries import incidents_by_run
+from ampwatch.server.analysis_queue import pending_count
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import NotFound
 from ampwatch.server.models import Layer, Run, RunRank, as_utc, utcnow
@@ -103,14 +104,15 @@ def list_runs(
         else:
             query = query.where(Run.status == status, Run.id.in_(with_steps))
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
-    runs = list(
-        session.scalars(query.order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset))
-    )
-    ids = [r.id for r in runs]
+    # each run with its pending batches, read in one statement (see `public_run`)
+    page = list(session.execute(
+        query.add_columns(pending_count(Run.id))
+        .order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset)))
+    ids = [run.id for run, _ in page]
     ranks, incidents = lead_ranks(session, ids), incidents_by_run(session, ids, open_only=True)
     totals = rank_totals(session, ids)
-    items = [run_public(r, ranks.get(r.id, []), settings, incidents[r.id], totals.get(r.id))
-             for r in runs]
+    items = [run_public(r, ranks.get(r.id, []), settings, incidents[r.id], totals.get(r.id),
+                        pending) for r, pending in page]
     return RunsPublic(items=items, total=total, limit=limit, offset=offset)
 
 
@@ -173,19 +175,28 @@ def _missing_steps():
 
 def public_run(session: Session, run: Run, settings: Settings,
                ranks: list[RunRank] | None = None) -> RunPublic:
-    """`run_public` of one run: its totals (one aggregate row), its ranks (read unless
-    given: the pages give at most `ranks.PANEL_ROWS`, the lead first) and its open
-    incidents."""
+    """`run_public` of one run: its row read again with its pending batches (one
+    statement), then its totals (one aggregate row), its ranks (read unless given: the
+    pages give at most `ranks.PANEL_ROWS`, the lead first) and its open incidents."""
+    # what is read after a count of 0 holds all the worker wrote (its findings, the
+    # run's status): on Postgres each statement reads the latest commits
+    row = session.execute(select(Run, pending_count(Run.id)).where(Run.id == run.id)
+                          .execution_options(populate_existing=True)).one_or_none()
+    if row is None:
+        raise NotFound(f"no run with id {run.id!r}")  # deleted since it was read
+    run, pending = row
     return run_public(run, run_ranks(session, run.id) if ranks is None else ranks, settings,
                       incidents_by_run(session, [run.id], open_only=True)[run.id],
-                      rank_totals(session, [run.id]).get(run.id))
+                      rank_totals(session, [run.id]).get(run.id), pending)
 
 
 def run_public(run: Run, ranks: list[RunRank], settings: Settings,
-               open_incidents: list[Incident], totals: Row | None) -> RunPublic:
+               open_incidents: list[Incident], totals: Row | None,
+               analysis_pending: int) -> RunPublic:
     """The API view of a run: its fields, `totals` over its ranks (`rank_totals`; None:
-    no rank), the `ranks` given (lowest numbered first: the first is the lead) and its
-    open incidents counted (problems: warning or critical; notes: info)."""
+    no rank), the `ranks` given (lowest numbered first: the first is the lead), its
+    open incidents counted (problems: warning or critical; notes: info) and its
+    `analysis_pending` batches (stored, not yet judged: findings may still come)."""
     n_ranks = totals.n_ranks if totals else 0
     # Postgres sums BIGINT to NUMERIC
     steps = int(totals.steps or 0) if totals else 0
@@ -209,6 +220,7 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
         open_findings=run.open_findings,
         open_problems=sum(i.problem for i in open_incidents),
         open_notes=sum(not i.problem for i in open_incidents),
+        analysis_pending=analysis_pending,
         n_layers=run.n_layers,
         steps=steps,
         skipped=skipped,

@@ -164,6 +164,9 @@ class RunPublic(BaseModel):
     # open incidents (findings grouped by root cause): warning or critical ones, info ones
     open_problems: int = 0
     open_notes: int = 0
+    # its stored batches the analysis worker has not judged yet: while above 0, its
+    # findings (and so its status) are not all in
+    analysis_pending: int
     n_layers: int
     steps: int
     skipped: int

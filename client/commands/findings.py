@@ -1,4 +1,5 @@
-"""`ampwatch findings [RUN]` and `ampwatch check RUN --fail-on LEVEL` (for CI gates)."""
+"""`ampwatch findings [RUN]` and `ampwatch check RUN --fail-on LEVEL` (for CI gates; it
+waits for the run's pending analysis first)."""
 
 from __future__ import annotations
 
@@ -7,8 +8,10 @@ import sys
 
 from ampwatch.client import render
 from ampwatch.client.api import Client
-from ampwatch.client.commands import connect, print_json
+from ampwatch.client.commands import BadUsage, connect, print_json
 from ampwatch.client.models import SEVERITIES, Finding, Records
+
+ANALYSIS_WAIT_S = 60.0  # `check --wait` default: how long a run's pending analysis may take
 
 
 def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -27,10 +30,15 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
     check = commands.add_parser(
         "check", parents=[common], help="exit 1 when a run has open findings (for CI)",
         description="Exit status 1 when RUN has open findings at or above --fail-on, 0 when "
-                    "it has none, 2 when the check itself failed (server, token, run).")
+                    "it has none, 2 when the check itself failed (server, token, run, or "
+                    "analysis still pending after --wait). Waits first for the server to "
+                    "judge the run's stored batches, so no finding is missed.")
     check.add_argument("run", metavar="RUN", help="run id")
     check.add_argument("--fail-on", choices=("warning", "critical"), default="critical",
                        help="the lowest severity that fails the check (default %(default)s)")
+    check.add_argument("--wait", type=float, default=ANALYSIS_WAIT_S, metavar="SECONDS",
+                       help="how long to wait for the analysis of the run's stored batches "
+                            "(default %(default)g; 0: do not wait)")
     check.set_defaults(func=check_run)
 
 
@@ -62,8 +70,19 @@ def list_findings(args: argparse.Namespace) -> int:
 
 
 def check_run(args: argparse.Namespace) -> int:
+    if args.wait < 0:
+        raise BadUsage("--wait must be 0 or more seconds")
     with connect(args) as client:
         run = client.run(args.run)
+        if run.analysis_pending:  # findings may still come: neither pass nor fail on half
+            print(f"waiting for the analysis of {run.analysis_pending} batch"
+                  f"{'es' if run.analysis_pending != 1 else ''} of run {run.id} "
+                  f"(up to {args.wait:g} s)", file=sys.stderr, flush=True)
+            try:
+                run = client.wait_for_analysis(run.id, args.wait)
+            except TimeoutError as exc:
+                raise TimeoutError(f"{exc} (is an analysis worker running? wait longer "
+                                   f"with --wait)") from None
         failing = at_or_above(client, run.id, args.fail_on, status="open")
     if run.status == "no_data":  # a monitor that recorded nothing must not pass a gate
         if args.json:

@@ -144,7 +144,8 @@ def _run_tab(request: Request, output: str, template: str, tab: str, figures: di
     panels = {"run-stats": render_fragment("_run_stats.html", **context),
               "run-status": render_fragment("_run_status.html", **context)}
     panels |= {panel: render_fragment(name, **context) for panel, name in fragments.items()}
-    live = context["run"]["live"]
+    # a page whose findings are still being judged polls until they are in
+    live = context["run"]["live"] or context["run"]["analysis_pending"] > 0
     if output == "update":
         return _update(live, figures, panels)
     return render_page(request, template, tab=tab, panels=panels, charts=list(figures),

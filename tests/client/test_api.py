@@ -6,6 +6,7 @@ import math
 import threading
 
 import pytest
+from fastapi.testclient import TestClient
 
 from ampwatch.client import (
     BadRequest,
@@ -20,6 +21,7 @@ from ampwatch.client import (
 )
 from ampwatch.server.app import create_app
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker import AnalysisWorker
 from tests.client.conftest import N_LAYERS, seed_diverging, seed_healthy
 from tests.conftest import free_port, judged_client
 from tests.utils import make_steps, post_batch, register_run
@@ -164,6 +166,28 @@ def test_wait_for_step_follows_a_live_run(api, client: Client) -> None:
         client.wait_for_step("live", 1000, timeout=0.2, poll_interval=0.05)
     with pytest.raises(TimeoutError, match="not registered"):
         client.wait_for_step("ghost", 0, timeout=0.1, poll_interval=0.05)
+
+
+def test_wait_for_analysis_returns_the_run_once_its_findings_are_in(database_url) -> None:
+    app = create_app(Settings(database_url=database_url, embedded_worker=False,
+                              analysis_wait_s=0))
+    try:
+        with TestClient(app) as api:
+            seed_diverging(api)
+            client = Client(http_client=api)
+            assert client.run("diverging").analysis_pending == 1
+            with pytest.raises(TimeoutError, match="analysis of 1 batch still pending"):
+                client.wait_for_analysis("diverging", timeout=0.2, poll_interval=0.05)
+            worker = AnalysisWorker(app.state.sessionmaker, app.state.settings)
+            timer = threading.Timer(0.3, worker.drain)
+            timer.start()
+            try:
+                run = client.wait_for_analysis("diverging", timeout=30, poll_interval=0.05)
+            finally:
+                timer.join()
+            assert (run.analysis_pending, run.status) == (0, "critical")
+    finally:
+        app.state.engine.dispose()
 
 
 def test_errors_carry_the_server_message(api, client: Client) -> None:

@@ -7,8 +7,11 @@ import json
 import os
 import subprocess
 import sys
+import threading
+from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import pytest
 
 from ampwatch.client import Client
@@ -141,6 +144,60 @@ def test_check_of_a_run_without_steps_does_not_pass(ampwatch, server_api) -> Non
     assert result.code == ERROR_EXIT and result.out == ""
     assert result.err == "run empty-run has no steps stored: nothing to check\n"
     assert json.loads(ampwatch("check", "empty-run", "--json").out)["passed"] is False
+
+
+@pytest.fixture
+def workerless_server(tmp_path: Path) -> Iterator[LiveServer]:
+    """A server that judges nothing itself: its batches wait for an `ampwatch worker`,
+    and its reads answer at once (they do not wait for the queue)."""
+    live = LiveServer(f"sqlite:///{tmp_path / 'live.db'}", tmp_path / "server.log",
+                      env={"AMPWATCH_EMBEDDED_WORKER": "0", "AMPWATCH_ANALYSIS_WAIT_S": "0"})
+    live.start()
+    yield live
+    live.stop()
+
+
+def test_check_waits_for_the_runs_analysis(ampwatch, workerless_server) -> None:
+    from ampwatch.server.settings import Settings
+    from ampwatch.server.worker import run_worker
+
+    url = workerless_server.url
+    with httpx.Client(base_url=url) as api:
+        seed_diverging(api)  # one batch each, not judged: no finding yet
+        seed_healthy(api)
+    for run_id, wait in (("diverging", "1"), ("healthy", "0")):
+        result = ampwatch("check", run_id, "--wait", wait, "--json", server_url=url)
+        assert result.code == ERROR_EXIT and result.out == ""
+        assert result.err == (
+            f"waiting for the analysis of 1 batch of run {run_id} (up to {wait} s)\n"
+            f"ampwatch: error: run '{run_id}': findings are not all in yet: analysis of 1 "
+            f"batch still pending after {wait} s (is an analysis worker running? wait "
+            "longer with --wait)\n")
+
+    # an `ampwatch worker` starts while the check waits (default 60 s)
+    stop = threading.Event()
+    worker = threading.Timer(2.0, run_worker, args=(
+        Settings(database_url=workerless_server.database_url), stop), kwargs={"poll_s": 0.1})
+    worker.start()
+    try:
+        result = ampwatch("check", "diverging", server_url=url)
+        assert result.code == 1, result.err
+        assert result.err.startswith(
+            "waiting for the analysis of 1 batch of run diverging (up to 60 s)\n")
+        assert "failed: run diverging has 1 open finding at or above critical" in result.err
+        result = ampwatch("check", "healthy", server_url=url)  # judged next, or already
+        assert result.code == 0, result.err
+        assert result.out.startswith("ok: run healthy has no open findings")
+    finally:
+        stop.set()
+        worker.cancel()
+        worker.join(30)
+
+
+def test_check_refuses_a_negative_wait(ampwatch) -> None:
+    result = ampwatch("check", "healthy", "--wait", "-1")
+    assert (result.code, result.err) == (
+        ERROR_EXIT, "ampwatch: error: --wait must be 0 or more seconds\n")
 
 
 @pytest.mark.parametrize("args", [

@@ -17,9 +17,9 @@ from ampwatch.server.models import Finding
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import load_batches
 from ampwatch.server.worker import AnalysisWorker
-from ampwatch.wire import encode_tree
+from ampwatch.wire import FINISHED_EVENT, encode_tree
 from tests.server.analysis.factories import scaler_steps
-from tests.utils import register_run
+from tests.utils import post_batch, register_run
 
 ENV = {"autocast_dtype": "float16", "scaler": {"growth_interval": 2000, "enabled": True}}
 N_LAYERS = 4
@@ -252,3 +252,38 @@ def test_ampwatch_worker_drains_and_stops_on_sigterm(idle_app, database_url: str
     assert process.returncode == 0, out
     assert out.strip().splitlines()[-1] == "ampwatch: analysis worker stopped after 8 batches"
     assert any(r[2] == "scaler_divergence" and r[5] == "critical" for r in finding_rows(maker))
+
+
+def test_a_run_tells_how_many_of_its_batches_wait_for_analysis(idle_app) -> None:
+    maker = idle_app.state.sessionmaker
+    with TestClient(idle_app) as api:
+        register_run(api, "r1", N_LAYERS, environment=ENV)
+        register_run(api, "r2", N_LAYERS, environment=ENV)
+        assert api.get("/api/v1/runs/r1").json()["analysis_pending"] == 0
+        post(api, "r1", diverging())  # 8 batches
+        post(api, "r2", diverging(total=50))  # 2 batches
+        # training ended: the page stops polling for steps, not yet for findings
+        assert post_batch(api, "r1", 8, [], events=[{"kind": FINISHED_EVENT}]).status_code == 200
+        run = api.get("/api/v1/runs/r1").json()
+        assert run["analysis_pending"] == 8 and run["finished"] and not run["live"]
+        assert run["status"] == "healthy"  # its steps are not judged yet
+        listed = {r["id"]: r["analysis_pending"]
+                  for r in api.get("/api/v1/runs").json()["items"]}
+        assert listed == {"r1": 8, "r2": 2}
+        twin = api.get("/runs/r1?format=json").json()
+        assert twin["run"]["analysis_pending"] == 8
+        assert "analysis of 8 batches pending" in api.get("/runs/r1").text
+        update = api.get("/runs/r1?format=update").json()
+        assert "analysis of 8 batches pending" in update["panels"]["run-status"]
+        assert update["live"] is True  # the page polls until the findings are in
+
+        assert AnalysisWorker(maker, idle_app.state.settings).drain() == 10
+        run = api.get("/api/v1/runs/r1").json()
+        assert run["analysis_pending"] == 0 and run["status"] == "critical"
+        assert any(f["kind"] == "scaler_divergence"
+                   for f in api.get("/api/v1/runs/r1/findings").json()["items"])
+        assert {r["analysis_pending"] for r in api.get("/api/v1/runs").json()["items"]} == {0}
+        assert "analysis-pending" not in api.get("/runs/r1").text
+        update = api.get("/runs/r1?format=update").json()
+        assert "pending" not in update["panels"]["run-status"]
+        assert update["live"] is False
