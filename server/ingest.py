@@ -10,7 +10,7 @@ from datetime import datetime
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import func, literal, or_, select, update
+from sqlalchemy import func, literal, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -271,28 +271,30 @@ def _all_ranks_through(session: Session, run: Run, rank: int, before: int | None
     (else None): the ranks are compared once per such advance. Needs every rank of the
     run's world size to have sent steps.
 
-    The floor (the lowest last step of the other ranks) can only move when this rank was
-    below every other before the batch. Most batches are not, and one indexed probe
-    (`ix_run_ranks_last_step`) shows it; only the rest read the aggregate over the run's
-    ranks, about once per round of R batches, so a batch costs the same at 64 ranks as at
-    4,096."""
+    The floor (the lowest last step of the other ranks) is read from the two lowest
+    entries of `ix_run_ranks_last_step`, and it can only move when this rank was below
+    it; only then are the run's ranks counted (about once per round of R batches), so a
+    batch costs the same at 64 ranks as at 4,096."""
     world = (run.environment or {}).get("world_size")
     if not isinstance(world, int) or world < 2 or after is None:
         return None
-    others = (RunRank.run_id == run.id, RunRank.rank != rank)
-    if before is not None and session.execute(
-            select(literal(1)).where(*others, or_(RunRank.last_step.is_(None),
-                                                  RunRank.last_step <= before)).limit(1)
-    ).first() is not None:  # another rank is at or below this one: the floor stays
-        return None
-    count, with_steps, floor = session.execute(
-        select(func.count(), func.count(RunRank.last_step), func.min(RunRank.last_step))
-        .where(*others)).one()
-    if count + 1 < world or floor is None or with_steps < count:
+    of_run = RunRank.run_id == run.id
+    lowest = session.execute(select(RunRank.rank, RunRank.last_step)
+                             .where(of_run, RunRank.last_step.is_not(None))
+                             .order_by(RunRank.last_step).limit(2)).all()
+    floor = next((row.last_step for row in lowest if row.rank != rank), None)
+    if floor is None:  # no other rank has sent a step
         return None
     through = min(floor, after)
     previous = -1 if before is None else min(floor, before)
-    return through if through > previous else None
+    if through <= previous:  # another rank is at or below this one: the floor stays
+        return None
+    count, with_steps = session.execute(
+        select(func.count(), func.count(RunRank.last_step))
+        .where(of_run, RunRank.rank != rank)).one()
+    if count + 1 < world or with_steps < count:
+        return None
+    return through
 
 
 # what makes two batches under one seq the same batch (a replay)

@@ -92,7 +92,7 @@ class RunRank(Base):
     """Running totals of one rank's stream, updated on every ingested batch."""
 
     __tablename__ = "run_ranks"
-    # ingest's probe for a rank below this one (server/ingest.py: _all_ranks_through)
+    # ingest reads the run's lowest last steps from it (server/ingest.py: _all_ranks_through)
     __table_args__ = (Index("ix_run_ranks_last_step", "run_id", "last_step"),)
 
     run_id: Mapped[str] = mapped_column(

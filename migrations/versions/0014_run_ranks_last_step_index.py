@@ -1,6 +1,6 @@
-"""run_ranks (run_id, last_step) index: ingest asks whether another rank of the run is at
-or below the batch's rank with one index probe, instead of an aggregate over every rank of
-the run on every batch (issue 31: a batch cost more at 4,096 ranks than at 64)
+"""run_ranks (run_id, last_step) index: ingest reads the run's lowest last steps from it,
+instead of an aggregate over every rank of the run on every batch (issue 31: a batch
+cost more at 4,096 ranks than at 64)
 
 Revision ID: 0014
 Revises: 0013

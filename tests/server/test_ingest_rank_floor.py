@@ -1,7 +1,7 @@
-"""Ingest's share of the rank comparison costs the same at any rank count: a batch asks
-one indexed question ("is another rank at or below this one?") and reads the aggregate
-over the run's ranks only when the answer is no, about once per round of batches
-(server/ingest.py: _all_ranks_through). Truth is the test's own schedule: ranks send
+"""Ingest's share of the rank comparison costs the same at any rank count: a batch reads
+the two lowest last steps from an index and counts the run's ranks only when its rank was
+below all the others, about once per round of batches (server/ingest.py:
+_all_ranks_through). Truth is the test's own schedule: ranks send
 round by round, so the step every rank has sent through advances exactly once per round,
 on the round's last batch, to that round's last step."""
 
@@ -31,7 +31,7 @@ def test_the_rank_floor_is_read_once_per_round_and_advances_with_it(tmp_path: Pa
     aggregates: list[int] = []
 
     def after(conn, cursor, statement, parameters, context, executemany) -> None:
-        if "min(run_ranks.last_step)" in statement:
+        if "count(run_ranks.last_step)" in statement:
             aggregates.append(current_round)
 
     with TestClient(app) as api:
@@ -49,8 +49,8 @@ def test_the_rank_floor_is_read_once_per_round_and_advances_with_it(tmp_path: Pa
                                     .order_by(AnalysisTask.id)).all()
     app.state.engine.dispose()
 
-    # round 0: every rank's first batch reads it (it had no step to compare); later
-    # rounds: only the round's last rank, the one left below all the others
-    assert aggregates == [0] * ranks + [r for r in range(1, rounds)]
+    # round 0: every rank's first batch but the first rank's (no other rank had a step
+    # then) counts them; later rounds: only the round's last rank, left below the others
+    assert aggregates == [0] * (ranks - 1) + [r for r in range(1, rounds)]
     advanced = [(t.rank, t.seq, t.ranks_through) for t in tasks if t.ranks_through is not None]
     assert advanced == [(ranks - 1, r, (r + 1) * PER_BATCH - 1) for r in range(rounds)]
