@@ -132,11 +132,11 @@ def settings(database_url: str):
 
 @pytest.fixture
 def app(settings):
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
 
     app = create_app(settings)
     yield app
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def judged_client(app, **kwargs):
