@@ -24,7 +24,7 @@ from pathlib import Path
 
 from fastapi.testclient import TestClient
 
-from ampwatch.server.app import create_app
+from ampwatch.server.app import close_app, create_app
 from ampwatch.server.settings import Settings
 
 LAYERS = 50
@@ -76,7 +76,7 @@ def run_arm(workdir: Path, alerts: dict | None, diverging: bool, tag: str) -> li
             times.append(time.perf_counter() - start)
             assert reply.status_code == 200, reply.text
         queued = api.get("/api/v1/alerts/deliveries").json()["total"]
-    app.state.engine.dispose()
+    close_app(app)
     if alerts and diverging:
         assert queued > 0, "the diverging run queued no notification"
     return times

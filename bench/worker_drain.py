@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ingest import _drop_postgres, _fresh_postgres, layer_table, make_template  # noqa: E402
 
 from ampwatch.server.analysis.windows import RankWindows  # noqa: E402
-from ampwatch.server.app import create_app  # noqa: E402
+from ampwatch.server.app import close_app, create_app  # noqa: E402
 from ampwatch.server.models import AnalysisTask, Finding  # noqa: E402
 from ampwatch.server.settings import Settings  # noqa: E402
 from ampwatch.server.worker import AnalysisWorker  # noqa: E402
@@ -125,7 +125,7 @@ def run(url: str, args: argparse.Namespace) -> None:
         worker = AnalysisWorker(maker, settings, claim_size=1)
         rows.append((label, drain(worker, cold=cold, restart_at=restart_at)))
         results.append(findings(maker))
-    app.state.engine.dispose()
+    close_app(app)
     print(f"{args.ranks} ranks x {args.batches} batches of {STEPS} steps, "
           f"{len(layer_table())} layers ({url.split(':')[0]})")
     print(f"{'':36} {'CPU ms/batch':>12}")

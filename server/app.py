@@ -83,11 +83,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         if worker is not None:
             worker.start()
         yield
-        if worker is not None:
-            worker.stop()
-        alert_service.stop()
         gc.unfreeze()
-        engine.dispose()
+        close_app(app)
 
     if settings.migrate_on_start:
         upgrade(engine)
@@ -175,6 +172,19 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(pages.router)
     _document_parsed_bodies(app, (BatchIn, RunUpsert))
     return app
+
+
+def close_app(app: FastAPI) -> None:
+    """What the end of `app`'s lifespan does, and what the owner of an app whose lifespan
+    never ran calls instead of disposing its engine: stop the analysis worker (a commit
+    that enqueued starts its thread, lifespan or not) and the alert dispatcher, then close
+    the engine's connections. A thread still using the engine would check a connection
+    into the pool that `dispose()` replaced, open until the garbage collector finds it.
+    Blocks for the worker's claim in progress. The app stays usable (a new pool)."""
+    if app.state.analysis_worker is not None:
+        app.state.analysis_worker.stop()
+    app.state.alerts.stop()
+    app.state.engine.dispose()
 
 
 HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE")

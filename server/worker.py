@@ -148,7 +148,7 @@ class AnalysisWorker:
     def wake(self) -> None:
         """Drain now (a commit enqueued). Starts the thread if it is not running; started
         so, it ends after `poll_s` without work (an app whose lifespan never ran, as in
-        a test's TestClient, has nobody to stop it)."""
+        a test's TestClient, has no lifespan to stop it: its owner calls `close_app`)."""
         self._wake.set()
         with self._idle:
             if self._thread is None or not self._thread.is_alive():
@@ -167,8 +167,9 @@ class AnalysisWorker:
         """End the thread after the claim in progress (waits up to `timeout`)."""
         self._stop.set()
         self._wake.set()
-        if self._thread is not None:
-            self._thread.join(timeout)
+        thread = self._thread  # a lingering thread clears the attribute as it ends
+        if thread is not None:
+            thread.join(timeout)
             self._thread = None
 
     def wait_idle(self, timeout: float) -> bool:

@@ -17,8 +17,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from sqlalchemy import create_engine, text
+from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
+from sqlalchemy.exc import OperationalError
 
 POSTGRES_URL = os.environ.get("AMPWATCH_TEST_POSTGRES_URL")
 NO_POSTGRES = "AMPWATCH_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)"
@@ -76,21 +77,59 @@ def _apps_do_not_outlive_their_test() -> Iterator[None]:
     release_fastapi_callables()
 
 
+def postgres_admin() -> Engine:
+    """An AUTOCOMMIT engine on the test Postgres server's own database, for CREATE and
+    DROP DATABASE (skips without a test Postgres; the caller disposes it)."""
+    if not POSTGRES_URL:
+        pytest.skip(NO_POSTGRES)
+    return create_engine(make_url(POSTGRES_URL).set(drivername="postgresql+psycopg"),
+                         isolation_level="AUTOCOMMIT")
+
+
+def drop_postgres(admin: Engine, name: str) -> None:
+    """Drop database `name`, ending any session still connected to it."""
+    with admin.connect() as conn:
+        conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+
+
 @pytest.fixture(scope="session")
 def postgres_database() -> Iterator[str]:
     """A fresh database on the test Postgres server for this test session, dropped after."""
-    if not POSTGRES_URL:
-        pytest.skip(NO_POSTGRES)
-    admin_url = make_url(POSTGRES_URL).set(drivername="postgresql+psycopg")
+    admin = postgres_admin()
     name = f"ampwatch_test_{uuid.uuid4().hex[:10]}"
-    admin = create_engine(admin_url, isolation_level="AUTOCOMMIT")
     with admin.connect() as conn:
         conn.execute(text(f'CREATE DATABASE "{name}"'))
     try:
-        yield admin_url.set(database=name).render_as_string(hide_password=False)
+        yield admin.url.set(database=name).render_as_string(hide_password=False)
     finally:
+        drop_postgres(admin, name)
+        admin.dispose()
+
+
+@contextmanager
+def postgres_copy(url: str) -> Iterator[str]:
+    """A copy of the test database at `url`, dropped after the block. The caller has
+    closed its own connections to `url`; a closed client's backend can outlive it for a
+    moment under load, so the sessions still there are ended first (for up to 10 s)."""
+    admin = postgres_admin()
+    source = make_url(url)
+    name = f"{source.database}_copy_{uuid.uuid4().hex[:6]}"
+    try:
         with admin.connect() as conn:
-            conn.execute(text(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)'))
+            for _ in range(20):
+                conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
+                                  "WHERE datname = :db AND pid <> pg_backend_pid()"),
+                             {"db": source.database})
+                try:
+                    conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{source.database}"'))
+                    break
+                except OperationalError:  # ObjectInUse: a session was still leaving
+                    time.sleep(0.5)
+            else:
+                raise AssertionError(f"{source.database} stayed in use: no copy")
+        yield source.set(database=name).render_as_string(hide_password=False)
+    finally:
+        drop_postgres(admin, name)
         admin.dispose()
 
 
@@ -132,11 +171,11 @@ def settings(database_url: str):
 
 @pytest.fixture
 def app(settings):
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
 
     app = create_app(settings)
     yield app
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def judged_client(app, **kwargs):

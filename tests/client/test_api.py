@@ -19,7 +19,7 @@ from ampwatch.client import (
     Step,
     Unauthorized,
 )
-from ampwatch.server.app import create_app
+from ampwatch.server.app import close_app, create_app
 from ampwatch.server.settings import Settings
 from ampwatch.server.worker import AnalysisWorker
 from tests.client.conftest import N_LAYERS, seed_diverging, seed_healthy
@@ -221,7 +221,7 @@ def test_bad_or_missing_token_is_unauthorized(settings) -> None:
             Client(http_client=http, token="wrong").runs()
         with pytest.raises(Unauthorized):
             Client(http_client=http, token="").run("x")
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def test_server_down_is_connection_failed() -> None:

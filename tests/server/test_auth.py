@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from ampwatch.server.app import create_app
+from ampwatch.server.app import close_app, create_app
 from ampwatch.server.settings import Settings
 from tests.conftest import judged_client
 
@@ -14,7 +14,7 @@ def token_api(settings):
     app = create_app(Settings(database_url=settings.database_url, token="s3cret"))
     with judged_client(app) as client:
         yield client
-    app.state.engine.dispose()
+    close_app(app)
 
 
 @pytest.mark.parametrize("method, path", [

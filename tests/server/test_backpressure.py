@@ -15,7 +15,7 @@ from fastapi.testclient import TestClient
 from sqlalchemy import event
 
 from ampwatch.server.analysis_queue import pending_batches
-from ampwatch.server.app import create_app
+from ampwatch.server.app import close_app, create_app
 from ampwatch.server.backpressure import BacklogMiddleware
 from ampwatch.server.models import AnalysisTask
 from ampwatch.server.settings import Settings
@@ -115,7 +115,7 @@ def test_batches_wait_while_analysis_is_behind(tmp_path):
             assert post_batch(api, "r1", 3, make_steps(15, 5, 4)).status_code == 200
             assert api.get("/api/v1/runs/r1").json()["steps"] == 20
     finally:
-        app.state.engine.dispose()
+        close_app(app)
 
 
 def test_the_queue_depth_is_read_at_most_once_a_refresh(tmp_path):
@@ -140,4 +140,4 @@ def test_the_queue_depth_is_read_at_most_once_a_refresh(tmp_path):
             elapsed = time.monotonic() - started
         assert 1 <= len(looks) <= elapsed / BacklogMiddleware.REFRESH_S + 1
     finally:
-        app.state.engine.dispose()
+        close_app(app)

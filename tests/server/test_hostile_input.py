@@ -20,13 +20,13 @@ HUGE = [2**63, 10**400]
 def shared_app(request, tmp_path_factory):
     """One app per backend for the module (starting one runs the migrations); each test
     registers its own runs and compares the database before and after."""
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
 
     url = fresh_database_url(request, request.param, tmp_path_factory.mktemp("hostile"))
     app = create_app(Settings(database_url=url))
     yield app
-    app.state.engine.dispose()
+    close_app(app)
 
 
 @pytest.fixture

@@ -174,13 +174,13 @@ def test_malformed_json_and_bad_gzip(api, app):
 
 @pytest.fixture
 def small_limit_api(settings):
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from tests.conftest import judged_client
 
     app = create_app(settings.model_copy(update={"max_body_bytes": 4096}))
     with judged_client(app) as client:
         yield client
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def test_body_over_the_limit_is_413(small_limit_api):

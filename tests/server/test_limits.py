@@ -12,7 +12,7 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from ampwatch.server.app import create_app
+from ampwatch.server.app import close_app, create_app
 from tests.conftest import LiveServer, judged_client
 from tests.utils import make_layers, make_steps, register_run
 
@@ -25,7 +25,7 @@ def token_api(settings):
     app = create_app(settings.model_copy(update={"token": SecretStr(TOKEN)}))
     with judged_client(app) as client:
         yield client
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def stored_steps(api, run_id: str = "r1") -> int:

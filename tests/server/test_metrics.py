@@ -134,7 +134,7 @@ def test_metrics_follow_a_streaming_run_and_drop_it_when_it_finishes(tmp_path):
 ])
 def test_metrics_want_a_token_when_one_is_set(tmp_path, token, metrics_token, accepted,
                                               refused):
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
     from tests.conftest import judged_client
 
@@ -149,11 +149,11 @@ def test_metrics_want_a_token_when_one_is_set(tmp_path, token, metrics_token, ac
         for supplied in refused:
             headers = {"Authorization": f"Bearer {supplied}"} if supplied else {}
             assert client.get("/metrics", headers=headers).status_code == 401
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def test_a_run_that_stops_sending_drops_out_after_live_seconds(tmp_path):
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
     from tests.conftest import judged_client
     from tests.utils import make_steps, post_batch, register_run
@@ -167,4 +167,4 @@ def test_a_run_that_stops_sending_drops_out_after_live_seconds(tmp_path):
         time.sleep(3.2)
         quiet = api.get("/metrics").text
         assert 'run="quiet"' not in quiet and "ampwatch_live_runs 0.0" in quiet
-    app.state.engine.dispose()
+    close_app(app)

@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings  # noqa: E402
 from schemathesis.config import SchemathesisConfig  # noqa: E402
 from schemathesis.core.parameters import ParameterLocation  # noqa: E402
 
-from ampwatch.server.app import create_app  # noqa: E402
+from ampwatch.server.app import close_app, create_app  # noqa: E402
 from ampwatch.server.settings import Settings  # noqa: E402
 from tests.conftest import fresh_database_url, judged_client  # noqa: E402
 from tests.utils import make_steps, register_run  # noqa: E402
@@ -40,7 +40,7 @@ def fuzz_app(request, tmp_path_factory):
                     json={"rank": 0, "seq": 0, "steps": make_steps(0, 50, 4, skipped={5},
                                                                    sample_every=5)})
     yield app
-    app.state.engine.dispose()
+    close_app(app)
 
 
 schema = schemathesis.pytest.from_fixture("fuzz_schema")

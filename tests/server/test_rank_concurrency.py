@@ -10,7 +10,7 @@ import time
 import pytest
 from sqlalchemy import event, text
 
-from ampwatch.server.app import create_app
+from ampwatch.server.app import close_app, create_app
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.runs import upsert_run
 from ampwatch.server.schemas import BatchIn, RunUpsert
@@ -27,7 +27,7 @@ pytestmark = pytest.mark.postgres
 def maker(request, tmp_path):
     app = create_app(Settings(database_url=fresh_database_url(request, "postgres", tmp_path)))
     yield app.state.sessionmaker
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def register(maker, run_id: str) -> None:

@@ -40,7 +40,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     BATCHES batches, round by round as ranks do."""
     from fastapi.testclient import TestClient
 
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
 
     path = Path(tmp_path_factory.mktemp("rank-reads"), "ampwatch.db")
@@ -56,7 +56,7 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
         for size in SIZES:  # a read waits for the analysis of the batches: none counted then
             assert api.get(f"/api/v1/runs/r{size}").status_code == 200
         yield api
-    app.state.engine.dispose()
+    close_app(app)
 
 
 @contextmanager
@@ -247,7 +247,7 @@ def test_a_batch_rewrites_only_the_rollups_it_changed(tmp_path):
     the rank's 64 KB of per-layer statistics; a sampled one adds what moved."""
     from fastapi.testclient import TestClient
 
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
 
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'w.db'}"))
@@ -274,7 +274,7 @@ def test_a_batch_rewrites_only_the_rollups_it_changed(tmp_path):
             rollups = session.scalars(select(RankRollup.rollup).where(
                 RankRollup.run_id == "wide")).all()
         assert sorted(rollups) == list(range(9))
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def test_migration_0013_moves_each_ranks_layer_statistics_and_back(database_url):

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 from pydantic import SecretStr
 
-from ampwatch.server.app import create_app
+from ampwatch.server.app import close_app, create_app
 from ampwatch.server.settings import Settings
 from tests.conftest import judged_client
 from tests.utils import make_layers, make_steps, post_batch, register_run
@@ -91,7 +91,7 @@ def unreachable_database_api(tmp_path):
     app = create_app(settings)
     with judged_client(app) as client:
         yield client
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def test_health_keeps_database_details_from_those_without_the_token(unreachable_database_api):

@@ -12,7 +12,7 @@ from sqlalchemy import select
 
 from ampwatch.server.analysis.windows import RankWindows
 from ampwatch.server.analysis_queue import claim, pending_batches
-from ampwatch.server.app import create_app
+from ampwatch.server.app import close_app, create_app
 from ampwatch.server.models import Finding
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import load_batches
@@ -50,7 +50,7 @@ def idle_app(database_url: str):
     app = create_app(Settings(database_url=database_url, embedded_worker=False,
                               analysis_wait_s=0))
     yield app
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def diverging(first_skip: int = 100, total: int = 200) -> list[dict]:
@@ -98,7 +98,7 @@ def test_ingest_answers_first_and_the_worker_finds_what_inline_analysis_found(
             assert pending_batches(session) == 0
     assert _without_times(finding_rows(embedded.state.sessionmaker)) == \
         _without_times(finding_rows(maker))
-    embedded.state.engine.dispose()
+    close_app(embedded)
 
 
 def _gauge(text: str, name: str) -> float:
@@ -166,7 +166,7 @@ def test_a_run_held_by_one_worker_is_skipped_by_the_others(postgres_database: st
         first.rollback()
         assert [t.run_id for t in claim(second, 1)] == ["a"]  # released with the txn
         second.rollback()
-    app.state.engine.dispose()
+    close_app(app)
 
 
 @pytest.mark.postgres
@@ -197,7 +197,7 @@ def test_workers_in_parallel_judge_every_batch_once(postgres_database: str) -> N
     streaks = [r for r in rows if r[2] == "scaler_divergence" and "skip_streak" in r[4]]
     assert [(r[0], r[7], r[8], r[5]) for r in streaks] == \
         [(run, 100, 199, "critical") for run in ("a", "b", "c")]
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def test_a_batch_that_cannot_be_judged_is_dropped_and_the_rest_judged(

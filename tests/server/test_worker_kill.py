@@ -10,19 +10,16 @@ import signal
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine, text
-from sqlalchemy.engine import make_url
-from sqlalchemy.exc import OperationalError
+from sqlalchemy import create_engine
 from sqlalchemy.orm import sessionmaker
 
 from ampwatch.server.analysis_queue import pending_batches
 from ampwatch.server.settings import Settings
 from ampwatch.server.worker import AnalysisWorker
-from tests.conftest import LiveServer, agent_errors_fail, empty_postgres
+from tests.conftest import LiveServer, agent_errors_fail, empty_postgres, postgres_copy
 from tests.server.test_worker import finding_rows
 
 pytestmark = pytest.mark.postgres
@@ -44,37 +41,6 @@ def _worker(url: str, log: Path) -> subprocess.Popen:
              "--poll", "0.05", "--claim", "2"], stdout=out, stderr=subprocess.STDOUT)
 
 
-def _copy_database(url: str) -> str:
-    """A copy of the database at `url` (nobody may be connected to it meanwhile)."""
-    admin_url = make_url(url)
-    name = f"{admin_url.database}_ref_{uuid.uuid4().hex[:6]}"
-    admin = create_engine(admin_url.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        # a closed client's backend can outlive it for a moment under load: end this
-        # test's own database's sessions, then copy
-        for _ in range(20):
-            conn.execute(text("SELECT pg_terminate_backend(pid) FROM pg_stat_activity "
-                              "WHERE datname = :db AND pid <> pg_backend_pid()"),
-                         {"db": admin_url.database})
-            try:
-                conn.execute(text(f'CREATE DATABASE "{name}" TEMPLATE "{admin_url.database}"'))
-                break
-            except OperationalError:  # ObjectInUse: a session was still leaving
-                time.sleep(0.5)
-        else:
-            raise AssertionError(f"{admin_url.database} stayed in use: no copy")
-    admin.dispose()
-    return admin_url.set(database=name).render_as_string(hide_password=False)
-
-
-def _drop_database(url: str) -> None:
-    parsed = make_url(url)
-    admin = create_engine(parsed.set(database="postgres"), isolation_level="AUTOCOMMIT")
-    with admin.connect() as conn:
-        conn.execute(text(f'DROP DATABASE IF EXISTS "{parsed.database}" WITH (FORCE)'))
-    admin.dispose()
-
-
 def test_a_killed_worker_loses_and_duplicates_nothing(postgres_database: str,
                                                       tmp_path: Path) -> None:
     import torch
@@ -93,17 +59,16 @@ def test_a_killed_worker_loses_and_duplicates_nothing(postgres_database: str,
         server.stop()
     total = _pending(url)
     assert total >= len(SCENARIOS)  # nothing judged them yet
-    reference = _copy_database(url)
-    try:
+    with postgres_copy(url) as reference:
         # the same stored batches, drained once without interruption
         engine = create_engine(reference)
-        settings = Settings(database_url=reference, embedded_worker=False)
-        maker = sessionmaker(engine, expire_on_commit=False)
-        assert AnalysisWorker(maker, settings).drain() == total
-        want_rows = finding_rows(maker)
-        engine.dispose()
-    finally:
-        _drop_database(reference)
+        try:
+            settings = Settings(database_url=reference, embedded_worker=False)
+            maker = sessionmaker(engine, expire_on_commit=False)
+            assert AnalysisWorker(maker, settings).drain() == total
+            want_rows = finding_rows(maker)
+        finally:
+            engine.dispose()
 
     log = tmp_path / "worker.log"
     first = _worker(url, log)
@@ -126,8 +91,10 @@ def test_a_killed_worker_loses_and_duplicates_nothing(postgres_database: str,
     assert stopped == f"ampwatch: analysis worker stopped after {left} batches", stopped
 
     engine = create_engine(url)
-    got_rows = finding_rows(sessionmaker(engine))
-    engine.dispose()
+    try:
+        got_rows = finding_rows(sessionmaker(engine))
+    finally:
+        engine.dispose()
     assert got_rows == want_rows  # the run ids are the same: one database, copied
     server.start(timeout=120)
     try:

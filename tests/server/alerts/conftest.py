@@ -29,14 +29,14 @@ def alert_config(url: str, **rule) -> dict:
 def alert_app(database_url, receiver, request):
     """The app with one rule (warning and up, to the receiver); a test's
     `@pytest.mark.parametrize("rule", [{...}])` adds to the rule."""
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
 
     rule = getattr(request, "param", {})
     app = create_app(Settings(database_url=database_url,
                               alerts=alert_config(receiver.url, **rule)))
     yield app
-    app.state.engine.dispose()
+    close_app(app)
 
 
 @pytest.fixture

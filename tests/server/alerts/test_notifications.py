@@ -172,7 +172,7 @@ def test_a_slow_target_does_not_hold_up_ingest(alert_api, receiver):
 
 
 def test_alert_routes_need_the_token(database_url, receiver):
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
     from tests.conftest import judged_client
     from tests.server.alerts.conftest import alert_config
@@ -190,7 +190,7 @@ def test_alert_routes_need_the_token(database_url, receiver):
         assert api.post("/api/v1/alerts/test", params={"target": "nope"},
                         headers=auth).status_code == 404
         assert api.get("/api/v1/alerts/deliveries/99", headers=auth).status_code == 404
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def test_without_targets_a_test_is_refused(api):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from ampwatch.server.app import create_app
+from ampwatch.server.app import close_app, create_app
 from ampwatch.server.settings import Settings
 from tests.conftest import judged_client
 from tests.utils import make_steps, post_batch, register_run
@@ -108,4 +108,4 @@ def test_pages_need_the_token_and_the_login_form_sets_a_strict_cookie(database_u
             assert client.get("/").status_code == 200
             assert client.get("/api/v1/runs").status_code == 200
     finally:
-        app.state.engine.dispose()
+        close_app(app)
