@@ -28,7 +28,7 @@ def sent_norms(rank: int, step: int) -> tuple[float, list[float]]:
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
     from fastapi.testclient import TestClient
 
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
 
     path = Path(tmp_path_factory.mktemp("combined"), "ampwatch.db")
@@ -46,7 +46,7 @@ def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator:
                     steps.append(step)
                 assert post_batch(client, "fsdp", seq, steps, rank=rank).status_code == 200
         yield client
-    app.state.engine.dispose()
+    close_app(app)
 
 
 def truth() -> tuple[list[int], list[float], list[list[float]]]:

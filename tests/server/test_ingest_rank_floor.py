@@ -21,7 +21,7 @@ N_LAYERS, PER_BATCH = 4, 5
 def test_the_rank_floor_is_read_once_per_round_and_advances_with_it(tmp_path: Path) -> None:
     from fastapi.testclient import TestClient
 
-    from ampwatch.server.app import create_app
+    from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
 
     ranks, rounds = 24, 4
@@ -47,7 +47,7 @@ def test_the_rank_floor_is_read_once_per_round_and_advances_with_it(tmp_path: Pa
             tasks = session.execute(select(AnalysisTask.rank, AnalysisTask.seq,
                                            AnalysisTask.ranks_through)
                                     .order_by(AnalysisTask.id)).all()
-    app.state.engine.dispose()
+    close_app(app)
 
     # round 0: every rank's first batch but the first rank's (no other rank had a step
     # then) counts them; later rounds: only the round's last rank, left below the others
