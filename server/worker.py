@@ -69,6 +69,7 @@ class AnalysisWorker:
         self._stop = threading.Event()
         self._idle = threading.Condition()
         self._busy = False
+        self._linger = False  # the thread ends when idle for poll_s (started by a wake)
         self._thread: threading.Thread | None = None
 
     def drain(self, stop: threading.Event | None = None) -> int:
@@ -155,13 +156,18 @@ class AnalysisWorker:
                 self.start(linger=True)
 
     def start(self, *, linger: bool = False) -> None:
-        """Run the thread until `stop()` (with `linger`, until idle for `poll_s`)."""
-        if self._thread is not None and self._thread.is_alive():
-            return
-        self._stop.clear()
-        self._thread = threading.Thread(target=self._run, args=(linger,),
-                                        name="ampwatch-analysis", daemon=True)
-        self._thread.start()
+        """Run the thread until `stop()` (with `linger`, until idle for `poll_s`). A
+        lingering thread already running (a commit woke it before the lifespan started)
+        is kept running until `stop()` instead."""
+        with self._idle:
+            if self._thread is not None and self._thread.is_alive():
+                self._linger = self._linger and linger
+                return
+            self._linger = linger
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name="ampwatch-analysis",
+                                            daemon=True)
+            self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the thread after the claim in progress (waits up to `timeout`)."""
@@ -184,12 +190,12 @@ class AnalysisWorker:
                 self._idle.wait(left)
         return True
 
-    def _run(self, linger: bool) -> None:
+    def _run(self) -> None:
         while not self._stop.is_set():
             woken = self._wake.wait(self.poll_s)
-            if linger and not woken:
+            if not woken:
                 with self._idle:  # a wake() from now on starts a new thread
-                    if not self._wake.is_set():
+                    if self._linger and not self._wake.is_set():
                         self._thread = None
                         return
             with self._idle:

@@ -48,3 +48,19 @@ def test_closing_an_app_whose_lifespan_never_ran_stops_its_worker(app, settings)
     assert not [t for t in started if t.is_alive()]
     pool = app.state.engine.pool
     assert (pool.checkedout(), pool.checkedin()) == (0, 0)
+
+
+def test_a_worker_woken_before_its_lifespan_keeps_running_once_started(app, settings) -> None:
+    """A commit before the lifespan starts the worker's thread in its lingering mode (it
+    ends when idle for poll_s); the lifespan's start() must keep that thread running, or
+    the server stops polling for batches other processes store."""
+    worker = app.state.analysis_worker
+    worker.poll_s = 0.05
+    worker.wake()  # as a commit that enqueued would
+    thread = worker._thread
+    assert thread is not None and thread.is_alive()
+    worker.start()  # the lifespan's
+    thread.join(timeout=10 * worker.poll_s)  # a lingering thread would have ended by now
+    assert thread.is_alive() and worker._thread is thread
+    close_app(app)
+    assert not thread.is_alive()
