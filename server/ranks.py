@@ -91,8 +91,8 @@ def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
                         limit: int = MAX_COMBINED_STEPS) -> dict:
     """The run's grad norms over [start, end], combined over its ranks (see the module
     docstring): the steps of a span of at most `limit` step numbers from `start` (the
-    lead rank's first step when None), fewer where a sharded read would pass
-    steps' per-layer sums would pass COMBINED_VALUES / 8 values; `next_start` continues
+    lead rank's first step when None; sharded with layers, shorter, so that the span's
+    per-layer sums stay within COMBINED_VALUES / 8 values); `next_start` continues
     while the lead rank has later steps. Reads the lead rank's row, the count of ranks
     and its first step, then the batches in the span: the lead rank's when replicated;
     when sharded, every rank's, a chunk of ranks at a time (`ShardSums`), so the values
@@ -118,8 +118,10 @@ def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
         bound = last
     else:
         bound = min(last, first + span - 1)
-        steps, total, known, layers = _combined_span(session, run, layout, lead, n_ranks,
-                                                     first, bound, with_layers)
+        # sharded, a step needs every rank that reports, and at least the world size
+        steps, total, known, layers = _combined_span(session, run, layout, lead,
+                                                     max(n_ranks, reporting), first, bound,
+                                                     with_layers)
     if with_layers and layers is None:
         layers = np.full((len(steps), n_layers), MISSING, dtype=np.float32)
     return {
