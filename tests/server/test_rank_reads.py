@@ -153,6 +153,20 @@ def test_the_ranks_api_pages_by_rank_reading_at_most_a_page_of_rows(client):
         assert client.get(f"/api/v1/runs/r64/ranks?{bad}").status_code == 422, bad
 
 
+@pytest.mark.parametrize("path", ["/api/v1/runs", "/?format=json",
+                                  "/compare?run=r1&run=r64&format=json"])
+def test_the_runs_list_and_compare_read_one_rank_row_a_run(client, path):
+    """A list of runs carries each run's lead rank (n_ranks counts the others): the run
+    of 64 ranks costs the list what the run of 1 does."""
+    seen = reads(client, path)
+    body = seen["answer"].json()
+    runs = body.get("items") or body.get("runs")
+    assert {r["id"]: (r["n_ranks"], [k["rank"] for k in r["ranks"]]) for r in runs} == {
+        f"r{size}": (size, [0]) for size in (SIZES if "compare" not in path else (1, 64))}
+    # one lead row and one row of totals a run, whatever its ranks
+    assert seen["rows"]["run_ranks"] <= 3 * len(runs), seen["rows"]
+
+
 def test_combined_grad_norms_issue_the_same_statements_whatever_the_number_of_ranks(client):
     by_size = {size: reads(client, f"/api/v1/runs/r{size}/grad_norms?layers=true")
                for size in SIZES}
