@@ -13,15 +13,13 @@ it in the environment; docs/ranks.md):
 
 from __future__ import annotations
 
-from collections.abc import Sized
-
 import numpy as np
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import Batch, Finding, Run, RunRank
 from ampwatch.server.rollups import step_ms_median
-from ampwatch.server.runs import run_ranks
+from ampwatch.server.runs import lead_rank, run_ranks
 from ampwatch.server.series import MISSING, StepSeries
 from ampwatch.server.storage import load_ranks_series, load_series
 from ampwatch.wire import encode_float_array
@@ -38,11 +36,11 @@ def grad_layout(run: Run) -> str:
     return layout if layout in (SHARDED, REPLICATED) else "local"
 
 
-def expected_ranks(run: Run, present: Sized) -> int:
+def expected_ranks(run: Run, reporting: int) -> int:
     """How many ranks a combined step needs: the run's world size when the agent sent
-    one, else the ranks that sent anything."""
+    one, else the `reporting` ranks that sent anything."""
     world = (run.environment or {}).get("world_size")
-    return world if isinstance(world, int) and world >= 1 else max(len(present), 1)
+    return world if isinstance(world, int) and world >= 1 else max(reporting, 1)
 
 
 class ShardSums:
@@ -99,11 +97,10 @@ def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
     unpacked at once stay near COMBINED_VALUES however many ranks there are, and a long
     run costs what a short one does. (Per-layer norms of thousands of ranks are then
     many chunks: a sharded step's norm needs every rank's shards.)"""
-    lead = session.scalars(select(RunRank).where(RunRank.run_id == run.id)
-                           .order_by(RunRank.rank).limit(1)).first()
+    lead = lead_rank(session, run.id)
     reporting = rank_count(session, run.id) if lead is not None else 0
     layout = grad_layout(run)
-    n_ranks = expected_ranks(run, range(reporting))
+    n_ranks = expected_ranks(run, reporting)
     n_layers = run.n_layers
     first = start if start is not None else _first_step(session, run.id, lead)
     last = lead.last_step if lead is not None else None
@@ -232,8 +229,7 @@ def panel_rank_rows(session: Session, run_id: str, limit: int = PANEL_ROWS) -> l
     an open finding, then the SLOWEST_SHOWN slowest by `step_ms_median`, then the lowest
     numbered; `limit` in all. Two reads (the lead, then the pick by ORDER BY/LIMIT in
     SQL) fetching at most `limit` + 1 rows, whatever the number of ranks."""
-    lead = session.scalars(select(RunRank).where(RunRank.run_id == run_id)
-                           .order_by(RunRank.rank).limit(1)).first()
+    lead = lead_rank(session, run_id)
     if lead is None:
         return []
     differs = or_(RunRank.skipped != lead.skipped,

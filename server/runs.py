@@ -116,6 +116,12 @@ def list_runs(
     return RunsPublic(items=items, total=total, limit=limit, offset=offset)
 
 
+def lead_rank(session: Session, run_id: str) -> RunRank | None:
+    """The run's lowest numbered rank row (None: no rank sent anything)."""
+    return session.scalars(select(RunRank).where(RunRank.run_id == run_id)
+                           .order_by(RunRank.rank).limit(1)).first()
+
+
 def lead_ranks(session: Session, run_ids: list[str]) -> dict[str, list[RunRank]]:
     """Each run's lowest numbered rank row: one read, whatever the number of ranks."""
     if not run_ids:

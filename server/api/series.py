@@ -167,6 +167,6 @@ def get_ranks(
     run = get_run(session, run_id)
     rows, next_after = rank_page(session, run.id, after, limit)
     n_ranks = rank_count(session, run.id)
-    return RanksPublic(run_id=run.id, world_size=expected_ranks(run, range(n_ranks)),
+    return RanksPublic(run_id=run.id, world_size=expected_ranks(run, n_ranks),
                        grad_layout=grad_layout(run), n_ranks=n_ranks,
                        items=ranks_panel(session, run, rows), next_after=next_after)

@@ -25,7 +25,7 @@ from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import overlaid_ranks, panel_rank_rows, ranks_panel
-from ampwatch.server.runs import get_run, lead_ranks, list_runs, public_run
+from ampwatch.server.runs import get_run, lead_rank, list_runs, public_run
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import layer_rows
 
@@ -359,11 +359,12 @@ def compare_twin(session: Session, settings: Settings, run_ids: list[str]) -> di
         if run is None:
             missing.append(run_id)
             continue
+        lead_row = lead_rank(session, run_id)
         public = public_run(session, run, settings,
-                            lead_ranks(session, [run_id]).get(run_id, [])).model_dump(mode="json")
-        lead = min((r["rank"] for r in public["ranks"]), default=0)
+                            [lead_row] if lead_row else []).model_dump(mode="json")
         runs.append(public)
-        steps[run_id] = steps_query(session, run, rank=lead, max_points=MAX_POINTS)
+        steps[run_id] = steps_query(session, run, rank=lead_row.rank if lead_row else 0,
+                                    max_points=MAX_POINTS)
     return {"runs": runs, "steps": steps, "missing": missing}
 
 
