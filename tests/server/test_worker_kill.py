@@ -71,11 +71,20 @@ def test_a_killed_worker_loses_and_duplicates_nothing(postgres_database: str,
             engine.dispose()
 
     log = tmp_path / "worker.log"
+    # one open connection watches the queue: a fresh engine a poll (tens of ms on a loaded
+    # machine) let the worker drain everything before the kill landed
+    watch = sessionmaker(create_engine(url))
     first = _worker(url, log)
     deadline = time.monotonic() + 120
-    while _pending(url) == total and time.monotonic() < deadline:
-        time.sleep(0.01)
-    first.send_signal(signal.SIGKILL)  # while it drains: its claim in hand rolls back
+    try:
+        while time.monotonic() < deadline:
+            with watch() as session:
+                if pending_batches(session) < total:
+                    break
+            time.sleep(0.002)
+        first.send_signal(signal.SIGKILL)  # while it drains: its claim in hand rolls back
+    finally:
+        watch.kw["bind"].dispose()
     first.wait(30)
     left = _pending(url)
     assert 0 < left < total, log.read_text()[-2000:]
