@@ -41,7 +41,7 @@ def list_runs(args: argparse.Namespace) -> int:
             ["id", "name", "project", "status", "last step", "scale", "skip rate", "problems"],
             [[r.id, r.name, r.project, r.status + state(r),
               render.number(r.last_step), render.scale(r.loss_scale),
-              render.percent(r.skip_rate), str(r.open_problems)] for r in runs],
+              render.percent(r.skip_rate), problems(r)] for r in runs],
             right=(4, 5, 6, 7),
         ))
     return 0
@@ -50,6 +50,17 @@ def list_runs(args: argparse.Namespace) -> int:
 def state(run: Run) -> str:
     """' (live)' while a batch arrived recently, ' (finished)' once every rank detached."""
     return " (live)" if run.live else " (finished)" if run.finished else ""
+
+
+def problems(run: Run) -> str:
+    """Open problems, and the batches still waiting for analysis (more may come)."""
+    pending = f" ({to_judge(run)})" if run.analysis_pending else ""
+    return f"{run.open_problems}{pending}"
+
+
+def to_judge(run: Run) -> str:
+    n = run.analysis_pending
+    return f"{n} batch{'es' if n != 1 else ''} still to judge"
 
 
 def show_run(args: argparse.Namespace) -> int:
@@ -71,6 +82,9 @@ def show_run(args: argparse.Namespace) -> int:
     if problems:
         print(f"Open problems ({len(problems)}):")
         print(incidents_text(problems, by_id))
+    elif run.analysis_pending:
+        print(f"No open problems yet: {to_judge(run)} "
+              f"(`ampwatch check {run.id}` waits for them).")
     else:
         print("No open problems.")
     if notes:
@@ -142,6 +156,8 @@ def summary(run: Run) -> str:
                                ("torch_version", "python_version", "ampwatch_version")
                                if env.get(k)) or "-"),
     ]
+    if run.analysis_pending:
+        fields.append(("analysis", f"{to_judge(run)}: findings may still come"))
     losses = [("lost batches", run.lost_batches), ("dropped batches", run.dropped_batches),
               ("dropped steps", run.dropped_steps)]
     fields += [(label, str(count)) for label, count in losses if count]

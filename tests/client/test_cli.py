@@ -174,6 +174,16 @@ def test_check_waits_for_the_runs_analysis(ampwatch, workerless_server) -> None:
             f"batch still pending after {wait} s (is an analysis worker running? wait "
             "longer with --wait)\n")
 
+    # show and runs say that findings may still come
+    shown = ampwatch("show", "diverging", server_url=url)
+    assert shown.code == 0, shown.err
+    assert "analysis:   1 batch still to judge: findings may still come\n" in shown.out
+    assert ("\nNo open problems yet: 1 batch still to judge "
+            "(`ampwatch check diverging` waits for them).\n") in shown.out
+    listed = ampwatch("runs", server_url=url)
+    assert listed.code == 0, listed.err
+    assert "0 (1 batch still to judge)" in listed.out
+
     # an `ampwatch worker` starts while the check waits (default 60 s)
     stop = threading.Event()
     worker = threading.Timer(2.0, run_worker, args=(
