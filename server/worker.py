@@ -40,6 +40,11 @@ __all__ = ["AnalysisWorker", "pending_batches"]
 
 log = logging.getLogger("ampwatch.worker")
 
+# The embedded thread shares the request's core (and GIL): gathering a fifth of a second
+# of commits into one claim cut its CPU a batch by about a third for a sender posting
+# back to back (docs/benchmarks.md), for findings a fifth of a second later.
+EMBEDDED_SETTLE_S = 0.2
+
 
 class AnalysisWorker:
     """Drains the analysis queue of `maker`'s database.
@@ -52,20 +57,28 @@ class AnalysisWorker:
     claim_size: batches of one run judged per transaction. On SQLite a claim holds the
     process's write lock, so ingest waits for at most one claim: keep it small there.
     on_analysed: called with each batch's seconds of analysis (a metrics histogram).
+    settle_s: after a commit's wake, how long the thread waits for the next commits before
+    it claims, so that one claim (its queue reads, its delete, its commit) serves several
+    batches instead of one: a sender posting back to back otherwise pays that overhead on
+    every batch, on the request's own core. A read that waits for analysis (`wake(now=
+    True)`) does not wait for it.
     """
 
     def __init__(self, maker: sessionmaker, settings: Settings, *, claim_size: int | None = None,
-                 poll_s: float = 1.0,
+                 poll_s: float = 1.0, settle_s: float = 0.0,
                  on_analysed: Callable[[float], None] | None = None) -> None:
         self.maker = maker
         self.settings = settings
         sqlite = maker.kw["bind"].dialect.name == "sqlite"
         self.claim_size = claim_size or (4 if sqlite else 64)
         self.poll_s = poll_s
+        self.settle_s = settle_s
         self.on_analysed = on_analysed
         self.windows = RankWindows(settings.worker_window_bytes)
         self.analysed = 0  # batches judged and committed by this worker
+        self.claims = 0  # the claims that judged them
         self._wake = threading.Event()
+        self._now = threading.Event()  # drain without settling (a read waits, or stop)
         self._stop = threading.Event()
         self._idle = threading.Condition()
         self._busy = False
@@ -113,6 +126,7 @@ class AnalysisWorker:
             done(session, tasks)
             session.commit()
         self.analysed += len(tasks)
+        self.claims += 1
         return len(tasks)
 
     def _judge(self, session: Session, task: AnalysisTask) -> None:
@@ -146,10 +160,13 @@ class AnalysisWorker:
 
     # -- the thread --------------------------------------------------------------------
 
-    def wake(self) -> None:
-        """Drain now (a commit enqueued). Starts the thread if it is not running; started
-        so, it ends after `poll_s` without work (an app whose lifespan never ran, as in
-        a test's TestClient, has no lifespan to stop it: its owner calls `close_app`)."""
+    def wake(self, now: bool = False) -> None:
+        """Drain soon (a commit enqueued: after `settle_s`) or, with `now`, at once.
+        Starts the thread if it is not running; started so, it ends after `poll_s`
+        without work (an app whose lifespan never ran, as in a test's TestClient, has no
+        lifespan to stop it: its owner calls `close_app`)."""
+        if now:
+            self._now.set()
         self._wake.set()
         with self._idle:
             if self._thread is None or not self._thread.is_alive():
@@ -172,6 +189,7 @@ class AnalysisWorker:
     def stop(self, timeout: float = 30.0) -> None:
         """End the thread after the claim in progress (waits up to `timeout`)."""
         self._stop.set()
+        self._now.set()
         self._wake.set()
         thread = self._thread  # a lingering thread clears the attribute as it ends
         if thread is not None:
@@ -180,8 +198,11 @@ class AnalysisWorker:
 
     def wait_idle(self, timeout: float) -> bool:
         """Wait until this worker found the queue empty after the last wake (or `timeout`
-        passed); True when it did. Cheap when idle: no database read."""
+        passed); True when it did. Cheap when idle: no database read. Someone waits, so
+        a wake still settling drains at once."""
         deadline = time.monotonic() + timeout
+        if self._wake.is_set():
+            self._now.set()
         with self._idle:
             while self._busy or self._wake.is_set():
                 left = deadline - time.monotonic()
@@ -198,8 +219,11 @@ class AnalysisWorker:
                     if self._linger and not self._wake.is_set():
                         self._thread = None
                         return
+            if woken and self.settle_s:
+                self._now.wait(self.settle_s)
             with self._idle:
                 self._wake.clear()
+                self._now.clear()
                 self._busy = True
             try:
                 self.drain(self._stop)
@@ -215,8 +239,9 @@ class AnalysisWorker:
 def embedded_worker(maker: sessionmaker, settings: Settings,
                     on_analysed: Callable[[float], None] | None = None) -> AnalysisWorker:
     """The worker thread of a server: woken by every commit of `maker`'s sessions that
-    enqueued a batch, so its lag is the analysis time, not a poll interval."""
-    worker = AnalysisWorker(maker, settings, on_analysed=on_analysed)
+    enqueued a batch, so its lag is the analysis time plus `EMBEDDED_SETTLE_S`, not a
+    poll interval."""
+    worker = AnalysisWorker(maker, settings, settle_s=EMBEDDED_SETTLE_S, on_analysed=on_analysed)
 
     def woken(session: Session) -> None:
         if session.info.pop(ENQUEUED, False):

@@ -5,6 +5,7 @@ once did, one run at a time, from rank windows it keeps in memory."""
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -99,6 +100,30 @@ def test_ingest_answers_first_and_the_worker_finds_what_inline_analysis_found(
     assert _without_times(finding_rows(embedded.state.sessionmaker)) == \
         _without_times(finding_rows(maker))
     close_app(embedded)
+
+
+def test_the_embedded_worker_gathers_back_to_back_batches_into_one_claim(tmp_path) -> None:
+    """A commit's wake waits `settle_s` for the next commits, so batches posted back to
+    back share one claim (the claim's own reads and commit are paid once); a reader
+    waiting for the findings does not wait out the settling."""
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 's.db'}",
+                              analysis_wait_s=0))
+    worker = app.state.analysis_worker
+    assert worker.settle_s > 0 and worker.claim_size == 4
+    worker.settle_s = 30.0  # longer than posting three batches takes, however loaded
+    with TestClient(app) as api:
+        register_run(api, "r1", N_LAYERS, environment=ENV)
+        post(api, "r1", diverging(first_skip=10, total=75))  # three batches
+        start = time.monotonic()
+        assert worker.wait_idle(60)
+        assert time.monotonic() - start < 20  # hurried, not settled for 30 s
+        assert (worker.analysed, worker.claims) == (3, 1)
+        streaks = [f for f in api.get("/api/v1/runs/r1/findings").json()["items"]
+                   if f["kind"] == "scaler_divergence"
+                   and f["evidence"]["check"] == "skip_streak"]
+        assert [(f["step"], f["last_step"], f["severity"]) for f in streaks] == \
+            [(10, 74, "critical")]
+    close_app(app)
 
 
 def _gauge(text: str, name: str) -> float:
