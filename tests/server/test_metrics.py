@@ -53,6 +53,9 @@ def train(model, scaler, data, skipped: list[int]) -> None:
 
 
 def check_run_and_server(url: str, labels: dict, scaler, skipped: list[int]) -> None:
+    # first a read that waits for the analysis of what was sent (/metrics does not wait)
+    findings = httpx.get(f"{url}/api/v1/runs/streaming/findings",
+                         params={"status": "open"}, timeout=10).json()["items"]
     samples = scrape(url)
     assert value(samples, "ampwatch_run_last_step", **labels) == STEPS - 1
     assert value(samples, "ampwatch_run_steps_total", **labels) == STEPS
@@ -62,8 +65,6 @@ def check_run_and_server(url: str, labels: dict, scaler, skipped: list[int]) -> 
         pytest.approx(len(skipped) / STEPS)
     assert value(samples, "ampwatch_run_loss_scale", **labels) == scaler.get_scale()
     assert 0 <= value(samples, "ampwatch_run_seconds_since_data", **labels) < 60
-    findings = httpx.get(f"{url}/api/v1/runs/streaming/findings",
-                         params={"status": "open"}, timeout=10).json()["items"]
     for severity in ("info", "warning", "critical"):
         assert value(samples, "ampwatch_run_open_findings", severity=severity, **labels) \
             == sum(f["severity"] == severity for f in findings)
