@@ -11,6 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+
+# Plotly's own numpy -> typed array step (go.Figure's): plotly.js gets the same arrays
 from _plotly_utils.utils import to_typed_array_spec
 
 # where add_vline / add_hline put their label, as Plotly's annotation_position does
