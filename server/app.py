@@ -75,7 +75,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         pages.warm_up()
-        # What exists now (modules, Plotly's validators, this app) lives as long as the
+        # What exists now (modules, compiled templates, this app) lives as long as the
         # server: kept out of the collector's sight, a full collection walks only what
         # requests made, instead of pausing one request for 0.1 s now and then.
         gc.freeze()

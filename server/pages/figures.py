@@ -12,9 +12,9 @@ import html
 import math
 
 import numpy as np
-import plotly.graph_objects as go
 
 from ampwatch.server.pages.columns import StepColumns
+from ampwatch.server.pages.plot import Figure
 
 # One meaning per colour, everywhere (server/pages/static/app.css uses the same values).
 CRITICAL = "#d93025"
@@ -43,14 +43,13 @@ def colour(i: int) -> str:
 
 
 def base_figure(height: int = CHART_HEIGHT, *, x_title: str = "step",
-                hovermode: str = "x unified") -> go.Figure:
+                hovermode: str = "x unified") -> Figure:
     """An empty figure in the dashboard's style; `uirevision` keeps zoom across updates.
     Step charts hover every line at the step under the mouse ("x unified"): nobody has
     to hit a line; heatmaps and bars pass "closest"."""
     axis = {"gridcolor": GRID, "zeroline": False, "linecolor": "#dadce0",
             "ticks": "outside", "tickcolor": "#dadce0", "automargin": True}
-    return go.Figure(layout={
-        "template": "none",
+    return Figure(layout={
         "height": height,
         "margin": {"l": 56, "r": 16, "t": 28, "b": 40},
         "font": {"family": FONT, "size": 12, "color": "#3c4043"},
@@ -67,7 +66,7 @@ def base_figure(height: int = CHART_HEIGHT, *, x_title: str = "step",
     })
 
 
-def note(fig: go.Figure, message: str) -> go.Figure:
+def note(fig: Figure, message: str) -> Figure:
     """A figure that says why it is empty instead of showing blank axes."""
     fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper",
                        showarrow=False, font={"color": MUTED, "size": 13})
@@ -76,12 +75,12 @@ def note(fig: go.Figure, message: str) -> go.Figure:
     return fig
 
 
-def legend_if_many(fig: go.Figure, lines: list[StepColumns]) -> None:
-    if len(lines) > 1 or any(trace.showlegend for trace in fig.data):
+def legend_if_many(fig: Figure, lines: list[StepColumns]) -> None:
+    if len(lines) > 1 or any(trace.get("showlegend") for trace in fig.data):
         fig.update_layout(showlegend=True)
 
 
-def _nonfinite_markers(fig: go.Figure, line: StepColumns, name: str, top: float, *,
+def _nonfinite_markers(fig: Figure, line: StepColumns, name: str, top: float, *,
                        several: bool = False) -> None:
     """Red triangles along the top edge at steps whose value was NaN or infinite; with
     `several` lines (runs on /compare), named by their line."""
@@ -95,7 +94,7 @@ def _nonfinite_markers(fig: go.Figure, line: StepColumns, name: str, top: float,
         x=line.steps[bad], y=np.full(int(bad.sum()), top), mode="markers",
         marker={"symbol": "triangle-down", "size": 9, "color": CRITICAL},
         name=title, legendgroup=title,
-        showlegend=not any(t.legendgroup == title for t in fig.data),
+        showlegend=not any(t.get("legendgroup") == title for t in fig.data),
         text=text, hovertemplate="step %{x}: %{text}<extra>" + label(line.label) + "</extra>",
     )
 
@@ -116,16 +115,16 @@ def step_span_of(step_arrays: list[np.ndarray]) -> tuple[int, int] | None:
     return min(a for a, _ in spans), max(b for _, b in spans)
 
 
-def mark_step(fig: go.Figure, step: int | None) -> go.Figure:
+def mark_step(fig: Figure, step: int | None) -> Figure:
     """A vertical line at `step` (the step a link from a problem opened the page at)."""
-    if step is not None and fig.layout.xaxis.visible is not False:
+    if step is not None and fig.layout["xaxis"].get("visible") is not False:
         fig.add_vline(x=step, line={"color": CRITICAL, "width": 1.5, "dash": "dash"},
-                      annotation_text=f"step {step:,}", annotation_position="top",
-                      annotation_font_color=CRITICAL, name="mark")
+                      annotation={"text": f"step {step:,}", "font": {"color": CRITICAL}},
+                      annotation_position="top", name="mark")
     return fig
 
 
-def share_x(fig: go.Figure, x_range: tuple[int, int] | None) -> go.Figure:
+def share_x(fig: Figure, x_range: tuple[int, int] | None) -> Figure:
     """One x range for every chart of a page: from its first step to its last, so charts
     line up and none stops short where its values end (a scale of 0, a NaN loss)."""
     if x_range is not None:
@@ -158,7 +157,7 @@ def log10_ticks(low: float, high: float) -> list[float]:
     return inside if len(inside) >= 2 else ticks
 
 
-def grad_norm_figure(lines: list[StepColumns]) -> go.Figure:
+def grad_norm_figure(lines: list[StepColumns]) -> Figure:
     """Total grad norm on a log axis with ticks as a person writes them; NaN/inf steps as
     red markers along the top."""
     fig = base_figure()
@@ -203,7 +202,7 @@ def smooth(values: np.ndarray, weight: float = LOSS_SMOOTHING) -> np.ndarray:
     return out
 
 
-def loss_figure(lines: list[StepColumns]) -> go.Figure:
+def loss_figure(lines: list[StepColumns]) -> Figure:
     """Training loss, each line smoothed (EMA, LOSS_SMOOTHING) over its raw values drawn
     faint (app.js: a smoothing slider and a log toggle); NaN/inf steps as red markers
     along the top."""
@@ -235,7 +234,7 @@ def loss_figure(lines: list[StepColumns]) -> go.Figure:
     return fig
 
 
-def lr_figure(lines: list[StepColumns]) -> go.Figure:
+def lr_figure(lines: list[StepColumns]) -> Figure:
     """Learning rate of parameter group 0."""
     fig = base_figure()
     if not any(line.present["lr"].any() for line in lines):
@@ -268,7 +267,7 @@ def step_time(line: StepColumns) -> np.ndarray:
     return total
 
 
-def phase_times_figure(lines: list[StepColumns]) -> go.Figure:
+def phase_times_figure(lines: list[StepColumns]) -> Figure:
     """One run's forward, backward and optimizer times stacked; with several lines
     (ranks), each line's total step time."""
     fig = base_figure()
@@ -305,7 +304,7 @@ def _memory_unit(high: float) -> tuple[float, str]:
     return 1.0, "bytes"
 
 
-def peak_memory_figure(lines: list[StepColumns]) -> go.Figure:
+def peak_memory_figure(lines: list[StepColumns]) -> Figure:
     """Peak device memory per step, in the largest binary unit that fits."""
     fig = base_figure()
     measured = [line.values["peak_mem_bytes"][line.finite("peak_mem_bytes")] for line in lines]
@@ -327,7 +326,7 @@ def peak_memory_figure(lines: list[StepColumns]) -> go.Figure:
 
 
 def skip_rate_figure(lines: list[StepColumns], totals: list[int],
-                     windows: int = 100) -> go.Figure:
+                     windows: int = 100) -> Figure:
     """Share of skipped steps per window of steps, in percent.
 
     Exact on downsampled lines: downsampling keeps every skipped step, and steps count
@@ -358,7 +357,7 @@ def skip_rate_figure(lines: list[StepColumns], totals: list[int],
     return fig
 
 
-def step_time_figure(lines: list[StepColumns]) -> go.Figure:
+def step_time_figure(lines: list[StepColumns]) -> Figure:
     """Total step time per line (several runs overlaid)."""
     fig = base_figure()
     drawn = False
@@ -380,12 +379,12 @@ def step_time_figure(lines: list[StepColumns]) -> go.Figure:
     return fig
 
 
-def dash_lines(fig: go.Figure, labels: list[str]) -> go.Figure:
+def dash_lines(fig: Figure, labels: list[str]) -> Figure:
     """Each line its own dash style (line i gets DASHES[i]) so that lines drawn on top of
     each other stay told apart."""
     dash = {label(name): DASHES[i % len(DASHES)] for i, name in enumerate(labels)}
     for trace in fig.data:
-        if trace.type == "scatter" and trace.name in dash and trace.mode == "lines" \
-                and trace.fill in (None, "none"):
-            trace.line.dash = dash[trace.name]
+        if trace["type"] == "scatter" and trace.get("name") in dash \
+                and trace.get("mode") == "lines" and trace.get("fill") in (None, "none"):
+            trace.setdefault("line", {})["dash"] = dash[trace["name"]]
     return fig

@@ -5,17 +5,19 @@ formats and latest scale. Figure builders are pure `twin -> Figure` functions.""
 from __future__ import annotations
 
 import numpy as np
-import plotly.graph_objects as go
+from plotly.colors import get_colorscale
 from sqlalchemy.orm import Session
 
 from ampwatch.server.api.fp8 import fp8_twin
 from ampwatch.server.pages import views
 from ampwatch.server.pages.figures import base_figure, label, note
 from ampwatch.server.pages.heatmaps import heatmap_height
+from ampwatch.server.pages.plot import Figure
 from ampwatch.server.settings import Settings
 
 BUCKETS = 1000
-SHARE_COLOURS = {"underflow": "Blues", "saturated": "Reds"}
+# Plotly's ColorBrewer scales as stops: plotly.js's own "Blues" and "Reds" are others
+SHARE_COLOURS = {"underflow": get_colorscale("Blues"), "saturated": get_colorscale("Reds")}
 
 
 def fp8_page_twin(session: Session, settings: Settings, run_id: str, *, rank: int,
@@ -25,7 +27,7 @@ def fp8_page_twin(session: Session, settings: Settings, run_id: str, *, rank: in
             **fp8_twin(session, run_id, rank=rank, buckets=BUCKETS, **steps.query())}
 
 
-def share_heatmap(twin: dict, name: str, what: str) -> go.Figure:
+def share_heatmap(twin: dict, name: str, what: str) -> Figure:
     """(layer · tensor) rows x step buckets of the largest share of `name` per bucket;
     blank where a bucket has no sample, zero shares in the scale's lightest colour."""
     fig = base_figure(heatmap_height(len(twin["rows"])), hovermode="closest")
@@ -47,6 +49,6 @@ def share_heatmap(twin: dict, name: str, what: str) -> go.Figure:
     return fig
 
 
-def fp8_figures(twin: dict) -> dict[str, go.Figure]:
+def fp8_figures(twin: dict) -> dict[str, Figure]:
     return {"fp8_underflow": share_heatmap(twin, "underflow", "flushed to zero"),
             "fp8_saturated": share_heatmap(twin, "saturated", "clipped at the max")}

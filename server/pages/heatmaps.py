@@ -12,16 +12,19 @@ import math
 from dataclasses import dataclass
 
 import numpy as np
-import plotly.graph_objects as go
+from plotly.colors import get_colorscale
 
 from ampwatch.server.pages.columns import LayerMatrix
 from ampwatch.server.pages.figures import CRITICAL, MUTED, base_figure, label, note
+from ampwatch.server.pages.plot import Figure
 
 NAN_COLOUR = "#7f1d1d"  # NaN cells: a darker shade of the critical red used for inf
 DTYPE_COLOURS = {"float16": "#1a73e8", "bfloat16": "#12a4af", "float32": "#e8710a",
                  "float64": "#9334e6", "float8_e4m3fn": "#0b8043", "float8_e5m2": "#0b8043",
                  "int8": "#6b5bd2", "mixed": MUTED}
 UNKNOWN_DTYPE = "#bdc1c6"
+# Plotly's Viridis as stops: plotly.js's own "Viridis" has other stops
+VIRIDIS = get_colorscale("Viridis")
 ROW_PX = 20
 
 
@@ -99,7 +102,7 @@ def first_offender(matrix: LayerMatrix) -> FirstOffender | None:
 def layer_heatmap_figure(matrix: LayerMatrix, *, quantity: str,
                          offender: str | None = None,
                          titles: dict[str, str] | None = None,
-                         limit: tuple[str, float] | None = None) -> go.Figure:
+                         limit: tuple[str, float] | None = None) -> Figure:
     """Layers (rows in the matrix's order, forward order, top first) x step buckets of
     `quantity`.
 
@@ -155,7 +158,7 @@ def layer_heatmap_figure(matrix: LayerMatrix, *, quantity: str,
     return fig
 
 
-def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np.ndarray,
+def _add_log_heatmap(fig: Figure, x: np.ndarray, names: list[str], values: np.ndarray,
                      finite: np.ndarray, quantity: str,
                      limit: tuple[str, float] | None = None) -> None:
     # float32 and masked reductions, no boolean gathers: a 1,000 x 1,000 heatmap costs
@@ -180,7 +183,7 @@ def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np
     # app.js fills customdata with 10**z once drawn (meta "log10"): the hover reads 0.5,
     # not 10^-0.30, without sending every value twice
     fig.add_heatmap(
-        x=x, y=names, z=z, zmin=low, zmax=high, colorscale="Viridis", name=quantity,
+        x=x, y=names, z=z, zmin=low, zmax=high, colorscale=VIRIDIS, name=quantity,
         colorbar={"title": {"text": "log10", "side": "right"}, "tickvals": ticks,
                   "ticktext": text, "thickness": 12, "len": 0.9},
         hoverongaps=False, meta="log10",
@@ -189,7 +192,7 @@ def _add_log_heatmap(fig: go.Figure, x: np.ndarray, names: list[str], values: np
     )
 
 
-def _mark_offender(fig: go.Figure, offender: str | None, matrix: LayerMatrix,
+def _mark_offender(fig: Figure, offender: str | None, matrix: LayerMatrix,
                    names: list[str], x: np.ndarray, bad: np.ndarray) -> None:
     """A star and a label at the offender layer's first non-finite bucket."""
     rows = [r for r, layer in enumerate(matrix.layers) if layer == offender]
@@ -211,7 +214,7 @@ def _mark_offender(fig: go.Figure, offender: str | None, matrix: LayerMatrix,
                        arrowcolor=CRITICAL, bgcolor="rgba(255,255,255,0.9)")
 
 
-def forward_time_figure(layers: dict, order: list[int]) -> go.Figure:
+def forward_time_figure(layers: dict, order: list[int]) -> Figure:
     """Mean forward time of each layer (forward order), one colour per computed dtype."""
     items = {item["index"]: item for item in layers["items"]}
     timed = [items[i] for i in order if items[i]["summary"]["fwd_time_mean_ms"] is not None]

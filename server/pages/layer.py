@@ -8,7 +8,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import plotly.graph_objects as go
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
@@ -16,6 +15,7 @@ from ampwatch.server.fp8_samples import fp8_report
 from ampwatch.server.pages import figures
 from ampwatch.server.pages.columns import decode_values
 from ampwatch.server.pages.heatmaps import layer_title
+from ampwatch.server.pages.plot import Figure
 from ampwatch.server.pages.views import MAX_POINTS, StepRange, findings_of, page_run
 from ampwatch.server.queries import layer_series_query, layers_query
 from ampwatch.server.runs import get_run
@@ -49,7 +49,7 @@ def _column(points: list[dict], name: str) -> tuple[np.ndarray, np.ndarray, np.n
     return steps, values, sent
 
 
-def _log_line(fig: go.Figure, steps: np.ndarray, values: np.ndarray, sent: np.ndarray,
+def _log_line(fig: Figure, steps: np.ndarray, values: np.ndarray, sent: np.ndarray,
               name: str, top: float | None = None) -> None:
     """A line on a log axis; NaN/inf points as red markers along its top (at `top`, by
     default 4x the largest finite value)."""
@@ -69,7 +69,7 @@ def _log_line(fig: go.Figure, steps: np.ndarray, values: np.ndarray, sent: np.nd
     fig.update_yaxes(type="log", title={"text": name}, exponentformat="power")
 
 
-def layer_figures(twin: dict) -> dict[str, go.Figure]:
+def layer_figures(twin: dict) -> dict[str, Figure]:
     """Grad norm, output abs-max (with the dtype's maximum drawn) and zero-grad share, over
     one step range."""
     series = twin["series"]
@@ -93,9 +93,9 @@ def layer_figures(twin: dict) -> dict[str, go.Figure]:
             limit = DTYPE_MAX[dtype]
             if limit in shown:
                 acts.add_hline(y=limit, line={"color": figures.CRITICAL, "dash": "dot"},
-                               annotation_text=f"{dtype_word(dtype)} max {limit:g}",
-                               annotation_position="top left",
-                               annotation_font_color=figures.CRITICAL)
+                               annotation={"text": f"{dtype_word(dtype)} max {limit:g}",
+                                           "font": {"color": figures.CRITICAL}},
+                               annotation_position="top left")
                 acts.update_yaxes(range=[math.log10(max(float(finite.min()), 1e-30)) - 0.2,
                                          math.log10(limit) + 0.3])
     else:
@@ -119,7 +119,7 @@ def layer_figures(twin: dict) -> dict[str, go.Figure]:
     return {name: figures.share_x(fig, span) for name, fig in charts.items()}
 
 
-def fp8_figure(report: dict) -> go.Figure:
+def fp8_figure(report: dict) -> Figure:
     """An FP8 layer's casts: per tensor, the largest share of its elements flushed to zero
     (solid) and clipped at the format's maximum (dotted) per bucket of sampled steps."""
     fig = figures.base_figure()

@@ -14,10 +14,9 @@ from fastapi import Request
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
-from plotly.graph_objects import Figure
 from plotly.io.json import to_json_plotly
 
-from ampwatch.server.pages.figures import base_figure, note
+from ampwatch.server.pages.plot import Figure
 
 TEMPLATES = Path(__file__).parent / "templates"
 # Pages run no inline script and load nothing from elsewhere; Plotly needs inline styles.
@@ -139,17 +138,7 @@ def render_page(request: Request, template: str, status_code: int = 200, *,
 
 
 def warm_up() -> None:
-    """Compile every template and draw one figure with each trace type the pages use, so
-    that the first page a fresh server process answers does not pay for it (Jinja
-    compiles a template on first use, Plotly loads a trace type's validators on first
-    use): about 0.2 s at startup rather than on somebody's first page."""
+    """Compile every template, so that the first page a fresh server process answers
+    does not pay for it (Jinja compiles a template on first use)."""
     for name in _ENVIRONMENT.list_templates(extensions=["html"]):
         _ENVIRONMENT.get_template(name)
-    fig = base_figure()
-    fig.add_heatmap(x=[0, 1], y=["layer"], z=[[1.0]], colorbar={"title": {"text": "log10"}})
-    fig.add_scatter(x=[0], y=[1.0], mode="markers", marker={"symbol": "x"})
-    fig.add_bar(x=["layer"], y=[1.0])
-    fig.update_xaxes(type="category")
-    fig.update_yaxes(type="log")
-    fig.update_layout(showlegend=True)
-    script_json(note(fig, "warm-up").to_plotly_json())

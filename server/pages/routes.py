@@ -131,7 +131,7 @@ def _past_end(figures: dict, run: dict, start: int | None) -> dict:
     last = run.get("last_step")
     if start is None or last is None or start <= last:
         return figures
-    return {name: note(base_figure(fig.layout.height or CHART_HEIGHT),
+    return {name: note(base_figure(fig.layout.get("height") or CHART_HEIGHT),
                        f"past the run's end: its last step is {last:,}")
             for name, fig in figures.items()}
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import math
 
 import numpy as np
-import plotly.graph_objects as go
 
 from ampwatch.server.pages.columns import StepColumns
 from ampwatch.server.pages.figures import (
@@ -20,6 +19,7 @@ from ampwatch.server.pages.figures import (
     share_x,
     step_span,
 )
+from ampwatch.server.pages.plot import Figure
 
 SCALE_FLOOR = -24  # log2: a loss scale below 2^-24 is collapsed, whatever its value
 
@@ -47,7 +47,7 @@ def streaks(steps: np.ndarray, mask: np.ndarray) -> list[tuple[int, int]]:
     return list(zip(firsts.tolist(), lasts.tolist(), strict=True))
 
 
-def _spans(fig: go.Figure, spans: list[tuple[int, int]], low: float, high: float, *,
+def _spans(fig: Figure, spans: list[tuple[int, int]], low: float, high: float, *,
            name: str, colour: str, legend: str, owner: str, several: bool = False) -> None:
     """Shaded bands over step spans (one filled trace, however many spans), and at each
     of their steps an invisible point whose hover names the run and the span: "skipped:
@@ -63,7 +63,7 @@ def _spans(fig: go.Figure, spans: list[tuple[int, int]], low: float, high: float
     fig.add_scatter(
         x=x, y=y, mode="lines", fill="toself", fillcolor=colour, line={"width": 0},
         name=title, legendgroup=legend, hoverinfo="skip",
-        showlegend=not any(t.legendgroup == legend for t in fig.data),
+        showlegend=not any(t.get("legendgroup") == legend for t in fig.data),
     )
     steps = np.concatenate([np.arange(a, b + 1) for a, b in spans])
     bounds = np.concatenate([np.tile([a, b, b - a + 1], (b - a + 1, 1)) for a, b in spans])
@@ -75,7 +75,7 @@ def _spans(fig: go.Figure, spans: list[tuple[int, int]], low: float, high: float
     )
 
 
-def loss_scale_figure(lines: list[StepColumns]) -> go.Figure:
+def loss_scale_figure(lines: list[StepColumns]) -> Figure:
     """Loss scale on a log2 axis (ticks at whole powers of two), skipped steps shaded as
     spans (hovering one names its run and its first and last step); the x axis spans
     every step. A scale that collapsed does not stretch the axis to 2^-149: scales under
@@ -127,14 +127,14 @@ def loss_scale_figure(lines: list[StepColumns]) -> go.Figure:
                      title={"text": "loss scale"})
     if low <= 0 <= high:
         fig.add_hline(y=0, line={"color": CRITICAL, "dash": "dot", "width": 1},
-                      annotation_text="scale 1", annotation_font_color=CRITICAL,
+                      annotation={"text": "scale 1", "font": {"color": CRITICAL}},
                       annotation_position="bottom right")
     share_x(fig, step_span(lines))
     legend_if_many(fig, lines)
     return fig
 
 
-def _fallen(fig: go.Figure, line: StepColumns, fallen: np.ndarray, row: float, *,
+def _fallen(fig: Figure, line: StepColumns, fallen: np.ndarray, row: float, *,
             several: bool) -> None:
     """Steps whose scale fell under 2^SCALE_FLOOR (or to 0) on the row below the axis's
     powers of two, and a note at the first: "fell to 0 at step 357"."""

@@ -4,10 +4,9 @@ figures.py and heatmaps.py so the two pages only gain a call each."""
 
 from __future__ import annotations
 
-from plotly.graph_objects import Figure
-
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix
+from ampwatch.server.pages.plot import Figure
 
 SPIKE_COLOUR = figures.CRITICAL
 HEATMAPS = {  # twin key -> (matrix metric, what its colour bar says)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from urllib.parse import quote
 
 import numpy as np
-from plotly.graph_objects import Figure
 from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
@@ -23,6 +22,7 @@ from ampwatch.server.models import Run, RunRank
 from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import layer_title
+from ampwatch.server.pages.plot import Figure
 from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
 from ampwatch.server.ranks import overlaid_ranks, panel_rank_rows, ranks_panel
 from ampwatch.server.runs import get_run, lead_rank, list_runs, public_run
