@@ -92,8 +92,10 @@ def test_only_a_request_that_waited_out_its_slot_gets_503(one_slot):
 def test_batches_wait_while_analysis_is_behind(tmp_path):
     """No worker drains (the embedded one is off): each stored batch waits in the queue,
     and past the limit new batches are refused until a worker catches up."""
+    # reads answer at once: nothing drains the queue they would wait for
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'q.db'}",
-                              max_pending_batches=2, embedded_worker=False))
+                              max_pending_batches=2, embedded_worker=False,
+                              analysis_wait_s=0))
     maker = app.state.sessionmaker
     try:
         with TestClient(app) as api:
