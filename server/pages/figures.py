@@ -386,5 +386,6 @@ def dash_lines(fig: Figure, labels: list[str]) -> Figure:
     for trace in fig.data:
         if trace["type"] == "scatter" and trace.get("name") in dash \
                 and trace.get("mode") == "lines" and trace.get("fill") in (None, "none"):
-            trace.setdefault("line", {})["dash"] = dash[trace["name"]]
+            # a new dict: a builder may have passed one style dict to several traces
+            trace["line"] = {**trace.get("line", {}), "dash": dash[trace["name"]]}
     return fig
