@@ -6,10 +6,13 @@ bench/ranks.py's batches), loads `--batches` batches of 20 steps per rank, then 
 ingesting the next batches round by round at `--rate` batches/s from one sender while it
 times each read `--repeats` times: the run page as HTML and as its JSON twin, `/ranks`
 and the combined grad norms. Prints p50 and p99 per read, the ingest it kept up, and
-the load average (the numbers are only comparable at the same load).
+the load average (the numbers are only comparable at the same load). With `--layout
+sharded` the run is FSDP's: a combined grad norm sums every rank's, from the rollup the
+analysis worker keeps (server/combined.py), so the detectors run too.
 
     python bench/rank_pages.py                      # ~2 minutes, most of it loading
     python bench/rank_pages.py --ranks 64 --postgres postgresql+psycopg://postgres@127.0.0.1:5432/test
+    python bench/rank_pages.py --layout sharded
 """
 
 from __future__ import annotations
@@ -41,11 +44,14 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=50.0, help="batches/s while timing")
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--postgres", help="an admin URL (CREATE DATABASE); else SQLite")
+    parser.add_argument("--layout", choices=("replicated", "sharded"), default="replicated",
+                        help="sharded (FSDP): a combined norm sums every rank's; its rollup "
+                             "is kept by the worker, so the detectors run")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         url = (fresh_database(args.postgres) if args.postgres
                else f"sqlite:///{Path(tmp) / 'ranks.db'}")
-        proc, server = start_server(url, detect=False)
+        proc, server = start_server(url, detect=args.layout == "sharded")
         try:
             run(args, server)
         finally:
@@ -59,8 +65,9 @@ def run(args: argparse.Namespace, server: str) -> None:
     run_id = f"ranks-{uuid.uuid4().hex[:6]}"
     httpx.put(f"{server}/api/v1/runs/{run_id}", timeout=60, json={
         "name": run_id, "layers": layer_table(args.layers),
-        "environment": {"world_size": args.ranks, "parallelism": "ddp",
-                        "grad_layout": "replicated"}}).raise_for_status()
+        "environment": {"world_size": args.ranks,
+                        "parallelism": "ddp" if args.layout == "replicated" else "fsdp2",
+                        "grad_layout": args.layout}}).raise_for_status()
     rng = random.Random(0)
 
     def body(rank: int, seq: int) -> bytes:

@@ -196,6 +196,40 @@ class RankRollup(Base):
     values: Mapped[bytes] = mapped_column(LargeBinary)
 
 
+class CombinedNorms(Base):
+    """One bucket of `combined.BUCKET_STEPS` step numbers of a sharded run, kept by the
+    analysis worker (server/combined.py): per step, the ranks folded in (int32), the sum
+    of their squared total grad norms (float64) and how many of them sent no total
+    (int32), each raw."""
+
+    __tablename__ = "combined_norms"
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    bucket: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    ranks: Mapped[bytes] = mapped_column(LargeBinary)
+    sum_sq: Mapped[bytes] = mapped_column(LargeBinary)
+    unknown: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class CombinedRank(Base):
+    """How far the worker folded one rank of a sharded run into `combined_norms`: every
+    step of the rank that reads see, through `through`, exactly once. `stuck` once a
+    batch did not simply append (a restart, a late or overlapping batch): the rank is
+    folded no further, and reads take its later steps from its batches."""
+
+    __tablename__ = "combined_ranks"
+    __table_args__ = (Index("ix_combined_ranks_through", "run_id", "through"),)
+
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True
+    )
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    through: Mapped[int] = mapped_column(BigInteger)
+    stuck: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
 class Fp8Sample(Base):
     """FP8 cast statistics of one sampled step of one rank (server/analysis/fp8.py):
     `layers` the int32 indices of the layers it holds (those the agent measured: the FP8

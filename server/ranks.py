@@ -17,6 +17,7 @@ import numpy as np
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
+from ampwatch.server import combined
 from ampwatch.server.models import Batch, Finding, Run, RunRank
 from ampwatch.server.rollups import step_ms_median
 from ampwatch.server.runs import lead_rank, run_ranks
@@ -70,6 +71,15 @@ class ShardSums:
             self.seen[rows] |= present
             self.layer_sq[rows] += np.where(present, np.square(block), 0.0)
 
+    def add_folded(self, first: int, ranks: np.ndarray, sum_sq: np.ndarray,
+                   unknown: np.ndarray) -> None:
+        """Steps from `first` on as the worker folded them (server/combined.py): the
+        ranks in each, their summed squares and how many sent no total."""
+        rows = slice(first - self.start, first - self.start + len(ranks))
+        self.ranks_sent[rows] += ranks
+        self.total_sq[rows] += sum_sq
+        self.total_known[rows] &= unknown == 0
+
     def combined(self, n_ranks: int
                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
         """Steps every one of `n_ranks` ranks sent, their total norm (sqrt of the summed
@@ -117,8 +127,8 @@ def combined_grad_norms(session: Session, run: Run, *, start: int | None = None,
         bound = min(last, first + span - 1)
         # sharded, a step needs every rank that reports, and at least the world size
         steps, total, known, layers = _combined_span(session, run, layout, lead,
-                                                     max(n_ranks, reporting), first, bound,
-                                                     with_layers)
+                                                     max(n_ranks, reporting), reporting,
+                                                     first, bound, with_layers)
     if with_layers and layers is None:
         layers = np.full((len(steps), n_layers), MISSING, dtype=np.float32)
     return {
@@ -144,13 +154,23 @@ def _first_step(session: Session, run_id: str, lead: RunRank | None) -> int | No
 
 
 def _combined_span(session: Session, run: Run, layout: str, lead: RunRank, n_ranks: int,
-                   start: int, end: int, with_layers: bool
+                   reporting: int, start: int, end: int, with_layers: bool
                    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
     """Steps in [start, end] combined as the layout says: (steps, total norm, whether
     the total is known, per-layer norms or None)."""
     n_layers = run.n_layers
     if layout == SHARDED:
         sums = ShardSums(start, end, n_layers, with_layers)
+        if not with_layers:
+            # the worker's sums through the step every rank is folded to; the batches
+            # only beyond it, and only while ranks are not folded up to their last step
+            through = combined.folded_through(session, run.id, reporting)
+            if through is not None and through >= start:
+                combined.add_folded(session, run.id, sums, start, min(end, through))
+                lowest = combined.lowest_last_step(session, run.id)
+                if through >= end or lowest is None or through >= lowest:
+                    return sums.combined(n_ranks)
+                start = through + 1
         # ranks a chunk: their batches in the span, unpacked at once, stay near
         # COMBINED_VALUES (a batch is unpacked whole, so a rank's rows reach past the
         # span by up to a batch at either end: the lead's mean batch is the estimate)

@@ -12,7 +12,16 @@ from sqlalchemy.orm import Session
 from ampwatch.server.codec import encode_columns
 from ampwatch.server.db import writing
 from ampwatch.server.errors import Conflict
-from ampwatch.server.models import Batch, Fp8Sample, Run, RunRank, SpikeSample, utcnow
+from ampwatch.server.models import (
+    Batch,
+    CombinedNorms,
+    CombinedRank,
+    Fp8Sample,
+    Run,
+    RunRank,
+    SpikeSample,
+    utcnow,
+)
 from ampwatch.server.restarts import rebuild_summaries
 from ampwatch.server.runs import get_run, run_ranks
 from ampwatch.server.storage import new_batch_row
@@ -38,6 +47,9 @@ def archive_run(session: Session, run_id: str) -> Run:
         session.execute(delete(Batch).where(Batch.run_id == run_id))
         session.execute(delete(Fp8Sample).where(Fp8Sample.run_id == run_id))
         session.execute(delete(SpikeSample).where(SpikeSample.run_id == run_id))
+        # the combined norms' sums go with the steps they were summed from
+        session.execute(delete(CombinedNorms).where(CombinedNorms.run_id == run_id))
+        session.execute(delete(CombinedRank).where(CombinedRank.run_id == run_id))
         for rank, events in kept.items():
             if events:
                 session.execute(insert(Batch).values(

@@ -23,7 +23,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ampwatch.server import analysis
+from ampwatch.server import analysis, combined
 from ampwatch.server.analysis.windows import RankWindows
 from ampwatch.server.analysis_queue import (
     ENQUEUED,
@@ -34,6 +34,7 @@ from ampwatch.server.analysis_queue import (
 from ampwatch.server.db import make_engine, session_info, writing
 from ampwatch.server.faults import DatabaseHealth
 from ampwatch.server.models import AnalysisTask, Run
+from ampwatch.server.ranks import SHARDED, grad_layout
 from ampwatch.server.settings import Settings
 
 __all__ = ["AnalysisWorker", "pending_batches"]
@@ -121,22 +122,25 @@ class AnalysisWorker:
             if not tasks:
                 session.rollback()
                 return 0
-            for task in tasks:
-                self._judge(session, task)
+            folds = [self._judge(session, task) for task in tasks]
+            run = session.get(Run, tasks[0].run_id)  # a claim is one run's
+            if run is not None and grad_layout(run) == SHARDED:
+                combined.fold(session, run.id, [f for f in folds if f is not None])
             done(session, tasks)
             session.commit()
         self.analysed += len(tasks)
         self.claims += 1
         return len(tasks)
 
-    def _judge(self, session: Session, task: AnalysisTask) -> None:
-        """The detectors on one stored batch, as the request that stored it saw the rank."""
+    def _judge(self, session: Session, task: AnalysisTask) -> combined.Fold | None:
+        """The detectors on one stored batch, as the request that stored it saw the rank;
+        returns what the combined norms fold of it (None: the batch is gone)."""
         start = time.perf_counter()
         run = session.get(Run, task.run_id)
         batch = None if run is None else self.windows.stored(
             session, task.run_id, task.rank, task.seq, n_layers=run.n_layers)
         if batch is None:  # the run or batch was deleted meanwhile
-            return
+            return None
         settings = self.settings.analysis
         analysis.on_ingest(session, run, task.rank, batch, settings,
                            rank_last_step=task.rank_last_step, current=task.current,
@@ -146,6 +150,7 @@ class AnalysisWorker:
                                        windows=self.windows)
         if self.on_analysed is not None:
             self.on_analysed(time.perf_counter() - start)
+        return combined.Fold(task.rank, batch, task.rank_last_step)
 
     def _drop_oldest(self) -> None:
         """Take the batch that failed alone off the queue, saying which."""
