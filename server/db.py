@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, Select, create_engine, event
+from sqlalchemy import Engine, Executable, Select, create_engine, event
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
@@ -92,6 +92,24 @@ def dialect_insert(session: Session, table: type) -> postgresql.Insert | sqlite.
     (SQLite and Postgres)."""
     insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
     return insert(table)
+
+
+class PerDialect:
+    """A statement built once for each dialect (`build` gets its `insert`) and reused. On
+    the paths that run for every batch, building a statement and its cache key cost more
+    than executing it; a reused one binds its values at execute."""
+
+    def __init__(self, build: Callable[[Callable], Executable]) -> None:
+        self._build = build
+        self._built: dict[str, Executable] = {}
+
+    def __call__(self, session: Session) -> Executable:
+        name = session.get_bind().dialect.name
+        statement = self._built.get(name)
+        if statement is None:
+            insert = postgresql.insert if name == "postgresql" else sqlite.insert
+            statement = self._built[name] = self._build(insert)
+        return statement
 
 
 def rows_by_step(session: Session, query: Select, step: Any, start: int | None,

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import decode_column, encode_array
 from ampwatch.server.db import dialect_insert, rows_by_step
+from ampwatch.server.fields import missing_entries
 from ampwatch.server.models import Fp8Sample, Layer
 from ampwatch.server.schemas import Fp8In, StepIn
 from ampwatch.wire import FP8_ROLES, FP8_STATS
@@ -81,9 +82,12 @@ def _pack(fp8: Fp8In, n_layers: int) -> dict[str, bytes]:
         if tensor is None:
             continue
         for k, name in enumerate(STATS):
-            vector = getattr(tensor, name)
-            values[r, k] = [np.nan if v is None else v for v in vector]
-        present[r] = [v is not None for v in tensor.amax]
+            vector = np.array(getattr(tensor, name), dtype=np.float64)
+            missing = missing_entries(vector)
+            vector[missing] = np.nan
+            values[r, k] = vector
+            if name == "amax":
+                present[r] = ~missing
     kept = np.flatnonzero(present.any(axis=0) | ~np.isnan(values).all(axis=(0, 1)))
     return {"layers": encode_array(kept.astype("<i4")),
             "values": encode_array(values[..., kept]),

@@ -10,14 +10,14 @@ from datetime import datetime
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import func, literal, select, update
+from sqlalchemy import bindparam, func, literal, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.store import refresh_run_health
 from ampwatch.server.analysis_queue import enqueue
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
-from ampwatch.server.db import dialect_insert, writing
+from ampwatch.server.db import PerDialect, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
 from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import AnalysisTask, Batch, Run, RunRank, utcnow
@@ -148,16 +148,30 @@ def _touch_rank(session: Session, run_id: str, rank: int, now: datetime) -> bool
     """Set the rank's `last_seen_at`, making its row (empty totals) on its first batch;
     the row stays locked to the transaction. False when the run does not exist. Run-level
     `last_seen_at` is the newest of its ranks' (`runs.run_public`, `runs.live_runs`)."""
-    fresh = {"run_id": run_id, "rank": rank, "batches": 0, "max_seq": -1, "steps": 0,
-             "skipped": 0, "dropped_batches": 0, "dropped_steps": 0, "last_seen_at": now}
-    values = select(*(literal(v, RunRank.__table__.c[k].type).label(k) for k, v in fresh.items())
-                    ).where(select(Run.id).where(Run.id == run_id).exists())
-    return session.execute(
-        dialect_insert(session, RunRank).from_select(list(fresh), values)
-        .on_conflict_do_update(index_elements=[RunRank.run_id, RunRank.rank],
-                               set_={"last_seen_at": now})
-        .returning(RunRank.rank)  # rowcount is -1 for INSERT .. SELECT on psycopg
-    ).first() is not None
+    return session.execute(_TOUCH_RANK(session), {"run_id": run_id, "rank": rank,
+                                                  "last_seen_at": now}).first() is not None
+
+
+_EMPTY_RANK = {"batches": 0, "max_seq": -1, "steps": 0, "skipped": 0, "dropped_batches": 0,
+               "dropped_steps": 0}
+_RANK_KEYS = ("run_id", "rank", "last_seen_at")
+
+
+def _touch_rank_statement(insert):
+    columns = RunRank.__table__.c
+    values = select(*(bindparam(k, type_=columns[k].type).label(k) for k in _RANK_KEYS),
+                    *(literal(v, columns[k].type).label(k) for k, v in _EMPTY_RANK.items())
+                    ).where(select(Run.id).where(Run.id == bindparam("run_id")).exists())
+    return (insert(RunRank.__table__).from_select([*_RANK_KEYS, *_EMPTY_RANK], values)
+            .on_conflict_do_update(index_elements=[RunRank.run_id, RunRank.rank],
+                                   set_={"last_seen_at": bindparam("last_seen_at")})
+            .returning(RunRank.rank))  # rowcount is -1 for INSERT .. SELECT on psycopg
+
+
+_TOUCH_RANK = PerDialect(_touch_rank_statement)
+# Core, not ORM: an ORM insert given one row's values at execute takes the bulk path
+_INSERT_BATCH = PerDialect(lambda insert: insert(Batch.__table__).on_conflict_do_nothing()
+                           .returning(Batch.__table__.c.seq))
 
 
 def _store(session: Session, target: _Target, batch: BatchIn) -> _Stored:
@@ -177,10 +191,7 @@ def _store(session: Session, target: _Target, batch: BatchIn) -> _Stored:
                                    "previous_last_step": previous_last,
                                    "superseded_steps": superseded[0]}
     row = new_batch_row(run_id, batch.rank, batch.seq, batch.steps, target.n_layers, events)
-    inserted = session.execute(
-        dialect_insert(session, Batch).values(**encode_columns(row)).on_conflict_do_nothing()
-        .returning(Batch.seq)
-    ).first() is not None
+    inserted = session.execute(_INSERT_BATCH(session), encode_columns(row)).first() is not None
     fp8 = inserted and store_fp8_samples(session, run_id, batch.rank, batch.steps,
                                          target.n_layers)
     spikes = inserted and store_spike_samples(session, run_id, batch.rank, batch.steps,

@@ -6,10 +6,10 @@ from __future__ import annotations
 import asyncio
 import json
 import re
-import zlib
 from urllib.parse import parse_qsl
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from zlib_ng import zlib_ng as zlib  # zlib's API; inflates a gzip batch in half the time
 
 UNSAFE_METHODS = frozenset({"POST", "PUT", "PATCH", "DELETE"})
 HEALTH_PATH = "/api/v1/health"

@@ -17,7 +17,7 @@ those it changed:
 from __future__ import annotations
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import RankRollup, RunRank
@@ -57,10 +57,16 @@ def fold_rank_rollups(session: Session, rank_row: RunRank, series: StepSeries, *
         _write(session, rank_row, rows, (stat, stats[stat].tobytes()))
 
 
+# built once: it runs for every batch
+_ROLLUPS_BELOW = select(RankRollup).where(
+    RankRollup.run_id == bindparam("run_id"), RankRollup.rank == bindparam("rank"),
+    RankRollup.rollup < bindparam("below"))
+
+
 def _rollup_rows(session: Session, run_id: str, rank: int, *,
                  below: int = STEP_MS_WINDOW + 1) -> dict[int, RankRollup]:
-    return {row.rollup: row for row in session.scalars(select(RankRollup).where(
-        RankRollup.run_id == run_id, RankRollup.rank == rank, RankRollup.rollup < below))}
+    return {row.rollup: row for row in session.scalars(
+        _ROLLUPS_BELOW, {"run_id": run_id, "rank": rank, "below": below})}
 
 
 def _write(session: Session, rank_row: RunRank, rows: dict[int, RankRollup],

@@ -18,6 +18,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import decode_column, encode_array
 from ampwatch.server.db import dialect_insert, rows_by_step
+from ampwatch.server.fields import missing_entries
 from ampwatch.server.models import SpikeSample
 from ampwatch.server.schemas import SpikesIn, StepIn
 from ampwatch.wire import encode_float
@@ -64,7 +65,9 @@ def _pack(spikes: SpikesIn, n_layers: int) -> bytes:
     for k, name in enumerate(SIGNALS):
         vector = getattr(spikes, name)
         if vector is not None:
-            values[k] = [np.nan if v is None else v for v in vector]
+            vector = np.array(vector, dtype=np.float64)
+            vector[missing_entries(vector)] = np.nan
+            values[k] = vector
     return encode_array(values)
 
 

@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import ITEMSIZE, decode_column
 from ampwatch.server.errors import InvalidInput
+from ampwatch.server.fields import MISSING_ENTRY, missing_entries
 from ampwatch.server.models import Batch, Layer
 from ampwatch.server.schemas import StepIn
 from ampwatch.server.series import (
@@ -32,10 +33,6 @@ from ampwatch.server.series import (
     concat,
 )
 
-# None in a per-layer vector while it is checked: a NaN whose payload no sender's NaN has
-# (JSON "NaN" parses to the canonical one), so missing and sent values never mix.
-_NONE_BITS = 0x7FF8_DEAD_BEEF_0001
-_NONE_MARK = float(np.array(_NONE_BITS, dtype=np.uint64).view(np.float64))
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
 _MISSING_F = float(MISSING)
 _CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars, Batch.present,
@@ -44,21 +41,13 @@ _LAYER_COLUMNS = (Batch.layer_grad,)
 _ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time,
                 Batch.act_grad_zero)
 
-def _vector(values: list[float | None]) -> list[float | None]:
-    """None as `_NONE_MARK`; the list itself when nothing is missing (a C-level scan)."""
-    if None not in values:
-        return values
-    return [_NONE_MARK if v is None else v for v in values]
-
-
-def _per_layer_block(rows: list[list[float | None]], steps: list[int], name: str
-                     ) -> np.ndarray:
-    """float32 matrix of per-layer values, None as MISSING. Refuses (InvalidInput) a
+def _per_layer_block(rows: list[list[float]], steps: list[int], name: str) -> np.ndarray:
+    """float32 matrix of validated per-layer vectors, a missing entry as MISSING. Refuses (InvalidInput) a
     value float32 would not keep: beyond its range (it would read back as inf) or so small
     it would read back as 0; and negatives, which norms, abs-maxes and times never are
     (so no sent value can be taken for MISSING, -1)."""
     wide = np.array(rows, dtype=np.float64)
-    missing = wide.view(np.uint64) == _NONE_BITS
+    missing = missing_entries(wide)
     with np.errstate(over="ignore", invalid="ignore"):
         narrow = wide.astype(np.float32)
         negative = wide < 0
@@ -104,33 +93,33 @@ def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
         "act_grad_zero": None,
     }
     if any(s.layer_grad_norm is not None for s in steps):
-        none_row = [None] * n_layers
+        none_row = [MISSING_ENTRY] * n_layers
         out["layer_grad"] = _per_layer_block(
-            [_vector(none_row if s.layer_grad_norm is None else s.layer_grad_norm)
-             for s in steps], [s.step for s in steps], "layer_grad_norm").tobytes()
+            [none_row if s.layer_grad_norm is None else s.layer_grad_norm for s in steps],
+            [s.step for s in steps], "layer_grad_norm").tobytes()
     # sampled steps: activations and/or zero-grad shares, one row each
     sampled = [s for s in steps
                if s.activations is not None or s.layer_grad_zero_share is not None]
     if sampled:
-        none_row = [None] * n_layers
+        none_row, no_dtypes = [MISSING_ENTRY] * n_layers, [None] * n_layers
         acts = [s.activations for s in sampled]
         sampled_steps = [s.step for s in sampled]
         out["act_step"] = np.array(sampled_steps, dtype=np.int64).tobytes()
         out["act_absmax"] = _per_layer_block(
-            [_vector(none_row if a is None else a.absmax) for a in acts], sampled_steps,
+            [none_row if a is None else a.absmax for a in acts], sampled_steps,
             "activations.absmax").tobytes()
         out["act_dtype"] = np.array(
-            [[DTYPE_CODE[d] if d else 0 for d in (a is not None and a.dtype or none_row)]
+            [[DTYPE_CODE[d] if d else 0 for d in (a is not None and a.dtype or no_dtypes)]
              for a in acts],
             dtype=np.uint8,
         ).tobytes()
         out["act_time"] = _per_layer_block(
-            [_vector(a is not None and a.time_ms or none_row) for a in acts], sampled_steps,
+            [a is not None and a.time_ms or none_row for a in acts], sampled_steps,
             "activations.time_ms").tobytes()
         if any(s.layer_grad_zero_share is not None for s in sampled):
             out["act_grad_zero"] = _per_layer_block(
-                [_vector(none_row if s.layer_grad_zero_share is None
-                         else s.layer_grad_zero_share) for s in sampled], sampled_steps,
+                [none_row if s.layer_grad_zero_share is None else s.layer_grad_zero_share
+                 for s in sampled], sampled_steps,
                 "layer_grad_zero_share").tobytes()
     return out
 

@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from dataclasses import replace
 
-from sqlalchemy import select
+from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import Batch
@@ -30,6 +30,15 @@ _DATA = (Batch.seq, Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars,
          Batch.present, Batch.events, Batch.superseded_from, Batch.layer_grad,
          Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time,
          Batch.act_grad_zero)
+# Built once: these run for every judged batch, and building a statement (and its cache
+# key) cost more than running it.
+_OF_RANK = (Batch.run_id == bindparam("run_id"), Batch.rank == bindparam("rank"))
+_INDEX_IN_SPAN = (select(*_INDEX)
+                  .where(*_OF_RANK, Batch.last_step >= bindparam("start"),
+                         Batch.first_step <= bindparam("end"))
+                  .order_by(Batch.first_step, Batch.seq))
+_INDEX_OF_SEQ = select(*_INDEX).where(*_OF_RANK, Batch.seq == bindparam("seq"))
+_DATA_OF_SEQS = select(*_DATA).where(*_OF_RANK, Batch.seq.in_(bindparam("seqs", expanding=True)))
 
 
 class RankWindows:
@@ -52,9 +61,7 @@ class RankWindows:
         keep_from: forget the rank's batches that end before this step (the start of its
         next window); None keeps them. Costs one index query plus the batches read."""
         index = [tuple(row) for row in session.execute(
-            select(*_INDEX).where(Batch.run_id == run_id, Batch.rank == rank,
-                                  Batch.last_step >= start, Batch.first_step <= end)
-            .order_by(Batch.first_step, Batch.seq))]
+            _INDEX_IN_SPAN, {"run_id": run_id, "rank": rank, "start": start, "end": end})]
         with self._lock:
             held = self._ranks.get((run_id, rank))
             if held is None or held.n_layers != n_layers:
@@ -73,8 +80,8 @@ class RankWindows:
                n_layers: int) -> StepSeries | None:
         """The stored batch (run, rank, seq) unpacked, as `unpack_row` gives it (None when
         it is gone: its run was deleted); held for the rank's next windows."""
-        key = session.execute(select(*_INDEX).where(
-            Batch.run_id == run_id, Batch.rank == rank, Batch.seq == seq)).first()
+        key = session.execute(_INDEX_OF_SEQ,
+                              {"run_id": run_id, "rank": rank, "seq": seq}).first()
         if key is None:
             return None
         key = tuple(key)
@@ -95,9 +102,8 @@ class RankWindows:
     def _read(self, session: Session, run_id: str, rank: int, keys: list[BatchKey],
               n_layers: int) -> dict[BatchKey, StepSeries]:
         by_seq = {key[0]: key for key in keys}
-        rows = session.execute(select(*_DATA).where(
-            Batch.run_id == run_id, Batch.rank == rank,
-            Batch.seq.in_(list(by_seq))))
+        rows = session.execute(_DATA_OF_SEQS,
+                               {"run_id": run_id, "rank": rank, "seqs": list(by_seq)})
         self.reads += len(keys)
         return {by_seq[row.seq]: unpack_row(row, n_layers, True, True) for row in rows}
 
