@@ -42,10 +42,10 @@ _ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_tim
                 Batch.act_grad_zero)
 
 def _per_layer_block(rows: list[list[float]], steps: list[int], name: str) -> np.ndarray:
-    """float32 matrix of validated per-layer vectors, a missing entry as MISSING. Refuses (InvalidInput) a
-    value float32 would not keep: beyond its range (it would read back as inf) or so small
-    it would read back as 0; and negatives, which norms, abs-maxes and times never are
-    (so no sent value can be taken for MISSING, -1)."""
+    """float32 matrix of validated per-layer vectors, a missing entry as MISSING. Refuses
+    (InvalidInput) a value float32 would not keep: beyond its range (it would read back as
+    inf) or so small it would read back as 0; and negatives, which norms, abs-maxes and
+    times never are (so no sent value can be taken for MISSING, -1)."""
     wide = np.array(rows, dtype=np.float64)
     missing = missing_entries(wide)
     with np.errstate(over="ignore", invalid="ignore"):
