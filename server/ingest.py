@@ -5,6 +5,7 @@ commits or rolls back, in one place."""
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
 from types import SimpleNamespace
@@ -15,6 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.store import refresh_run_health
+from ampwatch.server.analysis.windows import BatchKey
 from ampwatch.server.analysis_queue import enqueue
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import PerDialect, writing
@@ -43,7 +45,9 @@ from ampwatch.server.summaries import fold_batch
 from ampwatch.wire import FINISHED_EVENT, encode_tree
 
 
-def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings) -> BatchAck:
+def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings,
+                 hand_over: Callable[[str, int, BatchKey, StepSeries], None] | None = None
+                 ) -> BatchAck:
     """Store `batch` in one transaction; a repeated (run, rank, seq) changes nothing.
 
     A repeat must carry the same steps (a replay); a different batch under a used seq
@@ -54,7 +58,8 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
 
     The steps, in order: validate, store or dedupe, fold totals, hand to analysis. Each
     only adds to the transaction; this function alone commits or rolls it back (on a
-    duplicate, and on any error).
+    duplicate, and on any error). hand_over: given the batch's steps, unpacked, once they
+    are committed for analysis (an embedded worker's `RankWindows.offer`).
     """
     with writing(session):
         try:
@@ -65,7 +70,7 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
                 session.rollback()  # a replay changes nothing, not even last_seen_at
                 return stored.ack(batch, target)
             folded = _fold_totals(session, target, batch, stored)
-            _analyse(session, target, batch, stored, folded, settings)
+            enqueued = _analyse(session, target, batch, stored, folded, settings)
             if stored.forgot:  # findings went with the superseded steps: recount health
                 refresh_run_health(session, session.get(Run, run_id))
             session.commit()
@@ -74,6 +79,10 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
             with contextlib.suppress(SQLAlchemyError):
                 session.rollback()
             raise
+    if enqueued and hand_over is not None:
+        row = stored.row
+        hand_over(run_id, batch.rank, (batch.seq, row["first_step"], row["last_step"], None),
+                  folded.series)
     return stored.ack(batch, target)
 
 
@@ -244,16 +253,16 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
 
 
 def _analyse(session: Session, target: _Target, batch: BatchIn, stored: _Stored,
-             folded: _Folded, settings: Settings) -> None:
+             folded: _Folded, settings: Settings) -> bool:
     """Hand the batch to the detectors: a task on the analysis queue, in this transaction
     (server/worker.py judges it off the request path), with what the rank's judgement
-    depends on as this request saw it."""
+    depends on as this request saw it. False when there is nothing to judge."""
     # a batch holding only the detach's "finished" event has nothing to analyse (an empty
     # window would look like every condition had ended)
     if not settings.analysis.enabled or (
             not len(folded.series)
             and all(event.kind == FINISHED_EVENT for event in batch.events)):
-        return
+        return False
     run = session.get(Run, target.run_id)
     after = target.rank_row.last_step
     last = int(folded.series.steps[-1]) if len(folded.series) else -1
@@ -264,6 +273,7 @@ def _analyse(session: Session, target: _Target, batch: BatchIn, stored: _Stored,
         ranks_through=_all_ranks_through(session, run, batch.rank, folded.rank_last_step,
                                          after),
         enqueued_at=target.now))
+    return True
 
 
 def _note_finished(rank_row: RunRank, batch: BatchIn, now) -> None:

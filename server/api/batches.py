@@ -29,7 +29,8 @@ def post_batch(run_id: RunIdPath, batch: Annotated[BatchIn, Depends(parsed_off_t
     Committed whole or not at all; a repeated (run, rank, seq) is acknowledged with
     `duplicate: true` and ignored; a gap in seq is counted as lost batches.
     """
-    metrics = request.app.state.metrics
-    ack = ingest_batch(session, run_id, batch, settings)
+    metrics, worker = request.app.state.metrics, request.app.state.analysis_worker
+    ack = ingest_batch(session, run_id, batch, settings,
+                       hand_over=None if worker is None else worker.windows.offer)
     metrics.batch_acknowledged(ack)
     return ack

@@ -126,6 +126,27 @@ def test_the_embedded_worker_gathers_back_to_back_batches_into_one_claim(tmp_pat
     close_app(app)
 
 
+def test_the_embedded_worker_takes_its_batches_from_ingest_not_storage(tmp_path) -> None:
+    """Ingest hands each committed batch, unpacked, to its own worker's windows: the
+    worker reads no batch back, and what it judged is what storage holds."""
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'h.db'}",
+                              analysis_wait_s=0))
+    worker = app.state.analysis_worker
+    with TestClient(app) as api:
+        register_run(api, "r1", N_LAYERS, environment=ENV)
+        post(api, "r1", diverging(first_skip=60, total=100), per_batch=20)
+        post(api, "r1", diverging(first_skip=60, total=100)[90:], first_seq=5)  # a resend
+        assert worker.wait_idle(60)
+        assert worker.analysed == 6 and worker.windows.reads == 0
+        with app.state.sessionmaker() as session:
+            held = worker.windows.batches(session, "r1", 0, 0, 99, n_layers=N_LAYERS)
+        assert worker.windows.reads == 0
+    with app.state.sessionmaker() as session:
+        stored = load_batches(session, "r1", 0, 0, 99, n_layers=N_LAYERS)
+    assert [_content(p) for p in held] == [_content(p) for p in stored]
+    close_app(app)
+
+
 def _gauge(text: str, name: str) -> float:
     (line,) = [line for line in text.splitlines() if line.startswith(name + " ")]
     return float(line.split()[1])
