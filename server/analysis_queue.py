@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from datetime import datetime
 
-from sqlalchemy import ColumnElement, ScalarSelect, delete, func, select
+from sqlalchemy import ColumnElement, ScalarSelect, bindparam, delete, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import AnalysisTask, as_utc, utcnow
@@ -64,6 +64,16 @@ def lag_seconds(session: Session) -> float:
     return 0.0 if oldest is None else max((utcnow() - oldest).total_seconds(), 0.0)
 
 
+# built once: a worker runs them for every claim
+_OLDEST_RUN = select(AnalysisTask.run_id).order_by(AnalysisTask.id).limit(1)
+_RUN_LOCK = select(func.pg_try_advisory_xact_lock(
+    func.hashtextextended(bindparam("run_id"), LOCK_SEED)))
+_TASKS_OF_RUN = (select(AnalysisTask).where(AnalysisTask.run_id == bindparam("run_id"))
+                 .order_by(AnalysisTask.id).limit(bindparam("limit"))
+                 .with_for_update(skip_locked=True))
+_DONE = delete(AnalysisTask).where(AnalysisTask.id.in_(bindparam("ids", expanding=True)))
+
+
 def claim(session: Session, limit: int) -> list[AnalysisTask]:
     """The oldest tasks, up to `limit`, of the run with the oldest task that no other
     worker holds, in the order they were stored; empty when there is none. The run is
@@ -71,19 +81,16 @@ def claim(session: Session, limit: int) -> list[AnalysisTask]:
     postgres = session.get_bind().dialect.name == "postgresql"
     passed: list[str] = []
     for _ in range(MAX_RUNS_TRIED):
-        oldest = select(AnalysisTask.run_id).order_by(AnalysisTask.id).limit(1)
+        oldest = _OLDEST_RUN
         if passed:
             oldest = oldest.where(AnalysisTask.run_id.not_in(passed))
         run_id = session.scalar(oldest)
         if run_id is None:
             return []
-        if postgres and not session.scalar(select(func.pg_try_advisory_xact_lock(
-                func.hashtextextended(run_id, LOCK_SEED)))):
+        if postgres and not session.scalar(_RUN_LOCK, {"run_id": run_id}):
             passed.append(run_id)  # another worker judges this run now
             continue
-        tasks = list(session.scalars(
-            select(AnalysisTask).where(AnalysisTask.run_id == run_id)
-            .order_by(AnalysisTask.id).limit(limit).with_for_update(skip_locked=True)))
+        tasks = list(session.scalars(_TASKS_OF_RUN, {"run_id": run_id, "limit": limit}))
         if tasks:
             return tasks
         passed.append(run_id)  # its holder finished it since we looked
@@ -92,4 +99,4 @@ def claim(session: Session, limit: int) -> list[AnalysisTask]:
 
 def done(session: Session, tasks: list[AnalysisTask]) -> None:
     """Delete `tasks` in the session's transaction (the one that wrote their findings)."""
-    session.execute(delete(AnalysisTask).where(AnalysisTask.id.in_([t.id for t in tasks])))
+    session.execute(_DONE, {"ids": [t.id for t in tasks]})

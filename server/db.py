@@ -6,11 +6,10 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
 
 from alembic import command
 from alembic.config import Config
-from sqlalchemy import Engine, Executable, Select, create_engine, event
+from sqlalchemy import Engine, Executable, Row, bindparam, create_engine, event, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
@@ -112,18 +111,34 @@ class PerDialect:
         return statement
 
 
-def rows_by_step(session: Session, query: Select, step: Any, start: int | None,
-                 per_query: int) -> Iterator[Any]:
-    """The rows of `query` with `step` >= start in step order, `per_query` rows a query
-    (keyset paging: a server-side cursor would hold a Postgres connection as long)."""
-    after = None if start is None else start - 1
-    while True:
-        page = query if after is None else query.where(step > after)
-        rows = session.execute(page.order_by(step).limit(per_query)).all()
-        yield from rows
-        if len(rows) < per_query:
-            return
-        after = getattr(rows[-1], step.key)
+INT64_MAX = 2**63 - 1
+
+
+class StepPages:
+    """One rank's rows of a per-step table (`run_id`, `rank`, `step` columns) with
+    start <= step <= end, in step order, `per_query` rows a query (keyset paging: a
+    server-side cursor would hold a Postgres connection as long). The statement is built
+    once: the analysis reads a rank's samples for every batch it judges."""
+
+    def __init__(self, table: type, columns: tuple) -> None:
+        step = table.step
+        self.statement = (select(*columns)
+                          .where(table.run_id == bindparam("run_id"),
+                                 table.rank == bindparam("rank"),
+                                 step > bindparam("after"), step <= bindparam("end"))
+                          .order_by(step).limit(bindparam("per_query")))
+
+    def rows(self, session: Session, run_id: str, rank: int, start: int | None,
+             end: int | None, per_query: int) -> Iterator[Row]:
+        params = {"run_id": run_id, "rank": rank, "per_query": per_query,
+                  "after": -INT64_MAX if start is None else start - 1,
+                  "end": INT64_MAX if end is None else end}
+        while True:
+            rows = session.execute(self.statement, params).all()
+            yield from rows
+            if len(rows) < per_query:
+                return
+            params["after"] = rows[-1].step
 
 
 def alembic_config(database_url: str) -> Config:

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import decode_column, encode_array
-from ampwatch.server.db import dialect_insert, rows_by_step
+from ampwatch.server.db import StepPages, dialect_insert
 from ampwatch.server.fields import missing_entries
 from ampwatch.server.models import Fp8Sample, Layer
 from ampwatch.server.schemas import Fp8In, StepIn
@@ -137,14 +137,14 @@ def store_fp8_samples(session: Session, run_id: str, rank: int, steps: list[Step
     return len(rows)
 
 
+_SAMPLES = StepPages(Fp8Sample, (Fp8Sample.step, Fp8Sample.n_layers, Fp8Sample.values,
+                                 Fp8Sample.present, Fp8Sample.layers))
+
+
 def _samples(session: Session, run_id: str, rank: int, start: int | None, end: int | None):
     """The rank's stored samples with start <= step <= end, in step order, READ_ROWS rows
     a query (a server-side cursor would hold the Postgres connection as long)."""
-    query = select(Fp8Sample.step, Fp8Sample.n_layers, Fp8Sample.values, Fp8Sample.present,
-                   Fp8Sample.layers).where(Fp8Sample.run_id == run_id, Fp8Sample.rank == rank)
-    if end is not None:
-        query = query.where(Fp8Sample.step <= end)
-    return rows_by_step(session, query, Fp8Sample.step, start, READ_ROWS)
+    return _SAMPLES.rows(session, run_id, rank, start, end, READ_ROWS)
 
 
 def load_fp8_window(session: Session, run_id: str, rank: int, n_layers: int, *,

@@ -17,7 +17,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import decode_column, encode_array
-from ampwatch.server.db import dialect_insert, rows_by_step
+from ampwatch.server.db import StepPages, dialect_insert
 from ampwatch.server.fields import missing_entries
 from ampwatch.server.models import SpikeSample
 from ampwatch.server.schemas import SpikesIn, StepIn
@@ -90,13 +90,12 @@ def store_spike_samples(session: Session, run_id: str, rank: int, steps: list[St
     return len(rows)
 
 
+_SAMPLES = StepPages(SpikeSample, (SpikeSample.step, SpikeSample.n_layers, SpikeSample.values))
+
+
 def _samples(session: Session, run_id: str, rank: int, start: int | None, end: int | None):
     """The rank's stored samples with start <= step <= end in step order, READ_ROWS a query."""
-    query = select(SpikeSample.step, SpikeSample.n_layers, SpikeSample.values).where(
-        SpikeSample.run_id == run_id, SpikeSample.rank == rank)
-    if end is not None:
-        query = query.where(SpikeSample.step <= end)
-    return rows_by_step(session, query, SpikeSample.step, start, READ_ROWS)
+    return _SAMPLES.rows(session, run_id, rank, start, end, READ_ROWS)
 
 
 def _fit(values: np.ndarray, n_layers: int) -> np.ndarray:

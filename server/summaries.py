@@ -20,7 +20,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import func, select
+from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.codec import decode_column, encode_array
@@ -73,6 +73,12 @@ def _encode(array: np.ndarray | None) -> bytes | None:
     return None if array is None else encode_array(array)
 
 
+# built once: it runs for every batch
+_BUCKETS = select(StepSummary).where(
+    StepSummary.run_id == bindparam("run_id"), StepSummary.rank == bindparam("rank"),
+    StepSummary.bucket.in_(bindparam("buckets", expanding=True)))
+
+
 def fold_batch(session: Session, run_id: str, rank: int, batch: StepSeries) -> None:
     """Fold a just-stored batch into its rank's bucket summaries (inside the ingest
     transaction); reads and rewrites only the buckets the batch touches."""
@@ -80,9 +86,8 @@ def fold_batch(session: Session, run_id: str, rank: int, batch: StepSeries) -> N
         return
     steps = batch.steps
     buckets = steps // SUMMARY_STEPS
-    existing = {row.bucket: row for row in session.scalars(
-        select(StepSummary).where(StepSummary.run_id == run_id, StepSummary.rank == rank,
-                                  StepSummary.bucket.in_(np.unique(buckets).tolist())))}
+    existing = {row.bucket: row for row in session.scalars(_BUCKETS, {
+        "run_id": run_id, "rank": rank, "buckets": np.unique(buckets).tolist()})}
     width = batch.n_layers
     for bucket in np.unique(buckets).tolist():
         part = batch.take(np.flatnonzero(buckets == bucket))
