@@ -106,9 +106,19 @@ def make_template(rng: random.Random, steps_per_batch: int = STEPS_PER_BATCH) ->
     return text.encode()
 
 
+def cpu_seconds(pid: int | None) -> float:
+    """CPU time (user + system) the process `pid` has used; 0 where /proc does not tell."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except (OSError, TypeError):
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def ingest(url: str, run_id: str, senders: int, steps_per_sender: int,
-           steps_per_batch: int = STEPS_PER_BATCH) -> dict:
-    """Each sender is one rank streaming its batches in order; returns rates."""
+           steps_per_batch: int = STEPS_PER_BATCH, server_pid: int | None = None) -> dict:
+    """Each sender is one rank streaming its batches in order; returns rates, and the
+    server's CPU a batch (its analysis thread's included) when `server_pid` is given."""
     httpx.put(f"{url}/api/v1/runs/{run_id}", json={"layers": layer_table()},
               timeout=60).raise_for_status()
     batches = steps_per_sender // steps_per_batch
@@ -132,11 +142,17 @@ def ingest(url: str, run_id: str, senders: int, steps_per_sender: int,
                 response.raise_for_status()
         return latencies
 
+    cpu0 = cpu_seconds(server_pid)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(senders) as pool:
         latencies = [lat for result in pool.map(send, range(senders)) for lat in result]
     elapsed = time.perf_counter() - t0
+    deadline = time.monotonic() + 60
     run = httpx.get(f"{url}/api/v1/runs/{run_id}", timeout=60).json()
+    while run.get("analysis_pending") and time.monotonic() < deadline:  # its CPU counts
+        time.sleep(0.05)
+        run = httpx.get(f"{url}/api/v1/runs/{run_id}", timeout=60).json()
+    cpu = cpu_seconds(server_pid) - cpu0
     assert run["steps"] == senders * batches * steps_per_batch, run["steps"]
     latencies.sort()
     return {
@@ -147,6 +163,7 @@ def ingest(url: str, run_id: str, senders: int, steps_per_sender: int,
         "layer_values_per_s": run["steps"] * LAYERS / elapsed,
         "p50_ms": 1000 * statistics.median(latencies),
         "p99_ms": 1000 * latencies[min(len(latencies) - 1, int(0.99 * len(latencies)))],
+        "server_cpu_ms": 1000 * cpu / (senders * batches),
     }
 
 
@@ -193,13 +210,13 @@ def run_targets(targets: list[tuple[str, str]], args: argparse.Namespace) -> Non
             print(f"\n## {backend} (detectors {'off' if args.no_detect else 'on'}, "
                   f"{args.steps_per_batch} steps per batch)")
             print(f"{'senders':>7} {'steps':>8} {'steps/s':>9} {'values/s':>11} "
-                  f"{'p50 ms':>7} {'p99 ms':>7}")
+                  f"{'p50 ms':>7} {'p99 ms':>7} {'server CPU ms/batch':>19}")
             for senders in [int(s) for s in args.senders.split(",")]:
                 r = ingest(url, f"ingest-{senders}-{uuid.uuid4().hex[:6]}", senders,
-                           args.steps_per_sender, args.steps_per_batch)
+                           args.steps_per_sender, args.steps_per_batch, server_pid=proc.pid)
                 print(f"{r['senders']:>7} {r['steps']:>8} {r['steps_per_s']:>9.0f} "
                       f"{r['layer_values_per_s']:>11.0f} {r['p50_ms']:>7.1f} "
-                      f"{r['p99_ms']:>7.1f}", flush=True)
+                      f"{r['p99_ms']:>7.1f} {r['server_cpu_ms']:>19.1f}", flush=True)
             long = ingest(url, "long-run", 1, args.long_steps, args.steps_per_batch)
             print(f"long run: {long['steps']} steps x {LAYERS} layers ingested at "
                   f"{long['steps_per_s']:.0f} steps/s")
