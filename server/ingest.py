@@ -46,7 +46,7 @@ from ampwatch.wire import FINISHED_EVENT, encode_tree
 
 
 def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings,
-                 hand_over: Callable[[str, int, BatchKey, StepSeries], None] | None = None
+                 hand_over: Callable[[str, int, BatchKey, StepSeries, int], None] | None = None
                  ) -> BatchAck:
     """Store `batch` in one transaction; a repeated (run, rank, seq) changes nothing.
 
@@ -59,7 +59,8 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
     The steps, in order: validate, store or dedupe, fold totals, hand to analysis. Each
     only adds to the transaction; this function alone commits or rolls it back (on a
     duplicate, and on any error). hand_over: given the batch's steps, unpacked, once they
-    are committed for analysis (an embedded worker's `RankWindows.offer`).
+    are committed for analysis, with the first step its judgement reads (an embedded
+    worker's `RankWindows.offer`).
     """
     with writing(session):
         try:
@@ -80,9 +81,9 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
                 session.rollback()
             raise
     if enqueued and hand_over is not None:
-        row = stored.row
-        hand_over(run_id, batch.rank, (batch.seq, row["first_step"], row["last_step"], None),
-                  folded.series)
+        first, last = stored.row["first_step"], stored.row["last_step"]
+        hand_over(run_id, batch.rank, (batch.seq, first, last, None), folded.series,
+                  first - settings.analysis.history_steps)
     return stored.ack(batch, target)
 
 

@@ -95,16 +95,20 @@ class RankWindows:
             self._keep(run_id, rank, n_layers, parts)
         return part
 
-    def offer(self, run_id: str, rank: int, key: BatchKey, part: StepSeries) -> None:
+    def offer(self, run_id: str, rank: int, key: BatchKey, part: StepSeries,
+              keep_from: int) -> None:
         """Hold `part`, just stored under `key` and unpacked as `unpack_row` gives it, for
         its rank's next judgement (the ingest of a server with an embedded worker hands
         its batches over so: the worker then reads only their index row). Call after the
-        commit: held parts are matched against what storage holds, never trusted."""
+        commit: held parts are matched against what storage holds, never trusted.
+        keep_from: forget the rank's batches that end before this step (the start of the
+        part's own window), so a rank whose batches another worker judges stays bounded."""
         with self._lock:
             held = self._ranks.get((run_id, rank))
             same_width = held is not None and held.n_layers == part.n_layers
             parts = {**held.parts, key: part} if same_width else {key: part}
-        self._keep(run_id, rank, part.n_layers, parts)
+        self._keep(run_id, rank, part.n_layers,
+                   {k: p for k, p in parts.items() if k[2] >= keep_from})
 
     @property
     def nbytes(self) -> int:

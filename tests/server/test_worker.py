@@ -147,6 +147,27 @@ def test_the_embedded_worker_takes_its_batches_from_ingest_not_storage(tmp_path)
     close_app(app)
 
 
+def test_offered_batches_stay_within_their_window(idle_app) -> None:
+    """What ingest hands over is bounded by the window its judgement reads, whether or
+    not this worker judges it (on Postgres another server's worker may)."""
+    maker = idle_app.state.sessionmaker
+    with TestClient(idle_app) as api:
+        register_run(api, "r1", N_LAYERS, environment=ENV)
+        post(api, "r1", diverging(total=300), per_batch=20)
+    with maker() as session:
+        parts = load_batches(session, "r1", 0, 0, 299, n_layers=N_LAYERS)
+    windows = RankWindows()
+    for seq, part in enumerate(parts):
+        first, last = int(part.steps[0]), int(part.steps[-1])
+        windows.offer("r1", 0, (seq, first, last, None), part, keep_from=first - 100)
+    with maker() as session:  # held: the last batch and the 100 steps before it
+        got = windows.batches(session, "r1", 0, 180, 299, n_layers=N_LAYERS)
+    assert windows.reads == 0 and len(got) == 6
+    with maker() as session:
+        windows.batches(session, "r1", 0, 160, 299, n_layers=N_LAYERS)
+    assert windows.reads == 1  # steps 160..179 had gone
+
+
 def _gauge(text: str, name: str) -> float:
     (line,) = [line for line in text.splitlines() if line.startswith(name + " ")]
     return float(line.split()[1])
