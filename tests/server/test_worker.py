@@ -132,6 +132,7 @@ def test_the_embedded_worker_takes_its_batches_from_ingest_not_storage(tmp_path)
     app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'h.db'}",
                               analysis_wait_s=0))
     worker = app.state.analysis_worker
+    worker.settle_s = 30.0  # judged after every hand-over, however loaded the machine
     with TestClient(app) as api:
         register_run(api, "r1", N_LAYERS, environment=ENV)
         post(api, "r1", diverging(first_skip=60, total=100), per_batch=20)
