@@ -89,8 +89,11 @@ def writing(session: Session) -> Iterator[None]:
 def dialect_insert(session: Session, table: type) -> postgresql.Insert | sqlite.Insert:
     """The dialect's INSERT, which has `on_conflict_do_nothing` and `on_conflict_do_update`
     (SQLite and Postgres)."""
-    insert = postgresql.insert if session.get_bind().dialect.name == "postgresql" else sqlite.insert
-    return insert(table)
+    return _insert_of(session.get_bind().dialect.name)(table)
+
+
+def _insert_of(dialect: str) -> Callable:
+    return postgresql.insert if dialect == "postgresql" else sqlite.insert
 
 
 class PerDialect:
@@ -106,8 +109,7 @@ class PerDialect:
         name = session.get_bind().dialect.name
         statement = self._built.get(name)
         if statement is None:
-            insert = postgresql.insert if name == "postgresql" else sqlite.insert
-            statement = self._built[name] = self._build(insert)
+            statement = self._built[name] = self._build(_insert_of(name))
         return statement
 
 
