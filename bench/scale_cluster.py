@@ -116,7 +116,7 @@ class Cluster:
         self.procs: list[subprocess.Popen] = []
         self.urls: list[str] = []  # the ingest servers the senders post to
         self.reader: subprocess.Popen | None = None
-        self.reader_url: str | None = None  # where the page probe reads
+        self.reader_url: str | None = None  # where the page and /metrics probes read
         self.worker: Worker | None = None
 
     def start(self) -> None:
@@ -161,7 +161,7 @@ class Cluster:
     def drain(self, timeout: float) -> float | None:
         """Seconds until the analysis queue is empty (None: not within `timeout`)."""
         t0 = time.monotonic()
-        probe = QueueProbe(self.urls[0])
+        probe = QueueProbe(self.reader_url)
         try:
             while time.monotonic() - t0 < timeout:
                 with contextlib.suppress(httpx.HTTPError):

@@ -17,10 +17,11 @@ those steps (nothing lost), and no finding may be stored twice (nothing duplicat
 Per phase it prints committed vs offered batches/s; CPU-ms per committed batch of the two
 servers, the database's backends and the worker (from /proc); sessions waiting on a lock
 (pg_stat_activity, every 0.25 s); ingest p50/p99 (first attempt to commit) and 503s;
-queue depth and worker lag (the server's /metrics); the run page and ranks API p99 while
-ingesting, read from a third `ampwatch serve` on the same database that only serves pages
-(so the ingest CPU is ingest's; its Postgres sessions are left out of the database's CPU
-too; `--pages-on-ingest` reads from the last ingest server instead); batches stored in
+queue depth and worker lag; the run page and ranks API p99 while ingesting. Pages and
+/metrics are read from a third `ampwatch serve` on the same database that only serves them
+(so the ingest CPU is ingest's: a scrape costs in proportion to the live runs, each second
+here; the reader's Postgres sessions are left out of the database's CPU too;
+`--pages-on-ingest` reads both from the last ingest server instead); batches stored in
 the database against those acknowledged. The database is one of its own on the Postgres
 server named by `--postgres`, dropped at the end.
 
@@ -82,7 +83,7 @@ def run_phase(cluster: Cluster, shape: str, runs: int, ranks: int, seconds: floa
         cluster.drain(args.drain_timeout)  # the prefill's analysis is not the window's work
 
         pg = PostgresProbe(cluster.dsn, cluster.database)
-        queue = QueueProbe(cluster.urls[0])
+        queue = QueueProbe(cluster.reader_url)  # a scrape reads every live run: not ingest's
         pages = PageProbe(cluster.reader_url, run_ids[0])
         load_before = os.getloadavg()[0]
         start_at.value = time.time() + 1.0
@@ -277,6 +278,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="start no `ampwatch worker` (the servers' own threads analyse)")
     parser.add_argument("--embedded-workers", action="store_true",
                         help="keep the servers' worker threads beside the `ampwatch worker`")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="run the phases of shapes a and b this many times, in turn, and "
+                             "judge the spreads across R and K on each phase's median")
     parser.add_argument("--sqlite-steps", type=int, default=20_000)
     parser.add_argument("--sqlite-repeats", type=int, default=3)
     parser.add_argument("--quick", action="store_true",
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
         phases = ([("a", 1, int(r)) for r in args.ranks.split(",")] if "a" in shapes else []) \
             + ([("b", int(k), 64) for k in args.runs.split(",")] if "b" in shapes else [])
         print_table([])
-        for shape, runs, ranks in phases:
+        for shape, runs, ranks in phases * args.repeats:  # round-robin: drift hits each alike
             rows.append(run_phase(cluster, shape, runs, ranks, args.seconds))
             print_table(rows[-1:], header=False)
         if "c" in shapes and cluster.worker is not None:
@@ -335,6 +339,38 @@ def _reader_cpu(r: dict) -> str:
     return f"page reader {1000 * r['reader_cpu_s'] / max(r['page_reads'], 1):.0f} CPU-ms a read"
 
 
+def spreads(rows: list[dict]) -> dict[str, dict]:
+    """Servers' and all processes' CPU a batch, the median of each phase's repeats, and
+    their max/min across R (shape a) and across K (shape b): the issue's 15% line."""
+    out = {}
+    for shape, axis in (("a", "ranks"), ("b", "runs")):
+        medians = {}
+        for r in rows:
+            if r["shape"] == shape:
+                medians.setdefault(r[axis], []).append(
+                    (r["cpu_ms_servers"],
+                     r["cpu_ms_servers"] + r["cpu_ms_postgres"] + r["cpu_ms_worker"]))
+        if len(medians) < 2:
+            continue
+        servers = {k: statistics.median(v[0] for v in vs) for k, vs in medians.items()}
+        total = {k: statistics.median(v[1] for v in vs) for k, vs in medians.items()}
+        out["R" if shape == "a" else "K"] = {
+            "repeats": min(len(vs) for vs in medians.values()), "servers": servers,
+            "total": total, "servers_spread": max(servers.values()) / min(servers.values()),
+            "total_spread": max(total.values()) / min(total.values())}
+    return out
+
+
+def spread_lines(rows: list[dict]) -> list[str]:
+    lines = []
+    for axis, s in spreads(rows).items():
+        each = ", ".join(f"{k}: {v:.1f}" for k, v in s["servers"].items())
+        lines.append(f"across {axis} (median of {s['repeats']} a phase): servers' CPU ms a "
+                     f"batch {each}; max/min {s['servers_spread']:.3f} (servers), "
+                     f"{s['total_spread']:.3f} (servers + Postgres + worker)")
+    return lines
+
+
 def report(args: argparse.Namespace, rows: list[dict], sqlite: dict | None, note: str,
            started: datetime, load: tuple[float, float, float], database: str) -> None:
     print()
@@ -354,6 +390,8 @@ def report(args: argparse.Namespace, rows: list[dict], sqlite: dict | None, note
               f"{r['load_after']:.1f}{extra}")
         for failure in r["failures"] + r["page_errors"]:
             print(f"  {failure}")
+    for line in spread_lines(rows):
+        print(line)
     if note:
         print(note)
     if sqlite is not None:
@@ -365,7 +403,8 @@ def report(args: argparse.Namespace, rows: list[dict], sqlite: dict | None, note
             json.dump({"args": vars(args), "started": started.isoformat(), "load": load,
                        "database": database,
                        "phases": [{k: v for k, v in r.items() if k != "commit_offsets"}
-                                  for r in rows], "sqlite": sqlite, "note": note}, f, indent=1)
+                                  for r in rows], "spreads": spreads(rows),
+                       "sqlite": sqlite, "note": note}, f, indent=1)
 
 
 if __name__ == "__main__":

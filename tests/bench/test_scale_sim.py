@@ -17,7 +17,7 @@ ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT / "bench"))
 
 from scale_probes import queue_figures  # noqa: E402
-from scale_sim import COLUMNS  # noqa: E402
+from scale_sim import COLUMNS, spreads  # noqa: E402
 
 pytestmark = pytest.mark.postgres
 
@@ -97,3 +97,22 @@ def test_queue_figures_read_the_analysis_gauges_only():
     assert queue_figures(text) == (7.0, 2.5)
     assert queue_figures("# TYPE ampwatch_live_runs gauge\nampwatch_live_runs 1.0\n") == (
         None, None)
+
+
+def test_spreads_are_judged_on_each_phases_median():
+    def row(shape, ranks, runs, servers):
+        return {"shape": shape, "ranks": ranks, "runs": runs, "cpu_ms_servers": servers,
+                "cpu_ms_postgres": 4.0, "cpu_ms_worker": 4.0}
+
+    rows = [row("a", 64, 1, 10.0), row("a", 256, 1, 13.0), row("b", 64, 1, 10.0),
+            row("b", 64, 16, 11.0), row("c", 64, 1, 99.0),
+            row("a", 64, 1, 10.4), row("a", 256, 1, 11.0), row("b", 64, 1, 10.2),
+            row("b", 64, 16, 20.0),
+            row("a", 64, 1, 9.0), row("a", 256, 1, 11.4), row("b", 64, 1, 10.0),
+            row("b", 64, 16, 11.4)]
+    result = spreads(rows)
+    assert result["R"]["servers"] == {64: 10.0, 256: 11.4}  # one outlier of 13.0 left out
+    assert result["R"]["servers_spread"] == pytest.approx(1.14)
+    assert result["R"]["total_spread"] == pytest.approx(19.4 / 18.0)
+    assert result["K"]["servers"] == {1: 10.0, 16: 11.4} and result["K"]["repeats"] == 3
+    assert spreads(rows[:1]) == {}  # one phase a shape: nothing to compare
