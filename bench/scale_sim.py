@@ -19,8 +19,8 @@ servers, the database's backends and the worker (from /proc); sessions waiting o
 (pg_stat_activity, every 0.25 s); ingest p50/p99 (first attempt to commit) and 503s;
 queue depth and worker lag; the run page and ranks API p99 while ingesting. Pages and
 /metrics are read from a third `ampwatch serve` on the same database that only serves them
-(so the ingest CPU is ingest's: a scrape costs in proportion to the live runs, each second
-here; the reader's Postgres sessions are left out of the database's CPU too;
+(so the ingest CPU is ingest's: a scrape reads every live run, and the probe scrapes each
+second; the reader's Postgres sessions are left out of the database's CPU too;
 `--pages-on-ingest` reads both from the last ingest server instead); batches stored in
 the database against those acknowledged. The database is one of its own on the Postgres
 server named by `--postgres`, dropped at the end.
