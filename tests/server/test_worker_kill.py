@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from sqlalchemy import create_engine
+from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import sessionmaker
 
-from ampwatch.server.analysis_queue import pending_batches
+from ampwatch.server.analysis_queue import LOCK_SEED, pending_batches
+from ampwatch.server.models import AnalysisTask
 from ampwatch.server.settings import Settings
 from ampwatch.server.worker import AnalysisWorker
 from tests.conftest import LiveServer, agent_errors_fail, empty_postgres, postgres_copy
@@ -25,11 +26,11 @@ from tests.server.test_worker import finding_rows
 pytestmark = pytest.mark.postgres
 
 
-def _pending(url: str) -> int:
+def _pending(url: str, run_id: str | None = None) -> int:
     engine = create_engine(url)
     try:
         with sessionmaker(engine)() as session:
-            return pending_batches(session)
+            return pending_batches(session, run_id)
     finally:
         engine.dispose()
 
@@ -71,23 +72,37 @@ def test_a_killed_worker_loses_and_duplicates_nothing(postgres_database: str,
             engine.dispose()
 
     log = tmp_path / "worker.log"
-    # one open connection watches the queue: a fresh engine a poll (tens of ms on a loaded
-    # machine) let the worker drain everything before the kill landed
-    watch = sessionmaker(create_engine(url))
-    first = _worker(url, log)
-    deadline = time.monotonic() + 120
+    # One open connection watches the queue; it also holds the last run's lock, as a
+    # second worker judging that run would, so the first cannot drain everything before
+    # the kill lands (it did once, between two polls of the watch).
+    held = trained[-1][1]
+    held_tasks = _pending(url, held)
+    assert held_tasks > 0
+    watch = create_engine(url)
+    first = None
     try:
-        while time.monotonic() < deadline:
-            with watch() as session:
-                if pending_batches(session) < total:
+        with watch.connect() as conn:
+            conn.execute(select(func.pg_advisory_lock(func.hashtextextended(held, LOCK_SEED))))
+            conn.commit()
+            first = _worker(url, log)
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline:
+                pending = conn.scalar(select(func.count()).select_from(AnalysisTask))
+                conn.commit()
+                if pending < total:
                     break
-            time.sleep(0.002)
-        first.send_signal(signal.SIGKILL)  # while it drains: its claim in hand rolls back
+                time.sleep(0.002)
+            first.send_signal(signal.SIGKILL)  # while it drains: its claim in hand rolls back
+            first.wait(30)
+            conn.execute(select(func.pg_advisory_unlock_all()))
+            conn.commit()
     finally:
-        watch.kw["bind"].dispose()
-    first.wait(30)
+        if first is not None and first.poll() is None:
+            first.kill()
+        watch.dispose()
     left = _pending(url)
-    assert 0 < left < total, log.read_text()[-2000:]
+    assert _pending(url, held) == held_tasks  # the lock kept the first worker off it
+    assert held_tasks <= left < total, log.read_text()[-2000:]
 
     second = _worker(url, log)
     deadline = time.monotonic() + 180
