@@ -17,7 +17,6 @@ from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import sessionmaker
 
 from ampwatch.server.analysis_queue import LOCK_SEED, pending_batches
-from ampwatch.server.models import AnalysisTask
 from ampwatch.server.settings import Settings
 from ampwatch.server.worker import AnalysisWorker
 from tests.conftest import LiveServer, agent_errors_fail, empty_postgres, postgres_copy
@@ -78,28 +77,24 @@ def test_a_killed_worker_loses_and_duplicates_nothing(postgres_database: str,
     held = trained[-1][1]
     held_tasks = _pending(url, held)
     assert held_tasks > 0
-    watch = create_engine(url)
+    watch = sessionmaker(create_engine(url))
     first = None
     try:
-        with watch.connect() as conn:
-            conn.execute(select(func.pg_advisory_lock(func.hashtextextended(held, LOCK_SEED))))
-            conn.commit()
+        # one connection and one transaction: read committed, each count sees new commits
+        with watch() as session:
+            session.execute(select(func.pg_advisory_lock(
+                func.hashtextextended(held, LOCK_SEED))))
             first = _worker(url, log)
             deadline = time.monotonic() + 120
-            while time.monotonic() < deadline:
-                pending = conn.scalar(select(func.count()).select_from(AnalysisTask))
-                conn.commit()
-                if pending < total:
-                    break
+            while pending_batches(session) >= total and time.monotonic() < deadline:
                 time.sleep(0.002)
             first.send_signal(signal.SIGKILL)  # while it drains: its claim in hand rolls back
             first.wait(30)
-            conn.execute(select(func.pg_advisory_unlock_all()))
-            conn.commit()
+            session.execute(select(func.pg_advisory_unlock_all()))
     finally:
         if first is not None and first.poll() is None:
             first.kill()
-        watch.dispose()
+        watch.kw["bind"].dispose()
     left = _pending(url)
     assert _pending(url, held) == held_tasks  # the lock kept the first worker off it
     assert held_tasks <= left < total, log.read_text()[-2000:]
