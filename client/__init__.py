@@ -12,6 +12,7 @@ docs/client.md describes every method and command.
 from ampwatch.client.api import DEFAULT_SERVER, Client
 from ampwatch.client.errors import (
     AmpwatchError,
+    AnalysisPending,
     BadRequest,
     ConnectionFailed,
     NotFound,
@@ -47,6 +48,7 @@ __all__ = [
     "DEFAULT_SERVER",
     # errors: AmpwatchError and its subclasses
     "AmpwatchError",
+    "AnalysisPending",
     "BadRequest",
     "ConnectionFailed",
     "NotFound",

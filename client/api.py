@@ -11,7 +11,13 @@ from urllib.parse import quote
 
 import httpx
 
-from ampwatch.client.errors import ConnectionFailed, NotFound, ServerError, error_for_response
+from ampwatch.client.errors import (
+    AnalysisPending,
+    ConnectionFailed,
+    NotFound,
+    ServerError,
+    error_for_response,
+)
 from ampwatch.client.models import (
     Alerts,
     BatchAck,
@@ -94,15 +100,20 @@ class Client:
         return Health.from_json(self._request("GET", "/health"))
 
     def runs(self, *, project: str | None = None, name: str | None = None,
-             status: str | None = None, limit: int | None = None) -> Records[Run]:
+             status: str | None = None, limit: int | None = None,
+             wait: float | None = None) -> Records[Run]:
         """Runs, newest first, fetching page after page; filtered by project, a name
-        substring, and health status (healthy, warning, critical, no_data); at most `limit`."""
-        return Records(self._pages("/runs", Run, self.RUNS_PAGE, limit,
-                                   project=project, name=name, status=status), of=Run)
+        substring, and health status (healthy, warning, critical, no_data); at most `limit`.
+        `wait`: seconds (at most 60) the server may first wait for the analysis of every
+        run's stored batches."""
+        return Records(self._pages("/runs", Run, self.RUNS_PAGE, limit, project=project,
+                                   name=name, status=status, **self._waiting(wait)), of=Run)
 
-    def run(self, run_id: str) -> Run:
-        """One run with its totals per rank; NotFound when there is none."""
-        return Run.from_json(self._request("GET", f"/runs/{_segment(run_id)}"))
+    def run(self, run_id: str, *, wait: float | None = None) -> Run:
+        """One run with its totals per rank; NotFound when there is none. `wait`: seconds
+        (at most 60) the server may first wait for the analysis of its stored batches."""
+        return Run.from_json(self._request("GET", f"/runs/{_segment(run_id)}",
+                                           **self._waiting(wait)))
 
     def delete_run(self, run_id: str) -> None:
         """Delete the run and all its data on the server."""
@@ -201,7 +212,9 @@ class Client:
                           poll_interval: float = 0.5) -> Run:
         """Poll until the server has judged every stored batch of the run (its
         `analysis_pending` is 0: its findings are all in) and return it. Blocks up to
-        `timeout` seconds, then raises TimeoutError saying how many batches wait."""
+        `timeout` seconds, then raises `AnalysisPending` (a TimeoutError) saying how many
+        batches wait. Call it after training, before reading findings: the server judges
+        stored batches a moment after it acknowledged them."""
         deadline = time.monotonic() + timeout
         while True:
             run = self.run(run_id)
@@ -210,9 +223,9 @@ class Client:
             left = deadline - time.monotonic()
             if left <= 0:
                 n = run.analysis_pending
-                raise TimeoutError(
+                raise AnalysisPending(
                     f"run {run_id!r}: findings are not all in yet: analysis of {n} "
-                    f"batch{'es' if n != 1 else ''} still pending after {timeout:g} s")
+                    f"batch{'es' if n != 1 else ''} still pending after {timeout:g} s", n)
             time.sleep(min(poll_interval, left))
 
     # a run's data
@@ -282,27 +295,34 @@ class Client:
 
     def findings(self, run_id: str | None = None, *, kind: str | None = None,
                  severity: str | None = None, status: str | None = None,
-                 limit: int | None = None) -> Records[Finding]:
+                 limit: int | None = None, wait: float | None = None) -> Records[Finding]:
         """Findings of one run, or of all runs when `run_id` is None, fetching page after
         page; filtered by kind, severity (info, warning, critical) and status (open,
-        resolved); at most `limit`."""
+        resolved); at most `limit`. `wait`: seconds (at most 60) the server may first wait
+        for the analysis of the stored batches, so a read right after training has them."""
         path = f"/runs/{_segment(run_id)}/findings" if run_id is not None else "/findings"
         return Records(self._pages(path, Finding, self.FINDINGS_PAGE, limit,
-                                   kind=kind, severity=severity, status=status), of=Finding)
+                                   kind=kind, severity=severity, status=status,
+                                   **self._waiting(wait)), of=Finding)
 
-    def spikes(self, run_id: str, *, rank: int | None = None) -> Records[Spike]:
+    def spikes(self, run_id: str, *, rank: int | None = None,
+               wait: float | None = None) -> Records[Spike]:
         """A run's loss spikes in step order (its `loss_spike` findings, open and
-        resolved, read as spikes), each with its likely cause; of one rank when given."""
+        resolved, read as spikes), each with its likely cause; of one rank when given.
+        `wait` as in `findings`."""
+        waiting = self._waiting(wait)
         body = self._request("GET", f"/runs/{_segment(run_id)}/spikes",
-                             params={"rank": rank})
+                             params={"rank": rank, **waiting.pop("params", {})}, **waiting)
         return Records((Spike.from_json(item) for item in body["items"]), of=Spike)
 
     def incidents(self, run_id: str, *, status: str | None = None,
-                  severity: str | None = None) -> Records[Incident]:
+                  severity: str | None = None, wait: float | None = None) -> Records[Incident]:
         """A run's findings grouped by root cause, open first, most severe first;
-        filtered by status (open, resolved) and severity."""
-        body = self._request("GET", f"/runs/{run_id}/incidents",
-                             params={"status": status, "severity": severity})
+        filtered by status (open, resolved) and severity. `wait` as in `findings`."""
+        waiting = self._waiting(wait)
+        body = self._request("GET", f"/runs/{_segment(run_id)}/incidents",
+                             params={"status": status, "severity": severity,
+                                     **waiting.pop("params", {})}, **waiting)
         return Records((Incident.from_json(item) for item in body["items"]), of=Incident)
 
     # alerts
@@ -335,14 +355,26 @@ class Client:
                 return layer.index
         raise NotFound(f"run {run_id!r} has no layer named {name!r}", 404)
 
-    def _pages(self, path: str, model: type, page_size: int, limit: int | None,
+    def _waiting(self, wait: float | None) -> dict[str, Any]:
+        """The `?wait=` of a read, and a request timeout that outlasts it (a caller's
+        `http_client` keeps its own)."""
+        if not wait:
+            return {}
+        timeout = self._timeout + wait if self._owns_http else None
+        return {"params": {"wait": wait}, "timeout": timeout}
+
+    def _pages(self, path: str, model: type, page_size: int, limit: int | None, *,
+               params: dict[str, Any] | None = None, timeout: float | None = None,
                **filters: Any) -> Iterator[Any]:
-        """Items of a limit/offset list route, page by page, until `limit` or the end."""
+        """Items of a limit/offset list route, page by page, until `limit` or the end;
+        `params` go with the first page only (a wait)."""
         offset = 0
+        first = params or {}
         while limit is None or offset < limit:
             size = page_size if limit is None else min(page_size, limit - offset)
-            page = self._request("GET", path, params={**filters, "limit": size,
-                                                      "offset": offset})
+            page = self._request("GET", path, params={**filters, **first, "limit": size,
+                                                      "offset": offset}, timeout=timeout)
+            first = {}
             items = page.get("items", [])
             yield from (model.from_json(item) for item in items)
             offset += len(items)

@@ -36,6 +36,16 @@ class ConnectionFailed(AmpwatchError):
     """No response: the server is down, unreachable, or too slow (timeout)."""
 
 
+class AnalysisPending(AmpwatchError, TimeoutError):
+    """`wait_for_analysis` ran out of time: the server has not judged `pending` stored
+    batches of the run yet, so its findings are not all in (no analysis worker running?).
+    Also a TimeoutError."""
+
+    def __init__(self, message: str, pending: int) -> None:
+        super().__init__(message)
+        self.pending = pending
+
+
 def error_for_response(response: httpx.Response) -> AmpwatchError:
     """The exception for a non-2xx response, carrying the server's `detail` message."""
     status = response.status_code

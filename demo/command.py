@@ -35,6 +35,7 @@ DEFAULT_STEPS = 500
 MIN_STEPS = 60  # the overflow starts a third of the way in, after the scaler calibrated
 START_TIMEOUT_S = 60.0
 STOP_TIMEOUT_S = 15.0
+ANALYSIS_WAIT_S = 30.0  # the summary waits this long at most for the findings of a run
 LOG_TAIL_CHARS = 2000
 ERROR_EXIT = 2
 
@@ -81,8 +82,7 @@ class ServerProcess:
     def __init__(self, port: int, database_url: str, log_path: Path,
                  env: dict[str, str] | None = None) -> None:
         self.port = port
-        # the summary reads findings right after training: reads wait for the detectors
-        self.env = {"AMPWATCH_ANALYSIS_WAIT_S": "10", **os.environ, **(env or {})}
+        self.env = {**os.environ, **(env or {})}
         self.database_url = database_url
         self.url = f"http://127.0.0.1:{port}"
         self.log_path = log_path
@@ -298,7 +298,8 @@ def verdict(status: str, findings: list[Finding]) -> str:
 def _summary(client: Client, url: str, scenarios: Iterable[Any], round_: int) -> None:
     print(f"\nDashboard: {url}/", flush=True)
     for scenario in scenarios:
-        run = client.run(round_run_id(scenario.run_id, round_))
+        # read right after training: first wait for the detectors to judge what it sent
+        run = client.run(round_run_id(scenario.run_id, round_), wait=ANALYSIS_WAIT_S)
         findings = list(client.findings(run.id, status="open"))
         print(f"  {scenario.title}\n    {url}/runs/{run.id}\n    {verdict(run.status, findings)}",
               flush=True)

@@ -70,8 +70,8 @@ class Settings(BaseSettings):
     embedded_worker: bool = True
     # memory a worker keeps recent rank windows in (past it, windows are read again)
     worker_window_bytes: int = Field(512 << 20, ge=0)
-    # GET requests first wait up to this long for queued batches to be analysed, so a
-    # read right after ingest sees their findings (CI checks, tests); 0 answers at once
+    # every GET first waits up to this long for queued batches to be analysed, for readers
+    # that cannot pass `?wait=` (docs/worker.md); 0 answers at once
     analysis_wait_s: float = Field(0.0, ge=0, le=300)
     # alert rules and targets (docs/alerts.md); AMPWATCH_ALERTS__FILE=alerts.toml
     alerts: AlertSettings = Field(default_factory=AlertSettings)

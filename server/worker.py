@@ -37,7 +37,7 @@ from ampwatch.server.models import AnalysisTask, Run
 from ampwatch.server.ranks import SHARDED, grad_layout
 from ampwatch.server.settings import Settings
 
-__all__ = ["AnalysisWorker", "pending_batches"]
+__all__ = ["AnalysisWorker", "pending_batches", "settle"]
 
 log = logging.getLogger("ampwatch.worker")
 
@@ -278,21 +278,28 @@ class AnalysisWaitMiddleware:
         await self.app(scope, receive, send)
 
     def _settle(self) -> None:
-        deadline = time.monotonic() + self.wait_s
-        while True:
-            try:
-                with self.maker() as session:
-                    if not pending_batches(session):
-                        return
-            except SQLAlchemyError:  # the request itself meets the fault and answers it
-                return
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return
-            if self.worker is not None:
-                self.worker.wake()
-                self.worker.wait_idle(min(left, 1.0))
-            time.sleep(min(left, 0.01))  # what is left belongs to another process's worker
+        settle(self.maker, self.worker, self.wait_s)
+
+
+def settle(maker: sessionmaker, worker: AnalysisWorker | None, wait_s: float,
+           run_id: str | None = None) -> int:
+    """Block up to `wait_s` until the queue holds no batch of `run_id` (of any run when
+    None); returns the batches still pending then (0: the findings are all in). Wakes the
+    embedded worker; polls for what another process's worker judges."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            with maker() as session:
+                pending = pending_batches(session, run_id)
+        except SQLAlchemyError:  # the request itself meets the fault and answers it
+            return 0
+        left = deadline - time.monotonic()
+        if not pending or left <= 0:
+            return pending
+        if worker is not None:
+            worker.wake()
+            worker.wait_idle(min(left, 1.0))
+        time.sleep(min(left, 0.01))  # what is left belongs to another process's worker
 
 
 def run_worker(settings: Settings, stop: threading.Event, *, poll_s: float = 1.0,

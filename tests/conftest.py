@@ -21,6 +21,8 @@ from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
+from tests.utils import ANALYSIS_WAIT_S
+
 POSTGRES_URL = os.environ.get("AMPWATCH_TEST_POSTGRES_URL")
 NO_POSTGRES = "AMPWATCH_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)"
 
@@ -39,9 +41,6 @@ def private_home(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         # TestClient's requests name the host "testserver": a server without a token
         # answers only names it trusts (DNS rebinding); tests of that name others
         patch.setenv("AMPWATCH_ALLOWED_HOSTS", "testserver")
-        # detection runs in a worker, after the ingest answered: reads wait for it, so
-        # a test reads findings right after it stored their batches
-        patch.setenv("AMPWATCH_ANALYSIS_WAIT_S", "30")
         yield home
 
 
@@ -236,6 +235,23 @@ class LiveServer:
             except httpx.TransportError:
                 time.sleep(0.1)
         raise RuntimeError(f"server did not start: {self.log_path.read_text()[-2000:]}")
+
+    def wait_for_analysis(self, run_id: str | None = None,
+                          timeout: float = ANALYSIS_WAIT_S) -> None:
+        """Return once the server has judged every batch it stored, of `run_id` or of
+        every run: what a user's script does before it reads findings
+        (`Client.wait_for_analysis`); for fixtures that seed runs before their tests read."""
+        from ampwatch.client import Client
+
+        with Client(self.url, timeout=timeout + 10) as client:
+            if run_id is not None:
+                client.wait_for_analysis(run_id, timeout)
+                return
+            # the read waits for every run's queue to drain, at most a minute a request
+            deadline = time.monotonic() + timeout
+            while pending := sum(run.analysis_pending
+                                 for run in client.runs(wait=min(timeout, 60))):
+                assert time.monotonic() < deadline, f"analysis of {pending} batches pending"
 
     def stop(self, sig: int = signal.SIGTERM) -> None:
         if self.process is not None and self.process.poll() is None:

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+# seconds a test's read may first wait for the server to judge what the test stored (the
+# `?wait=` of the reads of findings, incidents, spikes and runs), as a user's script does
+ANALYSIS_WAIT_S = 30
+WAIT = {"wait": ANALYSIS_WAIT_S}
+
 
 def make_layers(n: int, kind: str = "Linear") -> list[dict[str, Any]]:
     return [

@@ -9,6 +9,7 @@ import sys
 from ampwatch.client import render
 from ampwatch.client.api import Client
 from ampwatch.client.commands import BadUsage, connect, print_json
+from ampwatch.client.errors import AnalysisPending
 from ampwatch.client.models import SEVERITIES, Finding, Records
 
 ANALYSIS_WAIT_S = 60.0  # `check --wait` default: how long a run's pending analysis may take
@@ -80,9 +81,9 @@ def check_run(args: argparse.Namespace) -> int:
                   f"(up to {args.wait:g} s)", file=sys.stderr, flush=True)
             try:
                 run = client.wait_for_analysis(run.id, args.wait)
-            except TimeoutError as exc:
-                raise TimeoutError(f"{exc} (is an analysis worker running? wait longer "
-                                   f"with --wait)") from None
+            except AnalysisPending as exc:
+                raise AnalysisPending(f"{exc.message} (is an analysis worker running? wait "
+                                      f"longer with --wait)", exc.pending) from None
         failing = at_or_above(client, run.id, args.fail_on, status="open")
     if run.status == "no_data":  # a monitor that recorded nothing must not pass a gate
         if args.json:

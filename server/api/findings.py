@@ -15,6 +15,7 @@ from ampwatch.server.analysis.schemas import (
     IncidentsPublic,
 )
 from ampwatch.server.api.error_responses import NOT_FOUND, READ
+from ampwatch.server.api.waits import AnalysisWait
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.fields import NO_NUL
 from ampwatch.server.runs import get_run
@@ -31,7 +32,7 @@ Offset = Annotated[int, Query(ge=0, le=10**9)]
 
 
 @router.get("/runs/{run_id}/findings", response_model=FindingsPublic,
-            responses=READ | NOT_FOUND)
+            responses=READ | NOT_FOUND, dependencies=[AnalysisWait])
 def get_run_findings(
     run_id: RunIdPath,
     session: SessionDep,
@@ -50,7 +51,7 @@ def get_run_findings(
 
 
 @router.get("/runs/{run_id}/incidents", response_model=IncidentsPublic,
-            responses=READ | NOT_FOUND)
+            responses=READ | NOT_FOUND, dependencies=[AnalysisWait])
 def get_run_incidents(
     run_id: RunIdPath,
     session: SessionDep,
@@ -64,7 +65,8 @@ def get_run_incidents(
     return list_incidents(session, run_id, status=status, severity=severity)
 
 
-@router.get("/findings", response_model=FindingsPublic, responses=READ)
+@router.get("/findings", response_model=FindingsPublic, responses=READ,
+            dependencies=[AnalysisWait])
 def get_findings(
     session: SessionDep,
     run_id: Annotated[str | None, Query(pattern=RUN_ID_PATTERN)] = None,

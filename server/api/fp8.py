@@ -13,6 +13,7 @@ from ampwatch.server.analysis.schemas import Fp8Public
 from ampwatch.server.api.error_responses import NOT_FOUND, READ
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.api.series import End, Rank, Start
+from ampwatch.server.api.waits import AnalysisWait
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.fp8_samples import fp8_report
 from ampwatch.server.runs import get_run
@@ -34,7 +35,8 @@ def fp8_twin(session: Session, run_id: str, *, rank: int, start: int | None,
     return {"rank": rank, **report, "findings": findings}
 
 
-@router.get("/{run_id}/fp8", response_model=Fp8Public, responses=READ | NOT_FOUND)
+@router.get("/{run_id}/fp8", response_model=Fp8Public, responses=READ | NOT_FOUND,
+            dependencies=[AnalysisWait])
 def get_fp8(
     run_id: RunIdPath,
     session: SessionDep,

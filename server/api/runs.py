@@ -8,6 +8,7 @@ from fastapi import APIRouter, Depends, Path, Query, Response
 
 from ampwatch.server.api.bodies import json_body_schema, parsed_off_the_loop
 from ampwatch.server.api.error_responses import NOT_FOUND, READ, WRITE
+from ampwatch.server.api.waits import AnalysisWait
 from ampwatch.server.bundles import remove_bundle_files
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.fields import NO_NUL
@@ -37,7 +38,7 @@ def put_run(run_id: RunIdPath,
     return public_run(session, run, settings)
 
 
-@router.get("", response_model=RunsPublic, responses=READ)
+@router.get("", response_model=RunsPublic, responses=READ, dependencies=[AnalysisWait])
 def get_runs(
     session: SessionDep,
     settings: SettingsDep,
@@ -53,7 +54,8 @@ def get_runs(
                      limit=limit, offset=offset)
 
 
-@router.get("/{run_id}", response_model=RunPublic, responses=READ | NOT_FOUND)
+@router.get("/{run_id}", response_model=RunPublic, responses=READ | NOT_FOUND,
+            dependencies=[AnalysisWait])
 def get_one_run(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
     """One run with its totals per rank."""
     return public_run(session, get_run(session, run_id), settings)

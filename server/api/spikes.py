@@ -12,6 +12,7 @@ from ampwatch.server.analysis.queries import list_findings
 from ampwatch.server.analysis.schemas import FindingPublic, SpikePublic, SpikesPublic
 from ampwatch.server.api.error_responses import NOT_FOUND, READ
 from ampwatch.server.api.runs import RunIdPath
+from ampwatch.server.api.waits import AnalysisWait
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.runs import get_run
 
@@ -40,7 +41,8 @@ def list_spikes(session: Session, run_id: str, rank: int | None = None) -> Spike
                                      key=lambda spike: (spike.step, spike.rank)))
 
 
-@router.get("/{run_id}/spikes", response_model=SpikesPublic, responses=READ | NOT_FOUND)
+@router.get("/{run_id}/spikes", response_model=SpikesPublic, responses=READ | NOT_FOUND,
+            dependencies=[AnalysisWait])
 def get_spikes(run_id: RunIdPath, session: SessionDep,
                rank: Annotated[int | None, Query(ge=0, le=1_000_000)] = None) -> SpikesPublic:
     """The run's loss spikes in step order (at most 1,000), each with its likely cause,

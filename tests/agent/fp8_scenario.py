@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ampwatch import agent
+from tests.utils import WAIT
 
 SAMPLE_EVERY = 10
 FAULT_STEP = 20  # a scheduled sample: the agent measures FP8 casts on sampled steps
@@ -129,14 +130,15 @@ def train(server: Any, recipe: str, *, outlier_from: int | None,
 
 
 def fp8_report(server: Any, run: str) -> dict:
-    answer = httpx.get(f"{server.url}/api/v1/runs/{run}/fp8", params={"buckets": 10_000},
-                       timeout=30)
+    answer = httpx.get(f"{server.url}/api/v1/runs/{run}/fp8",
+                       params={"buckets": 10_000, **WAIT}, timeout=60)
     answer.raise_for_status()
     return answer.json()
 
 
 def severe_findings(server: Any, run: str) -> set[tuple[str, str | None, int | None]]:
-    items = httpx.get(f"{server.url}/api/v1/runs/{run}/findings", timeout=30).json()["items"]
+    items = httpx.get(f"{server.url}/api/v1/runs/{run}/findings", params=WAIT,
+                      timeout=60).json()["items"]
     return {(f["kind"], f["layer"], f["step"], f["evidence"].get("tensor")) for f in items
             if f["severity"] in ("warning", "critical")}
 

@@ -72,6 +72,7 @@ def test_an_outlier_under_tensorwise_scaling_is_fp8_underflow_of_that_input(serv
 
 def test_the_fp8_tab_shows_for_fp8_runs_only(server):
     run, _ = train(server, "tensorwise", outlier_from=FAULT_STEP)
+    server.wait_for_analysis(run)  # the pages tell its findings
     overview = httpx.get(f"{server.url}/runs/{run}", timeout=30)
     assert f'href="/runs/{run}/fp8"' in overview.text
     page = httpx.get(f"{server.url}/runs/{run}/fp8", timeout=30)

@@ -20,6 +20,7 @@ import torch.multiprocessing as mp
 
 from tests.agent import ranks_worker
 from tests.conftest import LiveServer, free_port
+from tests.utils import WAIT
 
 REL = 1e-6
 SCENARIOS = {2: ["ddp", "fsdp2", "ddp_scalers"], 4: ["ddp", "fsdp2", "fsdp1", "tp"]}
@@ -44,7 +45,7 @@ def job(request: pytest.FixtureRequest, server: LiveServer,
     mp.start_processes(ranks_worker.main, nprocs=world, start_method="fork", args=(
         world, free_port(), server.url, str(out), SCENARIOS[world], f"w{world}"))
     ranks = [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(world)]
-    with httpx.Client(base_url=server.url + "/api/v1") as api:
+    with httpx.Client(base_url=server.url + "/api/v1", timeout=60) as api:
         yield {"world": world, "ranks": ranks, "api": api}
 
 
@@ -123,7 +124,8 @@ def test_rank_findings_name_the_faulty_rank(job):
     api = job["api"]
     last = job["world"] - 1
     run_id, _ = _scenario(job, "ddp")
-    found = api.get("/findings", params={"run_id": run_id, "kind": "ranks"}).json()["items"]
+    found = api.get("/findings", params={"run_id": run_id, "kind": "ranks", **WAIT}
+                    ).json()["items"]
     by_code = {f["code"]: f for f in found}
     first = by_code["first_nonfinite_rank"]
     assert (first["rank"], first["step"]) == (last, ranks_worker.OVERFLOW_STEP)
@@ -135,8 +137,8 @@ def test_rank_findings_name_the_faulty_rank(job):
 
 def test_scaler_disagreement_names_the_rank_and_step(job):
     run_id, _ = _scenario(job, "ddp_scalers")
-    found = job["api"].get("/findings", params={"run_id": run_id, "code": "scaler_disagreement"}
-                           ).json()["items"]
+    found = job["api"].get("/findings", params={"run_id": run_id, **WAIT,
+                                                "code": "scaler_disagreement"}).json()["items"]
     assert [(f["rank"], f["step"]) for f in found] == [(1, 0)]
     assert found[0]["evidence"]["loss_scale"] == 2048.0
 

@@ -56,6 +56,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     with httpx.Client(base_url=live.url) as api:
         seed_healthy(api)
         seed_diverging(api)
+    live.wait_for_analysis()  # the commands read the findings of what it was sent
     yield live
     live.stop()
 

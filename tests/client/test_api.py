@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import math
 import threading
+import time
 
 import pytest
 from fastapi.testclient import TestClient
 
 from ampwatch.client import (
+    AnalysisPending,
     BadRequest,
     Client,
     ConnectionFailed,
@@ -176,8 +178,10 @@ def test_wait_for_analysis_returns_the_run_once_its_findings_are_in(database_url
             seed_diverging(api)
             client = Client(http_client=api)
             assert client.run("diverging").analysis_pending == 1
-            with pytest.raises(TimeoutError, match="analysis of 1 batch still pending"):
+            with pytest.raises(AnalysisPending, match="analysis of 1 batch still pending") \
+                    as caught:
                 client.wait_for_analysis("diverging", timeout=0.2, poll_interval=0.05)
+            assert caught.value.pending == 1 and isinstance(caught.value, TimeoutError)
             worker = AnalysisWorker(app.state.sessionmaker, app.state.settings)
             timer = threading.Timer(0.3, worker.drain)
             timer.start()
@@ -186,6 +190,46 @@ def test_wait_for_analysis_returns_the_run_once_its_findings_are_in(database_url
             finally:
                 timer.join()
             assert (run.analysis_pending, run.status) == (0, "critical")
+    finally:
+        app.state.engine.dispose()
+
+
+def test_reads_with_wait_answer_once_the_runs_findings_are_in(database_url) -> None:
+    """`?wait=` (the client's `wait=`): the server holds the read until the worker judged
+    the run's stored batches; without it, or past it, the read answers what is in."""
+    app = create_app(Settings(database_url=database_url, embedded_worker=False,
+                              analysis_wait_s=0))
+    try:
+        with TestClient(app) as api:
+            seed_diverging(api)
+            client = Client(http_client=api)
+            start = time.monotonic()
+            assert not client.findings("diverging", kind="scaler_divergence", wait=0.3)
+            assert time.monotonic() - start >= 0.3  # waited it out: nothing judged it
+            assert client.run("diverging", wait=0.1).analysis_pending == 1
+            worker = AnalysisWorker(app.state.sessionmaker, app.state.settings)
+            reads = {
+                "run": lambda: client.run("diverging", wait=30).status,
+                "findings": lambda: {f.severity for f in client.findings(
+                    "diverging", kind="scaler_divergence", wait=30)},
+                "all findings": lambda: {f.severity for f in client.findings(
+                    kind="scaler_divergence", wait=30)},
+                "incidents": lambda: {i.severity for i in client.incidents(
+                    "diverging", wait=30)} - {"info"},
+            }
+            timer = threading.Timer(0.3, worker.drain)
+            timer.start()
+            try:
+                first = reads["run"]()  # the one that waits for the drain
+            finally:
+                timer.join()
+            assert first == "critical"
+            assert {name: read() for name, read in reads.items() if name != "run"} == {
+                "findings": {"critical"}, "all findings": {"critical"},
+                "incidents": {"critical"}}
+            assert client.spikes("diverging", wait=30) == []
+            # bounded: a minute at most
+            assert api.get("/api/v1/runs/diverging/findings?wait=61").status_code == 422
     finally:
         app.state.engine.dispose()
 

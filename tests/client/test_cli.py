@@ -18,7 +18,7 @@ from ampwatch.client import Client
 from ampwatch.client.cli import ERROR_EXIT
 from tests.client.conftest import N_LAYERS, seed_diverging, seed_healthy
 from tests.conftest import LiveServer, free_port
-from tests.utils import make_steps, post_batch, register_run
+from tests.utils import WAIT, make_steps, post_batch, register_run
 
 
 def test_runs_table_is_aligned(ampwatch) -> None:
@@ -38,6 +38,7 @@ def test_runs_table_is_aligned(ampwatch) -> None:
 
 def test_runs_json_and_filters(ampwatch, server, server_api) -> None:
     seed_healthy(server_api, "other-project", project="elsewhere")
+    server.wait_for_analysis("other-project")  # its status comes from its findings
     runs = json.loads(ampwatch("runs", "--json").out)
     assert {"healthy", "diverging", "other-project"} <= {r["id"] for r in runs}
     critical = json.loads(ampwatch("runs", "--status", "critical", "--json").out)
@@ -149,9 +150,9 @@ def test_check_of_a_run_without_steps_does_not_pass(ampwatch, server_api) -> Non
 @pytest.fixture
 def workerless_server(tmp_path: Path) -> Iterator[LiveServer]:
     """A server that judges nothing itself: its batches wait for an `ampwatch worker`,
-    and its reads answer at once (they do not wait for the queue)."""
+    and its reads answer at once."""
     live = LiveServer(f"sqlite:///{tmp_path / 'live.db'}", tmp_path / "server.log",
-                      env={"AMPWATCH_EMBEDDED_WORKER": "0", "AMPWATCH_ANALYSIS_WAIT_S": "0"})
+                      env={"AMPWATCH_EMBEDDED_WORKER": "0"})
     live.start()
     yield live
     live.stop()
@@ -297,7 +298,7 @@ def test_api_client_and_cli_share_the_findings_and_limit_defaults(ampwatch, serv
     seed_diverging(server_api, "recovered")  # a skip streak, then clean steps resolve it
     assert post_batch(server_api, "recovered", 1,
                       make_steps(260, 200, N_LAYERS)).status_code == 200
-    api = server_api.get("/api/v1/runs/recovered/findings").json()
+    api = server_api.get("/api/v1/runs/recovered/findings", params=WAIT).json()
     statuses = {f["status"] for f in api["items"]}
     assert statuses == {"open", "resolved"}
     with Client(server.url) as client:

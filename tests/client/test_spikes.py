@@ -8,7 +8,7 @@ import json
 import pytest
 
 from ampwatch.client import Client, Spike
-from tests.utils import make_steps, post_batch, register_run
+from tests.utils import ANALYSIS_WAIT_S, make_steps, post_batch, register_run
 
 N_LAYERS = 4
 
@@ -30,7 +30,7 @@ def seed_spike(api, run_id: str) -> None:
 def test_spikes_are_read_with_their_cause(ampwatch, server_api, server) -> None:
     seed_spike(server_api, "spiky")
     with Client(server.url) as client:
-        (spike,) = client.spikes("spiky")
+        (spike,) = client.spikes("spiky", wait=ANALYSIS_WAIT_S)
         assert not client.spikes("spiky", rank=1)
         matrix = client.layer_matrix("spiky", metric="update_ratio", buckets=3)
     assert isinstance(spike, Spike)

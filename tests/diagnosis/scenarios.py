@@ -24,6 +24,7 @@ from torch.amp import custom_bwd, custom_fwd
 from torch.utils.checkpoint import checkpoint
 
 from ampwatch import agent
+from tests.utils import WAIT
 
 SAMPLE_EVERY = 10  # the agent's default
 ZERO_SHARE = 0.5  # the server's default underflow_zero_share
@@ -401,7 +402,7 @@ def _overflow_risk(scenario: Scenario, truth: Recorder) -> set[Expected]:
 
 
 def observed(server: str, run_id: str) -> tuple[set[Expected], list[dict]]:
-    response = httpx.get(f"{server}/api/v1/runs/{run_id}/findings", timeout=30)
+    response = httpx.get(f"{server}/api/v1/runs/{run_id}/findings", params=WAIT, timeout=60)
     response.raise_for_status()
     items = response.json()["items"]
     serious = {(f["kind"] if f["kind"] != "pitfall" else f"pitfall:{f['code']}", f["layer"],

@@ -8,6 +8,7 @@ from __future__ import annotations
 import httpx
 
 from tests.diagnosis.scenarios import Scenario, growing_until_absorbed, train
+from tests.utils import WAIT
 
 GROWING = Scenario("growing_until_absorbed", "gain's output grows 8% a step; -inf first",
                    inject=growing_until_absorbed, stop_after_skips=4, steps=120)
@@ -21,8 +22,8 @@ def test_a_growing_layer_is_one_incident_from_its_absorbed_overflow(server) -> N
     reached = [i for i, s in bad if s.loss_bad]
     assert absorbed and reached and absorbed[0] < reached[0], "the scenario did not happen"
 
-    with httpx.Client(base_url=f"{server.url}/api/v1", timeout=30) as api:
-        findings = api.get(f"/runs/{run_id}/findings").json()["items"]
+    with httpx.Client(base_url=f"{server.url}/api/v1", timeout=60) as api:
+        findings = api.get(f"/runs/{run_id}/findings", params=WAIT).json()["items"]
         incidents = api.get(f"/runs/{run_id}/incidents").json()["items"]
     serious = [i for i in incidents if i["severity"] != "info"]
     assert len(serious) == 1, [i["headline"] for i in serious]

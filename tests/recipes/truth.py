@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ampwatch.client import Client
+from tests.utils import ANALYSIS_WAIT_S
 
 Expected = tuple[str, str | None, int | None, str]  # (kind or pitfall:code, layer, step, severity)
 
@@ -115,7 +116,7 @@ def check(client: Client, run_id: str, truth: Truth,
             assert got.grad_norm is not None and not math.isfinite(got.grad_norm), where
         else:
             assert close(got.grad_norm, want.grad_norm, 1e-3), where
-    items = list(client.findings(run_id))
+    items = list(client.findings(run_id, wait=ANALYSIS_WAIT_S))
     serious = {(f.kind if f.kind != "pitfall" else f"pitfall:{f.code}", f.layer, f.step,
                 f.severity) for f in items if f.severity != "info"}
     assert serious == set(findings) | scale_decline(truth), "\n".join(

@@ -16,6 +16,7 @@ from ampwatch import agent
 from tests.agent.factories import batches, fp16_loop, mlp
 from tests.conftest import LiveServer
 from tests.server.alerts.receiver import wait_until
+from tests.utils import WAIT
 
 STEPS = 60
 POISONED = {20, 21, 40}  # inf in the input batch: the scaler skips these steps
@@ -55,7 +56,7 @@ def train(model, scaler, data, skipped: list[int]) -> None:
 def check_run_and_server(url: str, labels: dict, scaler, skipped: list[int]) -> None:
     # first a read that waits for the analysis of what was sent (/metrics does not wait)
     findings = httpx.get(f"{url}/api/v1/runs/streaming/findings",
-                         params={"status": "open"}, timeout=10).json()["items"]
+                         params={"status": "open", **WAIT}, timeout=60).json()["items"]
     samples = scrape(url)
     assert value(samples, "ampwatch_run_last_step", **labels) == STEPS - 1
     assert value(samples, "ampwatch_run_steps_total", **labels) == STEPS

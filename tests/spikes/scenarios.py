@@ -41,6 +41,7 @@ from torch.nn import functional as F
 
 from ampwatch import agent
 from tests.spikes.model import VOCAB, Attention, TinyLM, batch
+from tests.utils import WAIT
 
 STEPS = 160
 SAMPLE_EVERY = 10  # the agent's default: what a sampled signal can show
@@ -310,8 +311,8 @@ def expected(truth: Truth) -> tuple[set[Expected], list[tuple[int, str]]]:
 
 def observed(server: str, run_id: str) -> tuple[set[Expected], list[dict]]:
     """The run's warning and critical findings as (kind, cause, layer), and all of them."""
-    answer = httpx.get(f"{server}/api/v1/runs/{run_id}/findings", params={"limit": 1000},
-                       timeout=30)
+    answer = httpx.get(f"{server}/api/v1/runs/{run_id}/findings",
+                       params={"limit": 1000, **WAIT}, timeout=60)
     answer.raise_for_status()
     items = answer.json()["items"]
     serious = {(f["kind"], f["code"], f["layer"]) for f in items if f["severity"] != "info"}

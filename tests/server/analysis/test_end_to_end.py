@@ -13,6 +13,7 @@ from torch import nn
 
 from ampwatch import agent
 from tests.conftest import LiveServer, agent_errors_fail, module_server
+from tests.utils import WAIT
 
 
 @pytest.fixture(scope="module")
@@ -106,8 +107,8 @@ def train(server: LiveServer, model: nn.Module, steps: int, *, scaler: bool = Tr
 
 
 def findings(server: LiveServer, run_id: str, **params) -> list[dict]:
-    response = httpx.get(f"{server.url}/api/v1/runs/{run_id}/findings", params=params,
-                         timeout=30)
+    response = httpx.get(f"{server.url}/api/v1/runs/{run_id}/findings",
+                         params={**params, **WAIT}, timeout=60)
     response.raise_for_status()
     return response.json()["items"]
 

@@ -18,6 +18,7 @@ import torch
 
 from tests.conftest import LiveServer
 from tests.server.pages.training import GrowingGain, Trainer, mlp
+from tests.utils import WAIT
 
 GROWING = "6"
 ORDER = [str(i) for i in range(11)]  # nn.Sequential: Linears 0, 2, ..., 10, ReLUs between
@@ -48,8 +49,8 @@ def test_the_growing_layer_is_one_incident_with_its_symptoms(server) -> None:
     assert growth.first_nonfinite is not None, "the layer never overflowed"
     grads_first = [step for step in grads_bad if step < growth.first_nonfinite]
 
-    with httpx.Client(base_url=f"{server.url}/api/v1", timeout=30) as api:
-        findings = api.get("/runs/growing-fp16/findings").json()["items"]
+    with httpx.Client(base_url=f"{server.url}/api/v1", timeout=60) as api:
+        findings = api.get("/runs/growing-fp16/findings", params=WAIT).json()["items"]
         incidents = api.get("/runs/growing-fp16/incidents").json()["items"]
     caused = [i for i in incidents if i["cause"] and i["severity"] != "info"]
     assert len(caused) == 1, [i["headline"] for i in caused]

@@ -53,6 +53,7 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
                 tags=["bf16"]).train(60).close()
         Trainer(server.url, "xss-run", XSS, XssNet(), project=XSS_PROJECT,
                 tags=[XSS]).train(20).close()
+        server.wait_for_analysis()  # the pages tell the findings of all it was sent
         yield server
     finally:
         server.stop()
@@ -94,6 +95,7 @@ def field_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FieldRuns]:
         assert growth.first_nonfinite is not None, "layer 6 never overflowed"
         Trainer(server.url, "sgd-bf16", "sgd lr=30 bf16", mlp(seed=1), dtype=torch.bfloat16,
                 lr=30.0, sgd=True, tags=["bf16"]).train(150).close()
+        server.wait_for_analysis()
         yield FieldRuns(server=server, first_overflow=growth.first_nonfinite,
                         scales=growing.scales,
                         output_nonfinite_steps=int((~np.isfinite(growth.absmax)).sum()))

@@ -61,6 +61,7 @@ def glance(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
             _wire_run(api, "tiny-grads", tiny)
             for twin in ("twin-a", "twin-b"):
                 _wire_run(api, twin, make_steps(0, 300, 3))
+        server.wait_for_analysis()  # the pages tell the findings of all it was sent
         yield server
     finally:
         server.stop()
