@@ -101,6 +101,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "The dashboard: [all runs](/).",
         default_response_class=WireJSONResponse,
         lifespan=lifespan,
+        # a route without its own operation_id is named after its function, not its path:
+        # generated clients get methods like get_run, not get_one_run_api_v1_runs__run_id__get
+        generate_unique_id_function=lambda route: route.name,
     )
     app.state.settings = settings
     app.state.engine = engine

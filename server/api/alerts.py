@@ -26,14 +26,15 @@ TargetName = Annotated[str | None, Query(max_length=64, description="one target'
                                          "(default: every target)")]
 
 
-@router.get("", response_model=AlertsPublic, responses=errors(503))
+@router.get("", operation_id="get_alerts", response_model=AlertsPublic, responses=errors(503))
 def get_alerts(request: Request) -> AlertsPublic:
     """The alert rules and targets; target URLs are redacted (no tokens or passwords)."""
     service = request.app.state.alerts
     return describe_alerts(service.settings, service.outbox.public_url)
 
 
-@router.get("/deliveries", response_model=DeliveriesPublic, responses=READ)
+@router.get("/deliveries", operation_id="list_deliveries",
+            response_model=DeliveriesPublic, responses=READ)
 def get_deliveries(
     session: SessionDep,
     status: NotificationStatus | None = None,
@@ -48,7 +49,8 @@ def get_deliveries(
                            offset=offset)
 
 
-@router.get("/deliveries/{notification_id}", response_model=DeliveryPublic,
+@router.get("/deliveries/{notification_id}", operation_id="get_delivery",
+            response_model=DeliveryPublic,
             responses=READ | NOT_FOUND)
 def get_delivery(session: SessionDep,
                  notification_id: Annotated[int, Path(ge=1, le=INT32_MAX)]) -> DeliveryPublic:
@@ -59,7 +61,7 @@ def get_delivery(session: SessionDep,
     return found[0]
 
 
-@router.post("/test", response_model=TestNotificationsPublic,
+@router.post("/test", operation_id="send_test_alert", response_model=TestNotificationsPublic,
              responses=WRITE | NOT_FOUND | CONFLICT)
 def post_test(request: Request, session: SessionDep,
               target: TargetName = None) -> TestNotificationsPublic:

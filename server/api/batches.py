@@ -17,7 +17,7 @@ router = APIRouter(prefix="/runs", tags=["ingest"])
 
 
 @router.post(
-    "/{run_id}/batches",
+    "/{run_id}/batches", operation_id="send_batch",
     response_model=BatchAck,
     responses=WRITE | NOT_FOUND | CONFLICT,
     openapi_extra=json_body_schema(BatchIn),

@@ -66,7 +66,8 @@ BUNDLE_BODY = {"requestBody": {"required": True, "content": {
     media: {"schema": {"type": "string", "format": "binary"}} for media in BUNDLE_TYPES}}}
 
 
-@router.put("/{run_id}/bundles/{rank}/{step}", response_model=BundlePublic,
+@router.put("/{run_id}/bundles/{rank}/{step}", operation_id="upload_bundle",
+            response_model=BundlePublic,
             responses=WRITE | NOT_FOUND, openapi_extra=BUNDLE_BODY)
 async def put_bundle(run_id: RunIdPath, rank: Rank, step: Step, request: Request,
                      settings: SettingsDep) -> Any:
@@ -122,13 +123,15 @@ def _too_large(settings: Any) -> str:
            "(AMPWATCH_BUNDLE_MAX_BYTES)"
 
 
-@router.get("/{run_id}/bundles", response_model=BundlesPublic, responses=READ | NOT_FOUND)
+@router.get("/{run_id}/bundles", operation_id="list_bundles",
+            response_model=BundlesPublic, responses=READ | NOT_FOUND)
 def get_bundles(run_id: RunIdPath, session: SessionDep) -> BundlesPublic:
     """The run's bundles, by step: trigger, first non-finite layer, exactness, size."""
     return BundlesPublic(items=[public_bundle(b) for b in list_bundles(session, run_id)])
 
 
-@router.get("/{run_id}/bundles/{rank}/{step}", response_class=FileResponse,
+@router.get("/{run_id}/bundles/{rank}/{step}", operation_id="download_bundle",
+            response_class=FileResponse,
             responses=READ | NOT_FOUND)
 def download_bundle(run_id: RunIdPath, rank: Rank, step: Step, session: SessionDep,
                     settings: SettingsDep) -> FileResponse:

@@ -31,7 +31,7 @@ Limit = Annotated[int, Query(ge=1, le=MAX_PAGE_LIMIT)]
 Offset = Annotated[int, Query(ge=0, le=10**9)]
 
 
-@router.get("/runs/{run_id}/findings", response_model=FindingsPublic,
+@router.get("/runs/{run_id}/findings", operation_id="list_findings", response_model=FindingsPublic,
             responses=READ | NOT_FOUND, dependencies=[AnalysisWait])
 def get_run_findings(
     run_id: RunIdPath,
@@ -50,7 +50,8 @@ def get_run_findings(
                          status=status, rank=rank, limit=limit, offset=offset)
 
 
-@router.get("/runs/{run_id}/incidents", response_model=IncidentsPublic,
+@router.get("/runs/{run_id}/incidents", operation_id="list_incidents",
+            response_model=IncidentsPublic,
             responses=READ | NOT_FOUND, dependencies=[AnalysisWait])
 def get_run_incidents(
     run_id: RunIdPath,
@@ -65,7 +66,8 @@ def get_run_incidents(
     return list_incidents(session, run_id, status=status, severity=severity)
 
 
-@router.get("/findings", response_model=FindingsPublic, responses=READ,
+@router.get("/findings", operation_id="list_all_findings",
+            response_model=FindingsPublic, responses=READ,
             dependencies=[AnalysisWait])
 def get_findings(
     session: SessionDep,

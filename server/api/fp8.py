@@ -35,7 +35,8 @@ def fp8_twin(session: Session, run_id: str, *, rank: int, start: int | None,
     return {"rank": rank, **report, "findings": findings}
 
 
-@router.get("/{run_id}/fp8", response_model=Fp8Public, responses=READ | NOT_FOUND,
+@router.get("/{run_id}/fp8", operation_id="get_fp8_report",
+            response_model=Fp8Public, responses=READ | NOT_FOUND,
             dependencies=[AnalysisWait])
 def get_fp8(
     run_id: RunIdPath,

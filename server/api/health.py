@@ -22,7 +22,7 @@ DISK_FULL = "the database's disk is full (send the token for details)"
 UNAVAILABLE = "the database cannot be used (send the token for details)"
 
 
-@router.get("/health", response_model=HealthPublic,
+@router.get("/health", operation_id="get_health", response_model=HealthPublic,
             responses={503: {"model": HealthPublic, "description": "database degraded"}})
 def health(request: Request, session: SessionDep, settings: SettingsDep) -> WireJSONResponse:
     """200 when the database answers and the last write succeeded; 503 with the reason

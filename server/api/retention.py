@@ -21,7 +21,7 @@ class CompactPublic(BaseModel):
     bytes_after: int
 
 
-@router.post("/runs/{run_id}/archive", response_model=RunPublic,
+@router.post("/runs/{run_id}/archive", operation_id="archive_run", response_model=RunPublic,
              responses=WRITE | NOT_FOUND | CONFLICT)
 def post_archive(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
     """Drop the run's full-resolution steps and FP8 samples, keep its summaries (built
@@ -31,7 +31,7 @@ def post_archive(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) 
 
 
 # no parameters, so no 422
-@router.post("/storage/compact", response_model=CompactPublic,
+@router.post("/storage/compact", operation_id="compact_storage", response_model=CompactPublic,
              responses=errors(400, 403, 408, 413, 415, 503, 507))
 def post_compact(request: Request, session: SessionDep) -> CompactPublic:
     """Hand the space of deleted and archived runs back to the file system (SQLite:

@@ -27,7 +27,7 @@ router = APIRouter(prefix="/runs", tags=["runs"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
 
 
-@router.put("/{run_id}", response_model=RunPublic, responses=WRITE,
+@router.put("/{run_id}", operation_id="register_run", response_model=RunPublic, responses=WRITE,
             openapi_extra=json_body_schema(RunUpsert))
 def put_run(run_id: RunIdPath,
             body: Annotated[RunUpsert, Depends(parsed_off_the_loop(RunUpsert))],
@@ -38,7 +38,8 @@ def put_run(run_id: RunIdPath,
     return public_run(session, run, settings)
 
 
-@router.get("", response_model=RunsPublic, responses=READ, dependencies=[AnalysisWait])
+@router.get("", operation_id="list_runs",
+            response_model=RunsPublic, responses=READ, dependencies=[AnalysisWait])
 def get_runs(
     session: SessionDep,
     settings: SettingsDep,
@@ -54,14 +55,15 @@ def get_runs(
                      limit=limit, offset=offset)
 
 
-@router.get("/{run_id}", response_model=RunPublic, responses=READ | NOT_FOUND,
+@router.get("/{run_id}", operation_id="get_run",
+            response_model=RunPublic, responses=READ | NOT_FOUND,
             dependencies=[AnalysisWait])
 def get_one_run(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> RunPublic:
     """One run with its totals per rank."""
     return public_run(session, get_run(session, run_id), settings)
 
 
-@router.delete("/{run_id}", status_code=204, response_class=Response,
+@router.delete("/{run_id}", operation_id="delete_run", status_code=204, response_class=Response,
                 responses=WRITE | NOT_FOUND)
 def remove_run(run_id: RunIdPath, session: SessionDep, settings: SettingsDep) -> Response:
     """Delete the run and all its data (its bundle files too)."""

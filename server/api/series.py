@@ -51,7 +51,7 @@ MaxPoints = Annotated[
 ]
 
 
-@router.get("/{run_id}/steps", response_model=StepsPublic,
+@router.get("/{run_id}/steps", operation_id="list_steps", response_model=StepsPublic,
             responses=READ | NOT_FOUND)
 def get_steps(
     run_id: RunIdPath,
@@ -71,7 +71,7 @@ def get_steps(
                                             max_points=max_points, limit=limit), encoded=True)
 
 
-@router.get("/{run_id}/layers", response_model=LayersPublic,
+@router.get("/{run_id}/layers", operation_id="list_layers", response_model=LayersPublic,
             responses=READ | NOT_FOUND)
 def get_layers(run_id: RunIdPath, session: SessionDep, request: Request, rank: Rank = 0
                ) -> WireJSONResponse:
@@ -84,7 +84,7 @@ def get_layers(run_id: RunIdPath, session: SessionDep, request: Request, rank: R
 MAX_MATRIX_CELLS = 10_000_000  # about 100 MB of JSON: a 10,000-layer run at 1,000 buckets
 
 
-@router.get("/{run_id}/layers/matrix", response_model=MatrixPublic,
+@router.get("/{run_id}/layers/matrix", operation_id="get_layer_matrix", response_model=MatrixPublic,
             responses=READ | NOT_FOUND)
 def get_matrix(
     run_id: RunIdPath,
@@ -118,7 +118,8 @@ def get_matrix(
                                              layers=picked), encoded=True)
 
 
-@router.get("/{run_id}/layers/{index}/series", response_model=LayerSeriesPublic,
+@router.get("/{run_id}/layers/{index}/series", operation_id="get_layer_series",
+            response_model=LayerSeriesPublic,
             responses=READ | NOT_FOUND)
 def get_layer_series(
     run_id: RunIdPath,
@@ -135,7 +136,8 @@ def get_layer_series(
                                                end=end, max_points=max_points), encoded=True)
 
 
-@router.get("/{run_id}/grad_norms", response_model=CombinedGradNormsPublic,
+@router.get("/{run_id}/grad_norms", operation_id="get_grad_norms",
+            response_model=CombinedGradNormsPublic,
             responses=READ | NOT_FOUND)
 def get_combined_grad_norms(
     run_id: RunIdPath,
@@ -153,7 +155,7 @@ def get_combined_grad_norms(
                             encoded=True)
 
 
-@router.get("/{run_id}/ranks", response_model=RanksPublic,
+@router.get("/{run_id}/ranks", operation_id="list_ranks", response_model=RanksPublic,
             responses=READ | NOT_FOUND)
 def get_ranks(
     run_id: RunIdPath,

@@ -41,7 +41,8 @@ def list_spikes(session: Session, run_id: str, rank: int | None = None) -> Spike
                                      key=lambda spike: (spike.step, spike.rank)))
 
 
-@router.get("/{run_id}/spikes", response_model=SpikesPublic, responses=READ | NOT_FOUND,
+@router.get("/{run_id}/spikes", operation_id="list_spikes",
+            response_model=SpikesPublic, responses=READ | NOT_FOUND,
             dependencies=[AnalysisWait])
 def get_spikes(run_id: RunIdPath, session: SessionDep,
                rank: Annotated[int | None, Query(ge=0, le=1_000_000)] = None) -> SpikesPublic:

@@ -24,7 +24,7 @@ from tests.conftest import LiveServer
 from tests.server.alerts.conftest import FAST_RETRIES, alert_config
 from tests.server.alerts.receiver import Receiver, wait_until
 from tests.server.analysis.factories import scaler_steps
-from tests.utils import make_layers
+from tests.utils import WAIT, make_layers
 
 SECRET = "s3cret-token"
 ENV = {"autocast_dtype": "float16", "scaler": {"growth_interval": 2000, "enabled": True}}
@@ -41,13 +41,15 @@ def alerts_file(tmp_path, url: str) -> dict[str, str]:
 
 
 def diverge(url: str, run_id: str = "r1") -> None:
-    with httpx.Client(base_url=f"{url}/api/v1", timeout=30) as http:
+    with httpx.Client(base_url=f"{url}/api/v1", timeout=60) as http:
         http.put(f"/runs/{run_id}", json={"name": run_id, "project": "llm",
                                           "layers": make_layers(4),
                                           "environment": ENV}).raise_for_status()
         steps = scaler_steps(230, overflow=range(200, 230), init_scale=2.0**40)
         http.post(f"/runs/{run_id}/batches",
                   json={"rank": 0, "seq": 0, "steps": encode_tree(steps)}).raise_for_status()
+        # judged, and its notifications queued, once the run has nothing pending
+        assert http.get(f"/runs/{run_id}", params=WAIT).json()["analysis_pending"] == 0
 
 
 def deliveries(url: str) -> list[dict]:
