@@ -49,6 +49,7 @@ class FindingDraft:
     rank: int | None = None
 
     def __post_init__(self) -> None:
+        self.kind = FindingKind(self.kind)  # a kind no member names fails here, in its detector
         self.evidence = encode_tree(self.evidence)
         self.occurrences = np.asarray(self.occurrences, dtype=np.int64)
 

@@ -20,23 +20,23 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS
+from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS, FindingKind
 from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spikes import SPIKE_CAUSE, spike_story
 
 # what a finding says happened, in the order a root cause plays out
 STAGES = {
-    ("overflow_risk", None): (0, "outputs close to fp16's maximum"),
-    ("nonfinite", None): (1, "first non-finite step"),
-    ("ranks", "first_nonfinite_rank"): (1, "this rank went non-finite first"),
-    ("ranks", "scaler_disagreement"): (2, "this rank's scaler disagrees"),
-    ("ranks", "straggler"): (5, "this rank is a straggler"),
-    ("scaler_divergence", "scale_decline"): (2, "loss scale falling"),
-    ("scaler_divergence", "skip_ratio"): (2, "many steps skipped"),
-    ("scaler_divergence", "skip_streak"): (3, "steps skipped in a row"),
-    ("scaler_divergence", "scale_collapse"): (4, "loss scale at or below 1"),
-    ("underflow_risk", None): (3, "gradients mostly exactly zero"),
+    (FindingKind.OVERFLOW_RISK, None): (0, "outputs close to fp16's maximum"),
+    (FindingKind.NONFINITE, None): (1, "first non-finite step"),
+    (FindingKind.RANKS, "first_nonfinite_rank"): (1, "this rank went non-finite first"),
+    (FindingKind.RANKS, "scaler_disagreement"): (2, "this rank's scaler disagrees"),
+    (FindingKind.RANKS, "straggler"): (5, "this rank is a straggler"),
+    (FindingKind.SCALER_DIVERGENCE, "scale_decline"): (2, "loss scale falling"),
+    (FindingKind.SCALER_DIVERGENCE, "skip_ratio"): (2, "many steps skipped"),
+    (FindingKind.SCALER_DIVERGENCE, "skip_streak"): (3, "steps skipped in a row"),
+    (FindingKind.SCALER_DIVERGENCE, "scale_collapse"): (4, "loss scale at or below 1"),
+    (FindingKind.UNDERFLOW_RISK, None): (3, "gradients mostly exactly zero"),
 }
 # causes that are one cause seen at two stages: the layer's inf first absorbed by a later
 # op, then reaching the loss; grouped under the first name
@@ -44,8 +44,8 @@ SAME_CAUSE = {"absorbed_overflow": "forward_overflow"}
 OVERFLOW = "forward_overflow"
 GRAD_OVERFLOW = "grad_overflow"
 # findings that are symptoms of an overflowing layer upstream (or of the layer itself)
-SYMPTOMS = ("underflow_risk",)
-RISK = "overflow_risk"
+SYMPTOMS = (FindingKind.UNDERFLOW_RISK,)
+RISK = FindingKind.OVERFLOW_RISK
 # the steps before a spike that its detector searches for what grew (the setting's default)
 SPIKE_LOOKBACK = AnalysisSettings.model_fields["spike_lookback_steps"].default
 HEADLINES = {
@@ -314,7 +314,7 @@ def _what(finding: Any, layer: str | None, grouped: str | None) -> str:
     gradients', not its outputs' first inf/NaN."""
     what = _stage(finding)[1]
     other = _get(finding, "layer")
-    if grouped == OVERFLOW and _get(finding, "kind") == "nonfinite" \
+    if grouped == OVERFLOW and _get(finding, "kind") == FindingKind.NONFINITE \
             and (_get(finding, "evidence") or {}).get("cause") == GRAD_OVERFLOW:
         return "gradients inf/NaN" + (f" in layer {other!r}" if other and other != layer
                                       else "")

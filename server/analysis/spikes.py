@@ -18,6 +18,7 @@ import numpy as np
 
 from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_causes import FIXES, LEVEL_FLOOR, Cause, label_spike
 from ampwatch.server.analysis.spike_finder import Spike, find_spikes
@@ -74,7 +75,8 @@ def _spike_draft(spike: Spike, cause: Cause, run: RunContext) -> FindingDraft:
                 "spread": spike.spread, "size_spreads": spike.size, "ratio": spike.ratio,
                 "recovered_at": spike.recovered_at, "precursor_step": cause.precursor_step,
                 "lead_steps": lead, "fix": FIXES[cause.label], **cause.evidence}
-    return FindingDraft(kind="loss_spike", code=cause.label, key=f"loss_spike:{spike.start}",
+    return FindingDraft(kind=FindingKind.LOSS_SPIKE, code=cause.label,
+                        key=f"{FindingKind.LOSS_SPIKE}:{spike.start}",
                         severity="warning", message=message, step=spike.start,
                         last_step=spike.end, layer=layer, evidence=evidence,
                         occurrences=np.arange(spike.start, spike.end + 1),
@@ -128,7 +130,7 @@ def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.
                                 "steps": [int(s) for s in flagged[-20:]], "fix": FIXES[code]}
     if spike is not None:
         evidence.update(cause=SPIKE_CAUSE, spike_step=spike)
-    return FindingDraft(kind="spike_precursor", code=code,
+    return FindingDraft(kind=FindingKind.SPIKE_PRECURSOR, code=code,
                         key=f"spike_precursor:{code}:{layer_name}", severity="warning",
                         message=message, step=first, last_step=int(flagged[-1]),
                         layer=layer_name, evidence=evidence, occurrences=flagged,
@@ -189,7 +191,7 @@ def _state_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.ndar
     spike = _spike_after(labelled, code, layer, int(flagged[0]))
     if spike is not None:
         evidence.update(cause=SPIKE_CAUSE, spike_step=spike)
-    return FindingDraft(kind="optimizer_state", code=code,
+    return FindingDraft(kind=FindingKind.OPTIMIZER_STATE, code=code,
                         key=f"optimizer_state:{code}:{layer_name}", severity="warning",
                         message=message, step=int(flagged[0]), last_step=int(flagged[-1]),
                         layer=layer_name, evidence=evidence, occurrences=flagged,
@@ -200,7 +202,8 @@ def spike_story(members: list[tuple[str, str | None, dict[str, Any]]]
                 ) -> tuple[str | None, str, str]:
     """(layer, headline, fix) of the incident of one spike, from its findings' (kind,
     layer, evidence)."""
-    spike = next(((layer, ev) for kind, layer, ev in members if kind == "loss_spike"), None)
+    spike = next(((layer, ev) for kind, layer, ev in members
+                  if kind == FindingKind.LOSS_SPIKE), None)
     if spike is None:  # its spike has left the window the findings were read in
         layer, evidence = members[0][1], members[0][2]
         return layer, f"Loss spike at step {evidence.get('spike_step')}", str(

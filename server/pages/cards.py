@@ -8,6 +8,7 @@ import re
 from urllib.parse import quote, urlencode
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.incidents import RISK, SYMPTOMS
 from ampwatch.server.analysis.localize import dtype_word
 
 LINK_WINDOW = 200  # steps a link to a step opens around it
@@ -40,8 +41,8 @@ def step_href(path: str, first: int, last: int | None, run_last: int | None,
 
 # findings that follow from another cause rather than signal one (zero gradients behind
 # an overflowing layer): a card is ordered by its other findings' first step
-SYMPTOM_KINDS = ("underflow_risk",)
-RISK_KINDS = ("overflow_risk",)
+SYMPTOM_KINDS = SYMPTOMS
+RISK_KINDS = (RISK,)
 LEADING_STEP = re.compile(r"^Step [\d,]+: ")
 
 

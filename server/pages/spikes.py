@@ -4,6 +4,8 @@ figures.py and heatmaps.py so the two pages only gain a call each."""
 
 from __future__ import annotations
 
+from ampwatch.server.analysis.kinds import FindingKind
+from ampwatch.server.analysis.spikes import SPIKE_CAUSE
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix
 from ampwatch.server.pages.plot import Figure
@@ -18,7 +20,7 @@ HEATMAPS = {  # twin key -> (matrix metric, what its colour bar says)
 def spike_findings(findings: dict) -> list[dict]:
     """The run's `loss_spike` findings (open and resolved) in step order."""
     spikes = [f for items in findings.values() for f in items
-              if f["kind"] == "loss_spike" and f["step"] is not None]
+              if f["kind"] == FindingKind.LOSS_SPIKE and f["step"] is not None]
     return sorted(spikes, key=lambda f: f["step"])
 
 
@@ -26,7 +28,7 @@ def mark_spikes(fig: Figure, findings: dict, incidents: list[dict]) -> Figure:
     """A dotted line at each spike's first step, labelled with its likely cause; a spike
     that joined another cause's incident (a layer overflowing) is that cause's symptom,
     told on its card, and is not labelled with a cause of its own here."""
-    own = {i["id"] for i in incidents if i.get("cause") == "loss_spike"}
+    own = {i["id"] for i in incidents if i.get("cause") == SPIKE_CAUSE}
     for spike in spike_findings(findings):
         if spike.get("incident") is not None and spike["incident"] not in own:
             continue

@@ -12,7 +12,7 @@ from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.kinds import Section, kinds_in
+from ampwatch.server.analysis.kinds import FindingKind, Section, kinds_in
 from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
 from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.api.bundles import public_bundle
@@ -197,7 +197,7 @@ def offender_layer(twin: dict, grads: LayerMatrix, acts: LayerMatrix) -> str | N
     analysis reads every step's first non-finite layer), else of the earliest whose
     grads did; without such a finding, the page's first layer in forward order whose
     output went non-finite, then whose grads did."""
-    nonfinite = [f for f in twin["findings"]["open"] if f["kind"] == "nonfinite"
+    nonfinite = [f for f in twin["findings"]["open"] if f["kind"] == FindingKind.NONFINITE
                  and f["layer"] and f["step"] is not None]
     for causes in (FORWARD_CAUSES, GRAD_CAUSES):
         found = [f for f in nonfinite if f["evidence"].get("cause") in causes]
@@ -273,7 +273,7 @@ def misaligned_rows(twin: dict) -> list[MisalignedRow]:
     page_of = twin["page"]["page_of"]
     rows = []
     for finding in twin["findings"]["open"]:
-        if finding["kind"] != "misaligned_layer":
+        if finding["kind"] != FindingKind.MISALIGNED_LAYER:
             continue
         evidence = finding["evidence"]
         rows.append(MisalignedRow(
@@ -315,7 +315,8 @@ def precision_rows(twin: dict) -> list[PrecisionRow]:
     for index in heatmaps.forward_order(twin["layers"]):
         item = items[index]
         flags = sorted((_layer_flag(group) for group in by_layer.get(item["name"], {}).values()),
-                       key=lambda f: (f["kind"] != "precision_map", -SEVERITY_RANK[f["severity"]]))
+                       key=lambda f: (f["kind"] != FindingKind.PRECISION_MAP,
+                                      -SEVERITY_RANK[f["severity"]]))
         rows.append(PrecisionRow(
             index=index, name=item["name"], type=item["type"],
             param_count=item["param_count"], computed_in=item["summary"]["act_dtype"],
