@@ -217,7 +217,7 @@ class Attachment:
                 isinstance(record.get(k), float) and not math.isfinite(record[k])
                 for k in ("grad_norm", "loss")):
             session.note_anomaly(item.step)
-        # collectors encode their arrays (encode_array); what is left are scalar fields
+        # collectors encode their arrays (wire.encode_float_array); the rest are scalars
         for key, value in record.items():
             if type(value) is float and not math.isfinite(value):
                 record[key] = encode_float(value)

@@ -40,10 +40,6 @@ class CudaClock:
         return float(start.elapsed_time(end))
 
 
-def clock_for(device: torch.device) -> HostClock | CudaClock:
-    return CudaClock() if device.type == "cuda" else HostClock()
-
-
 def total_ms(clock: HostClock | CudaClock, intervals: list[tuple[Mark, Mark]]) -> float | None:
     """Sum of intervals in milliseconds, None when there were none (worker thread)."""
     if not intervals:

@@ -15,7 +15,6 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-TRIGGERS = ("forward_nonfinite", "nonfinite_grads", "skip_after_streak", "loss_spike")
 DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB of bundles per (run, rank)
 
 

@@ -10,7 +10,7 @@ The update is rebuilt from the state, never from a copy of the weights:
   corrections of the state's step count (the `max_exp_avg_sq` under amsgrad);
 - SGD: `lr * momentum_buffer` (Nesterov: `lr * (g + momentum * buffer)`), or `lr * g` without
   momentum, the weight decay folded in as SGD does;
-- any other optimizer: not measured (`supported()` is False; the collector says so once).
+- any other optimizer: not measured (`kind_of()` is None; the collector says so once).
 
 Rounding: an element's update is lost when `w - delta`, rounded to the parameter's dtype, is
 `w` again (bf16 and fp16 parameters only). It is judged against the weight after the step,

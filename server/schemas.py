@@ -11,7 +11,6 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
-    StringConstraints,
     field_validator,
     model_validator,
 )
@@ -31,9 +30,8 @@ from ampwatch.server.fields import (
     text,
 )
 from ampwatch.server.series import DTYPES
-from ampwatch.wire import LABEL_MAX_CHARS, RUN_ID_PATTERN
+from ampwatch.wire import LABEL_MAX_CHARS
 
-RunId = Annotated[str, StringConstraints(pattern=RUN_ID_PATTERN)]
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
 Severity = Literal["info", "warning", "critical"]
 Health = Literal["healthy", "warning", "critical", "no_data"]  # no_data: no step stored yet

@@ -6,7 +6,6 @@ from __future__ import annotations
 from pydantic import BaseModel, Field, model_validator
 
 FP16_MAX = 65504.0
-FP16_MIN_NORMAL = 6.103515625e-05
 
 
 class AnalysisSettings(BaseModel):
@@ -34,7 +33,6 @@ class AnalysisSettings(BaseModel):
     )
     fp16_max: float = Field(FP16_MAX, gt=0)
     overflow_factor: float = Field(2.0, ge=1, description="abs-max within fp16_max / this")
-    fp16_min_normal: float = Field(FP16_MIN_NORMAL, gt=0)
     underflow_share: float = Field(
         0.5, gt=0, le=1, description="share of recent measured steps that must show underflow"
     )

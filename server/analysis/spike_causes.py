@@ -29,8 +29,6 @@ from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_finder import Spike
 from ampwatch.server.spike_samples import SIGNALS, SpikeWindow
 
-LABELS = ("attention_logit_growth", "output_logit_divergence", "second_moment_underflow",
-          "adam_epsilon", "update_ratio_spike", "bad_batch", "unknown")
 FIXES = {
     "attention_logit_growth": "add qk-layernorm (normalise queries and keys before their "
                               "product) or lower the learning rate",

@@ -19,7 +19,7 @@ from ampwatch.server.db import writing
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.errors import Conflict, NotFound
 from ampwatch.server.fields import INT32_MAX
-from ampwatch.server.schemas import RUN_ID_PATTERN
+from ampwatch.wire import RUN_ID_PATTERN
 
 router = APIRouter(prefix="/alerts", tags=["alerts"])
 TargetName = Annotated[str | None, Query(max_length=64, description="one target's name "

@@ -19,7 +19,8 @@ from ampwatch.server.api.waits import AnalysisWait
 from ampwatch.server.deps import SessionDep
 from ampwatch.server.fields import NO_NUL
 from ampwatch.server.runs import get_run
-from ampwatch.server.schemas import MAX_PAGE_LIMIT, PAGE_LIMIT, RUN_ID_PATTERN, Severity
+from ampwatch.server.schemas import MAX_PAGE_LIMIT, PAGE_LIMIT, Severity
+from ampwatch.wire import RUN_ID_PATTERN
 
 router = APIRouter(tags=["findings"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]

@@ -16,12 +16,12 @@ from ampwatch.server.runs import delete_run, get_run, list_runs, public_run, ups
 from ampwatch.server.schemas import (
     MAX_PAGE_LIMIT,
     PAGE_LIMIT,
-    RUN_ID_PATTERN,
     Health,
     RunPublic,
     RunsPublic,
     RunUpsert,
 )
+from ampwatch.wire import RUN_ID_PATTERN
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
