@@ -215,3 +215,23 @@ def test_the_installed_command_answers_help() -> None:
     for command in ("runs", "show", "findings", "check", "export", "sync", "serve", "db",
                     "demo"):
         assert re.search(rf"^\s+{command}\s+\S", done.stdout, flags=re.M), command
+
+
+def _table_folders(text: str, heading: str) -> set[str]:
+    """The `folder/` names in the first column of the table under `heading`."""
+    section = text.split(heading, 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"^\| `(\w+)/` \|", section, flags=re.M))
+
+
+def test_readme_and_the_guide_map_every_package_and_link_each_other() -> None:
+    import tomllib
+
+    setup = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    folders = {folder for package, folder in setup["package-dir"].items()
+               if package.count(".") == 1}
+    assert {"agent", "server", "client", "wire", "replay", "demo"} <= folders
+    readme = README.read_text()
+    guide = (ROOT / "docs" / "architecture.md").read_text()
+    assert _table_folders(readme, "## Pieces") == folders
+    assert _table_folders(guide, "## The rooms") == folders
+    assert "(docs/architecture.md)" in readme and "(../README.md)" in guide
