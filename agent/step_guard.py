@@ -35,10 +35,11 @@ import torch.distributed as dist
 
 from ampwatch.agent import guard as errors
 from ampwatch.agent.collectors.base import Collector
+from ampwatch.wire import GUARD_REASONS
 
 MODES = ("auto", "found_inf", "select", "sync")
-# reasons, most severe highest: a MAX all_reduce across ranks keeps the worst
-REASONS = {1: "loss_spike", 2: "nonfinite_grads", 3: "nonfinite_loss"}
+# reason codes, most severe highest: a MAX all_reduce across ranks keeps the worst
+REASONS = dict(enumerate(GUARD_REASONS, start=1))
 
 
 class GuardStop(RuntimeError):
