@@ -113,6 +113,7 @@ class StepGuard(Collector):
         self._hooked: Any = None
         self._handles: list[Any] = []
         self._armed: str | None = None  # how this step is being guarded
+        self._decided = False  # this step's decision is made (grads seen)
         self._backup: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._wrote = False
         self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
@@ -158,6 +159,9 @@ class StepGuard(Collector):
     def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
                  divisor: torch.Tensor | None, norms: torch.Tensor | None) -> None:
         self._grads = grads
+        if self._armed is not None and not self._decided:  # inside step(closure)
+            with torch.no_grad():
+                self._apply(self._hooked)
 
     def on_step_begin(self, step: int) -> None:
         optimizer = self.session.optimizer
@@ -233,15 +237,16 @@ class StepGuard(Collector):
             errors.report("step_guard.arm", exc)
 
     def _arm_step(self, optimizer: Any) -> None:
-        if not self.active or self._grads is None or self.session is None \
-                or not self.session.live:
-            return  # a step(closure) computes its grads later: not guarded
-        self._decide()
-        self._grads = None
-        params = [p for g in optimizer.param_groups for p in g["params"] if p.grad is not None]
+        if not self.active or self.session is None or not self.session.live:
+            return
+        self._code.zero_()
+        self._decided = False
+        taken = self._grads is not None  # else a step(closure): its grads come inside step()
+        params = [p for g in optimizer.param_groups for p in g["params"]
+                  if p.grad is not None or not taken]
         mode = self._mode(optimizer, params)
         if mode == "found_inf":
-            self._found_inf.copy_(self._code > 0)
+            self._found_inf.zero_()  # the optimizer reads it after any closure: set then
             optimizer.found_inf = self._found_inf
         elif mode == "select":
             state = optimizer.state
@@ -253,15 +258,29 @@ class StepGuard(Collector):
                 backup = (live, [torch.empty_like(t) for t in live])
             torch._foreach_copy_(backup[1], live)
             self._backup = backup
-        elif bool(self._code > 0):  # "sync": the one host read of the step
-            for p in params:
-                p.grad = None  # the grads dropped: the optimizer has nothing to apply
         self._armed = mode
+        if taken:
+            self._apply(optimizer)
+
+    def _apply(self, optimizer: Any) -> None:
+        """Decide, now that the step's grads are in, before the optimizer reads them."""
+        self._decided = True
+        self._decide()
+        self._grads = None
+        if self._armed == "found_inf":
+            self._found_inf.copy_(self._code > 0)
+        elif self._armed == "sync" and bool(self._code > 0):  # the one host read of the step
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    p.grad = None  # the grads dropped: the optimizer has nothing to apply
 
     def _disarm(self, optimizer: Any, args: tuple, kwargs: dict) -> None:
         """The optimizer's post-hook: undo a bad step (select), update the history."""
         mode, self._armed = self._armed, None
         if mode is None:
+            return
+        if not self._decided:  # a closure whose grads the agent did not see: not guarded
+            optimizer.__dict__.pop("found_inf", None)
             return
         try:
             with torch.no_grad():

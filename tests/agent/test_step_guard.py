@@ -184,3 +184,39 @@ def test_max_skips_stops_the_run_naming_step_layer_and_bundle(attach, offline: P
 def test_a_wrong_guard_option_raises(bad: Any) -> None:
     with pytest.raises(ValueError):
         GuardSettings.parse(bad)
+
+
+@pytest.mark.parametrize(("optimizer_name", "mode"),
+                         [("adam_fused", "found_inf"), ("adam_foreach", "select"),
+                          ("sgd_momentum", "sync")])
+def test_a_closure_step_is_guarded_too(attach, offline: Path, optimizer_name: str,
+                                       mode: str) -> None:
+    """`optimizer.step(closure)` (Lightning's path without a scaler): the grads come
+    inside step(), and the guard still decides before the optimizer reads them."""
+    data = poisoned("nan", {BAD})
+
+    def run(model: nn.Module, optimizer: Any, leave_out: int | None = None) -> None:
+        for i, (x, y) in enumerate(data):
+            def closure(x: torch.Tensor = x, y: torch.Tensor = y) -> torch.Tensor:
+                with torch.autocast("cpu", dtype=torch.bfloat16):
+                    loss = nn.functional.mse_loss(model(x).float(), y)
+                loss.backward()
+                return loss
+            if i == leave_out:
+                closure()
+            else:
+                optimizer.step(closure)
+            optimizer.zero_grad(set_to_none=True)
+
+    model = mlp()
+    optimizer = OPTIMIZERS[optimizer_name](model.parameters())
+    attachment = attach(model, guard={"mode": mode})
+    run(model, optimizer)
+    attachment.flush()
+    reference = mlp()
+    ref_opt = OPTIMIZERS[optimizer_name](reference.parameters())
+    run(reference, ref_opt, leave_out=BAD)
+    assert_same_state(model, optimizer, reference, ref_opt)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert [(s["step"], s["guarded"]) for s in steps if s["skipped"]] == [
+        (BAD, "nonfinite_loss")]
