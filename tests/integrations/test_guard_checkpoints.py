@@ -100,3 +100,33 @@ def test_lightning_callback_refuses_to_save_non_finite_weights(tmp_path: Path,
     with pytest.raises(NonFiniteWeights, match="step 4"):
         trainer.fit(TinyRegressor(), torch.utils.data.DataLoader(data, batch_size=8))
     assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["epoch=0-step=2.ckpt"]
+
+
+@pytest.mark.filterwarnings("ignore::lightning.fabric.utilities.warnings.PossibleUserWarning")
+@pytest.mark.filterwarnings("ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated")
+def test_lightning_bf16_under_the_guard_leaves_the_bad_step_out(offline: Path) -> None:
+    """bf16-mixed runs each step inside optimizer.step(closure): guarded there too."""
+    L = pytest.importorskip("lightning.pytorch")
+    from ampwatch.integrations.lightning import AmpwatchCallback
+    from tests.integrations.test_lightning import TinyRegressor
+
+    module = TinyRegressor()
+    calls = {"n": 0}
+
+    def poison(grad: torch.Tensor) -> torch.Tensor:
+        calls["n"] += 1
+        return grad * math.inf if calls["n"] == 3 else grad
+
+    module.net[2].weight.register_hook(poison)
+    gen = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 16, generator=gen),
+                                          torch.randn(48, 4, generator=gen))
+    trainer = L.Trainer(accelerator="cpu", devices=1, max_steps=6, precision="bf16-mixed",
+                        logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False, callbacks=[AmpwatchCallback(guard=True)])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    assert all(torch.isfinite(p).all() for p in module.parameters())
+    run_id = next(p.name for p in offline.iterdir())
+    steps = spooled_steps(offline, run_id)
+    assert [(s["step"], s["guarded"]) for s in steps if s["skipped"]] == [
+        (2, "nonfinite_grads")]  # the third step, numbered by Lightning's global_step
