@@ -117,6 +117,7 @@ class StepGuard(Collector):
         self._backup: tuple[list[torch.Tensor], list[torch.Tensor]] | None = None
         self._wrote = False
         self._pending: deque[tuple[int, torch.Tensor, Any]] = deque()
+        self._hosts: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ set-up
     def bind(self, session: Any) -> None:
@@ -310,7 +311,8 @@ class StepGuard(Collector):
         """The streak a step left, copied to the host without waiting (read once done)."""
         step = self.session.step
         if self._streak.device.type == "cuda":
-            host = torch.empty((), dtype=torch.int64, pin_memory=True)
+            host = (self._hosts.pop() if self._hosts
+                    else torch.empty((), dtype=torch.int64, pin_memory=True))
             host.copy_(self._streak, non_blocking=True)
             event = torch.cuda.Event()
             event.record()
@@ -323,8 +325,10 @@ class StepGuard(Collector):
         The one exception the agent raises into training on purpose."""
         limit = self.settings.max_skips
         while self._pending and (self._pending[0][2] is None or self._pending[0][2].query()):
-            step, host, _ = self._pending.popleft()
+            step, host, event = self._pending.popleft()
             streak = int(host)
+            if event is not None:
+                self._hosts.append(host)  # pinned buffers are reused, not allocated a step
             if limit is not None and streak >= limit:
                 self._pending.clear()
                 bundle = self.on_stop() if self.on_stop is not None else None
