@@ -25,6 +25,7 @@ from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
 from ampwatch.agent.session import CLOSE_FAILED, LoopWatch, StepItem
 from ampwatch.agent.settings import AgentSettings, make_run_id
+from ampwatch.agent.step_guard import GuardSettings, StepGuard, weights_finite
 from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
 from ampwatch.wire import (
     FINISHED_EVENT,
@@ -35,6 +36,7 @@ from ampwatch.wire import (
 )
 
 _live: weakref.WeakSet[Attachment] = weakref.WeakSet()
+_errors = guard  # inside attach(), `guard` is its step-guard parameter
 
 
 class Attachment:
@@ -54,6 +56,30 @@ class Attachment:
         self._describe = describe or {}
         self._detached = session is None
         self._lock = threading.Lock()
+        self.step_guard: StepGuard | None = None
+
+    @property
+    def healthy(self) -> bool:
+        """Whether the weights and optimizer state are safe to save: every parameter of
+        the model and every floating tensor of its optimizer's state is finite. Reads one
+        flag from the device (a sync): ask at checkpoint time, not per step. True when
+        detached or disabled (nothing watched to judge)."""
+        session = self._session
+        if self._detached or session is None:
+            return True
+        try:
+            return weights_finite(session.params, session.optimizer)
+        except Exception as exc:  # noqa: BLE001
+            guard.report("attachment.healthy", exc)
+            return True
+
+    def _guard_stopping(self) -> str | None:
+        """The step guard is about to stop the run: deliver what it has and name the
+        newest flight-recorder bundle."""
+        self.flush(timeout=10.0)
+        captured = self._recorder.captured if self._recorder is not None else []
+        files = [m.get("file") for m in captured if m.get("file")]
+        return files[-1] if files else None
 
     @property
     def run_id(self) -> str | None:
@@ -232,7 +258,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            sample_after_anomaly: int = 20, spool_dir: str | os.PathLike | None = None,
            offline: bool | None = None, flush_interval: float | None = None,
            max_batch_steps: int | None = None, resume: bool | None = None,
-           step: int | None = None, record: Any = True) -> Attachment:
+           step: int | None = None, record: Any = True, guard: Any = False) -> Attachment:
     """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
 
     The optimizer is found at its first step when not given (the first whose parameters
@@ -255,12 +281,18 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     delivers it like batches; "local" keeps bundles on this machine, False turns it off,
     a `RecordSettings` sets triggers and budget. Costs a reference to each step's batch
     held one step longer and a copy of the RNG state per step.
+
+    `guard`: the step guard (docs/guard.md), off by default. True, or a dict such as
+    `{"skip_spikes": 5, "max_skips": 20}`: without an enabled GradScaler, an optimizer
+    step whose loss or grads are not finite (or whose loss spikes) is left out exactly,
+    as GradScaler leaves one out; `max_skips` in a row raise `GuardStop`.
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative int, got {step!r}")
     run, resume = resolve_run(run, resume)
     check_labels(name, project, tags)
     record_settings = RecordSettings.parse(record)  # a caller's mistake raises
+    guard_settings = GuardSettings.parse(guard)
     if not enabled:
         return Attachment(run)
     try:
@@ -274,7 +306,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
             run_id_generated=generated or None, token=token)
     except Exception as exc:  # noqa: BLE001
-        guard.report("attach", exc)
+        _errors.report("attach", exc)
         return Attachment(run)
     refuse_reused_run(settings)  # the caller's mistake, not the agent's: it raises
     try:
@@ -284,6 +316,9 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         if fp8_layers:
             collectors.append(Fp8Collector(fp8_layers, layers))
         collectors.append(SpikeCollector(layers))
+        step_guard = None if guard_settings is None else StepGuard(guard_settings)
+        if step_guard is not None:
+            collectors.append(step_guard)  # after the others: its read marks the step skipped
         recorder = make_recorder(record_settings, settings)
         if recorder is not None:
             collectors.append(recorder)  # last: its worker-side read sees the whole record
@@ -295,7 +330,12 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
                                 describe_run(name, project, tags, config), recorder)
         if recorder is not None:
             recorder.connect(worker)
-        session.on_run_change = guard.guarded("attachment.run_change")(attachment._run_changed)
+        attachment.step_guard = step_guard
+        if step_guard is not None:
+            step_guard.on_stop = attachment._guard_stopping
+            step_guard.step_number = lambda n: (n if worker.explicit_steps
+                                                else n + worker.step_offset)
+        session.on_run_change = _errors.guarded("attachment.run_change")(attachment._run_changed)
         session.on_event = attachment.event
         if step is not None:
             worker.explicit_steps = True
@@ -304,9 +344,9 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         session.install()
         worker.start(body, attachment._decode, lambda: session.dropped_steps)
     except Exception as exc:  # noqa: BLE001
-        guard.report("attach", exc)
+        _errors.report("attach", exc)
         return Attachment(run)
-    guard.add_listener(attachment._on_error)
+    _errors.add_listener(attachment._on_error)
     _live.add(attachment)
     if step is not None and settings.resume:
         # a checkpoint restart: the server lets these steps supersede its stored copies

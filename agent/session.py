@@ -126,6 +126,8 @@ class LoopWatch:
         self._step_end_guarded = guard.guarded("session.step_end")(self._step_end)
         self.on_run_change: Callable[[], None] = lambda: None
         self.on_event: Callable[[str, dict[str, Any]], Any] = lambda kind, detail: None
+        # the step guard's stop check (agent/step_guard.py): it may raise, on purpose
+        self.after_step: Callable[[], None] | None = None
 
     def __deepcopy__(self, memo: dict) -> LoopWatch:
         """A deep copy of the watched model (an EMA copy, `AveragedModel`) copies its hooks,
@@ -516,6 +518,9 @@ class LoopWatch:
                 self._step_end(stepped=True)
         except Exception as exc:  # noqa: BLE001
             guard.report("session.optimizer_post", exc)
+            return
+        if self.after_step is not None and self.live and optimizer is self.optimizer:
+            self.after_step()
 
     # ------------------------------------------------------------------ scaler wrappers
     def _wrap_scale(self, original: Callable) -> Callable:

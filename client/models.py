@@ -135,6 +135,7 @@ class Step(Model):
     loss_scale: float | None = None
     scale_after: float | None = None
     skipped: bool | None = None
+    guarded: str | None = None
     grad_norm: float | None = None
     grad_norm_clipped: float | None = None
     loss: float | None = None

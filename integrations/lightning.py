@@ -10,6 +10,12 @@ is one optimizer step; Lightning unscales before `gradient_clip_val` clips, so n
 `clip_before_unscale`. Without a scaler Lightning runs the last micro-batch inside
 `optimizer.step(closure)`: the agent reads the grads after the closure. Costs what
 `attach` costs.
+
+It never saves non-finite weights: a checkpoint asked for while `attachment.healthy` is
+false (a parameter or optimizer state went inf/NaN) raises `NonFiniteWeights` before
+anything is written (Lightning has no way for a callback to call off one save), which
+ends `fit()`; the checkpoints already saved stay the good ones. Pass `guard=True` to leave
+bad steps out in the first place (docs/guard.md).
 """
 
 from __future__ import annotations
@@ -19,6 +25,10 @@ from typing import Any
 from lightning.pytorch import Callback
 
 from ampwatch import agent
+
+
+class NonFiniteWeights(RuntimeError):
+    """A checkpoint was about to be saved with inf/NaN weights or optimizer state."""
 
 
 class AmpwatchCallback(Callback):
@@ -50,6 +60,15 @@ class AmpwatchCallback(Callback):
                              batch_idx: int) -> None:
         if self.attachment is not None:
             self.attachment.step = trainer.global_step
+
+    def on_save_checkpoint(self, trainer: Any, pl_module: Any,
+                           checkpoint: dict[str, Any]) -> None:
+        if self.attachment is not None and not self.attachment.healthy:
+            raise NonFiniteWeights(
+                f"ampwatch: not saving a checkpoint at step {trainer.global_step}: the "
+                "weights or the optimizer state are not finite (inf/NaN reached them); the "
+                "checkpoints saved before are intact. attach's guard=True leaves such "
+                "steps out.")
 
     def on_train_end(self, trainer: Any, pl_module: Any) -> None:
         if self.attachment is not None:

@@ -7,16 +7,23 @@ On train begin it attaches to the trainer's model and the GradScaler of its Acce
 each step with the Trainer's `state.global_step` after that step (the step the Trainer's
 logs show); on train end it detaches. Works for fp16 (scaler), bf16 and fp32, with
 gradient accumulation: each record is one optimizer step. Costs what `attach` costs.
+
+It never saves non-finite weights: when the Trainer is about to save a checkpoint and
+`attachment.healthy` is false (a parameter or optimizer state went inf/NaN), the save is
+called off and a warning names the step; the last checkpoint saved stays the good one.
+Pass `guard=True` to leave bad steps out in the first place (docs/guard.md).
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from transformers import TrainerCallback
 
 from ampwatch import agent
 
+logger = logging.getLogger("ampwatch.integrations")
 
 class AmpwatchCallback(TrainerCallback):
     """Attach the ampwatch agent for the length of `trainer.train()`.
@@ -47,6 +54,14 @@ class AmpwatchCallback(TrainerCallback):
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.attachment is not None:
             self.attachment.step = state.global_step + 1  # the Trainer logs it after the step
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        # after the Trainer's own flow callback decided to save, before it saves
+        if control.should_save and self.attachment is not None \
+                and not self.attachment.healthy:
+            control.should_save = False
+            logger.warning("ampwatch: checkpoint at step %d not saved: the weights or the "
+                           "optimizer state are not finite", state.global_step)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         if self.attachment is not None:

@@ -37,6 +37,7 @@ from ampwatch.server.series import (
     MISSING,
     SCALAR_FIELDS,
     StepSeries,
+    guard_reason,
 )
 from ampwatch.server.spike_samples import SIGNALS, spike_matrix
 from ampwatch.server.storage import layer_rows, load_layers, load_ranks_series, load_series
@@ -85,6 +86,9 @@ def _step_rows(series: StepSeries, rank: int) -> list[dict]:
         else:
             col = encode_float_array(values, missing=~present)
         columns[name] = col
+        if name == "skipped":
+            columns["guarded"] = [guard_reason(v) if p else None
+                                  for v, p in zip(values.tolist(), present.tolist(), strict=True)]
     names = list(columns)
     return [
         {"rank": rank, **dict(zip(names, row, strict=True))}

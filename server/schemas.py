@@ -30,9 +30,10 @@ from ampwatch.server.fields import (
     text,
 )
 from ampwatch.server.series import DTYPES
-from ampwatch.wire import LABEL_MAX_CHARS
+from ampwatch.wire import GUARD_REASONS, LABEL_MAX_CHARS
 
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
+GuardReason = Literal[GUARD_REASONS]  # type: ignore[valid-type]
 Severity = Literal["info", "warning", "critical"]
 Health = Literal["healthy", "warning", "critical", "no_data"]  # no_data: no step stored yet
 # A float in an answer: a JSON number, or "NaN", "Infinity" or "-Infinity" (wire form)
@@ -234,6 +235,7 @@ class StepIn(Strict):
     loss_scale: WireFloat | None = None
     scale_after: WireFloat | None = None
     skipped: bool | None = None
+    guarded: GuardReason | None = None  # the step guard left the step out (skipped)
     grad_norm: WireFloat | None = None
     grad_norm_clipped: WireFloat | None = None
     loss: WireFloat | None = None
@@ -302,6 +304,7 @@ class StepPublic(BaseModel):
     loss_scale: WireNumber | None
     scale_after: WireNumber | None
     skipped: bool | None
+    guarded: str | None = None
     grad_norm: WireNumber | None
     grad_norm_clipped: WireNumber | None
     loss: WireNumber | None

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ampwatch.wire import GUARD_REASONS
+
 MISSING = np.float32(-1.0)
 
 # Order is the storage format (see Batch.format); append only, never reorder.
@@ -67,6 +69,16 @@ RAW_FORMAT = 1  # a batch row's packed columns as they are (`Batch.format`)
 COMPRESSED_FORMAT = 2  # the same, each compressed (server/codec.py): what is stored
 
 
+def guard_code(reason: str) -> int:
+    """A step guard reason's code (1..): stored in the skipped column as 1 + code."""
+    return GUARD_REASONS.index(reason) + 1
+
+
+def guard_reason(skipped_value: float) -> str | None:
+    code = int(skipped_value) - 1
+    return GUARD_REASONS[code - 1] if 1 <= code <= len(GUARD_REASONS) else None
+
+
 def dtype_name(code: int) -> str | None:
     return DTYPES[code] or None if 0 <= code < len(DTYPES) else None
 
@@ -113,6 +125,13 @@ class StepSeries:
     def skipped(self) -> np.ndarray:
         i = FIELD_INDEX["skipped"]
         return (self.scalars[:, i] != 0) & self.present[:, i]
+
+    @property
+    def guarded(self) -> np.ndarray:
+        """Per step, the step guard's reason code (0: not left out by the guard)."""
+        i = FIELD_INDEX["skipped"]
+        return np.where(self.present[:, i] & (self.scalars[:, i] > 1),
+                        self.scalars[:, i] - 1, 0).astype(np.int64)
 
     @classmethod
     def empty(cls, n_layers: int) -> StepSeries:

@@ -31,6 +31,7 @@ from ampwatch.server.series import (
     SCALAR_FIELDS,
     StepSeries,
     concat,
+    guard_code,
 )
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
@@ -79,6 +80,8 @@ def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
                 continue
             if name == "autocast_dtype":
                 v = DTYPE_CODE[v]
+            elif name == "skipped" and s.guarded is not None:
+                v = 1 + guard_code(s.guarded)  # still skipped; the value keeps the reason
             scalars[i, j] = float(v)
             present[i, j] = True
 

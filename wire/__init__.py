@@ -10,6 +10,7 @@ from ampwatch.wire.batch import (
     FINISHED_EVENT,
     FP8_ROLES,
     FP8_STATS,
+    GUARD_REASONS,
     RESTART_EVENT,
     SPEED_CHECK_EVENT,
 )
@@ -36,6 +37,7 @@ __all__ = [
     "FINISHED_EVENT",
     "FP8_ROLES",
     "FP8_STATS",
+    "GUARD_REASONS",
     "LABEL_MAX_CHARS",
     "LABEL_PATTERN",
     "NONFINITE_STRINGS",

@@ -8,6 +8,11 @@ FINISHED_EVENT = "finished"  # the agent's detach: the rank is done
 RESTART_EVENT = "restart"  # the agent resumed a run from an earlier step
 SPEED_CHECK_EVENT = "speed_check"  # detail: fp32_ms, amp_ms, speedup, dtype
 
+# A step's `guarded`: why the step guard (agent/step_guard.py) left it out; codes 1..3 in
+# this order, least severe first (ranks agree on the highest). The server keeps the code
+# in the `skipped` column as 1 + code (1 alone: skipped by a GradScaler).
+GUARD_REASONS = ("loss_spike", "nonfinite_grads", "nonfinite_loss")
+
 # An FP8 layer's statistics per step: one vector (one entry per layer) per role and stat.
 FP8_ROLES = ("input", "weight", "grad")
 FP8_STATS = ("amax", "scale", "rms", "saturated", "underflow")

@@ -289,6 +289,7 @@ def _incident(members: list[Any], key: tuple) -> Incident:
         # the remedy after "what happened: " (the headline already says what happened)
         fix = fix_for_cause(cause[0], layer, dtype).split(": ", 1)[-1]
         fix = fix[0].upper() + fix[1:] + "."
+    headline = _with_guard(headline, members)
     return Incident(
         id=min(_get(f, "id") for f in members), run_id=_get(lead, "run_id"),
         rank=_get(lead, "rank"), cause=cause[0] if cause else None, layer=layer,
@@ -297,6 +298,16 @@ def _incident(members: list[Any], key: tuple) -> Incident:
         headline=headline, fix=fix, findings=[_get(f, "id") for f in members],
         timeline=timeline,
     )
+
+
+def _with_guard(headline: str | None, members: list[Any]) -> str | None:
+    """The headline, with what the agent's step guard did about it (docs/guard.md)."""
+    left_out = sum(int((_get(f, "evidence") or {}).get("guarded_steps") or 0)
+                   for f in members)
+    if not left_out or headline is None:
+        return headline
+    return (f"{headline}; the ampwatch guard left out {left_out} "
+            f"step{'s' if left_out > 1 else ''}, so their updates never reached the weights")
 
 
 def _cause_name(members: list[Any], grouped: str) -> str:

@@ -92,12 +92,15 @@ def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
         return Detection(covers=covers)
     loc = window.loc
     skipped = series.skipped
-    benign = (loc.cause >= GRAD) & skipped & calibration_mask(series, run, settings)
+    # a step the agent's step guard left out is never a scaler calibrating
+    benign = ((loc.cause >= GRAD) & skipped & calibration_mask(series, run, settings)
+              & (series.guarded == 0))
     rows = np.flatnonzero(loc.nonfinite & ~benign)
     if not rows.size:
         return Detection(covers=covers)
 
     reached = ~skipped & loc.grad_nonfinite
+    guarded = series.guarded
     grads_known = series.has("grad_norm")
     absorbed = ((loc.cause == FORWARD) & ~skipped & ~loc.grad_nonfinite & grads_known
                 & ~loc.loss_nonfinite)
@@ -122,7 +125,11 @@ def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
         steps = series.steps[g_rows]
         severity = _severity(group, reached[g_rows])
         fix = fix_for_cause(GROUPS[group], name, dtype)
-        if severity == "info":
+        left_out = int((guarded[g_rows] > 0).sum())
+        if left_out:
+            fix = (f"the ampwatch guard left out {left_out} of these steps, so their inf/NaN "
+                   f"never reached the weights or the optimizer state; {fix}")
+        elif severity == "info":
             fix = (f"GradScaler skipped these steps, which is harmless when rare; if they "
                    f"recur, {fix}")
         elif severity == "critical":
@@ -153,6 +160,7 @@ def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
                 "input_nonfinite": bool(loc.input_nonfinite[g_rows].any()),
                 "forward_observed": bool(loc.forward_observed[g_rows].all()),
                 "skipped_steps": int(skipped[g_rows].sum()),
+                "guarded_steps": left_out,
                 "applied_nonfinite_steps": int(reached[g_rows].sum()),
                 "steps": recent_steps(steps, settings.evidence_steps),
             },

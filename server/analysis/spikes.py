@@ -51,13 +51,15 @@ def detect_spikes(window: Window, settings: AnalysisSettings) -> Detection:
     grad_norm = series.column("grad_norm")
     labelled = [(spike, label_spike(spike, signals, series.steps, grad_norm, settings))
                 for spike in spikes]
-    drafts = [_spike_draft(spike, cause, run) for spike, cause in labelled]
+    guarded = series.steps[series.guarded > 0]  # steps the agent's step guard left out
+    drafts = [_spike_draft(spike, cause, run, guarded) for spike, cause in labelled]
     drafts += _precursors(signals, run, settings, labelled)
     drafts += _optimizer_states(signals, run, settings, labelled)
     return Detection(drafts=drafts, covers=("spike_precursor:", "optimizer_state:"))
 
 
-def _spike_draft(spike: Spike, cause: Cause, run: RunContext) -> FindingDraft:
+def _spike_draft(spike: Spike, cause: Cause, run: RunContext,
+                 guarded: np.ndarray) -> FindingDraft:
     layer = None if cause.layer is None else run.layer_name(cause.layer)
     lead = None if cause.precursor_step is None else spike.start - cause.precursor_step
     back = (f"back under it at step {spike.recovered_at}" if spike.recovered_at is not None
@@ -69,12 +71,18 @@ def _spike_draft(spike: Spike, cause: Cause, run: RunContext) -> FindingDraft:
                f"of {spike.median:.4g} ({spike.size:.0f} spreads, {spike.ratio:.2f}x), {back}. "
                f"Likely cause: {CAUSE_WORDS[cause.label]}{where}{since}. "
                f"Fix: {FIXES[cause.label]}.")
+    left_out = guarded[(guarded >= spike.start) & (guarded <= spike.end)].tolist()
+    if left_out:
+        message += (f" The ampwatch guard left out step{'s' if len(left_out) > 1 else ''} "
+                    f"{', '.join(map(str, left_out))}: their updates never reached the "
+                    "weights or the optimizer state.")
     evidence = {"cause": SPIKE_CAUSE, "label": cause.label, "spike_step": spike.start,
                 "end_step": spike.end,
                 "peak_step": spike.peak_step, "peak": spike.peak, "median": spike.median,
                 "spread": spike.spread, "size_spreads": spike.size, "ratio": spike.ratio,
                 "recovered_at": spike.recovered_at, "precursor_step": cause.precursor_step,
-                "lead_steps": lead, "fix": FIXES[cause.label], **cause.evidence}
+                "lead_steps": lead, "fix": FIXES[cause.label], "guarded_steps": len(left_out),
+                **cause.evidence}
     return FindingDraft(kind=FindingKind.LOSS_SPIKE, code=cause.label,
                         key=f"{FindingKind.LOSS_SPIKE}:{spike.start}",
                         severity="warning", message=message, step=spike.start,
