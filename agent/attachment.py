@@ -20,11 +20,14 @@ from ampwatch.agent.distributed import shared_run_id
 from ampwatch.agent.environment import describe_run, distributed_rank, environment, run_body
 from ampwatch.agent.fp8 import find_fp8_layers
 from ampwatch.agent.layers import discover_layers
+from ampwatch.agent.mirror import Mirror, resolve_trackers
+from ampwatch.agent.mirror.incidents import IncidentWatch
 from ampwatch.agent.record_triggers import RecordSettings
 from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
 from ampwatch.agent.session import CLOSE_FAILED, LoopWatch, StepItem
 from ampwatch.agent.settings import AgentSettings, make_run_id
+from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
 from ampwatch.wire import (
     FINISHED_EVENT,
@@ -90,7 +93,8 @@ class Attachment:
             self._session.log_loss(loss)
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Hand over the last step, spool everything and try to deliver it.
+        """Hand over the last step, spool everything and try to deliver it; with `mirror`,
+        also write it into the trackers and tell them the run's incidents as they stand.
 
         Blocks the caller up to `timeout` seconds (it waits for the worker); True when
         nothing is left undelivered (offline: when everything is in the spool).
@@ -101,7 +105,10 @@ class Attachment:
         try:
             self._session.close_pending()
             bundled = self._flush_bundles(deadline)
-            return self._worker.flush(_left(deadline)) and bundled
+            delivered = self._worker.flush(_left(deadline)) and bundled
+            if self._worker.mirror is not None:
+                self._worker.mirror.sync(_left(deadline))
+            return delivered
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.flush", exc)
             return False
@@ -126,6 +133,8 @@ class Attachment:
             # the server then shows the run finished at once, not after `live_seconds`
             worker.submit(EventMessage({"step": None, "kind": FINISHED_EVENT, "detail": {}}))
             delivered = worker.stop(_left(deadline)) and bundled
+            if worker.mirror is not None:  # after the worker: it has every record now
+                worker.mirror.close(_left(deadline))
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.detach", exc)
         guard.remove_listener(self._on_error)
@@ -232,7 +241,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            sample_after_anomaly: int = 20, spool_dir: str | os.PathLike | None = None,
            offline: bool | None = None, flush_interval: float | None = None,
            max_batch_steps: int | None = None, resume: bool | None = None,
-           step: int | None = None, record: Any = True) -> Attachment:
+           step: int | None = None, record: Any = True, mirror: Any = None) -> Attachment:
     """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
 
     The optimizer is found at its first step when not given (the first whose parameters
@@ -255,6 +264,12 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     delivers it like batches; "local" keeps bundles on this machine, False turns it off,
     a `RecordSettings` sets triggers and budget. Costs a reference to each step's batch
     held one step longer and a copy of the RNG state per step.
+
+    `mirror` (default `AMPWATCH_MIRROR`, comma separated): trackers that also get the
+    per-step signals under `ampwatch/` and the run's incidents (docs/trackers.md): a
+    `SummaryWriter`, a wandb run or "wandb" (the active one), "mlflow" (the active run),
+    "tensorboard:<dir>", or a list. Written from the agent's threads, never the training
+    thread; a tracker that fails, hangs or is not installed is logged once and left out.
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -289,6 +304,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             collectors.append(recorder)  # last: its worker-side read sees the whole record
         # in order: the worker, the session that hands it steps, the handle over both
         worker = Worker(settings)
+        worker.mirror = make_mirror(mirror, settings)
         session = LoopWatch(model, scaler, optimizer, layers, collectors, sink=worker.submit,
                             settings=settings)
         attachment = Attachment(settings.run_id, session, worker,
@@ -312,6 +328,17 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         # a checkpoint restart: the server lets these steps supersede its stored copies
         attachment.event(RESTART_EVENT, {})
     return attachment
+
+
+def make_mirror(mirror: Any, settings: AgentSettings) -> Mirror | None:
+    """The mirror into the trackers `mirror` names (None: none named or none available);
+    online, it also reads the run's incidents from the server."""
+    trackers = resolve_trackers(mirror)
+    if not trackers:
+        return None
+    watch = None if settings.offline else IncidentWatch(
+        Sender(settings.server, settings.token), settings.server, settings.run_id)
+    return Mirror(trackers, watch)
 
 
 def _detach_all_at_exit() -> None:
