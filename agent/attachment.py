@@ -93,8 +93,7 @@ class Attachment:
             self._session.log_loss(loss)
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Hand over the last step, spool everything and try to deliver it; with `mirror`,
-        also write it into the trackers and tell them the run's incidents as they stand.
+        """Hand over the last step, spool everything and try to deliver it.
 
         Blocks the caller up to `timeout` seconds (it waits for the worker); True when
         nothing is left undelivered (offline: when everything is in the spool).
@@ -105,10 +104,7 @@ class Attachment:
         try:
             self._session.close_pending()
             bundled = self._flush_bundles(deadline)
-            delivered = self._worker.flush(_left(deadline)) and bundled
-            if self._worker.mirror is not None:
-                self._worker.mirror.sync(_left(deadline))
-            return delivered
+            return self._worker.flush(_left(deadline)) and bundled
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.flush", exc)
             return False
@@ -133,7 +129,9 @@ class Attachment:
             # the server then shows the run finished at once, not after `live_seconds`
             worker.submit(EventMessage({"step": None, "kind": FINISHED_EVENT, "detail": {}}))
             delivered = worker.stop(_left(deadline)) and bundled
-            if worker.mirror is not None:  # after the worker: it has every record now
+            # after the worker: the mirror has every record now; a hung tracker costs this
+            # call its timeout, never more
+            if worker.mirror is not None:
                 worker.mirror.close(_left(deadline))
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.detach", exc)

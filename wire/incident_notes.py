@@ -24,12 +24,12 @@ class IncidentNote:
 
     @classmethod
     def from_incident(cls, incident: dict[str, Any], change: str, link: str,
-                      bundle: str | None) -> IncidentNote:
+                      bundle: str | None, message: str | None = None) -> IncidentNote:
         """From the API's incident JSON; an incident without a headline (one finding of
-        no known cause) is told by its first timeline entry."""
+        no known cause) is told by its finding's `message`, else its first timeline entry."""
         timeline = incident.get("timeline") or []
-        headline = incident.get("headline") or (timeline[0]["what"] if timeline else
-                                                str(incident.get("cause") or "finding"))
+        headline = incident.get("headline") or message or (
+            timeline[0]["what"] if timeline else str(incident.get("cause") or "finding"))
         return cls(id=int(incident["id"]), change=change, status=incident["status"],
                    severity=incident["severity"], headline=headline,
                    layer=incident.get("layer"), step=incident.get("step"),

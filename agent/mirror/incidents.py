@@ -34,13 +34,16 @@ class IncidentWatch:
                 changed.append((incident, change))
         if not changed:
             return []
-        bundles = self._bundles()
+        bundles = self._list("bundles")
+        messages = {} if all(i.get("headline") for i, _ in changed) else {
+            f["id"]: f.get("message") for f in self._list("findings?limit=500")}
         notes = []
         for incident, change in sorted(changed, key=lambda pair: pair[0]["id"]):
             self._seen[incident["id"]] = (incident["status"], incident["severity"])
+            first = (incident.get("findings") or [None])[0]
             notes.append(IncidentNote.from_incident(
                 incident, change, f"{self.server}/runs/{self.run_id}",
-                bundle_for(incident, bundles)))
+                bundle_for(incident, bundles), messages.get(first)))
         return notes
 
     def _change(self, incident: dict[str, Any]) -> str | None:
@@ -54,8 +57,8 @@ class IncidentWatch:
             return "escalated"
         return None
 
-    def _bundles(self) -> list[dict[str, Any]]:
-        reply = self.sender.get_json(f"/api/v1/runs/{self.run_id}/bundles", self.TIMEOUT_S)
+    def _list(self, resource: str) -> list[dict[str, Any]]:
+        reply = self.sender.get_json(f"/api/v1/runs/{self.run_id}/{resource}", self.TIMEOUT_S)
         if reply.outcome is not Outcome.OK or not isinstance(reply.body, dict):
             return []
         return reply.body.get("items", [])

@@ -91,6 +91,8 @@ class Mirror:
         self._stop.set()
         self._poll_now.set()
         self._thread.join(max(0.05, deadline - time.monotonic()))
+        if self.watch is not None and not self._thread.is_alive():
+            self.watch.sender.close()
         closed = [lane.close(max(0.05, deadline - time.monotonic())) for lane in self.lanes]
         return synced and all(closed)
 

@@ -105,7 +105,7 @@ class MlflowTracker:
 class WandbTracker:
     """A W&B run: scalars against their own x-axis `ampwatch/step` (W&B refuses a `step=`
     below the run's current one, and the trainer logs its own steps), each incident as a
-    `run.alert` and the summary keys `ampwatch/incident/<id>` and
+    `run.alert` (warning and critical ones) and the summary keys `ampwatch/incident/<id>` and
     `ampwatch/open_incidents`."""
 
     name = "wandb"
@@ -138,9 +138,10 @@ class WandbTracker:
             self._open.discard(note.id)
         self.run.summary[f"ampwatch/incident/{note.id}"] = note.as_dict()
         self.run.summary["ampwatch/open_incidents"] = len(self._open)
-        level = {"critical": wandb.AlertLevel.ERROR, "warning": wandb.AlertLevel.WARN}.get(
-            note.severity, wandb.AlertLevel.INFO) if note.status == "open" \
-            else wandb.AlertLevel.INFO
+        if note.severity == "info":
+            return  # a note, not a problem: the summary holds it, an alert would be noise
+        level = wandb.AlertLevel.INFO if note.status != "open" else (
+            wandb.AlertLevel.ERROR if note.severity == "critical" else wandb.AlertLevel.WARN)
         self.run.alert(title=note.title(), text=note.markdown(), level=level, wait_duration=0)
 
     def close(self) -> None:
