@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from ampwatch.wire.bundles import bundle_name
+
 CHANGES = ("opened", "escalated", "resolved", "reopened")
 
 
@@ -55,3 +57,14 @@ class IncidentNote:
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def bundle_for(incident: dict[str, Any], bundles: list[dict[str, Any]]) -> str | None:
+    """The name of the bundle of the incident's rank recorded nearest after its first step
+    (within its steps), None when there is none."""
+    first, last = incident.get("step"), incident.get("last_step")
+    if first is None:
+        return None
+    steps = [b["step"] for b in bundles if b.get("rank") == incident.get("rank")
+             and b["step"] >= first and (last is None or b["step"] <= last)]
+    return bundle_name(min(steps)) if steps else None

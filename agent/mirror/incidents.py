@@ -7,8 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampwatch.agent.transport.sender import Outcome, Sender
-from ampwatch.wire.bundles import bundle_name
-from ampwatch.wire.incident_notes import IncidentNote
+from ampwatch.wire.incident_notes import IncidentNote, bundle_for
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
@@ -63,13 +62,3 @@ class IncidentWatch:
             return []
         return reply.body.get("items", [])
 
-
-def bundle_for(incident: dict[str, Any], bundles: list[dict[str, Any]]) -> str | None:
-    """The name of the bundle of the incident's rank recorded nearest after its first step
-    (within its steps), None when there is none."""
-    first, last = incident.get("step"), incident.get("last_step")
-    if first is None:
-        return None
-    steps = [b["step"] for b in bundles if b.get("rank") == incident.get("rank")
-             and b["step"] >= first and (last is None or b["step"] <= last)]
-    return bundle_name(min(steps)) if steps else None

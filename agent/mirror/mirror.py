@@ -20,9 +20,10 @@ from typing import Any
 from ampwatch.agent import guard
 from ampwatch.agent.mirror.incidents import IncidentWatch
 from ampwatch.agent.mirror.lanes import Lane
-from ampwatch.agent.mirror.trackers import Row, Tracker, tracker_for
+from ampwatch.agent.mirror.trackers import tracker_for
 from ampwatch.wire.incident_notes import IncidentNote
 from ampwatch.wire.mirror import step_scalars
+from ampwatch.wire.trackers import Row, Tracker
 
 logger = logging.getLogger("ampwatch.agent.mirror")
 ENV = "AMPWATCH_MIRROR"

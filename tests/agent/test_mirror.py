@@ -110,7 +110,7 @@ def mirrored(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> It
         patch.setenv("WANDB_DIR", str(folder))
         patch.setenv("AMPWATCH_SPOOL_DIR", str(folder / "spool"))
         uri = f"sqlite:///{folder / 'mlflow.db'}"
-        mlflow.set_tracking_uri(uri)
+        patch.setenv("MLFLOW_TRACKING_URI", uri)
         mlflow_run = mlflow.start_run()
         wandb_run = wandb.init(project="ampwatch-mirror", dir=str(folder))
         writer = SummaryWriter(str(folder / "tb"))
@@ -121,7 +121,6 @@ def mirrored(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> It
             writer.close()
             wandb_run.finish()
             mlflow.end_run()
-            mlflow.set_tracking_uri("")
     (wandb_file,) = folder.glob("wandb/offline-run-*/run-*.wandb")
     yield Truth(attachment.run_id, skipped, folder, wandb_file, mlflow_run.info.run_id, uri)
 
@@ -155,13 +154,16 @@ def read_wandb(path: Path) -> dict[str, dict[int, float]]:
     return scalars
 
 
-def server_truth(server: LiveServer, run_id: str) -> dict[str, dict[int, float]]:
-    """What the server stored, per step, as the values the trackers should hold."""
+def server_truth(server: LiveServer, run_id: str, nan_logits: bool = True
+                 ) -> dict[str, dict[int, float]]:
+    """What the server stored, per step, as the values the trackers should hold. The
+    API's logit matrix leaves NaN samples out; `nan_logits`: the poisoned steps' NaN that
+    the agent saw (and the mirror wrote) is expected all the same."""
     with Client(server.url) as client:
-        return _server_truth(client, run_id)
+        return _server_truth(client, run_id, nan_logits)
 
 
-def _server_truth(client: Client, run_id: str) -> dict[str, dict[int, float]]:
+def _server_truth(client: Client, run_id: str, nan_logits: bool) -> dict[str, dict[int, float]]:
     expected: dict[str, dict[int, float]] = {f"ampwatch/{n}": {} for n in SCALARS + SAMPLED}
     for s in client.steps(run_id):
         expected["ampwatch/loss_scale"][s.step] = s.loss_scale
@@ -183,7 +185,7 @@ def _server_truth(client: Client, run_id: str) -> dict[str, dict[int, float]]:
             if column:
                 bad = [v for v in column if not math.isfinite(v)]
                 expected[f"ampwatch/{metric}_max"][step] = bad[0] if bad else max(column)
-            elif step in POISONED:  # the matrix leaves NaN samples out: the poison's NaN
+            elif step in POISONED and nan_logits:
                 expected[f"ampwatch/{metric}_max"][step] = math.nan
     return {name: values for name, values in expected.items() if values}
 
@@ -311,3 +313,30 @@ def test_a_hung_tracker_costs_detach_its_timeout_and_nothing_else(
     with Client(server.url) as client:
         assert len(client.steps(attachment.run_id)) == 12
     assert any("mlflow did not finish" in r.getMessage() for r in caplog.records)
+
+
+def test_export_writes_a_finished_run_as_the_mirror_did(
+        server: LiveServer, mirrored: Truth, incident: dict, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
+    """`ampwatch export RUN --to tensorboard DIR` and `--to mlflow`, from the server alone
+    (so without the NaN logits its API leaves out)."""
+    from ampwatch.client.cli import main
+
+    expected = server_truth(server, mirrored.run_id, nan_logits=False)
+    base = ["export", mirrored.run_id, "--server", server.url, "--json"]
+    assert main([*base, "--to", "tensorboard", str(tmp_path / "tb")]) == 0
+    scalars, texts = read_tensorboard(tmp_path / "tb")
+    assert_equal(scalars, expected, rel=1e-6)
+    assert_told(texts[incident["step"]], incident)
+
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    capsys.readouterr()
+    assert main([*base, "--to", "mlflow"]) == 0
+    told = json.loads(capsys.readouterr().out)
+    assert told["steps"] == STEPS and told["incidents"] >= 1
+    exported = Truth(mlflow_run=told["where"], mlflow_uri=uri)
+    got, tags, _ = read_mlflow(exported)
+    assert_equal(got, expected, rel=1e-12)
+    assert incident["headline"] in tags[f"ampwatch.incident.{incident['id']}"]
+    assert tags["ampwatch.run_id"] == mirrored.run_id
