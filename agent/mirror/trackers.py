@@ -15,7 +15,7 @@ from ampwatch.wire.trackers import (
 
 def tracker_for(spec: Any) -> Tracker:
     """The tracker a `mirror=` entry names: "tensorboard:<dir>", "wandb", "mlflow", a
-    SummaryWriter or a wandb run. ValueError for anything else."""
+    SummaryWriter, a wandb run, an MLflow run or a Tracker. ValueError for anything else."""
     if isinstance(spec, str):
         name, _, where = spec.strip().partition(":")
         if name == "wandb":
@@ -31,6 +31,10 @@ def tracker_for(spec: Any) -> Tracker:
         return TensorBoardTracker(spec)
     if hasattr(spec, "log") and hasattr(spec, "define_metric") and hasattr(spec, "summary"):
         return WandbTracker(spec)
+    if hasattr(getattr(spec, "info", None), "run_id"):  # an mlflow.entities.Run
+        import mlflow
+
+        return MlflowTracker(spec.info.run_id, mlflow.get_tracking_uri())
     if all(hasattr(spec, m) for m in ("write_scalars", "write_incident", "close", "name")):
         return spec  # already a Tracker
     raise ValueError(f"cannot mirror into {type(spec).__name__}: pass a SummaryWriter, "
