@@ -340,3 +340,15 @@ def test_export_writes_a_finished_run_as_the_mirror_did(
     assert_equal(got, expected, rel=1e-12)
     assert incident["headline"] in tags[f"ampwatch.incident.{incident['id']}"]
     assert tags["ampwatch.run_id"] == mirrored.run_id
+
+
+def test_ampwatch_mirror_names_the_trackers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                            ) -> None:
+    """`AMPWATCH_MIRROR=tensorboard:<dir>`, offline: the scalars of every step, no server."""
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    monkeypatch.setenv("AMPWATCH_MIRROR", f"tensorboard:{tmp_path / 'tb'}")
+    attachment, skipped = train("http://127.0.0.1:9", None, steps=8, poisoned=range(3, 4))
+    assert attachment.detach(timeout=10)
+    scalars, _ = read_tensorboard(tmp_path / "tb")
+    assert set(scalars["ampwatch/loss_scale"]) == set(range(8))
+    assert {s for s, v in scalars["ampwatch/skipped"].items() if v} == skipped == {3}
