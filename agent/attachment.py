@@ -20,12 +20,15 @@ from ampwatch.agent.distributed import shared_run_id
 from ampwatch.agent.environment import describe_run, distributed_rank, environment, run_body
 from ampwatch.agent.fp8 import find_fp8_layers
 from ampwatch.agent.layers import discover_layers
+from ampwatch.agent.mirror import Mirror, resolve_trackers
+from ampwatch.agent.mirror.incidents import IncidentWatch
 from ampwatch.agent.record_triggers import RecordSettings
 from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
 from ampwatch.agent.session import CLOSE_FAILED, LoopWatch, StepItem
 from ampwatch.agent.settings import AgentSettings, make_run_id
 from ampwatch.agent.step_guard import GuardSettings, StepGuard, weights_finite
+from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
 from ampwatch.wire import (
     FINISHED_EVENT,
@@ -152,6 +155,10 @@ class Attachment:
             # the server then shows the run finished at once, not after `live_seconds`
             worker.submit(EventMessage({"step": None, "kind": FINISHED_EVENT, "detail": {}}))
             delivered = worker.stop(_left(deadline)) and bundled
+            # after the worker: the mirror has every record now; a hung tracker costs this
+            # call its timeout, never more
+            if worker.mirror is not None:
+                worker.mirror.close(_left(deadline))
         except Exception as exc:  # noqa: BLE001
             guard.report("attachment.detach", exc)
         guard.remove_listener(self._on_error)
@@ -258,7 +265,8 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            sample_after_anomaly: int = 20, spool_dir: str | os.PathLike | None = None,
            offline: bool | None = None, flush_interval: float | None = None,
            max_batch_steps: int | None = None, resume: bool | None = None,
-           step: int | None = None, record: Any = True, guard: Any = False) -> Attachment:
+           step: int | None = None, record: Any = True, guard: Any = False,
+           mirror: Any = None) -> Attachment:
     """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
 
     The optimizer is found at its first step when not given (the first whose parameters
@@ -286,6 +294,11 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     `{"skip_spikes": 5, "max_skips": 20}`: without an enabled GradScaler, an optimizer
     step whose loss or grads are not finite (or whose loss spikes) is left out exactly,
     as GradScaler leaves one out; `max_skips` in a row raise `GuardStop`.
+    `mirror` (default `AMPWATCH_MIRROR`, comma separated): trackers that also get the
+    per-step signals under `ampwatch/` and the run's incidents (docs/trackers.md): a
+    `SummaryWriter`, a wandb run or "wandb" (the active one), "mlflow" (the active run),
+    "tensorboard:<dir>", or a list. Written from the agent's threads, never the training
+    thread; a tracker that fails, hangs or is not installed is logged once and left out.
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -324,6 +337,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             collectors.append(recorder)  # last: its worker-side read sees the whole record
         # in order: the worker, the session that hands it steps, the handle over both
         worker = Worker(settings)
+        worker.mirror = make_mirror(mirror, settings)
         session = LoopWatch(model, scaler, optimizer, layers, collectors, sink=worker.submit,
                             settings=settings)
         attachment = Attachment(settings.run_id, session, worker,
@@ -352,6 +366,17 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         # a checkpoint restart: the server lets these steps supersede its stored copies
         attachment.event(RESTART_EVENT, {})
     return attachment
+
+
+def make_mirror(mirror: Any, settings: AgentSettings) -> Mirror | None:
+    """The mirror into the trackers `mirror` names (None: none named or none available);
+    online, it also reads the run's incidents from the server."""
+    trackers = resolve_trackers(mirror)
+    if not trackers:
+        return None
+    watch = None if settings.offline else IncidentWatch(
+        Sender(settings.server, settings.token), settings.server, settings.run_id)
+    return Mirror(trackers, watch)
 
 
 def _detach_all_at_exit() -> None:

@@ -13,8 +13,14 @@ from typing import Any
 from ampwatch import agent
 
 
-def attach_accelerator(accelerator: Any, model: Any, **attach_kwargs: Any) -> agent.Attachment:
+def attach_accelerator(accelerator: Any, model: Any, *, mirror: Any = None,
+                       **attach_kwargs: Any) -> agent.Attachment:
     """`agent.attach` on the model `accelerator.prepare()` returned, unwrapped, with the
-    accelerator's GradScaler (None for bf16 and fp32). Same keyword arguments as attach."""
+    accelerator's GradScaler (None for bf16 and fp32). Same keyword arguments as attach;
+    `mirror=True` mirrors into the accelerator's trackers (`log_with`, after
+    `init_trackers`; docs/trackers.md)."""
+    if mirror is True:
+        mirror = [t.tracker for t in accelerator.trackers
+                  if t.name in ("tensorboard", "wandb", "mlflow")]
     return agent.attach(accelerator.unwrap_model(model), getattr(accelerator, "scaler", None),
-                        **attach_kwargs)
+                        mirror=mirror, **attach_kwargs)

@@ -8,8 +8,9 @@ each step with `trainer.global_step` as the step begins (the step Lightning logs
 batch's metrics at); on train end it detaches. With `accumulate_grad_batches` each record
 is one optimizer step; Lightning unscales before `gradient_clip_val` clips, so no false
 `clip_before_unscale`. Without a scaler Lightning runs the last micro-batch inside
-`optimizer.step(closure)`: the agent reads the grads after the closure. Costs what
-`attach` costs.
+`optimizer.step(closure)`: the agent reads the grads after the closure. `mirror=True`
+mirrors into the trainer's own loggers (TensorBoardLogger, WandbLogger, MLFlowLogger;
+docs/trackers.md). Costs what `attach` costs.
 
 It never saves non-finite weights: a checkpoint asked for while `attachment.healthy` is
 false (a parameter or optimizer state went inf/NaN) raises `NonFiniteWeights` before
@@ -39,9 +40,11 @@ class AmpwatchCallback(Callback):
     """
 
     def __init__(self, *, server: str | None = None, run: str | None = None,
-                 project: str | None = None, **attach_kwargs: Any) -> None:
+                 project: str | None = None, mirror: Any = None,
+                 **attach_kwargs: Any) -> None:
         self.attach_kwargs = {"server": server, "run": run, "project": project,
                               **attach_kwargs}
+        self.mirror = mirror
         self.attachment: agent.Attachment | None = None
 
     def on_train_start(self, trainer: Any, pl_module: Any) -> None:
@@ -54,7 +57,8 @@ class AmpwatchCallback(Callback):
         optimizers = trainer.optimizers
         self.attachment = agent.attach(
             pl_module, scaler, optimizer=optimizers[0] if len(optimizers) == 1 else None,
-            step=trainer.global_step, **kwargs)
+            step=trainer.global_step,
+            mirror=logger_trackers(trainer) if self.mirror is True else self.mirror, **kwargs)
 
     def on_train_batch_start(self, trainer: Any, pl_module: Any, batch: Any,
                              batch_idx: int) -> None:
@@ -74,3 +78,17 @@ class AmpwatchCallback(Callback):
         if self.attachment is not None:
             self.attachment.detach()
             self.attachment = None
+
+
+def logger_trackers(trainer: Any) -> list[Any]:
+    """The `mirror=` entries of the trainer's loggers: a TensorBoardLogger's SummaryWriter,
+    a WandbLogger's run, an MLFlowLogger's run (by id, in its tracking URI)."""
+    from ampwatch.agent.mirror import MlflowTracker
+
+    trackers: list[Any] = []
+    for logger in trainer.loggers:
+        if hasattr(logger, "run_id") and hasattr(logger, "_tracking_uri"):  # MLFlowLogger
+            trackers.append(MlflowTracker(logger.run_id, logger._tracking_uri))
+        elif type(logger).__name__ in ("TensorBoardLogger", "WandbLogger"):
+            trackers.append(logger.experiment)
+    return trackers

@@ -5,8 +5,12 @@
 On train begin it attaches to the trainer's model and the GradScaler of its Accelerator
 (reached through the prepared optimizer), names the run after `args.run_name`, and numbers
 each step with the Trainer's `state.global_step` after that step (the step the Trainer's
-logs show); on train end it detaches. Works for fp16 (scaler), bf16 and fp32, with
-gradient accumulation: each record is one optimizer step. Costs what `attach` costs.
+logs show); on train end it detaches. `mirror=True` mirrors into the trackers `report_to`
+names (docs/trackers.md): the active W&B and MLflow runs the Trainer's own callbacks
+started, and TensorBoard event files in `$TENSORBOARD_LOGGING_DIR` (the Trainer's own
+TensorBoard run, when set) or else `<output_dir>/runs/ampwatch`. Works for fp16 (scaler),
+bf16 and fp32, with gradient accumulation: each record is one optimizer step. Costs what
+`attach` costs.
 
 It never saves non-finite weights: when the Trainer is about to save a checkpoint and
 `attachment.healthy` is false (a parameter or optimizer state went inf/NaN), the save is
@@ -17,6 +21,7 @@ Pass `guard=True` to leave bad steps out in the first place (docs/guard.md).
 from __future__ import annotations
 
 import logging
+import os
 from typing import Any
 
 from transformers import TrainerCallback
@@ -33,9 +38,11 @@ class AmpwatchCallback(TrainerCallback):
     """
 
     def __init__(self, *, server: str | None = None, run: str | None = None,
-                 project: str | None = None, **attach_kwargs: Any) -> None:
+                 project: str | None = None, mirror: Any = None,
+                 **attach_kwargs: Any) -> None:
         self.attach_kwargs = {"server": server, "run": run, "project": project,
                               **attach_kwargs}
+        self.mirror = mirror
         self.attachment: agent.Attachment | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None,
@@ -48,7 +55,8 @@ class AmpwatchCallback(TrainerCallback):
         # accelerate's prepared optimizer holds the scaler and the torch optimizer
         scaler = getattr(optimizer, "scaler", None)
         inner = getattr(optimizer, "optimizer", optimizer)
-        self.attachment = agent.attach(model, scaler, optimizer=inner,
+        mirror = report_to_trackers(args) if self.mirror is True else self.mirror
+        self.attachment = agent.attach(model, scaler, optimizer=inner, mirror=mirror,
                                        step=state.global_step + 1, **kwargs)
 
     def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
@@ -67,3 +75,14 @@ class AmpwatchCallback(TrainerCallback):
         if self.attachment is not None:
             self.attachment.detach()
             self.attachment = None
+
+
+def report_to_trackers(args: Any) -> list[str]:
+    """The `mirror=` entries of the trackers the Trainer reports to (`args.report_to`)."""
+    report_to = args.report_to if isinstance(args.report_to, list) else [args.report_to]
+    trackers = [name for name in ("wandb", "mlflow") if name in report_to]
+    if "tensorboard" in report_to:
+        folder = os.getenv("TENSORBOARD_LOGGING_DIR") or os.path.join(
+            args.output_dir, "runs", "ampwatch")
+        trackers.append(f"tensorboard:{folder}")
+    return trackers

@@ -115,6 +115,18 @@ class Sender:
         """POST a batch: a dict, or its JSON already encoded (bytes)."""
         return self._send("POST", f"/api/v1/runs/{run_id}/batches", batch, limit, compress=True)
 
+    def get_json(self, url: str, limit: float | None = None) -> Response:
+        """GET a JSON resource of the API (the mirror reads its run's incidents)."""
+        try:
+            reply = self._client.get(url, timeout=self._timeout(limit))
+        except httpx.HTTPError:
+            return Response(Outcome.RETRY)
+        try:
+            parsed = reply.json()
+        except ValueError:
+            parsed = None
+        return Response(classify(reply.status_code), parsed, reply.status_code)
+
     def put_bundle(self, run_id: str, rank: int, step: int, path: Any) -> Response:
         """PUT a flight-recorder bundle file, streamed from disk (a minute per 64 MiB at
         the slowest before it counts as failed)."""

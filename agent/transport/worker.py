@@ -27,6 +27,7 @@ from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.spool import Spool
 
 if TYPE_CHECKING:
+    from ampwatch.agent.mirror import Mirror
     from ampwatch.agent.session import StepItem
 
 
@@ -92,6 +93,7 @@ class Worker:
         self._failed_seen = 0  # failed_steps at the previous flush
         self.step_offset = 0  # added to this process's step numbers (see _open)
         self.explicit_steps = False  # the loop numbers the steps itself: no offset
+        self.mirror: Mirror | None = None  # trackers that get each decoded record too
 
     # ------------------------------------------------------------------ any thread
     def submit(self, item: StepItem | EventMessage | RunMessage | FlushMessage | StopMessage
@@ -227,6 +229,8 @@ class Worker:
                 self._note_pending()
                 self._steps.append(json.dumps(record, allow_nan=False))
                 self._last_step = record["step"]
+                if self.mirror is not None:
+                    self.mirror.submit(record)
 
     def _note_pending(self) -> None:
         if not self._steps and not self._events:

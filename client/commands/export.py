@@ -1,4 +1,5 @@
-"""`ampwatch export RUN --format csv|jsonl|parquet --out FILE`."""
+"""`ampwatch export RUN --format csv|jsonl|parquet --out FILE`, and
+`ampwatch export RUN --to tensorboard DIR | mlflow [MLFLOW_RUN]` (docs/trackers.md)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from ampwatch.client import export
+from ampwatch.client import export, tracker_export
 from ampwatch.client.commands import BadUsage, connect, print_json
 
 
@@ -17,8 +18,13 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
                     "and, on sampled steps, its activation stats. Parquet needs the "
                     "ampwatch[parquet] extra (pyarrow).")
     parser.add_argument("run", metavar="RUN", help="run id")
-    parser.add_argument("--out", "-o", type=Path, required=True, metavar="FILE",
+    parser.add_argument("--out", "-o", type=Path, metavar="FILE",
                         help="the file to write (replaced if it exists)")
+    parser.add_argument("--to", nargs="+", metavar=("TRACKER", "WHERE"),
+                        help="instead of a file, into a tracker: 'tensorboard DIR' (event "
+                             "files), or 'mlflow [RUN_ID]' (a new MLflow run in "
+                             "MLFLOW_TRACKING_URI, or that one): the ampwatch/ scalars and "
+                             "incidents the agent's mirror writes (ampwatch[trackers])")
     parser.add_argument("--format", "-f", choices=export.FORMATS,
                         help="default: from the file's suffix (.csv, .jsonl, .parquet)")
     parser.add_argument("--rank", type=int, help="only this rank (default: all)")
@@ -29,6 +35,10 @@ def register(commands: argparse._SubParsersAction, common: argparse.ArgumentPars
 
 
 def export_run(args: argparse.Namespace) -> int:
+    if args.to:
+        return export_to_tracker(args)
+    if args.out is None:
+        raise BadUsage("say where: --out FILE, or --to tensorboard DIR | mlflow")
     try:
         fmt = export.format_for(args.out, args.format)
     except ValueError as exc:
@@ -56,4 +66,28 @@ def export_run(args: argparse.Namespace) -> int:
     else:
         print(f"wrote {len(table.rows)} rows x {len(table.columns)} columns of run "
               f"{args.run} to {args.out} ({fmt})")
+    return 0
+
+
+def export_to_tracker(args: argparse.Namespace) -> int:
+    target, *where = args.to
+    if target not in tracker_export.TARGETS or len(where) > 1:
+        raise BadUsage("--to tensorboard DIR, or --to mlflow [RUN_ID]")
+    if args.out is not None:
+        raise BadUsage("--to writes into a tracker: leave out --out")
+    tracker_export.check_target_available(target)
+    with connect(args) as client:
+        client.run(args.run)  # fail on an unknown run before writing anything
+        try:
+            out = tracker_export.tracker(target, where[0] if where else None, args.run)
+        except ValueError as exc:
+            raise BadUsage(str(exc)) from None
+        steps, incidents = tracker_export.export(client, args.run, out, rank=args.rank or 0)
+    where_to = getattr(out, "run_id", None) or (where[0] if where else "")
+    if args.json:
+        print_json({"run_id": args.run, "to": target, "where": where_to, "steps": steps,
+                    "incidents": incidents})
+    else:
+        print(f"wrote {steps} steps and {incidents} incidents of run {args.run} to "
+              f"{target} {where_to}")
     return 0

@@ -7,6 +7,7 @@ unscaling, before clipping), the scale there, whether the parameters moved."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -69,16 +70,17 @@ class Truth(L.Callback):
                 torch.equal(a, b) for a, b in zip(before, pl_module.parameters(), strict=True))
 
 
-def fit(precision: dict, accumulate: int, steps: int = 4) -> tuple[TinyRegressor, Truth]:
+def fit(precision: dict, accumulate: int, steps: int = 4, logger: Any = False,
+        callback: AmpwatchCallback | None = None) -> tuple[TinyRegressor, Truth]:
     gen = torch.Generator().manual_seed(1)
     data = torch.utils.data.TensorDataset(torch.randn(64, 16, generator=gen),
                                           torch.randn(64, 4, generator=gen))
     module, truth = TinyRegressor(), Truth()
     trainer = L.Trainer(
         accelerator="cpu", devices=1, max_steps=steps, accumulate_grad_batches=accumulate,
-        gradient_clip_val=1.0, logger=False, enable_checkpointing=False,
+        gradient_clip_val=1.0, logger=logger, enable_checkpointing=False,
         enable_progress_bar=False, enable_model_summary=False,
-        callbacks=[AmpwatchCallback(), truth], **precision)
+        callbacks=[callback or AmpwatchCallback(), truth], **precision)
     trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
     return module, truth
 
@@ -114,3 +116,27 @@ def test_fp16_through_the_cpu_scaler_plugin(offline: Path) -> None:
     steps = check(offline, module, truth, 2, "float16")
     assert [s["loss_scale"] for s in steps] == [t["scale"] for t in truth.steps]
     assert any(t["skipped"] for t in truth.steps)  # the huge initial scale overflowed
+
+
+def test_mirror_true_writes_into_the_trainers_tensorboard_logger(offline: Path,
+                                                                tmp_path: Path) -> None:
+    """`AmpwatchCallback(mirror=True)`: ampwatch/ scalars in the TensorBoardLogger's own
+    run, at Lightning's global steps, equal to what the test's hooks saw."""
+    pytest.importorskip("tensorboard")
+    from lightning.pytorch.loggers import TensorBoardLogger
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    logger = TensorBoardLogger(str(tmp_path), name="tiny")
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**24, growth_interval=1)
+    plugin = MixedPrecision("16-mixed", "cpu", scaler=scaler)
+    _, truth = fit({"plugins": [plugin]}, accumulate=2, logger=logger,
+                   callback=AmpwatchCallback(mirror=True))
+    events = EventAccumulator(logger.log_dir)
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)}
+               for tag in events.Tags()["scalars"] if tag.startswith("ampwatch/")}
+    assert scalars["ampwatch/loss_scale"] == {t["step"]: t["scale"] for t in truth.steps}
+    assert scalars["ampwatch/skipped"] == {t["step"]: float(t["skipped"]) for t in truth.steps}
+    assert any(t["skipped"] for t in truth.steps)
+    for t in truth.steps:
+        assert same(scalars["ampwatch/grad_norm"][t["step"]], t["grad_norm"], rel=1e-6)

@@ -36,8 +36,8 @@ def train(tmp_path: Path, *callbacks: transformers.TrainerCallback, **args
         output_dir=str(tmp_path / "out"), run_name="tiny-gpt2",
         use_cpu=not args.get("fp16"),  # fp16=True means a GPU with a GradScaler
         per_device_train_batch_size=4, max_steps=6, learning_rate=1e-3, logging_steps=1,
-        report_to="none", save_strategy="no", max_grad_norm=1.0, seed=0,
-        dataloader_num_workers=0, disable_tqdm=True, **args)
+        save_strategy="no", max_grad_norm=1.0, seed=0, dataloader_num_workers=0,
+        disable_tqdm=True, **{"report_to": "none", **args})
     trainer = transformers.Trainer(model=tiny_gpt2(), args=arguments,
                                    train_dataset=token_data(48), callbacks=list(callbacks))
     trainer.train()
@@ -100,3 +100,23 @@ def test_fp16_trainer_scale_and_skips_match_the_scaler(tmp_path: Path, offline: 
         assert record["loss_scale"] == truth[record["step"]][0]
         assert record["skipped"] is truth[record["step"]][1]
         assert record["autocast_dtype"] == "float16"
+
+
+def test_mirror_true_writes_beside_the_trainers_own_tensorboard_scalars(
+        tmp_path: Path, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`report_to="tensorboard"` and `AmpwatchCallback(mirror=True)`: ampwatch/grad_norm in
+    the Trainer's own TensorBoard run, at its steps, equal to its own train/grad_norm."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    monkeypatch.setenv("TENSORBOARD_LOGGING_DIR", str(tmp_path / "tb"))
+    train(tmp_path, AmpwatchCallback(mirror=True), bf16=True, report_to="tensorboard")
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = {tag: {e.step: e.value for e in events.Scalars(tag)}
+               for tag in events.Tags()["scalars"]}
+    assert set(scalars["ampwatch/grad_norm"]) == set(scalars["train/grad_norm"]) == set(
+        range(1, 7))
+    for step, norm in scalars["train/grad_norm"].items():
+        assert scalars["ampwatch/grad_norm"][step] == pytest.approx(norm, rel=1e-5)
+    assert scalars["ampwatch/skipped"] == dict.fromkeys(range(1, 7), 0.0)
