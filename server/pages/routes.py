@@ -35,6 +35,8 @@ from ampwatch.server.schemas import MAX_STEP, Health
 STATIC = FilePath(__file__).parent / "static"
 PLOTLY_JS = FilePath(plotly.__file__).parent / "package_data" / "plotly.min.js"
 LIVE_POLL_MS = 3000
+# a run gone quiet (an eval, a checkpoint, a killed process) is asked less often: it may resume
+QUIET_POLL_MS = 10_000
 
 router = APIRouter(include_in_schema=False)
 router.include_router(auth.router)
@@ -104,9 +106,23 @@ def _error_words(problem: object) -> str:
     return str(problem)
 
 
-def _update(live: bool, figures: dict, panels: dict[str, str]) -> Response:
-    body = {"live": live, "figures": {k: f.to_plotly_json() for k, f in figures.items()},
-            "panels": panels}
+def poll_ms(run: dict) -> int | None:
+    """How often a page of `run` asks for news: often while it reports, has not sent its
+    first batch yet or has findings being judged; less often once it went quiet (it may
+    resume); never once it finished (detached) and its analysis is done."""
+    waiting = run["last_seen_at"] is None and not run["finished"]
+    if run["live"] or waiting or run.get("analysis_pending"):
+        return LIVE_POLL_MS
+    return None if run["finished"] else QUIET_POLL_MS
+
+
+def _soonest(polls: list[int | None]) -> int | None:
+    return min((p for p in polls if p is not None), default=None)
+
+
+def _update(poll: int | None, figures: dict, panels: dict[str, str]) -> Response:
+    body = {"live": poll is not None, "poll_ms": poll,
+            "figures": {k: f.to_plotly_json() for k, f in figures.items()}, "panels": panels}
     return Response(to_json_plotly(body), media_type="application/json")
 
 
@@ -144,13 +160,12 @@ def _run_tab(request: Request, output: str, template: str, tab: str, figures: di
     panels = {"run-stats": render_fragment("_run_stats.html", **context),
               "run-status": render_fragment("_run_status.html", **context)}
     panels |= {panel: render_fragment(name, **context) for panel, name in fragments.items()}
-    # a page whose findings are still being judged polls until they are in
-    live = context["run"]["live"] or context["run"]["analysis_pending"] > 0
+    poll = poll_ms(context["run"])
     if output == "update":
-        return _update(live, figures, panels)
+        return _update(poll, figures, panels)
     return render_page(request, template, tab=tab, panels=panels, charts=list(figures),
-                       figures=figures, live_url=_live_url(request) if live else None,
-                       poll_ms=LIVE_POLL_MS, **context)
+                       figures=figures, live_url=_live_url(request) if poll else None,
+                       poll_ms=poll, **context)
 
 
 @pages.get("/", response_class=HTMLResponse)
@@ -172,12 +187,13 @@ def runs_page(
     filters = {"project": project or "", "name": name or "", "status": status or ""}
     context = {"twin": twin, "filters": filters,
                "page_query": {k: v for k, v in filters.items() if v}}
-    any_live = any(run["live"] for run in twin["items"])
+    # the list always polls: a new run may appear at any time
+    poll = _soonest([QUIET_POLL_MS, *(poll_ms(run) for run in twin["items"])])
     if output == "update":
-        return _update(any_live, {}, {"runs-table": render_fragment("_runs_table.html",
-                                                                    **context)})
-    return render_page(request, "runs.html", live_url=_live_url(request) if any_live else None,
-                       poll_ms=LIVE_POLL_MS, **context)
+        return _update(poll, {}, {"runs-table": render_fragment("_runs_table.html",
+                                                                **context)})
+    return render_page(request, "runs.html", live_url=_live_url(request), poll_ms=poll,
+                       **context)
 
 
 def _rank(value: str | None) -> int | None:
@@ -326,9 +342,9 @@ def compare_page(
         return WireJSONResponse(twin)
     lines = views.compare_lines(twin)
     figures = views.compare_figures(twin, lines) if twin["runs"] else {}
-    live = any(r["live"] for r in twin["runs"])
+    poll = _soonest([poll_ms(r) for r in twin["runs"]])
     if output == "update":
-        return _update(live, figures, {})
+        return _update(poll, figures, {})
     recent = views.runs_twin(session, settings, project=None, name=None, status=None,
                              offset=0)["items"]
     n = len(twin["runs"])
@@ -336,8 +352,8 @@ def compare_page(
                        notes=views.coinciding(lines),
                        dashes=[DASHES[i % len(DASHES)] for i in range(n)],
                        colours=[colour(i) for i in range(n)],
-                       figures=figures, live_url=_live_url(request) if live else None,
-                       poll_ms=LIVE_POLL_MS)
+                       figures=figures, live_url=_live_url(request) if poll else None,
+                       poll_ms=poll)
 
 
 router.include_router(pages)

@@ -136,7 +136,7 @@ def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     # what a run cannot have is left out (a bf16 run has no loss scale, a CPU run no
     # device memory); the loss scale leads where there is one: fp16's first signal
     if has_scaler(twin["run"], lines):
-        charts = {"loss_scale": scale_chart.loss_scale_figure(lines), **charts}
+        charts = {"loss_scale": scale_chart.loss_scale_figure(lines, scaler=True), **charts}
     if any(line.finite("peak_mem_bytes").any() for line in lines):
         charts["memory"] = figures.peak_memory_figure(lines)
     span = figures.step_span(lines)

@@ -196,8 +196,10 @@
           draw(update.figures || {}, true);
           swapPanels(update.panels || {});
           document.body.dataset.updatedAt = String(Date.now());
-          if (update.live) {
-            window.setTimeout(tick, interval);
+          // the server says how soon to ask again: sooner while the run reports,
+          // later once it went quiet (it may resume), never once it finished
+          if (update.poll_ms) {
+            window.setTimeout(tick, update.poll_ms);
           }
         })
         .catch(function () {
