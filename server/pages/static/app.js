@@ -3,10 +3,18 @@
 (function () {
   "use strict";
 
+  // Nothing on a chart may send its data off the machine: no "Share chart" (an upload
+  // to Chart Studio), no "Edit in Chart Studio", no link to plot.ly. Fewer buttons also
+  // means fewer Tab stops before the tables.
   var PLOT_CONFIG = {
     displaylogo: false,
     responsive: true,
-    modeBarButtonsToRemove: ["lasso2d", "select2d", "autoScale2d"],
+    showSendToCloud: false,
+    showEditInChartStudio: false,
+    showLink: false,
+    modeBarButtonsToRemove: ["lasso2d", "select2d", "autoScale2d", "sendDataToCloud",
+      "editInChartStudio", "zoomIn2d", "zoomOut2d", "toggleSpikelines",
+      "hoverClosestCartesian", "hoverCompareCartesian"],
   };
 
   function draw(figures, update) {
