@@ -198,36 +198,28 @@ async def error_response(send: Send, status: int, detail: str | list[dict],
 
 
 class SameOriginPolicyMiddleware:
-    """Adds a Content-Security-Policy that allows only this server to every response:
-    the dashboard's pages run no inline code (their figures travel as JSON data) and may
-    send nothing elsewhere; `paths` (/docs and /redoc) also allow inline code, data:
-    images and blob: workers, which Swagger UI and ReDoc use. The bundled ReDoc
-    hard-codes a logo from cdn.redoc.ly: with this policy the browser never requests it,
-    so no page sends anything outside, air-gapped or not."""
+    """Adds a Content-Security-Policy that allows only this server (plus inline code,
+    data: images and blob: workers, which Swagger UI and ReDoc use) to the responses of
+    `paths`. The bundled ReDoc hard-codes a logo from cdn.redoc.ly: with this policy the
+    browser never requests it, so /docs and /redoc send nothing outside, air-gapped or not."""
 
     POLICY = (b"default-src 'self'; img-src 'self' data:; style-src 'self' 'unsafe-inline'; "
               b"script-src 'self' 'unsafe-inline'; worker-src 'self' blob:; "
               b"font-src 'self' data:; connect-src 'self'")
-    # plotly.js sets inline styles and draws no image from elsewhere; exports are data: URLs
-    PAGE_POLICY = (b"default-src 'self'; script-src 'self'; style-src 'self' 'unsafe-inline'; "
-                   b"img-src 'self' data: blob:; font-src 'self' data:; connect-src 'self'; "
-                   b"object-src 'none'; base-uri 'none'; form-action 'self'; "
-                   b"frame-ancestors 'none'")
 
     def __init__(self, app: ASGIApp, paths: tuple[str, ...]) -> None:
         self.app = app
         self.paths = paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"] not in self.paths:
             await self.app(scope, receive, send)
             return
-        policy = self.POLICY if scope["path"] in self.paths else self.PAGE_POLICY
 
         async def send_with_policy(message: Message) -> None:
             if message["type"] == "http.response.start":
                 headers = list(message.get("headers", []))
-                headers.append((b"content-security-policy", policy))
+                headers.append((b"content-security-policy", self.POLICY))
                 message = {**message, "headers": headers}
             await send(message)
 
