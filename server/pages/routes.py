@@ -12,6 +12,7 @@ from urllib.parse import urlencode
 
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from plotly.io.json import to_json_plotly
 
@@ -48,6 +49,19 @@ Start = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 End = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 Mark = Annotated[int | None, Query(ge=0, le=MAX_STEP,
                                    description="a step to draw a line at on every chart")]
+
+
+def step_range(start: Start = None, end: End = None) -> views.StepRange:
+    """?start= and ?end=, the second not before the first (a reversed range is a typo,
+    not an empty page)."""
+    if start is not None and end is not None and end < start:
+        raise RequestValidationError([{
+            "type": "value_error", "loc": ("query", "end"), "input": end,
+            "msg": f"the range ends ({end}) before it starts ({start})"}])
+    return views.StepRange(start, end)
+
+
+StepsQuery = Annotated[views.StepRange, Depends(step_range)]
 
 
 @cache
@@ -210,23 +224,22 @@ def run_page(
     run_id: RunIdPath,
     session: SessionDep,
     settings: SettingsDep,
+    steps: StepsQuery,
     rank: RankChoice = None,
-    start: Start = None,
-    end: End = None,
     mark: Mark = None,
     output: Format = "html",
 ) -> Response:
     """A run's overview: scaler, grad norm, loss, lr, timings, memory and findings."""
     try:
         twin = views.overview_twin(session, settings, run_id, rank=_rank(rank),
-                                   steps=views.StepRange(start, end))
+                                   steps=steps)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
     figures = views.overview_figures(twin, mark)
     context = {"twin": twin, "run": twin["run"], "cards": cards.incident_panel(twin),
-               "start": start, "end": end}
+               "start": steps.start, "end": steps.end}
     return _run_tab(request, output, "run.html", "overview", figures, context,
                     {"findings": "_findings.html", "steps-footer": "_steps_footer.html",
                      **({"ranks-panel": "_ranks_panel.html"} if twin["ranks"] else {})})
@@ -238,9 +251,8 @@ def layers_page(
     run_id: RunIdPath,
     session: SessionDep,
     settings: SettingsDep,
+    steps: StepsQuery,
     rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
-    start: Start = None,
-    end: End = None,
     page: Annotated[int, Query(ge=1, le=1_000_000, description="a page of "
                                f"{views.LAYERS_PER_PAGE} layers in forward order")] = 1,
     mark: Mark = None,
@@ -250,13 +262,13 @@ def layers_page(
     layers at a time (a run may have tens of thousands)."""
     try:
         twin = views.layers_twin(session, settings, run_id, rank=rank,
-                                 steps=views.StepRange(start, end), page=page)
+                                 steps=steps, page=page)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
     figures = views.layers_figures(twin, mark)
-    context = {"twin": twin, "run": twin["run"], "start": start, "end": end,
+    context = {"twin": twin, "run": twin["run"], "start": steps.start, "end": steps.end,
                "paging": twin["page"], "page_href": partial(_page_href, request),
                "misaligned": views.misaligned_rows(twin),
                "precision": views.precision_rows(twin)}
@@ -271,9 +283,8 @@ def layer_page(
     index: Annotated[int, Path(ge=0, le=1_000_000)],
     session: SessionDep,
     settings: SettingsDep,
+    steps: StepsQuery,
     rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
-    start: Start = None,
-    end: End = None,
     mark: Mark = None,
     output: Format = "html",
 ) -> Response:
@@ -281,13 +292,13 @@ def layer_page(
     zero grad elements, and the findings that name it."""
     try:
         twin = layer.layer_twin(session, settings, run_id, index, rank=rank,
-                                steps=views.StepRange(start, end))
+                                steps=steps)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
     figures = {name: mark_step(fig, mark) for name, fig in layer.layer_figures(twin).items()}
-    context = {"twin": twin, "run": twin["run"], "start": start, "end": end}
+    context = {"twin": twin, "run": twin["run"], "start": steps.start, "end": steps.end}
     return _run_tab(request, output, "layer.html", "layers", figures, context,
                     {"layer-findings": "_layer_findings.html"})
 
@@ -298,20 +309,19 @@ def fp8_page(
     run_id: RunIdPath,
     session: SessionDep,
     settings: SettingsDep,
+    steps: StepsQuery,
     rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
-    start: Start = None,
-    end: End = None,
     output: Format = "html",
 ) -> Response:
     """FP8 layers: shares of elements saturated and flushed to zero, recipes and scales."""
     try:
         twin = fp8.fp8_page_twin(session, settings, run_id, rank=rank,
-                                 steps=views.StepRange(start, end))
+                                 steps=steps)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
-    context = {"twin": twin, "run": twin["run"], "start": start, "end": end}
+    context = {"twin": twin, "run": twin["run"], "start": steps.start, "end": steps.end}
     return _run_tab(request, output, "fp8.html", "fp8", fp8.fp8_figures(twin), context,
                     {"fp8-layers": "_fp8_layers.html"})
 

@@ -137,3 +137,42 @@ def test_a_killed_training_process_is_told_apart_from_a_finished_run(
     assert row.locator(".stopped").inner_text() == "stopped reporting"
     assert f"last step {run['last_step']:,}" in row.locator(".stopped").get_attribute("title")
     browser.assert_clean()
+
+
+def test_a_zoom_is_kept_across_live_updates_and_in_the_link(quick_browser, quick_server):
+    browser = quick_browser
+    trainer = Trainer(quick_server.url, "zoomed-run", "zoomed run", Net(seed=7, norm=False))
+    try:
+        trainer.train(40).flush()
+        browser.goto("/runs/zoomed-run")
+        browser.wait_for_plots("loss", "grad_norm", "loss_scale")
+        box = browser.page.locator("#fig-loss .nsewdrag").bounding_box()
+        mouse = browser.page.mouse
+        # a box zoom dragged by hand over the middle of the loss chart
+        mouse.move(box["x"] + box["width"] * 0.3, box["y"] + box["height"] * 0.2)
+        mouse.down()
+        mouse.move(box["x"] + box["width"] * 0.5, box["y"] + box["height"] * 0.6, steps=8)
+        mouse.up()
+        zoom = browser.page.evaluate("""() => {
+            const el = document.getElementById('fig-loss');
+            return {x: el.layout.xaxis.range.slice(), y: el.layout.yaxis.range.slice()};
+        }""")
+        assert 5 < zoom["x"][0] < zoom["x"][1] < 30, zoom
+        expect(browser.page).to_have_url(
+            f"{browser.base_url}/runs/zoomed-run?start={int(zoom['x'][0])}"
+            f"&end={-int(-zoom['x'][1] // 1)}", timeout=5_000)
+
+        trainer.train(30).flush()
+        expect(browser.page.locator("#stat-last-step")).to_have_text("69", timeout=15_000)
+        assert max(browser.x_values("grad_norm")) == 69  # the new steps are drawn
+        ranges = browser.page.evaluate("""() => Array.from(document.querySelectorAll('.plot'))
+            .map(el => [el.id, el.layout.xaxis.range.slice()])""")
+        for name, x_range in ranges:
+            assert x_range == pytest.approx(zoom["x"]), name
+        y_range = browser.page.evaluate(
+            "document.getElementById('fig-loss').layout.yaxis.range.slice()")
+        assert y_range == pytest.approx(zoom["y"])
+        browser.shoot("zoom-kept")
+    finally:
+        trainer.close()
+    browser.assert_clean()
