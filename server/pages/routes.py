@@ -359,7 +359,7 @@ def compare_page(
                              offset=0)["items"]
     n = len(twin["runs"])
     return render_page(request, "compare.html", twin=twin, run_ids=run_ids, recent=recent,
-                       notes=views.coinciding(lines),
+                       notes=views.coinciding(lines), loss_log=views.wide_losses(lines),
                        dashes=[DASHES[i % len(DASHES)] for i in range(n)],
                        colours=[colour(i) for i in range(n)],
                        figures=figures, live_url=_live_url(request) if poll else None,

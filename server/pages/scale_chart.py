@@ -75,6 +75,14 @@ def _spans(fig: Figure, spans: list[tuple[int, int]], low: float, high: float, *
     )
 
 
+def scale_words(scales: np.ndarray) -> list[str]:
+    """Each scale as the stats tile writes it: '2^16' for a power of two (GradScaler's
+    scales are), else its value."""
+    exponents = np.log2(scales)
+    return [f"2^{int(e)}" if e == int(e) else f"{v:.6g}"
+            for v, e in zip(scales.tolist(), exponents.tolist(), strict=True)]
+
+
 def loss_scale_figure(lines: list[StepColumns], *, scaler: bool = False) -> Figure:
     """Loss scale on a log2 axis (ticks at whole powers of two), skipped steps shaded as
     spans (hovering one names its run and its first and last step); the x axis spans
@@ -99,7 +107,7 @@ def loss_scale_figure(lines: list[StepColumns], *, scaler: bool = False) -> Figu
             fig.add_scatter(
                 x=line.steps[ok], y=log_scale[ok], customdata=scale[ok], mode="lines",
                 line={"color": colour(i), "width": 1.6, "shape": "hv"}, name=label(line.label),
-                hovertemplate="scale %{customdata:.6g}",
+                text=scale_words(scale[ok]), hovertemplate="scale %{text}",
             )
         drawn.append((i, line, fallen))
     if not drawn:

@@ -415,6 +415,16 @@ def _same_line(a: StepColumns, b: StepColumns, names: tuple[str, ...]) -> bool:
                for n in names)
 
 
+def wide_losses(lines: list[StepColumns], ratio: float = 100.0) -> bool:
+    """Whether the runs' typical losses (medians) lie `ratio` or more apart, all positive:
+    on a linear axis the largest would flatten the others (compare then opens on log)."""
+    medians = [float(np.median(line.values["loss"][line.finite("loss")]))
+               for line in lines if line.finite("loss").any()]
+    positive = all(line.values["loss"][line.finite("loss")].min() > 0
+                   for line in lines if line.finite("loss").any())
+    return len(medians) > 1 and positive and max(medians) >= ratio * min(medians)
+
+
 def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:
     """The compare charts over one shared step range, each run in its own dash style."""
     # a run without a GradScaler skips no step by design: no flat line at 0% for it
