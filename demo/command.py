@@ -53,7 +53,9 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "re-run: the runs of earlier demos are kept, and each re-run adds four "
                     "new ones (ids ending in -2, -3, ...).")
     demo.add_argument("--server", metavar="URL",
-                      help="use this running server instead of starting one")
+                      help="use this running server instead of starting one (default "
+                           "$AMPWATCH_SERVER when set and neither --port nor --database-url "
+                           "is given)")
     demo.add_argument("--port", type=int,
                       help=f"port of the server the demo starts (default {DEFAULT_PORT}; "
                            "without --port and --database-url a server already healthy "
@@ -167,8 +169,12 @@ def _server(args: argparse.Namespace, workdir: Path, stack: contextlib.ExitStack
             env: dict[str, str]) -> tuple[str, ServerProcess | None]:
     """The base URL to use and the server process the demo started with `env` (None when
     it uses a running one)."""
-    if args.server:
-        url = args.server.rstrip("/")
+    # like every other command, $AMPWATCH_SERVER names the server, unless the demo is
+    # told to start its own (--port, --database-url)
+    server = args.server or (os.environ.get("AMPWATCH_SERVER")
+                             if args.port is None and args.database_url is None else None)
+    if server:
+        url = server.rstrip("/")
         if not healthy(url):
             raise DemoFailed(f"no ampwatch server answers at {url}")
         print(f"ampwatch demo: using the server at {url}", flush=True)

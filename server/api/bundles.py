@@ -138,3 +138,8 @@ def download_bundle(run_id: RunIdPath, rank: Rank, step: Step, session: SessionD
     """The bundle file (`ampwatch replay` reads it)."""
     _, path = get_bundle(session, settings, run_id, rank, step)
     return FileResponse(path, media_type="application/zip", filename=path.name)
+
+
+# HEAD answers what GET would (size, type, name) without the body: download managers and
+# `curl -I` ask before fetching a large bundle
+router.head("/{run_id}/bundles/{rank}/{step}", include_in_schema=False)(download_bundle)

@@ -12,6 +12,7 @@ from urllib.parse import urlencode
 
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from plotly.io.json import to_json_plotly
 
@@ -35,6 +36,8 @@ from ampwatch.server.schemas import MAX_STEP, Health
 STATIC = FilePath(__file__).parent / "static"
 PLOTLY_JS = FilePath(plotly.__file__).parent / "package_data" / "plotly.min.js"
 LIVE_POLL_MS = 3000
+# a run gone quiet (an eval, a checkpoint, a killed process) is asked less often: it may resume
+QUIET_POLL_MS = 10_000
 
 router = APIRouter(include_in_schema=False)
 router.include_router(auth.router)
@@ -46,6 +49,19 @@ Start = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 End = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 Mark = Annotated[int | None, Query(ge=0, le=MAX_STEP,
                                    description="a step to draw a line at on every chart")]
+
+
+def step_range(start: Start = None, end: End = None) -> views.StepRange:
+    """?start= and ?end=, the second not before the first (a reversed range is a typo,
+    not an empty page)."""
+    if start is not None and end is not None and end < start:
+        raise RequestValidationError([{
+            "type": "value_error", "loc": ("query", "end"), "input": end,
+            "msg": f"the range ends ({end}) before it starts ({start})"}])
+    return views.StepRange(start, end)
+
+
+StepsQuery = Annotated[views.StepRange, Depends(step_range)]
 
 
 @cache
@@ -104,9 +120,23 @@ def _error_words(problem: object) -> str:
     return str(problem)
 
 
-def _update(live: bool, figures: dict, panels: dict[str, str]) -> Response:
-    body = {"live": live, "figures": {k: f.to_plotly_json() for k, f in figures.items()},
-            "panels": panels}
+def poll_ms(run: dict) -> int | None:
+    """How often a page of `run` asks for news: often while it reports, has not sent its
+    first batch yet or has findings being judged; less often once it went quiet (it may
+    resume); never once it finished (detached) and its analysis is done."""
+    waiting = run["last_seen_at"] is None and not run["finished"]
+    if run["live"] or waiting or run.get("analysis_pending"):
+        return LIVE_POLL_MS
+    return None if run["finished"] else QUIET_POLL_MS
+
+
+def _soonest(polls: list[int | None]) -> int | None:
+    return min((p for p in polls if p is not None), default=None)
+
+
+def _update(poll: int | None, figures: dict, panels: dict[str, str]) -> Response:
+    body = {"live": poll is not None, "poll_ms": poll,
+            "figures": {k: f.to_plotly_json() for k, f in figures.items()}, "panels": panels}
     return Response(to_json_plotly(body), media_type="application/json")
 
 
@@ -144,13 +174,12 @@ def _run_tab(request: Request, output: str, template: str, tab: str, figures: di
     panels = {"run-stats": render_fragment("_run_stats.html", **context),
               "run-status": render_fragment("_run_status.html", **context)}
     panels |= {panel: render_fragment(name, **context) for panel, name in fragments.items()}
-    # a page whose findings are still being judged polls until they are in
-    live = context["run"]["live"] or context["run"]["analysis_pending"] > 0
+    poll = poll_ms(context["run"])
     if output == "update":
-        return _update(live, figures, panels)
+        return _update(poll, figures, panels)
     return render_page(request, template, tab=tab, panels=panels, charts=list(figures),
-                       figures=figures, live_url=_live_url(request) if live else None,
-                       poll_ms=LIVE_POLL_MS, **context)
+                       figures=figures, live_url=_live_url(request) if poll else None,
+                       poll_ms=poll, **context)
 
 
 @pages.get("/", response_class=HTMLResponse)
@@ -172,12 +201,13 @@ def runs_page(
     filters = {"project": project or "", "name": name or "", "status": status or ""}
     context = {"twin": twin, "filters": filters,
                "page_query": {k: v for k, v in filters.items() if v}}
-    any_live = any(run["live"] for run in twin["items"])
+    # the list always polls: a new run may appear at any time
+    poll = _soonest([QUIET_POLL_MS, *(poll_ms(run) for run in twin["items"])])
     if output == "update":
-        return _update(any_live, {}, {"runs-table": render_fragment("_runs_table.html",
-                                                                    **context)})
-    return render_page(request, "runs.html", live_url=_live_url(request) if any_live else None,
-                       poll_ms=LIVE_POLL_MS, **context)
+        return _update(poll, {}, {"runs-table": render_fragment("_runs_table.html",
+                                                                **context)})
+    return render_page(request, "runs.html", live_url=_live_url(request), poll_ms=poll,
+                       **context)
 
 
 def _rank(value: str | None) -> int | None:
@@ -194,23 +224,23 @@ def run_page(
     run_id: RunIdPath,
     session: SessionDep,
     settings: SettingsDep,
+    steps: StepsQuery,
     rank: RankChoice = None,
-    start: Start = None,
-    end: End = None,
     mark: Mark = None,
     output: Format = "html",
 ) -> Response:
     """A run's overview: scaler, grad norm, loss, lr, timings, memory and findings."""
     try:
         twin = views.overview_twin(session, settings, run_id, rank=_rank(rank),
-                                   steps=views.StepRange(start, end))
+                                   steps=steps)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
     figures = views.overview_figures(twin, mark)
     context = {"twin": twin, "run": twin["run"], "cards": cards.incident_panel(twin),
-               "start": start, "end": end}
+               "start": steps.start, "end": steps.end,
+               "config": views.flat_config(twin["run"]["config"])}
     return _run_tab(request, output, "run.html", "overview", figures, context,
                     {"findings": "_findings.html", "steps-footer": "_steps_footer.html",
                      **({"ranks-panel": "_ranks_panel.html"} if twin["ranks"] else {})})
@@ -222,9 +252,8 @@ def layers_page(
     run_id: RunIdPath,
     session: SessionDep,
     settings: SettingsDep,
+    steps: StepsQuery,
     rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
-    start: Start = None,
-    end: End = None,
     page: Annotated[int, Query(ge=1, le=1_000_000, description="a page of "
                                f"{views.LAYERS_PER_PAGE} layers in forward order")] = 1,
     mark: Mark = None,
@@ -234,13 +263,13 @@ def layers_page(
     layers at a time (a run may have tens of thousands)."""
     try:
         twin = views.layers_twin(session, settings, run_id, rank=rank,
-                                 steps=views.StepRange(start, end), page=page)
+                                 steps=steps, page=page)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
     figures = views.layers_figures(twin, mark)
-    context = {"twin": twin, "run": twin["run"], "start": start, "end": end,
+    context = {"twin": twin, "run": twin["run"], "start": steps.start, "end": steps.end,
                "paging": twin["page"], "page_href": partial(_page_href, request),
                "misaligned": views.misaligned_rows(twin),
                "precision": views.precision_rows(twin)}
@@ -255,9 +284,8 @@ def layer_page(
     index: Annotated[int, Path(ge=0, le=1_000_000)],
     session: SessionDep,
     settings: SettingsDep,
+    steps: StepsQuery,
     rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
-    start: Start = None,
-    end: End = None,
     mark: Mark = None,
     output: Format = "html",
 ) -> Response:
@@ -265,13 +293,13 @@ def layer_page(
     zero grad elements, and the findings that name it."""
     try:
         twin = layer.layer_twin(session, settings, run_id, index, rank=rank,
-                                steps=views.StepRange(start, end))
+                                steps=steps)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
     figures = {name: mark_step(fig, mark) for name, fig in layer.layer_figures(twin).items()}
-    context = {"twin": twin, "run": twin["run"], "start": start, "end": end}
+    context = {"twin": twin, "run": twin["run"], "start": steps.start, "end": steps.end}
     return _run_tab(request, output, "layer.html", "layers", figures, context,
                     {"layer-findings": "_layer_findings.html"})
 
@@ -282,20 +310,19 @@ def fp8_page(
     run_id: RunIdPath,
     session: SessionDep,
     settings: SettingsDep,
+    steps: StepsQuery,
     rank: Annotated[int, Query(ge=0, le=1_000_000)] = 0,
-    start: Start = None,
-    end: End = None,
     output: Format = "html",
 ) -> Response:
     """FP8 layers: shares of elements saturated and flushed to zero, recipes and scales."""
     try:
         twin = fp8.fp8_page_twin(session, settings, run_id, rank=rank,
-                                 steps=views.StepRange(start, end))
+                                 steps=steps)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
-    context = {"twin": twin, "run": twin["run"], "start": start, "end": end}
+    context = {"twin": twin, "run": twin["run"], "start": steps.start, "end": steps.end}
     return _run_tab(request, output, "fp8.html", "fp8", fp8.fp8_figures(twin), context,
                     {"fp8-layers": "_fp8_layers.html"})
 
@@ -326,18 +353,19 @@ def compare_page(
         return WireJSONResponse(twin)
     lines = views.compare_lines(twin)
     figures = views.compare_figures(twin, lines) if twin["runs"] else {}
-    live = any(r["live"] for r in twin["runs"])
+    poll = _soonest([poll_ms(r) for r in twin["runs"]])
     if output == "update":
-        return _update(live, figures, {})
+        return _update(poll, figures, {})
     recent = views.runs_twin(session, settings, project=None, name=None, status=None,
                              offset=0)["items"]
     n = len(twin["runs"])
     return render_page(request, "compare.html", twin=twin, run_ids=run_ids, recent=recent,
-                       notes=views.coinciding(lines),
+                       notes=views.coinciding(lines), loss_log=views.wide_losses(lines),
+                       config_diff=views.config_diff(twin["runs"]),
                        dashes=[DASHES[i % len(DASHES)] for i in range(n)],
                        colours=[colour(i) for i in range(n)],
-                       figures=figures, live_url=_live_url(request) if live else None,
-                       poll_ms=LIVE_POLL_MS)
+                       figures=figures, live_url=_live_url(request) if poll else None,
+                       poll_ms=poll)
 
 
 router.include_router(pages)

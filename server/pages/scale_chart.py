@@ -75,12 +75,21 @@ def _spans(fig: Figure, spans: list[tuple[int, int]], low: float, high: float, *
     )
 
 
-def loss_scale_figure(lines: list[StepColumns]) -> Figure:
+def scale_words(scales: np.ndarray) -> list[str]:
+    """Each scale as the stats tile writes it: '2^16' for a power of two (GradScaler's
+    scales are), else its value."""
+    exponents = np.log2(scales)
+    return [f"2^{int(e)}" if e == int(e) else f"{v:.6g}"
+            for v, e in zip(scales.tolist(), exponents.tolist(), strict=True)]
+
+
+def loss_scale_figure(lines: list[StepColumns], *, scaler: bool = False) -> Figure:
     """Loss scale on a log2 axis (ticks at whole powers of two), skipped steps shaded as
     spans (hovering one names its run and its first and last step); the x axis spans
     every step. A scale that collapsed does not stretch the axis to 2^-149: scales under
     2^SCALE_FLOOR and a scale of 0 are drawn on one row below it, labelled, with the
-    step it fell at."""
+    step it fell at. `scaler`: the run reported a GradScaler (its chart waits for data
+    rather than saying there is none)."""
     fig = base_figure()
     drawn, lows, highs = [], [], []
     for i, line in enumerate(lines):
@@ -98,11 +107,12 @@ def loss_scale_figure(lines: list[StepColumns]) -> Figure:
             fig.add_scatter(
                 x=line.steps[ok], y=log_scale[ok], customdata=scale[ok], mode="lines",
                 line={"color": colour(i), "width": 1.6, "shape": "hv"}, name=label(line.label),
-                hovertemplate="scale %{customdata:.6g}",
+                text=scale_words(scale[ok]), hovertemplate="scale %{text}",
             )
         drawn.append((i, line, fallen))
     if not drawn:
-        return note(fig, "no loss scale recorded (no GradScaler in this run)")
+        return note(fig, "no loss scale recorded yet" if scaler
+                    else "no loss scale recorded (no GradScaler in this run)")
     any_fallen = any(fallen.any() for _, _, fallen in drawn)
     low = math.floor(min(lows, default=float(SCALE_FLOOR)))
     high = math.ceil(max(highs, default=0.0))

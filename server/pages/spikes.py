@@ -25,7 +25,8 @@ def spike_findings(findings: dict) -> list[dict]:
 
 
 def mark_spikes(fig: Figure, findings: dict, incidents: list[dict]) -> Figure:
-    """A dotted line at each spike's first step, labelled with its likely cause; a spike
+    """A dotted line at each spike's first step, labelled with its likely cause (the layer
+    it names, in the label's hover); a spike
     that joined another cause's incident (a layer overflowing) is that cause's symptom,
     told on its card, and is not labelled with a cause of its own here."""
     own = {i["id"] for i in incidents if i.get("cause") == SPIKE_CAUSE}
@@ -33,10 +34,11 @@ def mark_spikes(fig: Figure, findings: dict, incidents: list[dict]) -> Figure:
         if spike.get("incident") is not None and spike["incident"] not in own:
             continue
         where = f" ({spike['layer']})" if spike["layer"] else ""
+        # the cause's code fits the chart's height; the layer it names is in its hover
         fig.add_vline(x=spike["step"], line={"color": SPIKE_COLOUR, "dash": "dot", "width": 1},
-                      annotation={"text": figures.label(f"{spike['code']}{where}"),
-                                  "textangle": -90, "font": {"size": 10,
-                                                             "color": SPIKE_COLOUR}},
+                      annotation={"text": figures.label(spike["code"]), "textangle": -90,
+                                  "hovertext": figures.label(f"{spike['code']}{where}"),
+                                  "font": {"size": 10, "color": SPIKE_COLOUR}},
                       annotation_position="top left")
     return fig
 

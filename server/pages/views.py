@@ -3,6 +3,7 @@ figures drawn from that twin. Routes (server/pages/routes.py) only pick the form
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from urllib.parse import quote
@@ -136,7 +137,7 @@ def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     # what a run cannot have is left out (a bf16 run has no loss scale, a CPU run no
     # device memory); the loss scale leads where there is one: fp16's first signal
     if has_scaler(twin["run"], lines):
-        charts = {"loss_scale": scale_chart.loss_scale_figure(lines), **charts}
+        charts = {"loss_scale": scale_chart.loss_scale_figure(lines, scaler=True), **charts}
     if any(line.finite("peak_mem_bytes").any() for line in lines):
         charts["memory"] = figures.peak_memory_figure(lines)
     span = figures.step_span(lines)
@@ -369,6 +370,30 @@ def compare_twin(session: Session, settings: Settings, run_ids: list[str]) -> di
     return {"runs": runs, "steps": steps, "missing": missing}
 
 
+def flat_config(config: dict | None, prefix: str = "") -> dict[str, str]:
+    """A run's config with nested keys dotted ("optimizer.lr"), values as JSON writes
+    them, keys sorted."""
+    flat: dict[str, str] = {}
+    for key, value in (config or {}).items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict) and value:
+            flat |= flat_config(value, f"{name}.")
+        else:
+            flat[name] = value if isinstance(value, str) else json.dumps(value,
+                                                                         ensure_ascii=False)
+    return dict(sorted(flat.items()))
+
+
+def config_diff(runs: list[dict]) -> tuple[list[tuple[str, list[str | None]]], int]:
+    """The config keys whose values differ between the compared runs (None: a run without
+    that key), and how many keys they share with one value."""
+    configs = [flat_config(run.get("config")) for run in runs]
+    keys = sorted(set().union(*configs)) if configs else []
+    differ = [(key, [c.get(key) for c in configs]) for key in keys
+              if len({c.get(key) for c in configs}) > 1]
+    return differ, len(keys) - len(differ)
+
+
 def compare_lines(twin: dict) -> list[StepColumns]:
     """One line per compared run, labelled by its name (and id when names repeat)."""
     names = [run["name"] for run in twin["runs"]]
@@ -414,6 +439,16 @@ def _same_line(a: StepColumns, b: StepColumns, names: tuple[str, ...]) -> bool:
     return all(np.array_equal(a.present[n], b.present[n])
                and np.allclose(a.values[n], b.values[n], rtol=1e-6, atol=0, equal_nan=True)
                for n in names)
+
+
+def wide_losses(lines: list[StepColumns], ratio: float = 100.0) -> bool:
+    """Whether the runs' typical losses (medians) lie `ratio` or more apart, all positive:
+    on a linear axis the largest would flatten the others (compare then opens on log)."""
+    medians = [float(np.median(line.values["loss"][line.finite("loss")]))
+               for line in lines if line.finite("loss").any()]
+    positive = all(line.values["loss"][line.finite("loss")].min() > 0
+                   for line in lines if line.finite("loss").any())
+    return len(medians) > 1 and positive and max(medians) >= ratio * min(medians)
 
 
 def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:

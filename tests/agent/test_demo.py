@@ -182,3 +182,14 @@ def test_a_demo_killed_outright_leaves_no_server_behind(tmp_path: Path) -> None:
         parent.stdout.close()
         if server_pid is not None and _running(server_pid):
             os.kill(server_pid, signal.SIGKILL)
+
+
+def test_uses_the_server_ampwatch_server_names(tmp_path: Path) -> None:
+    # no server answers there: the demo says so rather than starting its own
+    url = f"http://127.0.0.1:{free_port()}"
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path), "AMPWATCH_SERVER": url}
+    result = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "demo"],
+                            capture_output=True, text=True, env=env, timeout=120)
+    assert result.returncode != 0
+    assert f"no ampwatch server answers at {url}" in result.stdout + result.stderr
+    assert not (tmp_path / "ampwatch" / "demo.db").exists()

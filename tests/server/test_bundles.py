@@ -46,6 +46,13 @@ def test_upload_list_download_delete(api, app, bundle: bytes) -> None:
             for b in listed] == [(8, "forward_nonfinite", "inp", True, len(bundle))]
     download = api.get(listed[0]["url"])
     assert download.status_code == 200 and download.content == bundle
+    head = api.head(listed[0]["url"])  # what a download would be, without the body
+    assert head.status_code == 200 and head.content == b""
+    assert int(head.headers["content-length"]) == len(bundle)
+    assert head.headers["content-type"] == "application/zip"
+    page = api.get("/runs/run-b").text  # the run page lists it with the commands
+    assert "ampwatch bundles pull run-b 8</code>" in page
+    assert "ampwatch replay step-000000008.ampbundle --model" in page
     folder = app.state.settings.bundle_folder / "run-b"
     assert folder.is_dir()
     assert api.delete("/api/v1/runs/run-b").status_code == 204

@@ -3,10 +3,18 @@
 (function () {
   "use strict";
 
+  // Nothing on a chart may send its data off the machine: no "Share chart" (an upload
+  // to Chart Studio), no "Edit in Chart Studio", no link to plot.ly. Fewer buttons also
+  // means fewer Tab stops before the tables.
   var PLOT_CONFIG = {
     displaylogo: false,
     responsive: true,
-    modeBarButtonsToRemove: ["lasso2d", "select2d", "autoScale2d"],
+    showSendToCloud: false,
+    showEditInChartStudio: false,
+    showLink: false,
+    modeBarButtonsToRemove: ["lasso2d", "select2d", "autoScale2d", "sendDataToCloud",
+      "editInChartStudio", "zoomIn2d", "zoomOut2d", "toggleSpikelines",
+      "hoverClosestCartesian", "hoverCompareCartesian"],
   };
 
   function draw(figures, update) {
@@ -16,6 +24,7 @@
         return;
       }
       var fig = figures[name];
+      keepView(el, fig.layout);
       var drawn = update ? Plotly.react(el, fig.data, fig.layout, PLOT_CONFIG)
         : Plotly.newPlot(el, fig.data, fig.layout, PLOT_CONFIG);
       drawn.then(function () {
@@ -25,6 +34,43 @@
         }
       });
     });
+  }
+
+  // What the user chose survives a live update: the zoom (x shared by the step charts,
+  // y per chart), the log toggle, and (uirevision) legend clicks.
+  var userRange = null;
+
+  function keepView(el, layout) {
+    layout.uirevision = "user";
+    if (!userRange && layout.xaxis && layout.xaxis.range && el.dataset.zoomShared) {
+      sharedRange = layout.xaxis.range.slice();  // the run grew: a reset shows it all
+    }
+    if (userRange && layout.xaxis && el.dataset.zoomShared) {
+      layout.xaxis.range = userRange.slice();
+      layout.xaxis.autorange = false;
+    }
+    if (el.keptY && layout.yaxis) {
+      layout.yaxis.range = el.keptY.slice();
+      layout.yaxis.autorange = false;
+    }
+    var tools = document.querySelector(".chart-tools[data-for='" + el.id + "']");
+    if (tools && tools.querySelector(".log-axis").checked && layout.yaxis) {
+      layout.yaxis.type = "log";
+    }
+  }
+
+  // The zoom goes in the address (?start=&end=), so a link opens on the same steps.
+  var pageQuery = window.location.search;
+
+  function rememberZoom(range) {
+    var query = new URLSearchParams(pageQuery);
+    if (range) {
+      query.set("start", String(Math.max(0, Math.floor(range[0]))));
+      query.set("end", String(Math.max(0, Math.ceil(range[1]))));
+    }
+    var search = query.toString();
+    window.history.replaceState(null, "", window.location.pathname +
+      (search ? "?" + search : "") + window.location.hash);
   }
 
   // Heatmaps coloured by log10 (meta "log10") hover with the value itself: customdata
@@ -123,6 +169,13 @@
         if (syncing) {
           return;
         }
+        if ("yaxis.range[0]" in event) {
+          el.keptY = [event["yaxis.range[0]"], event["yaxis.range[1]"]];
+        } else if (event["yaxis.range"]) {
+          el.keptY = event["yaxis.range"].slice();
+        } else if (event["yaxis.autorange"]) {
+          el.keptY = null;
+        }
         var range = null;
         if ("xaxis.range[0]" in event) {
           range = [event["xaxis.range[0]"], event["xaxis.range[1]"]];
@@ -134,6 +187,8 @@
         if (!range) {
           return;
         }
+        userRange = range === sharedRange ? null : range.slice();
+        rememberZoom(userRange);
         syncing = true;
         Promise.all(stepCharts().map(function (other) {
           return Plotly.relayout(other, { "xaxis.range": range.slice() });
@@ -196,8 +251,10 @@
           draw(update.figures || {}, true);
           swapPanels(update.panels || {});
           document.body.dataset.updatedAt = String(Date.now());
-          if (update.live) {
-            window.setTimeout(tick, interval);
+          // the server says how soon to ask again: sooner while the run reports,
+          // later once it went quiet (it may resume), never once it finished
+          if (update.poll_ms) {
+            window.setTimeout(tick, update.poll_ms);
           }
         })
         .catch(function () {

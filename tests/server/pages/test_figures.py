@@ -30,6 +30,10 @@ def test_loss_scale_is_log2_with_skipped_streaks_shaded():
     assert skipped["fill"] == "toself" and skipped["name"] == "skipped steps"
     assert [x for x in skipped["x"] if x is not None][::5] == [-0.5, 3.5]
     assert "2<sup>16</sup>" in fig.layout["yaxis"]["ticktext"]
+    # the hover reads the scale as the stats tile does: 2^16, not 65536.00000
+    assert list(line["text"]) == ["2^16", "2^15", "2^14", "2^13", "2^13"]
+    assert line["hovertemplate"] == "scale %{text}"
+    assert scale_chart.scale_words(np.array([3.0, 0.5])) == ["3", "2^-1"]
     assert scale_chart.streaks(np.array([0, 1, 2, 4, 7, 8]), np.ones(6, bool)) == [
         (0, 2), (4, 4), (7, 8)]
 

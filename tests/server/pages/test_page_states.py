@@ -49,6 +49,7 @@ def test_a_range_past_the_runs_end_says_so(field_browser):
 @pytest.mark.parametrize(("address", "word"), [
     ("/runs/growing-fp16?start=abc", "start"),
     ("/runs/growing-fp16/layers?page=0", "page"),
+    ("/runs/growing-fp16?start=300&end=100", "ends (100) before it starts (300)"),
 ])
 def test_a_mistyped_address_answers_a_page(field_browser, address, word):
     browser = field_browser

@@ -14,6 +14,7 @@ def test_the_loss_chart_marks_each_spike_with_its_label(api) -> None:
     lines = [s for s in loss["layout"]["shapes"] if s.get("x0") == 250]
     assert len(lines) == 1 and lines[0]["x1"] == 250
     assert [a["text"] for a in loss["layout"]["annotations"]] == ["bad_batch"]
+    assert loss["layout"]["annotations"][0]["hovertext"].startswith("bad_batch")
 
 
 def test_a_run_without_spikes_has_no_marks(api) -> None:

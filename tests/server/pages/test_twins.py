@@ -109,3 +109,12 @@ def test_pages_need_the_token_and_the_login_form_sets_a_strict_cookie(database_u
             assert client.get("/api/v1/runs").status_code == 200
     finally:
         close_app(app)
+
+
+@pytest.mark.parametrize("path", ["/runs/long", "/runs/long/layers", "/runs/long/layers/0",
+                                  "/runs/long/fp8"])
+def test_a_reversed_step_range_is_refused(api, long_run, path):
+    response = api.get(path + "?start=300&end=100&format=json")
+    assert response.status_code == 422
+    assert "before it starts" in response.text
+    assert api.get(path + "?start=100&end=100&format=json").status_code == 200

@@ -1,0 +1,49 @@
+"""No control on any page sends data off the machine (issue #50, point 4): every page
+answers with a Content-Security-Policy that allows this server only, renders under it
+without a violation, and its charts offer no "Share chart" / Chart Studio button; a
+keyboard user reaches the content through a skip link."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.browser
+PAGES = {
+    "/": None,
+    "/runs/growing-fp16": "loss",
+    "/runs/growing-fp16/layers": "grad_heatmap",
+    "/runs/growing-fp16/layers/0": "layer_grad",
+    "/compare?run=growing-fp16&run=sgd-bf16": "loss",
+}
+
+
+def test_every_page_renders_under_a_same_origin_policy_with_no_cloud_button(field_browser):
+    browser = field_browser
+    for path, chart in PAGES.items():
+        response = browser.page.goto(browser.base_url + path)
+        policy = response.headers["content-security-policy"]
+        assert "default-src 'self'" in policy and "script-src 'self';" in policy, path
+        browser.page.wait_for_load_state("networkidle")
+        if chart is None:
+            continue
+        browser.wait_for_plots(chart)
+        titles = browser.page.locator(".modebar-btn").evaluate_all(
+            "buttons => buttons.map(b => b.getAttribute('data-title'))")
+        assert titles, path  # the toolbar is there, with zoom, pan, reset and a PNG
+        assert not [t for t in titles if "share" in t.lower() or "studio" in t.lower()
+                    or "plot.ly" in t.lower() or "plotly" in t.lower()], (path, titles)
+        assert browser.page.locator("a[href*='plot.ly'], a[href*='plotly.com']").count() == 0
+    browser.assert_clean()  # a policy violation would be a console error
+
+
+def test_the_first_tab_stop_skips_to_the_content(field_browser):
+    browser = field_browser
+    browser.goto("/runs/growing-fp16")
+    browser.wait_for_plots("loss")
+    browser.page.keyboard.press("Tab")
+    skip = browser.page.locator(":focus")
+    assert skip.inner_text() == "Skip to content"
+    assert skip.evaluate("el => el.getBoundingClientRect().top") >= 0  # shown when focused
+    browser.page.keyboard.press("Enter")
+    assert browser.page.evaluate("document.activeElement.id") == "main"
+    browser.assert_clean()

@@ -1,0 +1,32 @@
+"""The run's config on its page and the differing keys on compare (issue #50: what a W&B
+user looks for), in Chromium on runs sent over the wire API."""
+
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from tests.utils import make_steps, post_batch, register_run
+
+pytestmark = pytest.mark.browser
+
+
+def test_config_on_the_run_page_and_diffed_on_compare(field_browser, field_runs):
+    with httpx.Client(base_url=field_runs.server.url, timeout=30) as api:
+        for run_id, lr in (("cfg-a", 3e-4), ("cfg-b", 1e-3)):
+            register_run(api, run_id, n_layers=2, config={
+                "optimizer": {"name": "adamw", "lr": lr}, "batch_size": 32,
+                **({"warmup": 100} if run_id == "cfg-b" else {})})
+            assert post_batch(api, run_id, 0, make_steps(0, 20, 2)).status_code == 200
+    browser = field_browser
+    browser.goto("/runs/cfg-a")
+    keys = browser.page.locator("#config dt").all_inner_texts()
+    assert keys == ["batch_size", "optimizer.lr", "optimizer.name"]
+    assert browser.page.locator("#config dd").all_inner_texts() == ["32", "0.0003", "adamw"]
+
+    browser.goto("/compare?run=cfg-a&run=cfg-b")
+    rows = browser.page.locator("#config-diff tbody tr").all_inner_texts()
+    assert [r.split("\t") for r in rows] == [["optimizer.lr", "0.0003", "0.001"],
+                                             ["warmup", "—", "100"]]
+    assert "2 more the same" in browser.page.locator("#config-diff h2").inner_text()
+    browser.assert_clean()
