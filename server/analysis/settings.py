@@ -72,6 +72,20 @@ class AnalysisSettings(BaseModel):
         2.0, gt=1, description="an update ratio this many times its level: update_ratio_spike")
     spike_grad_jump: float = Field(
         2.0, gt=1, description="a grad norm this many times its median with the spike: bad batch")
+    spike_lr_jump: float = Field(
+        3.0, gt=1, description="a recorded learning rate this many times (or this many times "
+        "under) the one before it: a change the spike may follow")
+    spike_lr_steps: int = Field(
+        20, ge=1, description="steps before a spike a learning-rate rise is looked for in")
+    spike_critical_steps: int = Field(
+        50, ge=1, description="a loss still not back this many steps after its spike began: "
+        "critical (the damage stayed)")
+    spike_layers_share: float = Field(
+        0.5, gt=0, le=1, description="share of measured layers whose update ratio jumped "
+        "together: the optimizer's doing, not one layer's")
+    spike_settle_share: float = Field(
+        0.25, gt=0, lt=1, description="after a one-step jump, a tail under this share of "
+        "its rise is the bad step's after-effect (still a bad batch)")
     precursor_factor: float = Field(
         10.0, gt=1, description="attention logit or log-partition this many times its level: "
         "a precursor warning before any spike")

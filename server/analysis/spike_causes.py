@@ -6,15 +6,21 @@ update are the spike, not its warning). A signal "grew" when its latest samples 
 earliest third of the samples there, floored so a level near zero cannot make noise
 look like growth). The labels are tried in this order, the first that holds wins:
 
+0. lr_change: the recorded learning rate (the first param group's, as the agent records
+   it) rose `spike_lr_jump` times or more within the `spike_lr_steps` steps before the
+   spike (a change made by the loop or a scheduler; a fall cannot push a loss up);
 1. attention_logit_growth or output_logit_divergence: a layer's largest attention logit,
    or the output log-partition (|log Z|) or largest output logit, grew; when both did,
    the one that grew more (a breaking output layer drags the attention logits along);
 3. second_moment_underflow: a layer's share of elements with a zero second moment and a
    gradient reached `adam_v_zero_share`;
 4. adam_epsilon: a layer's eps-dominated share reached `adam_eps_share`;
-5. update_ratio_spike: a layer's update ratio jumped `spike_update_jump` times over the
-   median of its previous samples;
-6. bad_batch: the spike lasts one step and the grad norm jumped with it;
+5. update_ratio_all: the update ratio jumped `spike_update_jump` times in at least
+   `spike_layers_share` of the measured layers at once (the optimizer's doing, no layer
+   named); update_ratio_spike: it jumped in fewer, the largest jump's layer named;
+6. bad_batch: the grad norm jumped with the loss, and the spike lasts one step or is one
+   step's jump whose tail settles (the loss falls back at once, and the steps after stay
+   under `spike_settle_share` of the jump's rise: the bad step's update still showing);
 7. unknown, with the largest growth of each signal in the evidence.
 """
 
@@ -27,9 +33,12 @@ import numpy as np
 
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_finder import Spike
+from ampwatch.server.series import StepSeries
 from ampwatch.server.spike_samples import SIGNALS, SpikeWindow
 
 FIXES = {
+    "lr_change": "undo or soften the learning-rate change (a smaller step, or a warmup "
+                 "to the new value); precision is not the cause",
     "attention_logit_growth": "add qk-layernorm (normalise queries and keys before their "
                               "product) or lower the learning rate",
     "output_logit_divergence": "add z-loss (1e-4 * logsumexp(logits)**2) or weight decay on "
@@ -40,6 +49,8 @@ FIXES = {
                     "loss up",
     "update_ratio_spike": "clip the update (or the gradient) harder, or lower the learning "
                           "rate around this step",
+    "update_ratio_all": "lower the learning rate (check the schedule and the optimizer's "
+                        "hyperparameters) or clip the update harder",
     "bad_batch": "inspect or skip this step's batch; the run recovered by itself",
     "unknown": "look at the loss and grad norm around the spike; nothing sampled grew before it",
 }
@@ -85,19 +96,6 @@ def growth(steps: np.ndarray, values: np.ndarray, factor: float, floor: float) -
     return best
 
 
-def jump(steps: np.ndarray, values: np.ndarray) -> Growth | None:
-    """The layer whose latest sample is the most over the median of its previous ones."""
-    best = None
-    for layer in np.flatnonzero(np.isfinite(values).sum(axis=0) >= MIN_SAMPLES + 1):
-        seen = np.isfinite(values[:, layer])
-        s, v = steps[seen], values[seen, layer]
-        level = float(np.median(v[-1 - 5: -1]))
-        found = Growth(int(layer), level, float(v[-1]), int(s[-1]))
-        if level > 0 and (best is None or found.factor > best.factor):
-            best = found
-    return best
-
-
 def _share_over(steps: np.ndarray, values: np.ndarray, threshold: float) -> Growth | None:
     """The layer with the largest latest share at or over `threshold`, and since when it
     has been (the first sample of its last run over the threshold)."""
@@ -116,9 +114,10 @@ def _share_over(steps: np.ndarray, values: np.ndarray, threshold: float) -> Grow
     return Growth(layer, threshold, float(last_seen[layer]), int(steps[since]))
 
 
-def label_spike(spike: Spike, signals: SpikeWindow, loss_steps: np.ndarray,
-                grad_norm: np.ndarray, settings: AnalysisSettings) -> Cause:
-    """The cause of `spike`, from the samples in its lookback and the grad norms."""
+def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
+                settings: AnalysisSettings) -> Cause:
+    """The cause of `spike`, from the samples in its lookback and the per-step loss,
+    grad norm and learning rate of `series`."""
     before = (signals.steps < spike.start) & (
         signals.steps >= spike.start - settings.spike_lookback_steps)
     steps, window = signals.steps[before], signals.values[before]
@@ -128,6 +127,14 @@ def label_spike(spike: Spike, signals: SpikeWindow, loss_steps: np.ndarray,
     def signal(name: str) -> np.ndarray:
         return window[:, SIGNALS.index(name)]
 
+    update_jumps = jumps(steps, signal("update_ratio"))
+    if update_jumps:
+        seen["update_ratio"] = _describe(max(update_jumps, key=lambda g: g.factor))
+    lr = _lr_rise(spike, series.steps, series.column("lr"), settings)
+    if lr is not None:
+        jumped = [g for g in update_jumps if g.factor >= settings.spike_update_jump]
+        lr["update_ratio_jumped"] = [len(jumped), len(update_jumps)]
+        return Cause("lr_change", precursor_step=lr["lr_step"], evidence={"seen": seen, **lr})
     attention = growth(steps, signal("attn_max_logit"), factor, LEVEL_FLOOR["attn_max_logit"])
     lse = growth(steps, signal("logit_lse"), factor, LEVEL_FLOOR["logit_lse"])
     absmax = growth(steps, signal("logit_absmax"), factor, LEVEL_FLOOR["logit_absmax"])
@@ -149,17 +156,66 @@ def label_spike(spike: Spike, signals: SpikeWindow, loss_steps: np.ndarray,
     eps = _share_over(steps, signal("adam_eps_share"), settings.adam_eps_share)
     if eps is not None:
         return _cause("adam_epsilon", eps, seen)
-    update = jump(steps, signal("update_ratio"))
-    if update is not None:
-        seen["update_ratio"] = _describe(update)
-        if update.factor >= settings.spike_update_jump:
-            return _cause("update_ratio_spike", update, seen)
+    jumped = [g for g in update_jumps if g.factor >= settings.spike_update_jump]
+    if len(jumped) >= 2 and len(jumped) >= settings.spike_layers_share * len(update_jumps):
+        first = min(int(g.first_step) for g in jumped if g.first_step is not None)
+        return Cause("update_ratio_all", precursor_step=first,
+                     evidence={"seen": seen, "layers_jumped": [len(jumped), len(update_jumps)],
+                               "factors": [round(g.factor, 3) for g in jumped]})
+    if jumped:
+        return _cause("update_ratio_spike", max(jumped, key=lambda g: g.factor), seen)
+    loss_steps, grad_norm = series.steps, series.column("grad_norm")
     grad_jump = _grad_jump(spike, loss_steps, grad_norm, settings.spike_reference_steps)
     if grad_jump is not None:
         seen["grad_norm_jump"] = grad_jump
-        if spike.length == 1 and grad_jump >= settings.spike_grad_jump:
-            return Cause("bad_batch", evidence={"seen": seen})
+        settled = spike.length == 1 or _settles(spike, loss_steps, series.column("loss"),
+                                                settings.spike_settle_share)
+        if settled and grad_jump >= settings.spike_grad_jump:
+            return Cause("bad_batch", evidence={"seen": seen, "steps_over": spike.length})
     return Cause("unknown", evidence={"seen": seen})
+
+
+def jumps(steps: np.ndarray, values: np.ndarray) -> list[Growth]:
+    """Each measured layer's latest sample over the median of its previous ones (up to 5)."""
+    out = []
+    for layer in np.flatnonzero(np.isfinite(values).sum(axis=0) >= MIN_SAMPLES + 1):
+        seen = np.isfinite(values[:, layer])
+        s, v = steps[seen], values[seen, layer]
+        level = float(np.median(v[-1 - 5: -1]))
+        if level > 0:
+            out.append(Growth(int(layer), level, float(v[-1]), int(s[-1])))
+    return out
+
+
+def _lr_rise(spike: Spike, steps: np.ndarray, lr: np.ndarray,
+             settings: AnalysisSettings) -> dict[str, Any] | None:
+    """The recorded learning rate's rise into the spike: its last value before the spike
+    against its value `spike_lr_steps` steps earlier, if `spike_lr_jump` times or more;
+    with the first step it left that value (the change) and both values."""
+    known = np.isfinite(lr) & (steps < spike.start)
+    s, v = steps[known], lr[known]
+    if not s.size:
+        return None
+    base_at = np.flatnonzero(s <= s[-1] - settings.spike_lr_steps)
+    if not base_at.size or v[base_at[-1]] <= 0:
+        return None
+    base, after = float(v[base_at[-1]]), float(v[-1])
+    if after < settings.spike_lr_jump * base:
+        return None
+    moved = base_at[-1] + 1 + int(np.argmax(v[base_at[-1] + 1:] != base))
+    return {"lr_before": base, "lr_after": after, "lr_step": int(s[moved]),
+            "lr_reached_step": int(s[-1]), "lr_factor": after / base}
+
+
+def _settles(spike: Spike, steps: np.ndarray, loss: np.ndarray, share: float) -> bool:
+    """A one-step jump: the spike's first step is its peak, and every later step of it
+    stays under `share` of the rise over the median (the loss fell back at once; what
+    lingers is the bad step's update, not a growing fault)."""
+    if spike.peak_step != spike.start:
+        return False
+    tail = loss[(steps > spike.start) & (steps <= spike.end) & np.isfinite(loss)]
+    rise = spike.peak - spike.median
+    return bool(rise > 0 and (tail - spike.median < share * rise).all())
 
 
 def _grad_jump(spike: Spike, steps: np.ndarray, grad_norm: np.ndarray,

@@ -27,12 +27,15 @@ from ampwatch.server.spike_samples import SpikeWindow
 
 SPIKE_CAUSE = "loss_spike"  # evidence.cause of the findings of one spike (incidents.py)
 CAUSE_WORDS = {
+    "lr_change": "the learning rate rose",
     "attention_logit_growth": "attention logits grew",
     "output_logit_divergence": "the output logits diverged (log-partition drifting)",
     "second_moment_underflow": "Adam's second moment underflowed to zero",
     "adam_epsilon": "Adam's eps dominated the update's denominator",
+    "update_ratio_all": "the update-to-weight ratio jumped in most layers at once (the "
+                        "optimizer's doing, not one layer's)",
     "update_ratio_spike": "the update-to-weight ratio jumped",
-    "bad_batch": "a bad batch (one step, the grad norm jumped with the loss)",
+    "bad_batch": "a bad batch (a one-step jump, the grad norm jumped with the loss)",
     "unknown": "no sampled signal grew before it",
 }
 
@@ -48,28 +51,48 @@ def detect_spikes(window: Window, settings: AnalysisSettings) -> Detection:
                          min_history=settings.spike_min_history,
                          spread_factor=settings.spike_spread_factor,
                          min_rise=settings.spike_min_rise)
-    grad_norm = series.column("grad_norm")
-    labelled = [(spike, label_spike(spike, signals, series.steps, grad_norm, settings))
-                for spike in spikes]
+    last = int(series.steps[-1]) if len(series.steps) else 0
+    labelled = [(spike, label_spike(spike, signals, series, settings)) for spike in spikes]
     guarded = series.steps[series.guarded > 0]  # steps the agent's step guard left out
-    drafts = [_spike_draft(spike, cause, run, guarded) for spike, cause in labelled]
+    drafts = [_spike_draft(spike, cause, run, last, settings, guarded)
+              for spike, cause in labelled]
     drafts += _precursors(signals, run, settings, labelled)
     drafts += _optimizer_states(signals, run, settings, labelled)
     return Detection(drafts=drafts, covers=("spike_precursor:", "optimizer_state:"))
 
 
-def _spike_draft(spike: Spike, cause: Cause, run: RunContext,
-                 guarded: np.ndarray) -> FindingDraft:
+def cause_words(label: str, evidence: dict[str, Any]) -> str:
+    """What a spike's cause reads as, everywhere it is shown (message, incident title)."""
+    words = CAUSE_WORDS.get(label, label)
+    if label == "lr_change" and "lr_before" in evidence:
+        words += (f" {float(evidence['lr_factor']):.3g}x, from {float(evidence['lr_before']):.3g}"
+                  f" to {float(evidence['lr_after']):.3g} at step {evidence['lr_step']}")
+        jumped = evidence.get("update_ratio_jumped") or [0, 0]
+        if jumped[1]:
+            words += (f"; the update-to-weight ratio jumped in {jumped[0]} of {jumped[1]} "
+                      "measured layers")
+    elif label == "update_ratio_all" and "layers_jumped" in evidence:
+        words += f" ({evidence['layers_jumped'][0]} of {evidence['layers_jumped'][1]} layers)"
+    elif label == "bad_batch" and int(evidence.get("steps_over", 1)) > 1:
+        words += (f"; the {int(evidence['steps_over']) - 1} steps after it are that "
+                  "step's update settling")
+    return words
+
+
+def _spike_draft(spike: Spike, cause: Cause, run: RunContext, last: int,
+                 settings: AnalysisSettings, guarded: np.ndarray) -> FindingDraft:
     layer = None if cause.layer is None else run.layer_name(cause.layer)
     lead = None if cause.precursor_step is None else spike.start - cause.precursor_step
+    # a loss that stayed up is the damage that matters most: critical
+    stuck = spike.recovered_at is None and last - spike.start >= settings.spike_critical_steps
     back = (f"back under it at step {spike.recovered_at}" if spike.recovered_at is not None
-            else "not back yet")
+            else f"not back in {last - spike.start} steps" if stuck else "not back yet")
     where = f" in layer {layer!r}" if layer else ""
     since = (f", first seen at step {cause.precursor_step} ({lead} steps ahead)"
-             if cause.precursor_step is not None else "")
+             if cause.precursor_step is not None and cause.label != "lr_change" else "")
     message = (f"Loss spike at step {spike.start}: {spike.peak:.4g} against a recent median "
                f"of {spike.median:.4g} ({spike.size:.0f} spreads, {spike.ratio:.2f}x), {back}. "
-               f"Likely cause: {CAUSE_WORDS[cause.label]}{where}{since}. "
+               f"Likely cause: {cause_words(cause.label, cause.evidence)}{where}{since}. "
                f"Fix: {FIXES[cause.label]}.")
     left_out = guarded[(guarded >= spike.start) & (guarded <= spike.end)].tolist()
     if left_out:
@@ -85,8 +108,8 @@ def _spike_draft(spike: Spike, cause: Cause, run: RunContext,
                 **cause.evidence}
     return FindingDraft(kind=FindingKind.LOSS_SPIKE, code=cause.label,
                         key=f"{FindingKind.LOSS_SPIKE}:{spike.start}",
-                        severity="warning", message=message, step=spike.start,
-                        last_step=spike.end, layer=layer, evidence=evidence,
+                        severity="critical" if stuck else "warning", message=message,
+                        step=spike.start, last_step=spike.end, layer=layer, evidence=evidence,
                         occurrences=np.arange(spike.start, spike.end + 1),
                         active=spike.recovered_at is None)
 
@@ -219,6 +242,6 @@ def spike_story(members: list[tuple[str, str | None, dict[str, Any]]]
     layer, evidence = spike
     label = str(evidence.get("label", "unknown"))
     where = f" in {layer!r}" if layer else ""
-    headline = f"Loss spike at step {evidence.get('spike_step')}: {CAUSE_WORDS.get(label, label)}"
+    headline = f"Loss spike at step {evidence.get('spike_step')}: {cause_words(label, evidence)}"
     fix = FIXES.get(label, "")
     return layer, headline + where, fix[0].upper() + fix[1:] + "." if fix else ""

@@ -27,11 +27,15 @@ def losses(n: int = 200, seed: int = 0, spikes: dict[int, float] | None = None) 
     return loss
 
 
-def run_series(loss: np.ndarray, grad_norm: np.ndarray | None = None):
+def run_series(loss: np.ndarray, grad_norm: np.ndarray | None = None,
+               lr: np.ndarray | None = None):
     grads = np.ones(loss.size) if grad_norm is None else grad_norm
-    return series([step(s, N_LAYERS, loss=float(v), grad_norm=float(g), scaler=None,
-                        loss_scale=None, scale_after=None, autocast_dtype="bfloat16")
-                   for s, (v, g) in enumerate(zip(loss, grads, strict=True))], N_LAYERS)
+    rates = np.full(loss.size, 1e-3) if lr is None else lr
+    return series([step(s, N_LAYERS, loss=float(v), grad_norm=float(g), lr=float(r),
+                        scaler=None, loss_scale=None, scale_after=None,
+                        autocast_dtype="bfloat16")
+                   for s, (v, g, r) in enumerate(zip(loss, grads, rates, strict=True))],
+                  N_LAYERS)
 
 
 def signals(n: int = 200, every: int = 10, **grow: tuple[int, int, float]) -> SpikeWindow:
@@ -153,6 +157,57 @@ def test_a_one_step_spike_with_the_grad_norm_is_a_bad_batch() -> None:
     found = detect(run_series(loss), signals())
     assert labels(found)["loss_spike"][:3] == ("unknown", None, 150)
     assert "seen" in labels(found)["loss_spike"][3]
+
+
+def test_a_spike_that_follows_a_learning_rate_rise_names_it() -> None:
+    """The recorded lr x50 at step 145: named with its values and step, ahead of the update
+    ratios it made jump; a gradual schedule (x1.5 over the lookback) is not a change."""
+    loss = losses(spikes={150: 4.0})
+    lr = np.full(loss.size, 2e-3)
+    lr[145:] = 0.1
+    found = detect(run_series(loss, lr=lr), signals(update_ratio=(0, 140, 40.0)))
+    code, layer, at, evidence = labels(found)["loss_spike"]
+    assert (code, layer, at) == ("lr_change", None, 150)
+    assert (evidence["lr_before"], evidence["lr_after"], evidence["lr_step"]) == (2e-3, 0.1, 145)
+    spike = next(d for d in found.drafts if d.kind == "loss_spike")
+    assert "the learning rate rose 50x, from 0.002 to 0.1 at step 145" in spike.message
+    gentle = np.linspace(2e-3, 3e-3, loss.size)
+    found = detect(run_series(loss, lr=gentle), signals())
+    assert labels(found)["loss_spike"][0] == "unknown"
+
+
+def test_an_update_ratio_jump_in_most_layers_is_the_optimizers_not_one_layers() -> None:
+    window = signals()
+    ratio = window.values[:, SIGNALS.index("update_ratio")]
+    ratio[window.steps >= 140, :3] *= [30.0, 50.0, 40.0]
+    found = detect(run_series(losses(spikes={150: 4.0})), window)
+    code, layer, _, evidence = labels(found)["loss_spike"]
+    assert (code, layer, evidence["layers_jumped"]) == ("update_ratio_all", None, [3, 4])
+
+
+def test_a_spike_that_never_comes_back_is_critical() -> None:
+    loss = losses()
+    loss[120:] = 3.5  # broken for the last 80 steps
+    found = detect(run_series(loss), signals())
+    spike = next(d for d in found.drafts if d.kind == "loss_spike")
+    assert spike.severity == "critical" and "not back in 79 steps" in spike.message
+    loss = losses()
+    loss[180:] = 3.5  # broken, but only 20 steps ago: it may still come back
+    spike = next(d for d in detect(run_series(loss), signals()).drafts
+                 if d.kind == "loss_spike")
+    assert spike.severity == "warning"
+
+
+def test_a_one_step_jump_whose_tail_settles_is_a_bad_batch_a_ramp_is_not() -> None:
+    loss = losses(spikes={150: 6.0})
+    loss[152:158] = np.median(loss[100:150]) * 1.3  # the bad step's update, settling
+    grads = np.ones(loss.size)
+    grads[150] = 5.0
+    found = detect(run_series(loss, grads), signals())
+    code, _, _, evidence = labels(found)["loss_spike"]
+    assert (code, evidence["steps_over"]) == ("bad_batch", 8)
+    loss[151:158] = 4.0  # the loss stays up: not one step's jump
+    assert labels(detect(run_series(loss, grads), signals()))["loss_spike"][0] == "unknown"
 
 
 def test_growth_before_any_spike_is_a_precursor_warning() -> None:
