@@ -1,7 +1,9 @@
 """The model's layer table: which modules are layers, their parameters and dimensions.
 
-A layer is a module that owns parameters itself, has no children, or looks like an
-attention block (it names a head count). The table is built once at attach (host only).
+A layer is a module that owns parameters itself, has no children, or is an attention
+block: it names a head count, or its forward calls an attention function
+(agent/attention_calls.py), as Llama's does with its head count in a config. The table
+is built once at attach (host only).
 A parameter held by several layers (a tied embedding and LM head) counts in the first
 layer's `param_count` only; the later ones name it in `attrs["tied_to"]`.
 """
@@ -15,9 +17,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampwatch.agent.attention_calls import calls_attention
 from ampwatch.agent.compiled import clean_name, is_compiled_wrapper
 
-_HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead")
+_HEAD_ATTRS = ("num_heads", "n_head", "n_heads", "num_attention_heads", "nhead", "heads")
 _EMBED_ATTRS = ("embed_dim", "n_embd", "d_model", "hidden_size", "embed_size")
 _SCALAR = (bool, int, float, str)
 
@@ -60,7 +63,7 @@ def _is_attention(module: nn.Module) -> bool:
     return isinstance(module, nn.MultiheadAttention) or any(
         isinstance(getattr(module, a, None), int) and not isinstance(getattr(module, a), bool)
         for a in _HEAD_ATTRS
-    )
+    ) or calls_attention(module)
 
 
 def layer_attrs(module: nn.Module) -> dict[str, Any]:

@@ -27,7 +27,10 @@ class RecordSettings:
     `folder`. Triggers: `forward_nonfinite` (a layer's output or the loss held inf/NaN),
     `nonfinite_grads` (inf/NaN grads reached the weights: not a step a scaler skipped),
     `skip_after_streak` (a skipped step after that many healthy steps, not right after
-    the scaler grew; None: off), `loss_spike` (a loss over that many times the median of
+    the scaler grew; None: off), `scale_collapse` (a skipped step whose scale is at or
+    below this: fp16 can no longer hold the gradients; None: off), `skip_streak` (that many
+    skipped steps in a row, whatever came before: no scaler calibrates that long; None:
+    off), `loss_spike` (a loss over that many times the median of
     the last `loss_window` healthy losses; None: off). An incident ends after
     `quiet_steps` healthy steps; at most one bundle per incident, `max_bundles` per run.
     """
@@ -39,6 +42,8 @@ class RecordSettings:
     forward_nonfinite: bool = True
     nonfinite_grads: bool = True
     skip_after_streak: int | None = 100
+    scale_collapse: float | None = 1.0
+    skip_streak: int | None = 20
     loss_spike: float | None = 10.0
     loss_window: int = 50
     quiet_steps: int = 50
@@ -88,6 +93,7 @@ class Triggers:
     def __init__(self, settings: RecordSettings) -> None:
         self.settings = settings
         self.streak = 0  # healthy steps in a row
+        self.skips = 0  # skipped steps in a row
         self.losses: deque[float] = deque(maxlen=max(1, settings.loss_window))
         self.incident = False
         self.quiet = 0
@@ -114,11 +120,17 @@ class Triggers:
         grew = (isinstance(scale, float) and self._last_scale is not None
                 and scale > self._last_scale)
         self._last_scale = scale if isinstance(scale, float) else self._last_scale
+        self.skips = self.skips + 1 if skipped else 0
         trigger = None
         if s.forward_nonfinite and (record.get("forward_nonfinite") or _bad(loss)):
             trigger = "forward_nonfinite"
         elif s.nonfinite_grads and not skipped and _bad(record.get("grad_norm")):
             trigger = "nonfinite_grads"
+        elif (s.scale_collapse is not None and skipped and isinstance(scale, float)
+              and scale <= s.scale_collapse):
+            trigger = "scale_collapse"
+        elif s.skip_streak is not None and self.skips >= s.skip_streak:
+            trigger = "skip_streak"
         elif (s.skip_after_streak is not None and skipped and not grew
               and self.streak >= s.skip_after_streak):
             trigger = "skip_after_streak"

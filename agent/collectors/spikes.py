@@ -9,7 +9,9 @@ window). On a sampled step, as its first forward begins: a forward pre-hook on e
 `nn.MultiheadAttention`, a pre and post hook on every layer that may call
 `scaled_dot_product_attention` (those with children, and leaf modules from outside
 `torch.nn`) so a call is credited to the innermost one running, a wrapper around
-`torch.nn.functional.scaled_dot_product_attention`, and a forward hook on the output layer
+`torch.nn.functional.scaled_dot_product_attention` and, once transformers is imported,
+around the attention function its modules pick (agent/attention_calls.py: credited to the
+module that passes itself to it), and a forward hook on the output layer
 (the last layer in forward order with a matrix weight). All of them come off as the next
 unsampled step is set up. Only training forwards are measured; a layer called several
 times keeps its largest logit, the output layer its first call. The optimizer's update is
@@ -28,14 +30,13 @@ import torch
 from torch import nn
 
 from ampwatch.agent import distributed, guard, patches
+from ampwatch.agent.attention_calls import SDPA, interface_patch
 from ampwatch.agent.attention_logits import mha_max_logit, output_stats, sdpa_max_logit
 from ampwatch.agent.collectors.activations import first_float_tensor
 from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.update_stats import N_SUMS, SUMS, kind_of, param_sums
 from ampwatch.wire import encode_float_array
 
-SDPA = patches.GlobalPatch("scaled_dot_product_attention",
-                           [(nn.functional, "scaled_dot_product_attention")])
 FIELDS = ("update_ratio", "update_lost", "adam_eps_share", "adam_v_zero_share",
           "attn_max_logit", "logit_absmax", "logit_lse")
 _SUM = {name: i for i, name in enumerate(SUMS)}
@@ -45,8 +46,9 @@ _compiling = torch.compiler.is_compiling
 class _PatchHandle:
     """A GlobalPatch listener as a hook handle (SampledHooks removes handles)."""
 
-    def __init__(self, patch: patches.GlobalPatch, before: Any) -> None:
-        self._patch, self._token = patch, patch.add(before)
+    def __init__(self, patch: patches.GlobalPatch, before: Any = None,
+                 replace: Any = None) -> None:
+        self._patch, self._token = patch, patch.add(before, replace=replace)
 
     def remove(self) -> None:
         self._patch.remove(self._token)
@@ -82,6 +84,8 @@ class SpikeCollector(Collector):
         self._sampled = False
         self._hooks = SampledHooks(self._register_hooks)
         self._stack: list[int] = []  # the layers (that may call SDPA) now running forward
+        self._layer_of = {id(layer.module): layer.index for layer in layers}
+        self._in_interface = 0  # inside a transformers attention function (it may call SDPA)
         self._attn: dict[int, torch.Tensor] = {}
         self._head: tuple[int, torch.Tensor] | None = None
         self._sums: tuple[list[int], torch.Tensor] | None = None
@@ -115,6 +119,9 @@ class SpikeCollector(Collector):
     # ------------------------------------------------------------------ hooks
     def _register_hooks(self) -> list[Any]:
         handles: list[Any] = [_PatchHandle(SDPA, self._on_sdpa)]
+        interface = interface_patch()
+        if interface is not None:
+            handles.append(_PatchHandle(interface, replace=self._pick_interface))
         for layer in self.session.layers:
             module = layer.module
             if isinstance(module, nn.MultiheadAttention):
@@ -168,8 +175,34 @@ class SpikeCollector(Collector):
                 guard.report("spikes.mha", exc)
         return hook
 
+    def _pick_interface(self, original: Any, args: tuple, kwargs: dict) -> Any:
+        """transformers' `get_interface`: the attention function it returns, wrapped so that
+        its call is measured and credited to the module passing itself first."""
+        function = original(*args, **kwargs)
+        if _compiling() or not self.session.in_training_forward or not callable(function):
+            return function
+
+        def attention(module: nn.Module, query: Any, key: Any, *rest: Any, **kw: Any) -> Any:
+            index = self._layer_of.get(id(module))
+            if index is None and self._stack:
+                index = self._stack[-1]
+            if (index is not None and isinstance(query, torch.Tensor)
+                    and isinstance(key, torch.Tensor)):
+                try:
+                    with torch.no_grad():
+                        self._note_logit(index, sdpa_max_logit(query, key, kw.get("scaling")))
+                except Exception as exc:  # noqa: BLE001
+                    guard.report("spikes.attention", exc)
+            self._in_interface += 1
+            try:
+                return function(module, query, key, *rest, **kw)
+            finally:
+                self._in_interface -= 1
+        return attention
+
     def _on_sdpa(self, args: tuple, kwargs: dict) -> None:
-        if _compiling() or not self.session.in_training_forward or not self._stack:
+        if (_compiling() or not self.session.in_training_forward or not self._stack
+                or self._in_interface):
             return
         query = args[0] if args else kwargs.get("query")
         key = args[1] if len(args) > 1 else kwargs.get("key")

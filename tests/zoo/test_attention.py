@@ -1,0 +1,47 @@
+"""Attention found by behaviour: on every architecture of the zoo, each attention call
+(torch's scaled_dot_product_attention, transformers' sdpa and eager paths, diffusers'
+processors) is recorded as the largest |q k^T| * scale of the first sequence, credited to
+the innermost module running it, whatever attributes that module keeps.
+
+The truth is the test's own (tests/zoo/attention_truth.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ampwatch.agent.layers import discover_layers
+from tests.agent.factories import spooled_steps
+from tests.zoo.attention_truth import AttentionTruth
+from tests.zoo.models import ARCHS, Arch, loss_of
+
+STEPS = 2
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=[a.name for a in ARCHS])
+def test_every_attention_call_is_credited_to_the_module_running_it(
+        arch: Arch, attach, offline: Path) -> None:
+    torch.manual_seed(0)
+    model = arch.build()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    truth = AttentionTruth(model, arch)
+    attachment = attach(model, run=f"zoo-attn-{arch.name}", sample_every=1)
+    for step in range(STEPS):
+        truth.steps.append({})
+        with truth:
+            loss = loss_of(model(**arch.batch(step)))
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    assert attachment.detach(timeout=10)
+    names = [layer.name for layer in discover_layers(model)]
+    attention = sorted(n for n, m in model.named_modules() if type(m).__name__ in arch.attention)
+    records = spooled_steps(offline, f"zoo-attn-{arch.name}")
+    assert len(records) == STEPS
+    for record, seen in zip(records, truth.steps, strict=True):
+        assert sorted(seen) == attention, "the truth did not see every attention module"
+        logits = record["spikes"]["attn_max_logit"]
+        recorded = {names[i]: v for i, v in enumerate(logits) if v is not None}
+        assert recorded == pytest.approx(seen, rel=1e-4)
