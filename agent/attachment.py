@@ -26,7 +26,7 @@ from ampwatch.agent.record_triggers import RecordSettings
 from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
 from ampwatch.agent.session import CLOSE_FAILED, LoopWatch, StepItem
-from ampwatch.agent.settings import AgentSettings, make_run_id
+from ampwatch.agent.settings import CHECK_OUTPUTS, AgentSettings, make_run_id
 from ampwatch.agent.step_guard import GuardSettings, StepGuard, weights_finite
 from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
@@ -266,7 +266,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            offline: bool | None = None, flush_interval: float | None = None,
            max_batch_steps: int | None = None, resume: bool | None = None,
            step: int | None = None, record: Any = True, guard: Any = False,
-           mirror: Any = None) -> Attachment:
+           mirror: Any = None, check_outputs: str | None = None) -> Attachment:
     """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
 
     The optimizer is found at its first step when not given (the first whose parameters
@@ -299,6 +299,11 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     `SummaryWriter`, a wandb run or "wandb" (the active one), "mlflow" (the active run),
     "tensorboard:<dir>", or a list. Written from the agent's threads, never the training
     thread; a tracker that fails, hangs or is not installed is logged once and left out.
+    `check_outputs` (default `AMPWATCH_CHECK_OUTPUTS`, else "flagged"): on the CPU, an
+    unsampled step's layer outputs are searched for the first inf/NaN only when its loss
+    is inf/NaN, by replaying its forward (docs/agent.md, "Cheap by design");
+    "every_step" checks every output of every step, which also sees an overflow a later
+    op absorbed, at ~13% more elements read per step.
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -306,6 +311,8 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     check_labels(name, project, tags)
     record_settings = RecordSettings.parse(record)  # a caller's mistake raises
     guard_settings = GuardSettings.parse(guard)
+    if check_outputs not in (None, *CHECK_OUTPUTS):
+        raise ValueError(f"check_outputs must be one of {CHECK_OUTPUTS}, got {check_outputs!r}")
     if not enabled:
         return Attachment(run)
     try:
@@ -317,7 +324,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             run, name, server, rank=rank, world_size=world_size, sample_every=sample_every,
             sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
             flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
-            run_id_generated=generated or None, token=token)
+            run_id_generated=generated or None, token=token, check_outputs=check_outputs)
     except Exception as exc:  # noqa: BLE001
         _errors.report("attach", exc)
         return Attachment(run)

@@ -15,6 +15,7 @@ from ampwatch.wire import DEFAULT_SERVER
 from ampwatch.wire.spool import default_spool_dir
 
 DEFAULT_SPOOL_BYTES = 1 << 30
+CHECK_OUTPUTS = ("flagged", "every_step")
 _RUN_ID_BAD = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -43,6 +44,9 @@ class AgentSettings:
     exit_timeout_s: float = 5.0
     sample_every: int = 10
     sample_after_anomaly: int = 20
+    # "flagged": layer outputs are searched only on a step whose loss is inf/NaN (by
+    # replaying its forward); "every_step": every output checked on every step (the old cost)
+    check_outputs: str = "flagged"
     rank: int = 0
     world_size: int = 1
 
@@ -61,9 +65,14 @@ class AgentSettings:
             values["spool_max_bytes"] = int(env["AMPWATCH_SPOOL_MAX_BYTES"])
         if env.get("AMPWATCH_FLUSH_INTERVAL"):
             values["flush_interval_s"] = float(env["AMPWATCH_FLUSH_INTERVAL"])
+        if env.get("AMPWATCH_CHECK_OUTPUTS"):
+            values["check_outputs"] = env["AMPWATCH_CHECK_OUTPUTS"]
         if env.get("AMPWATCH_EXIT_TIMEOUT"):
             values["exit_timeout_s"] = float(env["AMPWATCH_EXIT_TIMEOUT"])
         values.update({k: v for k, v in overrides.items() if v is not None})
         if isinstance(values.get("spool_dir"), str):
             values["spool_dir"] = Path(values["spool_dir"])
+        if values.get("check_outputs", "flagged") not in CHECK_OUTPUTS:
+            raise ValueError(f"check_outputs must be one of {CHECK_OUTPUTS}, "
+                             f"got {values['check_outputs']!r}")
         return cls(**values)

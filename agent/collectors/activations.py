@@ -37,25 +37,19 @@ from ampwatch.agent.collectors.finite_checks import (
     SUM_CHECKED,
     Call,
     HostChecks,
+    first_float_tensor,
     first_nonfinite_call,
+)
+from ampwatch.agent.collectors.forward_search import (
+    HeldForward,
+    first_bad_output,
+    hold,
+    loss_is_bad,
 )
 from ampwatch.agent.layers import dtype_name
 from ampwatch.wire import encode_float_array
 
 compiling = torch.compiler.is_compiling  # traced hooks return at once: no graph break
-
-def first_float_tensor(output: Any) -> torch.Tensor | None:
-    if isinstance(output, torch.Tensor):
-        return output if output.is_floating_point() else None
-    if isinstance(output, list | tuple):
-        for item in output:
-            found = first_float_tensor(item)
-            if found is not None:
-                return found
-    if isinstance(output, dict):
-        return first_float_tensor(list(output.values()))
-    return None
-
 
 def largest(*values: float) -> float:
     """max() that propagates NaN (the builtin's result depends on argument order)."""
@@ -138,6 +132,10 @@ class ActivationCollector(Collector):
         self._sampled = False  # whether this step's forward is sampled (pre hooks are on)
         self._host_checks = False  # an unsampled step on the CPU: the hooks' fast path
         self._host = HostChecks()  # the fast path's verdicts
+        self._flagged = False  # CPU, check_outputs="flagged": the search runs on bad losses
+        self._search = False  # this step is unsampled and flagged: hold, search if bad
+        self._held: list[HeldForward] = []  # this step's training forwards, not yet judged
+        self._searched = False  # this step's forwards were searched (replayed)
         self._pre_hooks = SampledHooks(self._register_pre_hooks)  # sampled steps only
         self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
         self._calls: list[Call] = []
@@ -151,11 +149,20 @@ class ActivationCollector(Collector):
         self._absmax_slots = self.view.narrow(0, 0, self.n_layers)
         self._first_slot = self.view.narrow(0, self.n_layers, 1)
         self._pre_by_layer = [(layer.module, self._pre(layer.index)) for layer in session.layers]
-        self._hooks = [layer.module.register_forward_hook(self._post(layer.index))
-                       for layer in session.layers]
+        self._post_by_layer = [(layer.module, self._post(layer.index))
+                               for layer in session.layers]
+        self._layer_of = {id(layer.module): layer.index for layer in session.layers}
+        self._flagged = (session.host_reduce
+                         and getattr(session.settings, "check_outputs", "flagged") == "flagged")
+        # flagged: the post hooks too exist on sampled steps only (a healthy step runs none)
+        self._post_hooks = SampledHooks(self._register_post_hooks)
+        if not self._flagged:
+            self._hooks = self._register_post_hooks()
 
     def unbind(self) -> None:
         self._pre_hooks.remove()
+        self._post_hooks.remove()
+        self._held = []
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
@@ -166,13 +173,33 @@ class ActivationCollector(Collector):
 
     def on_next_step(self, step: int) -> None:
         sample = self.session.samples(step)
-        self._host_checks = self.session.host_reduce and not sample
+        self._host_checks = self.session.host_reduce and not sample and not self._flagged
+        self._search = self._flagged and not sample
         if sample != self._sampled:
             self._sampled = sample
             self._pre_hooks.want(sample)
+            if self._flagged:
+                self._post_hooks.want(sample)
 
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
         self._pre_hooks.ensure()
+        self._post_hooks.ensure()
+        if self._search and training:
+            self._held.append(hold(args, kwargs))
+
+    def on_backward_begin(self, loss: torch.Tensor | None) -> None:
+        held, self._held = self._held, []
+        if held and loss_is_bad(loss):
+            self._searched = True
+            module = self.session.inner  # a compiled model's eager module
+            for forward in held:
+                call = first_bad_output(module, forward, self._layer_of)
+                if call is not None:
+                    self._calls.append(call)
+                    break
+
+    def on_zero_grad(self) -> None:
+        self._held = []  # a forward whose loss was never backpropagated is not judged
 
     def on_forward_end(self, training: bool, output: Any) -> None:
         self._host.end_forward()
@@ -183,6 +210,9 @@ class ActivationCollector(Collector):
 
     def _register_pre_hooks(self) -> list[Any]:
         return [module.register_forward_pre_hook(pre) for module, pre in self._pre_by_layer]
+
+    def _register_post_hooks(self) -> list[Any]:
+        return [module.register_forward_hook(post) for module, post in self._post_by_layer]
 
     # the layer hooks run once or twice per layer per step: the guard is inlined, not a
     # wrapper, and they do as little as possible (the rest happens at close or on the worker)
@@ -249,9 +279,10 @@ class ActivationCollector(Collector):
         host = self._host
         host.end_forward()
         sealed = (self.sampling, self._calls, dict(self._tokens) if self._tokens else None,
-                  host.observed)
+                  host.observed or self._searched)
         self._calls = []
-        host.observed = False
+        host.observed = self._searched = False
+        self._held = []
         self._starts.clear()
         self._tokens.clear()
         return sealed

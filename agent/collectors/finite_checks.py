@@ -33,6 +33,21 @@ FINITE_PRESERVING = frozenset({nn.ReLU, nn.ReLU6, nn.GELU, nn.SiLU, nn.Mish, nn.
                                nn.Sigmoid, nn.Hardtanh, nn.Softmax})
 
 
+def first_float_tensor(output: Any) -> torch.Tensor | None:
+    """The first floating tensor of a module's output (a tensor, or nested in a tuple,
+    list or dict)."""
+    if isinstance(output, torch.Tensor):
+        return output if output.is_floating_point() else None
+    if isinstance(output, list | tuple):
+        for item in output:
+            found = first_float_tensor(item)
+            if found is not None:
+                return found
+    if isinstance(output, dict):
+        return first_float_tensor(list(output.values()))
+    return None
+
+
 def finite_check(tensor: torch.Tensor) -> tuple[float, float]:
     """Host tensors only (reads a value): FINITE when the sum is finite, which needs every
     element finite; otherwise the exact (min, max), since a sum of finite values can

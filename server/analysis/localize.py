@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ampwatch.server.analysis.context import RunContext, step_rows
+from ampwatch.server.analysis.context import LayerTable, RunContext, step_rows
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.series import FIELD_INDEX, MISSING, StepSeries
 
@@ -32,7 +32,8 @@ class Localization:
     forward_observed: the step's layer outputs were checked (flag or sample), so a
         NO_LAYER there means every output was finite.
     grad_layer: the layer whose grads went non-finite first, i.e. the last in forward
-        order among those with non-finite grads (backward runs in reverse), else NO_LAYER.
+        order among those with non-finite grads (backward runs in reverse), else NO_LAYER;
+        layers sharing a tied parameter decide only when no other layer's grads are bad.
     grad_bad: (n, L) which layers had non-finite grads, or None without per-layer grads.
     """
 
@@ -86,7 +87,13 @@ def localize(series: StepSeries, run: RunContext) -> Localization:
         grad_bad = ~np.isfinite(series.layer_grad)
         any_bad = grad_bad.any(axis=1)
         if any_bad.any():
-            ranked = np.where(grad_bad[any_bad], position, -1)
+            # a tied parameter's grad is accumulated from all its uses, the last at the end
+            # of backward: it is evidence, never the verdict, unless nothing else is bad
+            tied = tied_layers(run.table, n_layers)
+            untied_bad = grad_bad[any_bad] & ~tied
+            deciding = np.where(untied_bad.any(axis=1)[:, None], untied_bad,
+                                grad_bad[any_bad])
+            ranked = np.where(deciding, position, -1)
             grad_layer[any_bad] = ranked.argmax(axis=1)
 
     cause = np.full(n, UNKNOWN, dtype=np.int64)
@@ -100,6 +107,13 @@ def localize(series: StepSeries, run: RunContext) -> Localization:
                         grad_layer=grad_layer, forward_observed=forward_observed,
                         grad_nonfinite=grad_nonfinite, loss_nonfinite=loss_bad,
                         input_nonfinite=input_bad, grad_bad=grad_bad)
+
+
+def tied_layers(table: LayerTable, n_layers: int) -> np.ndarray:
+    """Per layer, whether it holds a parameter another layer holds too (a tied LM head,
+    `attrs["tied_to"]`, and the layer it is tied to)."""
+    tied_to = {x.attrs.get("tied_to") for x in table.layers} - {None}
+    return table.mask(lambda x: bool(x.attrs.get("tied_to")) or x.name in tied_to, n_layers)
 
 
 def offending_layer(loc: Localization, rows: np.ndarray, cause: int) -> int:

@@ -255,7 +255,8 @@ def test_first_nonfinite_layer_on_every_step_matches_a_reference_hook(attach, of
         lambda m, a, out, i=layer.index: reference(i, out)) for layer in layers]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
-    attachment = attach(model, scaler, sample_every=100, sample_after_anomaly=0)
+    attachment = attach(model, scaler, sample_every=100, sample_after_anomaly=0,
+                        check_outputs="every_step")
     last = model[3]
 
     def on_step(i: int, *args) -> None:
@@ -301,7 +302,8 @@ def test_first_nonfinite_layer_in_bf16_and_fp32_between_samples(attach, offline:
 
     injectors = [layer.module.register_forward_hook(
         lambda m, a, out, i=layer.index: injector(i, out)) for layer in layers]
-    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0,
+                        check_outputs="every_step")
     first_bad: dict[int, int | None] = {}
     overflowing_sums: set[int] = set()
 
@@ -377,7 +379,8 @@ def poisoned_steps(attach, offline: Path, model: nn.Module, monkeypatch: pytest.
 
     handles = [layer.module.register_forward_hook(
         lambda m, a, out, i=layer.index: reference(i, out)) for layer in discover_layers(model)]
-    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0,
+                        check_outputs="every_step")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for i, (x, y) in enumerate(batches(6, bad=lambda i: "inf" if i == 2 else None)):
         step["i"], model.poison = i, i == 4

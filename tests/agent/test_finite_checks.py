@@ -1,6 +1,7 @@
 """Between samples on the CPU, the first offender at every position of a chain of layers,
 with the truth taken by replaying each batch through the Sequential's children before
-the step (agent/collectors/finite_checks.py)."""
+the step: every output checked (check_outputs="every_step", finite_checks.py), or only the
+forwards of steps whose loss went inf/NaN, replayed (the default, forward_search.py)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,8 @@ def test_first_offender_at_every_position_of_a_chain(attach, offline: Path,
 
     monkeypatch.setattr(finite_checks, "finite_check", counted)
     model[2].register_forward_pre_hook(poison_input)
-    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0,
+                        check_outputs="every_step")
     clean = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     truth: dict[int, int | None] = {}
@@ -99,7 +101,7 @@ def test_sampling_off_still_checks_by_sums(attach, offline: Path,
     check = finite_checks.finite_check
     monkeypatch.setattr(finite_checks, "finite_check", lambda t: sums.append(1) or check(t))
     model = chain_model()
-    attachment = attach(model, sample_every=0)
+    attachment = attach(model, sample_every=0, check_outputs="every_step")
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     for x, y in batches(2):
         nn.functional.mse_loss(model(x), y).backward()
@@ -109,3 +111,44 @@ def test_sampling_off_still_checks_by_sums(attach, offline: Path,
     assert len(sums) == 10  # 5 a step, as in the test above
     assert [s["first_nonfinite_layer"] for s in spooled_steps(offline, attachment.run_id)] \
         == [None, None]
+
+
+def test_flagged_steps_are_searched_and_healthy_ones_read_no_output(
+        attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default: an unsampled step reads no layer output; a step whose loss is inf/NaN
+    is replayed and its first offender named exactly. The overflow the ReLU absorbs (step
+    4: the loss stays finite) is not looked for: that step says nothing of its outputs."""
+    model = chain_model()
+    checks: dict[int, int] = {}
+    step = {"i": 0}
+    check = finite_checks.finite_check
+
+    def counted(tensor: torch.Tensor) -> tuple[float, float]:
+        checks[step["i"]] = checks.get(step["i"], 0) + 1
+        return check(tensor)
+
+    monkeypatch.setattr(finite_checks, "finite_check", counted)
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    clean = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    truth: dict[int, int | None] = {}
+    loss_bad: dict[int, bool] = {}
+    for i, (x, y) in enumerate(batches(9)):
+        step["i"] = i
+        poison(model, i)
+        truth[i] = first_bad_child(model, x)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss_bad[i] = not math.isfinite(loss.item())
+        loss.backward()
+        optimizer.zero_grad()
+        optimizer.step()
+        model.load_state_dict(clean)
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert [i for i, bad in loss_bad.items() if bad] == [2, 3, 5, 6]
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == {
+        i: truth[i] if loss_bad[i] else None for i in range(9)}
+    assert [s["forward_nonfinite"] for s in steps[1:]] == [
+        (truth[i] is not None) if loss_bad[i] else None for i in range(1, 9)]
+    assert steps[0]["forward_nonfinite"] is False  # step 0 is sampled: every output read
+    assert not any(checks.get(i) for i in (1, 4, 7, 8))  # finite losses: nothing read
