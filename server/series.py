@@ -15,40 +15,15 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ampwatch.wire import steps as step_fields
+
 MISSING = np.float32(-1.0)
 
-# Order is the storage format (see Batch.format); append only, never reorder.
-SCALAR_FIELDS: tuple[str, ...] = (
-    "step",
-    "loss_scale",
-    "scale_after",
-    "skipped",
-    "grad_norm",
-    "grad_norm_clipped",
-    "loss",
-    "lr",
-    "t_forward_ms",
-    "t_backward_ms",
-    "t_optimizer_ms",
-    "t_step_ms",
-    "peak_mem_bytes",
-    "input_nonfinite",
-    "autocast_dtype",
-    "scheduler_steps",
-    "scaler_updates",
-    "clip_before_unscale",
-    "eval_forwards",
-    "eval_forwards_no_autocast",
-    "forward_nonfinite",
-    "first_nonfinite_layer",
-)
+# Order is the storage format (see Batch.format): wire/steps.py declares them, append only
+SCALAR_FIELDS: tuple[str, ...] = step_fields.names()
 FIELD_INDEX = {name: i for i, name in enumerate(SCALAR_FIELDS)}
-BOOL_FIELDS = frozenset({"skipped", "input_nonfinite", "clip_before_unscale",
-                         "forward_nonfinite"})
-INT_FIELDS = frozenset(
-    {"step", "scheduler_steps", "scaler_updates", "eval_forwards", "eval_forwards_no_autocast",
-     "first_nonfinite_layer"}
-)
+BOOL_FIELDS = frozenset(step_fields.names("bool"))
+INT_FIELDS = frozenset(step_fields.names("count", "step", "layer"))
 
 # dtype names <-> small integer codes (0 = none / missing).
 DTYPES: tuple[str, ...] = (
