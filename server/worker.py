@@ -299,7 +299,8 @@ def settle(maker: sessionmaker, worker: AnalysisWorker | None, wait_s: float,
         if worker is not None:
             worker.wake()
             worker.wait_idle(min(left, 1.0))
-        time.sleep(min(left, 0.01))  # what is left belongs to another process's worker
+        # what is left belongs to another process's worker, which polls the queue itself
+        time.sleep(min(left, 0.01 if worker is not None else 0.1))
 
 
 def run_worker(settings: Settings, stop: threading.Event, *, poll_s: float = 1.0,
