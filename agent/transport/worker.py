@@ -27,7 +27,7 @@ from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.spool import Spool
 
 if TYPE_CHECKING:
-    from ampwatch.agent.session import StepItem
+    from ampwatch.agent.loop_watch import StepItem
 
 
 @dataclass
