@@ -20,12 +20,12 @@ from ampwatch.agent.distributed import shared_run_id
 from ampwatch.agent.environment import describe_run, distributed_rank, environment, run_body
 from ampwatch.agent.fp8 import find_fp8_layers
 from ampwatch.agent.layers import discover_layers
+from ampwatch.agent.loop_watch import CLOSE_FAILED, LoopWatch, StepItem
 from ampwatch.agent.mirror import Mirror, resolve_trackers
 from ampwatch.agent.mirror.incidents import IncidentWatch
 from ampwatch.agent.record_triggers import RecordSettings
 from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
-from ampwatch.agent.session import CLOSE_FAILED, LoopWatch, StepItem
 from ampwatch.agent.settings import CHECK_OUTPUTS, AgentSettings, make_run_id
 from ampwatch.agent.step_guard import GuardSettings, StepGuard, weights_finite
 from ampwatch.agent.transport.sender import Sender

@@ -31,11 +31,11 @@ from sqlalchemy import delete, insert, select
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from ingest import _drop_postgres, _fresh_postgres, layer_table, make_template  # noqa: E402
 
-from ampwatch.server.analysis.windows import RankWindows  # noqa: E402
+from ampwatch.server.analysis.window_cache import RankWindows  # noqa: E402
+from ampwatch.server.analysis_worker import AnalysisWorker  # noqa: E402
 from ampwatch.server.app import close_app, create_app  # noqa: E402
 from ampwatch.server.models import AnalysisTask, Finding  # noqa: E402
 from ampwatch.server.settings import Settings  # noqa: E402
-from ampwatch.server.worker import AnalysisWorker  # noqa: E402
 
 RUN_ID = "worker-drain"
 STEPS = 20

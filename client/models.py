@@ -16,6 +16,7 @@ from functools import cache
 from typing import Any, Self, TypeVar
 
 from ampwatch.wire import decode_float, decode_tree, encode_tree
+from ampwatch.wire.steps import STEP_FIELDS
 
 T = TypeVar("T")
 SEVERITIES = ("info", "warning", "critical")
@@ -126,34 +127,17 @@ class Run(Model):
     ranks: list[RankTotals] = dataclasses.field(default_factory=list)
 
 
-@dataclasses.dataclass(frozen=True)
-class Step(Model):
-    """One optimizer step of one rank (docs/wire-format.md explains each field)."""
-
-    rank: int
-    step: int
-    loss_scale: float | None = None
-    scale_after: float | None = None
-    skipped: bool | None = None
-    guarded: str | None = None
-    grad_norm: float | None = None
-    grad_norm_clipped: float | None = None
-    loss: float | None = None
-    lr: float | None = None
-    t_forward_ms: float | None = None
-    t_backward_ms: float | None = None
-    t_optimizer_ms: float | None = None
-    t_step_ms: float | None = None
-    peak_mem_bytes: float | None = None
-    input_nonfinite: bool | None = None
-    forward_nonfinite: bool | None = None
-    first_nonfinite_layer: int | None = None
-    autocast_dtype: str | None = None
-    scheduler_steps: int | None = None
-    scaler_updates: int | None = None
-    clip_before_unscale: bool | None = None
-    eval_forwards: int | None = None
-    eval_forwards_no_autocast: int | None = None
+# a step's scalars, from their one declaration (wire/steps.py); `rank` first
+_STEP_TYPES: dict[str, type] = {"float": float, "bool": bool, "count": int, "step": int,
+                                "layer": int, "dtype": str, "guard": str}
+Step = dataclasses.make_dataclass(
+    "Step", [("rank", int), ("step", int),
+             *((f.name, _STEP_TYPES[f.type] | None, dataclasses.field(default=None))
+               for f in STEP_FIELDS if f.name != "step")],
+    bases=(Model,), frozen=True)
+Step.__module__ = __name__  # make_dataclass's module= is Python 3.12's
+Step.__doc__ = """One optimizer step of one rank: `rank`, `step` and every per-step scalar
+of wire/steps.py (docs/wire-format.md explains each field)."""
 
 
 @dataclasses.dataclass(frozen=True)

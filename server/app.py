@@ -20,6 +20,7 @@ from starlette.types import Scope
 
 from ampwatch.server import __version__, metrics, pages
 from ampwatch.server.alerts import AlertService
+from ampwatch.server.analysis_worker import AnalysisWaitMiddleware, embedded_worker
 from ampwatch.server.api import (
     alerts,
     batches,
@@ -54,7 +55,6 @@ from ampwatch.server.middleware import (
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import BatchIn, RunUpsert
 from ampwatch.server.settings import Settings
-from ampwatch.server.worker import AnalysisWaitMiddleware, embedded_worker
 
 PARSER_THREADS = 2
 

@@ -16,7 +16,7 @@ from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.store import refresh_run_health
-from ampwatch.server.analysis.windows import BatchKey
+from ampwatch.server.analysis.window_cache import BatchKey
 from ampwatch.server.analysis_queue import enqueue
 from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import PerDialect, writing
@@ -256,7 +256,7 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
 def _analyse(session: Session, target: _Target, batch: BatchIn, stored: _Stored,
              folded: _Folded, settings: Settings) -> bool:
     """Hand the batch to the detectors: a task on the analysis queue, in this transaction
-    (server/worker.py judges it off the request path), with what the rank's judgement
+    (server/analysis_worker.py judges it off the request path), with what the rank's judgement
     depends on as this request saw it. False when there is nothing to judge."""
     # a batch holding only the detach's "finished" event has nothing to analyse (an empty
     # window would look like every condition had ended)

@@ -370,7 +370,7 @@ class Bundle(Base):
 
 
 class AnalysisTask(Base):
-    """A stored batch waiting for the detectors (server/worker.py), enqueued in the batch's
+    """A stored batch waiting for the detectors (server/analysis_worker.py), enqueued in the batch's
     own transaction and deleted in the transaction that writes its findings. Carries what
     ingest knew about the rank when it stored the batch, so the worker judges it as the
     request would have."""

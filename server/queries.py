@@ -80,15 +80,15 @@ def _step_rows(series: StepSeries, rank: int) -> list[dict]:
         elif name == "autocast_dtype":
             col = [DTYPES[int(v)] or None if p else None
                    for v, p in zip(values.tolist(), present.tolist(), strict=True)]
+        elif name == "guarded":
+            col = [guard_reason(v) if p else None
+                   for v, p in zip(values.tolist(), present.tolist(), strict=True)]
         elif name in INT_FIELDS:
             col = [int(v) if p else None for v, p in zip(values.tolist(), present.tolist(),
                                                          strict=True)]
         else:
             col = encode_float_array(values, missing=~present)
         columns[name] = col
-        if name == "skipped":
-            columns["guarded"] = [guard_reason(v) if p else None
-                                  for v, p in zip(values.tolist(), present.tolist(), strict=True)]
     names = list(columns)
     return [
         {"rank": rank, **dict(zip(names, row, strict=True))}

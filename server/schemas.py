@@ -11,6 +11,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    create_model,
     field_validator,
     model_validator,
 )
@@ -31,6 +32,7 @@ from ampwatch.server.fields import (
 )
 from ampwatch.server.series import DTYPES
 from ampwatch.wire import GUARD_REASONS, LABEL_MAX_CHARS
+from ampwatch.wire.steps import STEP_FIELDS, StepField
 
 DtypeName = Literal[tuple(name for name in DTYPES if name)]  # type: ignore[valid-type]
 GuardReason = Literal[GUARD_REASONS]  # type: ignore[valid-type]
@@ -230,35 +232,37 @@ class SpikesIn(Strict):
     logit_lse: PerLayer | None = None
 
 
-class StepIn(Strict):
-    step: integer(0, MAX_STEP)
-    loss_scale: WireFloat | None = None
-    scale_after: WireFloat | None = None
-    skipped: bool | None = None
-    guarded: GuardReason | None = None  # the step guard left the step out (skipped)
-    grad_norm: WireFloat | None = None
-    grad_norm_clipped: WireFloat | None = None
-    loss: WireFloat | None = None
-    lr: WireFloat | None = None
-    t_forward_ms: WireFloat | None = None
-    t_backward_ms: WireFloat | None = None
-    t_optimizer_ms: WireFloat | None = None
-    t_step_ms: WireFloat | None = None
-    peak_mem_bytes: WireFloat | None = None
-    input_nonfinite: bool | None = None
-    forward_nonfinite: bool | None = None
-    first_nonfinite_layer: integer(0, MAX_LAYERS) | None = None
-    autocast_dtype: DtypeName | None = None
-    scheduler_steps: Count | None = None
-    scaler_updates: Count | None = None
-    clip_before_unscale: bool | None = None
-    eval_forwards: Count | None = None
-    eval_forwards_no_autocast: Count | None = None
-    layer_grad_norm: PerLayer | None = None
-    layer_grad_zero_share: PerLayer | None = None
-    activations: ActivationsIn | None = None
-    fp8: Fp8In | None = None
-    spikes: SpikesIn | None = None
+# Per-step scalars as they arrive and as they are answered, from their one declaration
+# (wire/steps.py); the per-layer vectors follow them in StepIn.
+_IN_TYPES: dict[str, Any] = {"float": WireFloat, "bool": bool, "count": Count,
+                             "step": integer(0, MAX_STEP), "layer": integer(0, MAX_LAYERS),
+                             "dtype": DtypeName, "guard": GuardReason}
+_PUBLIC_TYPES: dict[str, Any] = {"float": WireNumber, "bool": bool, "count": int, "step": int,
+                                 "layer": int, "dtype": str, "guard": str}
+
+
+def _step_in_field(f: StepField) -> tuple[Any, Any]:
+    kind = _IN_TYPES[f.type]
+    return (kind, ...) if f.type == "step" else (kind | None, None)
+
+
+def _step_public_field(f: StepField) -> tuple[Any, Any]:
+    kind = _PUBLIC_TYPES[f.type]
+    if f.type == "step":
+        return kind, ...
+    return kind | None, None if f.optional else ...
+
+
+StepIn = create_model(
+    "StepIn", __base__=Strict, __module__=__name__,
+    __doc__="One step record (docs/wire-format.md): the declared scalars, then per layer.",
+    **{f.name: _step_in_field(f) for f in STEP_FIELDS},
+    layer_grad_norm=(PerLayer | None, None),
+    layer_grad_zero_share=(PerLayer | None, None),
+    activations=(ActivationsIn | None, None),
+    fp8=(Fp8In | None, None),
+    spikes=(SpikesIn | None, None),
+)
 
 
 class EventIn(Strict):
@@ -296,33 +300,13 @@ class BatchAck(BaseModel):
     stored_steps: int
 
 
-class StepPublic(BaseModel):
-    """One step; every field of StepIn but the per-layer vectors, plus the rank."""
-
-    rank: int
-    step: int
-    loss_scale: WireNumber | None
-    scale_after: WireNumber | None
-    skipped: bool | None
-    guarded: str | None = None
-    grad_norm: WireNumber | None
-    grad_norm_clipped: WireNumber | None
-    loss: WireNumber | None
-    lr: WireNumber | None
-    t_forward_ms: WireNumber | None
-    t_backward_ms: WireNumber | None
-    t_optimizer_ms: WireNumber | None
-    t_step_ms: WireNumber | None
-    peak_mem_bytes: WireNumber | None
-    input_nonfinite: bool | None
-    forward_nonfinite: bool | None = None
-    first_nonfinite_layer: int | None = None
-    autocast_dtype: str | None
-    scheduler_steps: int | None
-    scaler_updates: int | None
-    clip_before_unscale: bool | None
-    eval_forwards: int | None
-    eval_forwards_no_autocast: int | None
+StepPublic = create_model(
+    "StepPublic", __module__=__name__,
+    __doc__="One step; every declared scalar of StepIn (not the per-layer vectors), and the "
+            "rank.",
+    rank=(int, ...),
+    **{f.name: _step_public_field(f) for f in STEP_FIELDS},
+)
 
 
 class StepsPublic(BaseModel):

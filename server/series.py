@@ -16,41 +16,15 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ampwatch.wire import GUARD_REASONS
+from ampwatch.wire import steps as step_fields
 
 MISSING = np.float32(-1.0)
 
-# Order is the storage format (see Batch.format); append only, never reorder.
-SCALAR_FIELDS: tuple[str, ...] = (
-    "step",
-    "loss_scale",
-    "scale_after",
-    "skipped",
-    "grad_norm",
-    "grad_norm_clipped",
-    "loss",
-    "lr",
-    "t_forward_ms",
-    "t_backward_ms",
-    "t_optimizer_ms",
-    "t_step_ms",
-    "peak_mem_bytes",
-    "input_nonfinite",
-    "autocast_dtype",
-    "scheduler_steps",
-    "scaler_updates",
-    "clip_before_unscale",
-    "eval_forwards",
-    "eval_forwards_no_autocast",
-    "forward_nonfinite",
-    "first_nonfinite_layer",
-)
+# Order is the storage format (see Batch.format): wire/steps.py declares them, append only
+SCALAR_FIELDS: tuple[str, ...] = step_fields.names()
 FIELD_INDEX = {name: i for i, name in enumerate(SCALAR_FIELDS)}
-BOOL_FIELDS = frozenset({"skipped", "input_nonfinite", "clip_before_unscale",
-                         "forward_nonfinite"})
-INT_FIELDS = frozenset(
-    {"step", "scheduler_steps", "scaler_updates", "eval_forwards", "eval_forwards_no_autocast",
-     "first_nonfinite_layer"}
-)
+BOOL_FIELDS = frozenset(step_fields.names("bool"))
+INT_FIELDS = frozenset(step_fields.names("count", "step", "layer"))
 
 # dtype names <-> small integer codes (0 = none / missing).
 DTYPES: tuple[str, ...] = (
@@ -70,13 +44,12 @@ COMPRESSED_FORMAT = 2  # the same, each compressed (server/codec.py): what is st
 
 
 def guard_code(reason: str) -> int:
-    """A step guard reason's code (1..): stored in the skipped column as 1 + code."""
+    """A step guard reason's stored code (1..; 0 is none)."""
     return GUARD_REASONS.index(reason) + 1
 
 
-def guard_reason(skipped_value: float) -> str | None:
-    code = int(skipped_value) - 1
-    return GUARD_REASONS[code - 1] if 1 <= code <= len(GUARD_REASONS) else None
+def guard_reason(code: float) -> str | None:
+    return GUARD_REASONS[int(code) - 1] if 1 <= code <= len(GUARD_REASONS) else None
 
 
 def dtype_name(code: int) -> str | None:
@@ -129,9 +102,8 @@ class StepSeries:
     @property
     def guarded(self) -> np.ndarray:
         """Per step, the step guard's reason code (0: not left out by the guard)."""
-        i = FIELD_INDEX["skipped"]
-        return np.where(self.present[:, i] & (self.scalars[:, i] > 1),
-                        self.scalars[:, i] - 1, 0).astype(np.int64)
+        i = FIELD_INDEX["guarded"]
+        return np.where(self.present[:, i], self.scalars[:, i], 0).astype(np.int64)
 
     @classmethod
     def empty(cls, n_layers: int) -> StepSeries:

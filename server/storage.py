@@ -80,8 +80,8 @@ def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
                 continue
             if name == "autocast_dtype":
                 v = DTYPE_CODE[v]
-            elif name == "skipped" and s.guarded is not None:
-                v = 1 + guard_code(s.guarded)  # still skipped; the value keeps the reason
+            elif name == "guarded":
+                v = guard_code(v)
             scalars[i, j] = float(v)
             present[i, j] = True
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import inspect
 import re
 from pathlib import Path
+from typing import get_args
 
 import pytest
 
@@ -67,3 +68,41 @@ def test_fp8_layout_matches_the_server_schema():
 
     assert tuple(Fp8In.model_fields) == wire.FP8_ROLES
     assert tuple(Fp8TensorIn.model_fields) == wire.FP8_STATS
+
+
+# the storage order of the per-step scalars when they got one declaration: append only
+STORED_SCALARS = (
+    "step", "loss_scale", "scale_after", "skipped", "grad_norm", "grad_norm_clipped", "loss",
+    "lr", "t_forward_ms", "t_backward_ms", "t_optimizer_ms", "t_step_ms", "peak_mem_bytes",
+    "input_nonfinite", "autocast_dtype", "scheduler_steps", "scaler_updates",
+    "clip_before_unscale", "eval_forwards", "eval_forwards_no_autocast", "forward_nonfinite",
+    "first_nonfinite_layer")
+
+
+def test_every_step_field_consumer_follows_its_one_declaration():
+    """wire/steps.py declares each per-step scalar once; every consumer takes its list
+    from there, and a consumer that fell out of step fails here."""
+    import dataclasses
+
+    from ampwatch.client.models import Step
+    from ampwatch.server import series
+    from ampwatch.server.pages.columns import StepColumns
+    from ampwatch.server.pages.views import overview_figures
+    from ampwatch.server.schemas import StepIn, StepPublic
+    from ampwatch.wire.steps import STEP_FIELDS, Chart, doc_row, names
+
+    declared = names()
+    assert len(set(declared)) == len(declared)
+    assert declared[:len(STORED_SCALARS)] == STORED_SCALARS, "the storage order changed"
+    assert declared == series.SCALAR_FIELDS
+    assert {f.name for f in STEP_FIELDS if f.type == "bool"} == series.BOOL_FIELDS
+    assert tuple(StepIn.model_fields)[:len(declared)] == declared
+    assert tuple(StepPublic.model_fields) == ("rank", *declared)
+    assert tuple(f.name for f in dataclasses.fields(Step)) == ("rank", *declared)
+    assert tuple(f.name for f in STEP_FIELDS if f.chart) == StepColumns.FIELDS
+    # every chart a field may name is one the run page draws
+    drawn = set(re.findall(r'"(\w+)": |charts\["(\w+)"\]', inspect.getsource(overview_figures)))
+    assert set(get_args(Chart)) <= {a or b for a, b in drawn}
+    doc = (ROOT / "docs" / "wire-format.md").read_text()
+    missing = [f.name for f in STEP_FIELDS if doc_row(f) not in doc]
+    assert not missing, f"docs/wire-format.md's step table lacks doc_row() of {missing}"

@@ -1,6 +1,7 @@
 """What the agent, the server and the client must agree on, in one place: the run id
 pattern and label limits (`runs`), the wire encoding of non-finite floats (`floats`),
-names inside a batch (`batch`), and the spool's file format (`spool`).
+names inside a batch (`batch`), the per-step scalars (`steps`), and the spool's file format
+(`spool`).
 
 Imports nothing beyond the standard library and numpy, so the agent, the server and the
 client may all import it (docs/architecture.md, "The walls").

@@ -16,7 +16,7 @@ import torch
 
 if TYPE_CHECKING:
     from ampwatch.agent.buffer import StepBuffer
-    from ampwatch.agent.session import LoopWatch
+    from ampwatch.agent.loop_watch import LoopWatch
 
 EVENTS = ("on_forward_begin", "on_forward_end", "on_backward_begin", "on_backward_end",
           "on_zero_grad", "on_loss_logged", "on_scale", "on_grads", "on_clip_begin",
@@ -69,7 +69,7 @@ class Collector:
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
         """Add this collector's fields to `record` (worker thread)."""
 
-    # events (training thread); see agent.session for when each fires
+    # events (training thread); see agent.loop_watch for when each fires
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None: ...
     def on_forward_end(self, training: bool, output: Any) -> None: ...
     # the model's own backwards only (agent/attribution.py); `loss` is the unscaled loss

@@ -27,8 +27,8 @@ from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.spool import Spool
 
 if TYPE_CHECKING:
+    from ampwatch.agent.loop_watch import StepItem
     from ampwatch.agent.mirror import Mirror
-    from ampwatch.agent.session import StepItem
 
 
 @dataclass

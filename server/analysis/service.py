@@ -15,7 +15,7 @@ from ampwatch.server.analysis.registry import Inputs, run_detectors
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.store import apply_detections, refresh_run_health, update_run_health
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.analysis.windows import RankWindows
+from ampwatch.server.analysis.window_cache import RankWindows
 from ampwatch.server.fp8_samples import load_fp8_window
 from ampwatch.server.models import Batch, Run, RunRank
 from ampwatch.server.series import StepSeries, concat
@@ -100,7 +100,7 @@ def on_ingest(session: Session, run: Run, rank: int, batch: StepSeries,
     commits). rank_last_step: the rank's last step before this batch (None when it had
     none); current: the batch held the rank's newest steps when it was stored; fp8,
     spikes: it stored FP8 or spike samples. windows: the rank windows held in memory
-    (server/analysis/windows.py); without, the history is read from storage.
+    (server/analysis/window_cache.py); without, the history is read from storage.
 
     Reads the rank's last `history_steps` before the batch, runs the step detectors (and
     the setup ones on rank 0) on them plus the batch, upserts findings and updates

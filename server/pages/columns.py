@@ -15,6 +15,7 @@ import numpy as np
 from ampwatch.server.queries import with_events
 from ampwatch.server.responses import FloatRows
 from ampwatch.wire import decode_float
+from ampwatch.wire import steps as step_fields
 
 
 def decode_values(values: list) -> tuple[np.ndarray, np.ndarray]:
@@ -56,8 +57,7 @@ class StepColumns:
     values: dict[str, np.ndarray] = field(default_factory=dict)
     present: dict[str, np.ndarray] = field(default_factory=dict)
 
-    FIELDS = ("loss_scale", "scale_after", "grad_norm", "loss", "lr", "t_forward_ms",
-              "t_backward_ms", "t_optimizer_ms", "t_step_ms", "peak_mem_bytes")
+    FIELDS = step_fields.charted()  # the scalars a chart draws (wire/steps.py)
 
     @classmethod
     def from_items(cls, label: str, items: list[dict]) -> StepColumns:

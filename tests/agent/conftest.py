@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ampwatch import agent
-from ampwatch.agent.session import LoopWatch
+from ampwatch.agent.loop_watch import LoopWatch
 from tests.conftest import agent_errors_fail
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ampwatch.agent.session import LoopWatch
+from ampwatch.agent.loop_watch import LoopWatch
 from ampwatch.replay import load
 from ampwatch.replay.cli import replay_report
 from tests.agent.factories import spooled_steps

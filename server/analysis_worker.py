@@ -5,7 +5,7 @@ It runs as `ampwatch worker` processes (server/cli.py) beside any number of serv
 as a thread inside each server unless `embedded_worker` is off (the embedded SQLite
 default keeps its two-command start). Each claim takes one run's oldest batches, judges
 them in order, writes their findings and deletes them in one transaction. Recent rank
-windows stay in memory (server/analysis/windows.py) and are rebuilt from storage by the
+windows stay in memory (server/analysis/window_cache.py) and are rebuilt from storage by the
 same path after a restart. `pending_batches` (re-exported here) is the queue depth that
 back-pressure reads.
 """
@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ampwatch.server import analysis, combined
-from ampwatch.server.analysis.windows import RankWindows
+from ampwatch.server.analysis.window_cache import RankWindows
 from ampwatch.server.analysis_queue import (
     ENQUEUED,
     claim,
@@ -299,7 +299,8 @@ def settle(maker: sessionmaker, worker: AnalysisWorker | None, wait_s: float,
         if worker is not None:
             worker.wake()
             worker.wait_idle(min(left, 1.0))
-        time.sleep(min(left, 0.01))  # what is left belongs to another process's worker
+        # what is left belongs to another process's worker, which polls the queue itself
+        time.sleep(min(left, 0.01 if worker is not None else 0.1))
 
 
 def run_worker(settings: Settings, stop: threading.Event, *, poll_s: float = 1.0,
