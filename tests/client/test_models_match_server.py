@@ -62,6 +62,5 @@ def test_every_step_field_is_accepted_stored_and_returned():
     from ampwatch.server.series import SCALAR_FIELDS
 
     per_layer = {"layer_grad_norm", "layer_grad_zero_share", "activations", "fp8", "spikes"}
-    in_skipped = {"guarded"}  # stored in the skipped column (1 + its code)
-    assert set(schemas.StepIn.model_fields) - per_layer - in_skipped == set(SCALAR_FIELDS)
-    assert set(schemas.StepPublic.model_fields) == {"rank", *SCALAR_FIELDS, *in_skipped}
+    assert set(schemas.StepIn.model_fields) - per_layer == set(SCALAR_FIELDS)
+    assert set(schemas.StepPublic.model_fields) == {"rank", *SCALAR_FIELDS}

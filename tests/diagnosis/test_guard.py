@@ -14,6 +14,7 @@ from torch import nn
 
 from ampwatch import agent
 from tests.diagnosis.scenarios import Mlp
+from tests.utils import WAIT
 
 # the spike after the server's 50-step spike reference (its pre-check starts there)
 STEPS, POISON, SPIKE = 80, 8, 60
