@@ -45,7 +45,7 @@ def test_guarded_steps_are_stored_skipped_with_their_reason_and_the_incident_say
 
     with httpx.Client(base_url=f"{server.url}/api/v1", timeout=30) as api:
         steps = api.get(f"/runs/{run_id}/steps").json()["items"]
-        findings = api.get(f"/runs/{run_id}/findings").json()["items"]
+        findings = api.get(f"/runs/{run_id}/findings", params=WAIT).json()["items"]
         incidents = api.get(f"/runs/{run_id}/incidents", params=WAIT).json()["items"]
         run = api.get(f"/runs/{run_id}", params=WAIT).json()
     assert len(steps) == STEPS
