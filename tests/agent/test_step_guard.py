@@ -16,6 +16,7 @@ from torch import nn
 
 from ampwatch.agent.step_guard import GuardSettings, GuardStop
 from tests.agent.factories import batches, mlp, spooled_steps
+from tests.agent.test_hot_path import sync_calls  # noqa: F401  (a fixture)
 
 STEPS, BAD = 10, 6
 
@@ -220,3 +221,29 @@ def test_a_closure_step_is_guarded_too(attach, offline: Path, optimizer_name: st
     steps = spooled_steps(offline, attachment.run_id)
     assert [(s["step"], s["guarded"]) for s in steps if s["skipped"]] == [
         (BAD, "nonfinite_loss")]
+
+
+@pytest.mark.parametrize(("mode", "reads"), [("found_inf", 0), ("select", 0), ("sync", 1)])
+def test_the_guard_reads_the_host_only_in_sync_mode(attach, offline: Path, sync_calls,  # noqa: F811
+                                                    mode: str, reads: int) -> None:
+    """After the first step (which creates Adam's state, so is decided on the host), the
+    guard adds no syncing call to the agent's own on the training thread (on the CPU the
+    agent reads host tensors there, which waits for nothing), but one read a step in sync
+    mode. (A bad step would change what the agent itself reads, so the runs are healthy:
+    the guard's decision takes the same device ops either way.)"""
+    from collections import Counter
+
+    def counted(guard: Any) -> Counter[str]:
+        model = mlp()
+        optimizer = OPTIMIZERS["adam_fused"](model.parameters())
+        attach(model, guard=guard)
+        data = batches(STEPS)  # the guard's device work has no branch on the data
+        train(model, optimizer, data[:2])
+        sync_calls.clear()
+        train(model, optimizer, data[2:])
+        return Counter(sync_calls)
+
+    plain = counted(False)
+    watched = counted({"mode": mode, "skip_spikes": 10, "min_history": 3})
+    steps = STEPS - 2
+    assert watched == plain + Counter({"__bool__": reads * steps})
