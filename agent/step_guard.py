@@ -314,7 +314,7 @@ class StepGuard(Collector):
             del optimizer.found_inf
         elif mode == "select" and self._backup is not None:
             for live, saved in zip(*self._backup, strict=True):
-                live.copy_(torch.where(bad, saved, live))
+                torch.where(bad, saved, live, out=live)  # in place: elementwise, no copy
         if self._loss is not None and self.settings.skip_spikes is not None:
             # a healthy loss joins the window; a bad one writes its slot back unchanged
             old = self._hist.gather(0, self._pos)
