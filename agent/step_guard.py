@@ -357,6 +357,8 @@ class StepGuard(Collector):
     # ------------------------------------------------------------------ per step record
     def seal(self) -> Any:
         wrote, self._wrote = self._wrote, False
+        # a step the guard did not judge (a scaler's, an unseen closure) keeps nothing
+        self._losses, self._named, self._grads = [], [], None
         return wrote
 
     def close(self, sealed: Any) -> Any:

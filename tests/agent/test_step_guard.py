@@ -247,3 +247,23 @@ def test_the_guard_reads_the_host_only_in_sync_mode(attach, offline: Path, sync_
     watched = counted({"mode": mode, "skip_spikes": 10, "min_history": 3})
     steps = STEPS - 2
     assert watched == plain + Counter({"__bool__": reads * steps})
+
+
+def test_with_a_grad_scaler_the_guard_leaves_skipping_to_it(attach, offline: Path) -> None:
+    from tests.agent.factories import fp16_loop
+
+    def run(guard: Any) -> tuple[nn.Module, Any, Any]:
+        model = mlp()
+        optimizer = OPTIMIZERS["adam_foreach"](model.parameters())
+        scaler = torch.amp.GradScaler("cpu")
+        attachment = attach(model, scaler, guard=guard)
+        fp16_loop(model, optimizer, scaler, poisoned("nan", {BAD}))
+        attachment.flush()
+        return model, optimizer, attachment
+
+    model, optimizer, attachment = run(True)
+    reference, ref_opt, _ = run(False)
+    assert_same_state(model, optimizer, reference, ref_opt)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert any(s["skipped"] for s in steps)  # the scaler's skips
+    assert all(s["guarded"] is None for s in steps)
