@@ -16,6 +16,7 @@ from torch import nn
 
 from ampwatch.agent.step_guard import GuardSettings, GuardStop
 from tests.agent.factories import batches, mlp, spooled_steps
+from tests.agent.test_hot_path import sync_calls  # noqa: F401  (a fixture)
 
 STEPS, BAD = 10, 6
 
@@ -220,3 +221,49 @@ def test_a_closure_step_is_guarded_too(attach, offline: Path, optimizer_name: st
     steps = spooled_steps(offline, attachment.run_id)
     assert [(s["step"], s["guarded"]) for s in steps if s["skipped"]] == [
         (BAD, "nonfinite_loss")]
+
+
+@pytest.mark.parametrize(("mode", "reads"), [("found_inf", 0), ("select", 0), ("sync", 1)])
+def test_the_guard_reads_the_host_only_in_sync_mode(attach, offline: Path, sync_calls,  # noqa: F811
+                                                    mode: str, reads: int) -> None:
+    """After the first step (which creates Adam's state, so is decided on the host), the
+    guard adds no syncing call to the agent's own on the training thread (on the CPU the
+    agent reads host tensors there, which waits for nothing), but one read a step in sync
+    mode. (A bad step would change what the agent itself reads, so the runs are healthy:
+    the guard's decision takes the same device ops either way.)"""
+    from collections import Counter
+
+    def counted(guard: Any) -> Counter[str]:
+        model = mlp()
+        optimizer = OPTIMIZERS["adam_fused"](model.parameters())
+        attach(model, guard=guard)
+        data = batches(STEPS)  # the guard's device work has no branch on the data
+        train(model, optimizer, data[:2])
+        sync_calls.clear()
+        train(model, optimizer, data[2:])
+        return Counter(sync_calls)
+
+    plain = counted(False)
+    watched = counted({"mode": mode, "skip_spikes": 10, "min_history": 3})
+    steps = STEPS - 2
+    assert watched == plain + Counter({"__bool__": reads * steps})
+
+
+def test_with_a_grad_scaler_the_guard_leaves_skipping_to_it(attach, offline: Path) -> None:
+    from tests.agent.factories import fp16_loop
+
+    def run(guard: Any) -> tuple[nn.Module, Any, Any]:
+        model = mlp()
+        optimizer = OPTIMIZERS["adam_foreach"](model.parameters())
+        scaler = torch.amp.GradScaler("cpu")
+        attachment = attach(model, scaler, guard=guard)
+        fp16_loop(model, optimizer, scaler, poisoned("nan", {BAD}))
+        attachment.flush()
+        return model, optimizer, attachment
+
+    model, optimizer, attachment = run(True)
+    reference, ref_opt, _ = run(False)
+    assert_same_state(model, optimizer, reference, ref_opt)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert any(s["skipped"] for s in steps)  # the scaler's skips
+    assert all(s["guarded"] is None for s in steps)
