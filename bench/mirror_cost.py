@@ -34,6 +34,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         os.environ.update(AMPWATCH_MODE="offline", AMPWATCH_SPOOL_DIR=f"{tmp}/spool",
                           MLFLOW_TRACKING_URI=f"sqlite:///{tmp}/mlflow.db")
+        os.chdir(tmp)  # MLflow's SQLite store keeps artifacts in ./mlruns
         import mlflow
         from mlflow.tracking import MlflowClient
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator

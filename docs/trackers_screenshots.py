@@ -37,6 +37,7 @@ def mirrored_run(folder: Path, server: LiveServer) -> tuple[str, str]:
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DIR=str(folder),
                       AMPWATCH_SPOOL_DIR=str(folder / "spool"),
                       MLFLOW_TRACKING_URI=f"sqlite:///{folder / 'mlflow.db'}")
+    os.chdir(folder)  # MLflow's SQLite store keeps artifacts in ./mlruns
     import mlflow
     import wandb
     from torch.utils.tensorboard import SummaryWriter

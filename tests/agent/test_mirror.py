@@ -111,6 +111,7 @@ def mirrored(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> It
         patch.setenv("AMPWATCH_SPOOL_DIR", str(folder / "spool"))
         uri = f"sqlite:///{folder / 'mlflow.db'}"
         patch.setenv("MLFLOW_TRACKING_URI", uri)
+        patch.chdir(folder)  # MLflow's SQLite store keeps artifacts in ./mlruns
         mlflow_run = mlflow.start_run()
         wandb_run = wandb.init(project="ampwatch-mirror", dir=str(folder))
         writer = SummaryWriter(str(folder / "tb"))
@@ -276,6 +277,7 @@ def test_a_tracker_that_raises_or_is_missing_stops_nothing(
     from ampwatch.agent.mirror import MlflowTracker
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    monkeypatch.chdir(tmp_path)  # MLflow's SQLite store keeps artifacts in ./mlruns
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.create_run(client.create_experiment("gone"))
     client.delete_run(run.info.run_id)  # MLflow refuses every write to it
@@ -331,6 +333,7 @@ def test_export_writes_a_finished_run_as_the_mirror_did(
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # and its artifacts in ./mlruns
     capsys.readouterr()
     assert main([*base, "--to", "mlflow"]) == 0
     told = json.loads(capsys.readouterr().out)
