@@ -27,7 +27,11 @@ Progress = Callable[[str], None]
 
 def check_target_available(target: str) -> None:
     """AmpwatchError naming the extra to install when the tracker's library is missing."""
-    if importlib.util.find_spec(NEEDS[target]) is None:
+    try:
+        found = importlib.util.find_spec(NEEDS[target]) is not None
+    except ValueError:  # sys.modules maps it to None: importing it fails
+        found = False
+    if not found:
         raise AmpwatchError(f"--to {target} needs {NEEDS[target]}, which the "
                             "ampwatch[trackers] extra installs: pip install 'ampwatch[trackers]'")
 

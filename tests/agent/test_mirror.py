@@ -111,6 +111,7 @@ def mirrored(server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> It
         patch.setenv("AMPWATCH_SPOOL_DIR", str(folder / "spool"))
         uri = f"sqlite:///{folder / 'mlflow.db'}"
         patch.setenv("MLFLOW_TRACKING_URI", uri)
+        patch.chdir(folder)  # MLflow's SQLite store keeps artifacts in ./mlruns
         mlflow_run = mlflow.start_run()
         wandb_run = wandb.init(project="ampwatch-mirror", dir=str(folder))
         writer = SummaryWriter(str(folder / "tb"))
@@ -276,6 +277,7 @@ def test_a_tracker_that_raises_or_is_missing_stops_nothing(
     from ampwatch.agent.mirror import MlflowTracker
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # not installed
+    monkeypatch.chdir(tmp_path)  # MLflow's SQLite store keeps artifacts in ./mlruns
     client = MlflowClient(tracking_uri=f"sqlite:///{tmp_path / 'mlflow.db'}")
     run = client.create_run(client.create_experiment("gone"))
     client.delete_run(run.info.run_id)  # MLflow refuses every write to it
@@ -331,6 +333,7 @@ def test_export_writes_a_finished_run_as_the_mirror_did(
 
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.chdir(tmp_path)  # and its artifacts in ./mlruns
     capsys.readouterr()
     assert main([*base, "--to", "mlflow"]) == 0
     told = json.loads(capsys.readouterr().out)
@@ -352,3 +355,32 @@ def test_ampwatch_mirror_names_the_trackers(tmp_path: Path, monkeypatch: pytest.
     scalars, _ = read_tensorboard(tmp_path / "tb")
     assert set(scalars["ampwatch/loss_scale"]) == set(range(8))
     assert {s for s, v in scalars["ampwatch/skipped"].items() if v} == skipped == {3}
+
+
+def test_incidents_are_told_when_they_open_escalate_and_resolve(server: LiveServer) -> None:
+    """The mirror's poll against the server's own diagnosis of posted steps: a layer's
+    grads go inf at step 20 (a note), the skips go on for 40 steps (it escalates), 600
+    healthy steps follow (it resolves); a poll with nothing new tells nothing."""
+    import httpx
+
+    from ampwatch.agent.mirror.incidents import IncidentWatch
+    from ampwatch.agent.transport.sender import Sender
+    from tests.utils import make_steps, post_batch, register_run
+
+    run_id = "mirror-incidents"
+    sender = Sender(server.url)
+    watch = IncidentWatch(sender, server.url, run_id)
+    with httpx.Client(base_url=server.url, timeout=30) as api:
+        register_run(api, run_id)
+        told = []
+        for seq, (first, count, skipped) in enumerate(
+                [(0, 40, range(20, 30)), (40, 40, range(40, 80)), (80, 600, range(0))]):
+            assert post_batch(api, run_id, seq, make_steps(first, count, 4,
+                                                           skipped=set(skipped))).is_success
+            told.append([(n.change, n.severity, n.status, n.step, n.layer)
+                         for n in watch.poll() if n.layer == "blocks.0.fc"])
+        assert watch.poll() == []
+    sender.close()
+    assert told == [[("opened", "info", "open", 20, "blocks.0.fc")],
+                    [("escalated", "critical", "open", 20, "blocks.0.fc")],
+                    [("resolved", "critical", "resolved", 20, "blocks.0.fc")]]

@@ -134,3 +134,18 @@ def test_parquet_without_pyarrow_names_the_extra_before_fetching(tmp_path) -> No
     assert done.returncode == 2
     assert "pip install 'ampwatch[parquet]'" in done.stderr, done.stderr
     assert not (tmp_path / "run.parquet").exists()
+
+
+@pytest.mark.parametrize("target", ["tensorboard", "mlflow"])
+def test_to_a_tracker_without_its_library_names_the_extra(tmp_path, target: str) -> None:
+    """As for parquet: the tracker's library made unimportable, no server at all."""
+    script = (f"import sys; sys.modules[{target!r}] = None\n"
+              "from ampwatch.client.cli import main\n"
+              "sys.exit(main(sys.argv[1:]))")
+    done = subprocess.run(
+        [sys.executable, "-c", script, "export", "some-run", "--to", target, "tb",
+         "--server", "http://127.0.0.1:9"], cwd=tmp_path, capture_output=True, text=True,
+        timeout=60)
+    assert done.returncode == 2
+    assert "pip install 'ampwatch[trackers]'" in done.stderr, done.stderr
+    assert not (tmp_path / "tb").exists()
