@@ -27,6 +27,7 @@ from ampwatch.server.api import (
     findings,
     fp8,
     health,
+    notes,
     retention,
     runs,
     series,
@@ -164,7 +165,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     protected = APIRouter(dependencies=token_dependencies(settings),
                           responses=PROTECTED if settings.token is not None else {})
     for module in (runs, batches, series, findings, fp8, spikes, retention, alerts,
-                   bundles):
+                   bundles, notes):
         protected.include_router(module.router)
     api.include_router(protected)
     app.include_router(api)

@@ -8,17 +8,19 @@ import gzip
 from functools import cache, partial
 from pathlib import Path as FilePath
 from typing import Annotated, Literal
-from urllib.parse import urlencode
+from urllib.parse import parse_qs, quote, urlencode
 
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from plotly.io.json import to_json_plotly
+from pydantic import ValidationError
 
+from ampwatch.server.api.notes import NoteCreate, NoteId, add_note, delete_run_note
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
-from ampwatch.server.errors import NotFound
+from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.fields import NO_NUL
 from ampwatch.server.pages import auth, cards, fp8, layer, views
 from ampwatch.server.pages.figures import (
@@ -244,6 +246,35 @@ def run_page(
     return _run_tab(request, output, "run.html", "overview", figures, context,
                     {"findings": "_findings.html", "steps-footer": "_steps_footer.html",
                      **({"ranks-panel": "_ranks_panel.html"} if twin["ranks"] else {})})
+
+
+@pages.post("/runs/{run_id}/notes")
+async def note_form(request: Request, run_id: RunIdPath, session: SessionDep) -> Response:
+    """The run page's note form (and each card's "handled" button): stored as the API's
+    POST /api/v1/runs/{id}/notes would, then back to the run page."""
+    fields = parse_qs((await request.body())[:auth.MAX_FORM_BYTES].decode("utf-8", "replace"))
+    incident = fields.get("incident", [""])[0]
+    try:
+        body = NoteCreate(text=fields.get("text", [""])[0],
+                          incident=int(incident) if incident.isdigit() else None,
+                          handled=fields.get("handled", [""])[0] == "1")
+        add_note(session, run_id, body)
+    except NotFound as exc:
+        return _not_found(request, exc)
+    except (ValidationError, InvalidInput) as exc:
+        return invalid_page(request, str(exc).splitlines()[0])
+    return RedirectResponse(f"/runs/{quote(run_id)}#findings", status_code=303)
+
+
+@pages.post("/runs/{run_id}/notes/{note_id}/delete")
+def delete_note_form(request: Request, run_id: RunIdPath, note_id: NoteId,
+                     session: SessionDep) -> Response:
+    """A note's "remove" button (an incident's "handled" undone)."""
+    try:
+        delete_run_note(run_id, note_id, session)
+    except NotFound as exc:
+        return _not_found(request, exc)
+    return RedirectResponse(f"/runs/{quote(run_id)}#findings", status_code=303)
 
 
 @pages.get("/runs/{run_id}/layers", response_class=HTMLResponse)

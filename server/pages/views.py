@@ -17,6 +17,7 @@ from ampwatch.server.analysis.kinds import Section, kinds_in
 from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
 from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.api.bundles import public_bundle
+from ampwatch.server.api.notes import run_notes
 from ampwatch.server.bundles import list_bundles
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run, RunRank
@@ -113,6 +114,7 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
         "layer_index": named_layers(session, run_id, findings),
         "bundles": [public_bundle(b).model_dump(mode="json")
                     for b in list_bundles(session, run_id)],
+        "notes": [n.model_dump(mode="json") for n in run_notes(session, run_id)],
     }
 
 

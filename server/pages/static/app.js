@@ -221,7 +221,8 @@
   function swapPanels(panels) {
     Object.keys(panels).forEach(function (id) {
       var el = document.getElementById(id);
-      if (el) {
+      // a panel the user is typing in (a note) waits for the next update
+      if (el && !el.contains(document.activeElement)) {
         // boxes ticked (runs picked to compare) stay ticked across the swap
         var ticked = Array.prototype.map.call(
           el.querySelectorAll("input[type=checkbox]:checked"), function (box) {

@@ -30,3 +30,33 @@ def test_config_on_the_run_page_and_diffed_on_compare(field_browser, field_runs)
                                              ["warmup", "—", "100"]]
     assert "2 more the same" in browser.page.locator("#config-diff h2").inner_text()
     browser.assert_clean()
+
+
+def test_a_note_and_a_handled_incident_from_the_run_page(field_browser, field_runs):
+    with httpx.Client(base_url=field_runs.server.url, timeout=30) as api:
+        register_run(api, "noted-page", n_layers=2)
+        steps = make_steps(0, 30, 2, skipped={5})
+        assert post_batch(api, "noted-page", 0, steps).status_code == 200
+    browser = field_browser
+    browser.goto("/runs/noted-page")
+    browser.page.fill("#notes input[name=text]", "restarted with lr 1e-4")
+    with browser.page.expect_navigation():
+        browser.page.click("#notes button[type=submit]")
+    assert "restarted with lr 1e-4" in browser.page.locator("#notes").inner_text()
+
+    card = browser.page.locator("#findings li.incident").first
+    incident = int(card.get_attribute("data-incident"))
+    card.locator("input[name=text]").fill("dropped the bad shard")
+    with browser.page.expect_navigation():
+        card.locator("button", has_text="Mark handled").click()
+    card = browser.page.locator(f"#findings li[data-incident='{incident}']")
+    assert "✓ handled" in card.inner_text() and "dropped the bad shard" in card.inner_text()
+    notes = httpx.get(f"{field_runs.server.url}/api/v1/runs/noted-page/notes",
+                      timeout=10).json()["items"]
+    assert [(n["text"], n["incident"], n["handled"]) for n in notes] == [
+        ("restarted with lr 1e-4", None, False), ("dropped the bad shard", incident, True)]
+
+    with browser.page.expect_navigation():
+        card.locator("button", has_text="Reopen").click()
+    assert browser.page.locator(f"#findings li[data-incident='{incident}'] .handled").count() == 0
+    browser.assert_clean()
