@@ -33,6 +33,7 @@ from ampwatch.server.pages.figures import (
 )
 from ampwatch.server.pages.rendering import render_fragment, render_page
 from ampwatch.server.responses import WireJSONResponse
+from ampwatch.server.runs import RUN_SORTS
 from ampwatch.server.schemas import MAX_STEP, Health
 
 STATIC = FilePath(__file__).parent / "static"
@@ -49,6 +50,7 @@ Format = Annotated[Literal["html", "json", "update"],
                    Query(alias="format", description="json: the page's JSON twin")]
 Start = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 End = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
+RUN_SORT = "^-?(" + "|".join(RUN_SORTS) + ")$"  # a column of the runs list, "-": descending
 Mark = Annotated[int | None, Query(ge=0, le=MAX_STEP,
                                    description="a step to draw a line at on every chart")]
 
@@ -192,17 +194,22 @@ def runs_page(
     project: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
     name: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
     status: Annotated[Health | Literal[""] | None, Query()] = None,
+    tag: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
+    sort: Annotated[str, Query(pattern=RUN_SORT)] = "-created",
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
     output: Format = "html",
 ) -> Response:
-    """Runs, newest first, with health badges; filter by project, status and name."""
+    """Runs, newest first (or sorted by a column), with health badges; filter by project,
+    tag, status and name."""
     twin = views.runs_twin(session, settings, project=project or None, name=name or None,
-                           status=status or None, offset=offset)
+                           status=status or None, tag=tag or None, sort=sort, offset=offset)
     if output == "json":
         return WireJSONResponse(twin)
-    filters = {"project": project or "", "name": name or "", "status": status or ""}
-    context = {"twin": twin, "filters": filters,
-               "page_query": {k: v for k, v in filters.items() if v}}
+    filters = {"project": project or "", "name": name or "", "status": status or "",
+               "tag": tag or ""}
+    page_query = {k: v for k, v in filters.items() if v}
+    context = {"twin": twin, "filters": filters, "sort": sort,
+               "page_query": page_query | ({"sort": sort} if sort != "-created" else {})}
     # the list always polls: a new run may appear at any time
     poll = _soonest([QUIET_POLL_MS, *(poll_ms(run) for run in twin["items"])])
     if output == "update":

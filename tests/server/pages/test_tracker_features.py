@@ -1,5 +1,6 @@
-"""The run's config on its page and the differing keys on compare (issue #50: what a W&B
-user looks for), in Chromium on runs sent over the wire API."""
+"""What a W&B or TensorBoard user looks for (issue #50): the run's config and its diff on
+compare, runs filtered and sorted by tag and column, notes and handled incidents; in
+Chromium on runs sent over the wire API."""
 
 from __future__ import annotations
 
@@ -59,4 +60,37 @@ def test_a_note_and_a_handled_incident_from_the_run_page(field_browser, field_ru
     with browser.page.expect_navigation():
         card.locator("button", has_text="Reopen").click()
     assert browser.page.locator(f"#findings li[data-incident='{incident}'] .handled").count() == 0
+    browser.assert_clean()
+
+
+def test_runs_filtered_by_tag_and_sorted_by_a_column(field_browser, field_runs):
+    with httpx.Client(base_url=field_runs.server.url, timeout=30) as api:
+        for run_id, count in (("tagged-b", 30), ("tagged-a", 10), ("tagged-c", 20)):
+            register_run(api, run_id, n_layers=2, tags=["sweep 7", "lr-search"])
+            assert post_batch(api, run_id, 0, make_steps(0, count, 2)).status_code == 200
+    browser = field_browser
+    browser.goto("/")
+    with browser.page.expect_navigation():
+        browser.page.locator("tr[data-run-id='tagged-a'] a.tag", has_text="sweep 7").click()
+    assert "tag=sweep+7" in browser.page.url
+
+    def ids() -> list[str]:
+        return browser.page.locator("tbody tr").evaluate_all(
+            "rows => rows.map(r => r.dataset.runId)")
+
+    assert ids() == ["tagged-c", "tagged-a", "tagged-b"]  # newest first
+    with browser.page.expect_navigation():
+        browser.page.locator("th a.sort", has_text="Run").click()
+    assert ids() == ["tagged-a", "tagged-b", "tagged-c"]
+    assert browser.page.locator("th[aria-sort='ascending']").inner_text().startswith("Run")
+    with browser.page.expect_navigation():
+        browser.page.locator("th a.sort", has_text="Last step").click()
+    assert ids() == ["tagged-b", "tagged-c", "tagged-a"]  # 29, 19, 9: largest first
+    with browser.page.expect_navigation():
+        browser.page.locator("th a.sort", has_text="Last step").click()
+    assert ids() == ["tagged-a", "tagged-c", "tagged-b"]
+    assert browser.page.locator("select[name=tag]").input_value() == "sweep 7"
+    with browser.page.expect_navigation():
+        browser.page.select_option("select[name=tag]", "bf16")
+    assert ids() == ["sgd-bf16"] and "sort=last_step" in browser.page.url
     browser.assert_clean()
