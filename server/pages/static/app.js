@@ -255,6 +255,29 @@
         return;
       }
       el.dataset.rowsFollowed = "1";
+      // keyboard users reach each row's layer view through its label: Tab, then Enter
+      var labels = meta.layer_rows.map(function (row) {
+        return new DOMParser().parseFromString(row, "text/html").documentElement.textContent;
+      });
+      var focusable = function () {
+        el.querySelectorAll(".ytick text").forEach(function (text) {
+          var row = labels.indexOf(text.textContent);
+          if (row < 0 || text.dataset.linked) {
+            return;
+          }
+          text.dataset.linked = "1";
+          text.setAttribute("tabindex", "0");
+          text.setAttribute("role", "link");
+          text.setAttribute("aria-label", "open the view of layer " + labels[row]);
+          text.addEventListener("keydown", function (event) {
+            if (event.key === "Enter") {
+              window.location.href = meta.layer_links[row];
+            }
+          });
+        });
+      };
+      focusable();
+      el.on("plotly_afterplot", focusable);  // a zoom or an update redraws the ticks
       el.on("plotly_click", function (event) {
         var point = event.points && event.points[0];
         var row = point ? meta.layer_rows.indexOf(point.y) : -1;
