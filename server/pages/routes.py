@@ -10,6 +10,7 @@ from pathlib import Path as FilePath
 from typing import Annotated, Literal
 from urllib.parse import parse_qs, quote, urlencode
 
+import fastapi_offline
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
@@ -86,6 +87,23 @@ def plotly_js(request: Request) -> Response:
         return Response(_plotly_gzip(), media_type="text/javascript",
                         headers={**headers, "Content-Encoding": "gzip"})
     return FileResponse(PLOTLY_JS, media_type="text/javascript", headers=headers)
+
+
+REDOC_JS = FilePath(fastapi_offline.__file__).parent / "static" / "redoc.standalone.js"
+REDOC_LOGO = b'"https://cdn.redoc.ly/redoc/logo-mini.svg"'
+
+
+@cache
+def _redoc_without_logo() -> bytes:
+    return REDOC_JS.read_bytes().replace(REDOC_LOGO, b'""')
+
+
+def redoc_js(request: Request) -> Response:
+    """The bundled ReDoc with its hard-coded CDN logo address emptied: the logo is not
+    drawn and nothing is requested (app.py routes its address here, ahead of the
+    offline docs' static files)."""
+    return Response(_redoc_without_logo(), media_type="text/javascript",
+                    headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/static/{name}")
