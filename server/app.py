@@ -15,7 +15,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from starlette.routing import Match, Route
 from starlette.types import Scope
 
 from ampwatch.server import __version__, metrics, pages
@@ -28,6 +28,7 @@ from ampwatch.server.api import (
     findings,
     fp8,
     health,
+    notes,
     retention,
     runs,
     series,
@@ -105,6 +106,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         # generated clients get methods like get_run, not get_one_run_api_v1_runs__run_id__get
         generate_unique_id_function=lambda route: route.name,
     )
+    # ahead of FastAPIOffline's static mount: its ReDoc without the CDN logo
+    app.router.routes.insert(0, Route("/static-offline-docs/redoc.standalone.js",
+                                      pages.redoc_js, include_in_schema=False))
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessionmaker = maker
@@ -167,7 +171,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     protected = APIRouter(dependencies=token_dependencies(settings),
                           responses=PROTECTED if settings.token is not None else {})
     for module in (runs, batches, series, findings, fp8, spikes, retention, alerts,
-                   bundles):
+                   bundles, notes):
         protected.include_router(module.router)
     api.include_router(protected)
     app.include_router(api)

@@ -369,6 +369,22 @@ class Bundle(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
+class RunNote(Base):
+    """A person's note on a run, or on one of its incidents (`incident`: the incident's id,
+    that of its earliest finding); `handled` marks that incident handled."""
+
+    __tablename__ = "run_notes"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
+    run_id: Mapped[str] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), index=True
+    )
+    incident: Mapped[int | None] = mapped_column(Integer)
+    handled: Mapped[bool] = mapped_column(Boolean, default=False)
+    text: Mapped[str] = mapped_column(Text)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
 class AnalysisTask(Base):
     """A stored batch waiting for the detectors (server/analysis_worker.py), enqueued in the batch's
     own transaction and deleted in the transaction that writes its findings. Carries what

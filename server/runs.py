@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 from datetime import datetime
+from typing import Any
 
-from sqlalchemy import Row, case, delete, func, select
+from sqlalchemy import Row, String, case, cast, delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import analysis
@@ -79,6 +81,23 @@ def delete_run(session: Session, run_id: str) -> None:
         session.commit()
 
 
+def _ranks_over(column: Any) -> Any:
+    """A run's `column` over its ranks (max or sum), as a correlated subquery to sort by."""
+    return select(column).where(RunRank.run_id == Run.id).correlate(Run).scalar_subquery()
+
+
+# what the runs list sorts by; ties: newest first
+RUN_SORTS: dict[str, Any] = {
+    "created": Run.created_at,
+    "name": func.lower(Run.name),
+    "project": func.lower(Run.project),
+    "status": case({"critical": 3, "warning": 2, "healthy": 1}, value=Run.status, else_=0),
+    "last_seen": _ranks_over(func.max(RunRank.last_seen_at)),
+    "last_step": _ranks_over(func.max(RunRank.last_step)),
+    "skipped": _ranks_over(func.sum(RunRank.skipped)),
+}
+
+
 def list_runs(
     session: Session,
     settings: Settings,
@@ -86,10 +105,13 @@ def list_runs(
     project: str | None = None,
     name: str | None = None,
     status: str | None = None,
+    tag: str | None = None,
+    sort: str = "-created",
     limit: int = 50,
     offset: int = 0,
 ) -> RunsPublic:
-    """Runs newest first; `name` matches a substring, case-insensitively. Each run's
+    """Runs newest first (or by `sort`, one of RUN_SORTS, "-" first for descending);
+    `name` matches a substring, case-insensitively; `tag` one of the run's tags. Each run's
     `ranks` holds its lead rank only (`n_ranks` counts them all; `GET /runs/{id}` and
     `/runs/{id}/ranks` list every rank), so a page of runs reads one rank row a run."""
     query = select(Run)
@@ -103,11 +125,18 @@ def list_runs(
             query = query.where(Run.id.not_in(with_steps))
         else:
             query = query.where(Run.status == status, Run.id.in_(with_steps))
+    if tag:
+        # tags are a JSON list: match the quoted string as either encoding stores it
+        text = cast(Run.tags, String)
+        query = query.where(or_(*(text.contains(json.dumps(tag, ensure_ascii=ascii),
+                                                autoescape=True) for ascii in (True, False))))
     total = session.scalar(select(func.count()).select_from(query.subquery())) or 0
+    key = RUN_SORTS[sort.removeprefix("-")]
+    order = key.desc() if sort.startswith("-") else key.asc()
     # each run with its pending batches, read in one statement (see `public_run`)
     page = list(session.execute(
         query.add_columns(pending_count(Run.id))
-        .order_by(Run.created_at.desc(), Run.id).limit(limit).offset(offset)))
+        .order_by(order, Run.created_at.desc(), Run.id).limit(limit).offset(offset)))
     ids = [run.id for run, _ in page]
     ranks, incidents = lead_ranks(session, ids), incidents_by_run(session, ids, open_only=True)
     totals = rank_totals(session, ids)

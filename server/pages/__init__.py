@@ -5,6 +5,6 @@ served from the installed plotly package).
 """
 
 from ampwatch.server.pages.rendering import warm_up
-from ampwatch.server.pages.routes import invalid_page, router, wants_page
+from ampwatch.server.pages.routes import invalid_page, redoc_js, router, wants_page
 
-__all__ = ["invalid_page", "router", "wants_page", "warm_up"]
+__all__ = ["invalid_page", "redoc_js", "router", "wants_page", "warm_up"]

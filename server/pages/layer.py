@@ -13,16 +13,20 @@ from sqlalchemy.orm import Session
 from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
 from ampwatch.server.fp8_samples import fp8_report
 from ampwatch.server.pages import figures
-from ampwatch.server.pages.columns import decode_values
+from ampwatch.server.pages.columns import LayerMatrix, decode_values
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.pages.plot import Figure
 from ampwatch.server.pages.views import MAX_POINTS, StepRange, findings_of, page_run
-from ampwatch.server.queries import layer_series_query, layers_query
+from ampwatch.server.queries import layer_series_query, layers_query, matrix_query
 from ampwatch.server.runs import get_run
 from ampwatch.server.settings import Settings
 from ampwatch.server.storage import load_layers
 
 FP8_BUCKETS = 500  # points per line of a layer's FP8 shares
+EVIDENCE_BUCKETS = 500  # points per line of a layer's spike signals (sampled steps)
+# the sampled signals the spike cards cite (docs/spikes.md), each drawn where the run sent it
+EVIDENCE_SIGNALS = ("update_ratio", "update_lost", "adam_eps_share", "adam_v_zero_share",
+                    "attn_max_logit")
 
 
 def layer_twin(session: Session, settings: Settings, run_id: str, index: int, *, rank: int,
@@ -38,8 +42,12 @@ def layer_twin(session: Session, settings: Settings, run_id: str, index: int, *,
     fp8 = (fp8_report(session, run_id, load_layers(session, run_id, [index]), rank,
                       buckets=FP8_BUCKETS, **steps.query())
            if (item["attrs"] or {}).get("fp8_recipe") else None)
+    evidence = {signal: matrix_query(session, run, metric=signal, rank=rank,
+                                     buckets=EVIDENCE_BUCKETS, layers=[index], **steps.query())
+                for signal in EVIDENCE_SIGNALS}
     return {"run": page_run(session, run_id, settings), "rank": rank, "layer": item,
-            "title": layer_title(item), "series": series, "findings": findings, "fp8": fp8}
+            "title": layer_title(item), "series": series, "findings": findings, "fp8": fp8,
+            "evidence": evidence}
 
 
 def _column(points: list[dict], name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -110,13 +118,58 @@ def layer_figures(twin: dict) -> dict[str, Figure]:
                           hovertemplate="step %{x}<br>%{y:.1f}% of grad elements exactly zero"
                           "<extra></extra>")
         zeros.update_yaxes(range=[0, 102], title={"text": "zero grad elements (%)"})
-    else:
-        figures.note(zeros, "no zero-gradient samples for this layer")
     span = figures.step_span_of([steps, a_steps])
-    charts = {"layer_grad": grad, "layer_act": acts, "layer_zero": zeros}
+    charts = {"layer_grad": grad, "layer_act": acts}
+    if ok.any():  # bf16 runs and runs without activation samples never record it
+        charts["layer_zero"] = zeros
+    charts |= evidence_figures(twin["evidence"])
     if twin["fp8"] is not None:
         charts["layer_fp8"] = fp8_figure(twin["fp8"])
     return {name: figures.share_x(fig, span) for name, fig in charts.items()}
+
+
+def _signal_line(matrix: dict) -> tuple[np.ndarray, np.ndarray]:
+    """(steps, values) of a one-layer matrix's sent buckets, at each bucket's first step."""
+    decoded = LayerMatrix.from_twin(matrix)
+    if not decoded.layers:
+        return np.zeros(0, np.int64), np.zeros(0)
+    sent = ~decoded.empty[0]
+    return decoded.step_start[sent], decoded.values[0][sent].astype(np.float64)
+
+
+def evidence_figures(evidence: dict[str, dict]) -> dict[str, Figure]:
+    """The layer's spike evidence, a chart each where the run sent it: its update/weight
+    ratio (and the share of its update lost to rounding), its Adam state (shares of
+    second moments under eps or zero) and, for attention, its largest logit."""
+    charts = {}
+    steps, ratio = _signal_line(evidence["update_ratio"])
+    if steps.size:
+        fig = figures.base_figure()
+        _log_line(fig, steps, ratio, np.ones(steps.size, bool), "update / weight")
+        charts["layer_update"] = fig
+    lines = [(name, *_signal_line(evidence[signal])) for signal, name in (
+        ("update_lost", "update lost to rounding"), ("adam_eps_share", "v under eps"),
+        ("adam_v_zero_share", "v exactly zero"))]
+    if any(steps.size for _, steps, _ in lines):
+        fig = figures.base_figure()
+        for i, (name, steps, share) in enumerate(lines):
+            if steps.size:
+                fig.add_scatter(x=steps, y=100 * share, mode="lines", name=name,
+                                line={"color": figures.colour(i), "width": 1.4},
+                                hovertemplate="step %{x}<br>%{y:.3g}%<extra>" + name
+                                + "</extra>")
+        fig.update_yaxes(title={"text": "% of elements"}, rangemode="tozero")
+        fig.update_layout(showlegend=True)
+        charts["layer_optimizer"] = fig
+    steps, logit = _signal_line(evidence["attn_max_logit"])
+    if steps.size:
+        fig = figures.base_figure()
+        fig.add_scatter(x=steps, y=logit, mode="lines", name="max logit",
+                        line={"color": figures.colour(3), "width": 1.4},
+                        hovertemplate="step %{x}<br>max logit %{y:.4g}<extra></extra>")
+        fig.update_yaxes(title={"text": "max attention logit"})
+        charts["layer_attn"] = fig
+    return charts
 
 
 def fp8_figure(report: dict) -> Figure:

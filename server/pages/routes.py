@@ -8,17 +8,20 @@ import gzip
 from functools import cache, partial
 from pathlib import Path as FilePath
 from typing import Annotated, Literal
-from urllib.parse import urlencode
+from urllib.parse import parse_qs, quote, urlencode
 
+import fastapi_offline
 import plotly
 from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
 from plotly.io.json import to_json_plotly
+from pydantic import ValidationError
 
+from ampwatch.server.api.notes import NoteCreate, NoteId, add_note, delete_run_note
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
-from ampwatch.server.errors import NotFound
+from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.fields import NO_NUL
 from ampwatch.server.pages import auth, cards, fp8, layer, views
 from ampwatch.server.pages.figures import (
@@ -31,6 +34,7 @@ from ampwatch.server.pages.figures import (
 )
 from ampwatch.server.pages.rendering import render_fragment, render_page
 from ampwatch.server.responses import WireJSONResponse
+from ampwatch.server.runs import RUN_SORTS
 from ampwatch.server.schemas import MAX_STEP, Health
 
 STATIC = FilePath(__file__).parent / "static"
@@ -47,6 +51,7 @@ Format = Annotated[Literal["html", "json", "update"],
                    Query(alias="format", description="json: the page's JSON twin")]
 Start = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 End = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
+RUN_SORT = "^-?(" + "|".join(RUN_SORTS) + ")$"  # a column of the runs list, "-": descending
 Mark = Annotated[int | None, Query(ge=0, le=MAX_STEP,
                                    description="a step to draw a line at on every chart")]
 
@@ -82,6 +87,23 @@ def plotly_js(request: Request) -> Response:
         return Response(_plotly_gzip(), media_type="text/javascript",
                         headers={**headers, "Content-Encoding": "gzip"})
     return FileResponse(PLOTLY_JS, media_type="text/javascript", headers=headers)
+
+
+REDOC_JS = FilePath(fastapi_offline.__file__).parent / "static" / "redoc.standalone.js"
+REDOC_LOGO = b'"https://cdn.redoc.ly/redoc/logo-mini.svg"'
+
+
+@cache
+def _redoc_without_logo() -> bytes:
+    return REDOC_JS.read_bytes().replace(REDOC_LOGO, b'""')
+
+
+def redoc_js(request: Request) -> Response:
+    """The bundled ReDoc with its hard-coded CDN logo address emptied: the logo is not
+    drawn and nothing is requested (app.py routes its address here, ahead of the
+    offline docs' static files)."""
+    return Response(_redoc_without_logo(), media_type="text/javascript",
+                    headers={"Cache-Control": "no-cache"})
 
 
 @router.get("/static/{name}")
@@ -190,17 +212,22 @@ def runs_page(
     project: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
     name: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
     status: Annotated[Health | Literal[""] | None, Query()] = None,
+    tag: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
+    sort: Annotated[str, Query(pattern=RUN_SORT)] = "-created",
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
     output: Format = "html",
 ) -> Response:
-    """Runs, newest first, with health badges; filter by project, status and name."""
+    """Runs, newest first (or sorted by a column), with health badges; filter by project,
+    tag, status and name."""
     twin = views.runs_twin(session, settings, project=project or None, name=name or None,
-                           status=status or None, offset=offset)
+                           status=status or None, tag=tag or None, sort=sort, offset=offset)
     if output == "json":
         return WireJSONResponse(twin)
-    filters = {"project": project or "", "name": name or "", "status": status or ""}
-    context = {"twin": twin, "filters": filters,
-               "page_query": {k: v for k, v in filters.items() if v}}
+    filters = {"project": project or "", "name": name or "", "status": status or "",
+               "tag": tag or ""}
+    page_query = {k: v for k, v in filters.items() if v}
+    context = {"twin": twin, "filters": filters, "sort": sort,
+               "page_query": page_query | ({"sort": sort} if sort != "-created" else {})}
     # the list always polls: a new run may appear at any time
     poll = _soonest([QUIET_POLL_MS, *(poll_ms(run) for run in twin["items"])])
     if output == "update":
@@ -244,6 +271,35 @@ def run_page(
     return _run_tab(request, output, "run.html", "overview", figures, context,
                     {"findings": "_findings.html", "steps-footer": "_steps_footer.html",
                      **({"ranks-panel": "_ranks_panel.html"} if twin["ranks"] else {})})
+
+
+@pages.post("/runs/{run_id}/notes")
+async def note_form(request: Request, run_id: RunIdPath, session: SessionDep) -> Response:
+    """The run page's note form (and each card's "handled" button): stored as the API's
+    POST /api/v1/runs/{id}/notes would, then back to the run page."""
+    fields = parse_qs((await request.body())[:auth.MAX_FORM_BYTES].decode("utf-8", "replace"))
+    incident = fields.get("incident", [""])[0]
+    try:
+        body = NoteCreate(text=fields.get("text", [""])[0],
+                          incident=int(incident) if incident.isdigit() else None,
+                          handled=fields.get("handled", [""])[0] == "1")
+        add_note(session, run_id, body)
+    except NotFound as exc:
+        return _not_found(request, exc)
+    except (ValidationError, InvalidInput) as exc:
+        return invalid_page(request, str(exc).splitlines()[0])
+    return RedirectResponse(f"/runs/{quote(run_id)}#findings", status_code=303)
+
+
+@pages.post("/runs/{run_id}/notes/{note_id}/delete")
+def delete_note_form(request: Request, run_id: RunIdPath, note_id: NoteId,
+                     session: SessionDep) -> Response:
+    """A note's "remove" button (an incident's "handled" undone)."""
+    try:
+        delete_run_note(run_id, note_id, session)
+    except NotFound as exc:
+        return _not_found(request, exc)
+    return RedirectResponse(f"/runs/{quote(run_id)}#findings", status_code=303)
 
 
 @pages.get("/runs/{run_id}/layers", response_class=HTMLResponse)

@@ -17,6 +17,7 @@ from ampwatch.server.analysis.kinds import FindingKind, Section, kinds_in
 from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
 from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.api.bundles import public_bundle
+from ampwatch.server.api.notes import run_notes
 from ampwatch.server.bundles import list_bundles
 from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run, RunRank
@@ -52,15 +53,25 @@ class StepRange:
 
 
 def runs_twin(session: Session, settings: Settings, *, project: str | None, name: str | None,
-              status: str | None, offset: int) -> dict:
-    """/ : the runs list, newest first, and the projects to filter by."""
-    runs = list_runs(session, settings, project=project, name=name, status=status,
-                     limit=RUNS_PER_PAGE, offset=offset)
-    return {**runs.model_dump(mode="json"), "projects": projects(session)}
+              status: str | None, offset: int, tag: str | None = None,
+              sort: str = "-created") -> dict:
+    """/ : the runs list, newest first (or by `sort`), and the projects and tags to filter
+    by."""
+    runs = list_runs(session, settings, project=project, name=name, status=status, tag=tag,
+                     sort=sort, limit=RUNS_PER_PAGE, offset=offset)
+    return {**runs.model_dump(mode="json"), "projects": projects(session),
+            "tags": tags(session)}
 
 
 def projects(session: Session) -> list[str]:
     return list(session.scalars(select(Run.project).distinct().order_by(Run.project)))
+
+
+def tags(session: Session) -> list[str]:
+    """Every tag of every run, sorted (read whole: a server holds thousands of runs, not
+    millions)."""
+    return sorted({str(t) for run_tags in session.scalars(select(Run.tags))
+                   for t in run_tags or []})
 
 
 def page_run(session: Session, run_id: str, settings: Settings,
@@ -113,6 +124,7 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
         "layer_index": named_layers(session, run_id, findings),
         "bundles": [public_bundle(b).model_dump(mode="json")
                     for b in list_bundles(session, run_id)],
+        "notes": [n.model_dump(mode="json") for n in run_notes(session, run_id)],
     }
 
 

@@ -6,8 +6,55 @@
   // Nothing on a chart may send its data off the machine: no "Share chart" (an upload
   // to Chart Studio), no "Edit in Chart Studio", no link to plot.ly. Fewer buttons also
   // means fewer Tab stops before the tables.
+  // A chart's own data as CSV (one row per point: trace, x, y), made in the browser
+  // from what is drawn: nothing is fetched or sent.
+  function csvCell(value) {
+    var text = value === null || value === undefined ? "" : String(value);
+    return /[",\n]/.test(text) ? '"' + text.replace(/"/g, '""') + '"' : text;
+  }
+
+  function downloadCsv(el) {
+    var rows = ["trace,x,y"];
+    (el._fullData || []).forEach(function (trace) {
+      if (!trace.x || !trace.y || trace.type === "heatmap") {
+        return;
+      }
+      for (var i = 0; i < trace.x.length; i++) {
+        if (trace.x[i] !== null && trace.x[i] !== undefined) {
+          rows.push([trace.name, trace.x[i], trace.y[i]].map(csvCell).join(","));
+        }
+      }
+    });
+    (el._fullData || []).forEach(function (trace) {
+      if (trace.type === "heatmap" && trace.z) {
+        Array.prototype.forEach.call(trace.z, function (row, r) {
+          Array.prototype.forEach.call(row, function (z, c) {
+            var value = trace.meta === "log10" && z !== null ? Math.pow(10, z) : z;
+            rows.push([trace.y[r], trace.x[c], value].map(csvCell).join(","));
+          });
+        });
+      }
+    });
+    var link = document.createElement("a");
+    link.href = URL.createObjectURL(new Blob([rows.join("\n") + "\n"], { type: "text/csv" }));
+    link.download = el.id.replace(/^fig-/, "") + ".csv";
+    document.body.appendChild(link);
+    link.click();
+    link.remove();
+  }
+
+  var CSV_BUTTON = {
+    name: "csv",
+    title: "Download data as CSV",
+    icon: window.Plotly ? window.Plotly.Icons.disk : undefined,  // pages without charts load no plotly
+    click: function (el) {
+      downloadCsv(el);
+    },
+  };
+
   var PLOT_CONFIG = {
     displaylogo: false,
+    modeBarButtonsToAdd: [CSV_BUTTON],
     responsive: true,
     showSendToCloud: false,
     showEditInChartStudio: false,
@@ -208,6 +255,29 @@
         return;
       }
       el.dataset.rowsFollowed = "1";
+      // keyboard users reach each row's layer view through its label: Tab, then Enter
+      var labels = meta.layer_rows.map(function (row) {
+        return new DOMParser().parseFromString(row, "text/html").documentElement.textContent;
+      });
+      var focusable = function () {
+        el.querySelectorAll(".ytick text").forEach(function (text) {
+          var row = labels.indexOf(text.textContent);
+          if (row < 0 || text.dataset.linked) {
+            return;
+          }
+          text.dataset.linked = "1";
+          text.setAttribute("tabindex", "0");
+          text.setAttribute("role", "link");
+          text.setAttribute("aria-label", "open the view of layer " + labels[row]);
+          text.addEventListener("keydown", function (event) {
+            if (event.key === "Enter") {
+              window.location.href = meta.layer_links[row];
+            }
+          });
+        });
+      };
+      focusable();
+      el.on("plotly_afterplot", focusable);  // a zoom or an update redraws the ticks
       el.on("plotly_click", function (event) {
         var point = event.points && event.points[0];
         var row = point ? meta.layer_rows.indexOf(point.y) : -1;
@@ -221,7 +291,8 @@
   function swapPanels(panels) {
     Object.keys(panels).forEach(function (id) {
       var el = document.getElementById(id);
-      if (el) {
+      // a panel the user is typing in (a note) waits for the next update
+      if (el && !el.contains(document.activeElement)) {
         // boxes ticked (runs picked to compare) stay ticked across the swap
         var ticked = Array.prototype.map.call(
           el.querySelectorAll("input[type=checkbox]:checked"), function (box) {

@@ -102,7 +102,7 @@ def test_compare_overlays_runs(browser):
 def test_names_a_client_sent_are_shown_as_text(browser):
     browser.goto("/")
     row = browser.page.locator("tr[data-run-id='xss-run']")
-    assert row.locator(".run-name a").inner_text() == XSS
+    assert row.locator(".run-name > a").inner_text() == XSS
     assert row.locator("td").nth(3).inner_text() == XSS_PROJECT
     browser.goto("/runs/xss-run")
     browser.wait_for_plots("loss_scale")

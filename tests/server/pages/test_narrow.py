@@ -40,7 +40,7 @@ def test_runs_list_keeps_names_whole_and_problems_in_view(narrow):
     narrow.goto("/")
     for run in ("growing-fp16", "sgd-bf16"):
         row = narrow.page.locator(f"tr[data-run-id='{run}']")
-        assert row.locator(".run-name a").evaluate(WORDS_WHOLE) == []
+        assert row.locator(".run-name > a").evaluate(WORDS_WHOLE) == []
         problems = row.locator(".findings-count")
         seen = row.locator("td").last
         assert problems.is_visible() and seen.is_visible()

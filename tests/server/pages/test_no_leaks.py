@@ -5,6 +5,8 @@ keyboard user reaches the content through a skip link."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 pytestmark = pytest.mark.browser
@@ -46,4 +48,22 @@ def test_the_first_tab_stop_skips_to_the_content(field_browser):
     assert skip.evaluate("el => el.getBoundingClientRect().top") >= 0  # shown when focused
     browser.page.keyboard.press("Enter")
     assert browser.page.evaluate("document.activeElement.id") == "main"
+    browser.assert_clean()
+
+
+def test_a_charts_data_downloads_as_csv_made_in_the_browser(field_browser, field_runs):
+    browser = field_browser
+    browser.goto("/runs/growing-fp16")
+    browser.wait_for_plots("loss_scale")
+    with browser.page.expect_download() as download:
+        browser.page.locator("#fig-loss_scale .modebar-btn[data-title='Download data as CSV']"
+                             ).click()
+    assert download.value.suggested_filename == "loss_scale.csv"
+    lines = Path(download.value.path()).read_text().splitlines()
+    assert lines[0] == "trace,x,y"
+    scale = [line.split(",") for line in lines[1:] if line.startswith("rank 0,")]
+    # every step's scale as the run ran with it (log2 on the chart), the test's own truth
+    assert [2 ** float(y) for _, _, y in scale] == field_runs.scales[:len(scale)]
+    fallen = [line for line in lines[1:] if line.startswith("scale below 2^-24,")]
+    assert len(scale) + len(fallen) == field_runs.steps  # the rest: on the row under the axis
     browser.assert_clean()

@@ -105,7 +105,9 @@ def test_small_text_meets_wcag_aa_contrast(field_browser):
     low = []
     for path, selector in (("/", ".badge, .findings-count, td, a"),
                            ("/runs/growing-fp16", ".badge, .finding a, .finding .message, "
-                            ".finding .meta, .stats dd, .stats dt")):
+                            ".finding .meta, .stats dd, .stats dt, a"),
+                           ("/runs/growing-fp16/layers", ".dtype, #precision a"),
+                           ("/runs/sgd-bf16/layers", ".dtype")):
         browser.goto(path)
         low += [(path, text, round(ratio, 2)) for text, ratio in
                 browser.page.evaluate(CONTRAST, selector) if ratio < 4.5]

@@ -119,3 +119,18 @@ def test_an_fp8_layers_view_shows_what_its_casts_lost(field_browser, field_runs)
     truth = 100 * float(np.nanmax(sent[:, ROLES.index("input"), STATS.index("underflow"), 2]))
     assert math.isclose(shown, truth, rel_tol=1e-5)
     browser.assert_clean()
+
+
+def test_a_keyboard_reaches_a_heatmap_rows_layer_view(field_browser, field_runs):
+    browser = field_browser
+    path = _layer_path(field_runs.server.url, GROWING_LAYER)
+    browser.goto("/runs/growing-fp16/layers")
+    browser.wait_for_plots("grad_heatmap")
+    label = browser.page.locator("#fig-grad_heatmap .ytick text[role=link]",
+                                 has_text="6 · Linear(64, 64)")
+    label.focus()  # reached by Tab: it is in the tab order
+    assert label.get_attribute("tabindex") == "0"
+    with browser.page.expect_navigation():
+        browser.page.keyboard.press("Enter")
+    assert urlsplit(browser.page.url).path == path
+    browser.assert_clean()

@@ -4,6 +4,11 @@ twin carries their matrices."""
 
 from __future__ import annotations
 
+import base64
+
+import numpy as np
+import pytest
+
 from tests.client.test_spikes import N_LAYERS, seed_spike
 from tests.utils import make_steps, post_batch, register_run
 
@@ -39,3 +44,37 @@ def test_the_layers_page_draws_the_spike_heatmaps(api) -> None:
     twin = api.get("/runs/spiky-layers/layers?format=json").json()
     assert twin["update_ratio"]["metric"] == "update_ratio"
     assert len(twin["update_ratio"]["values"]) == N_LAYERS
+
+
+def plotted(values) -> list[float]:
+    """A figure's array as the page receives it: plotly's typed array (dtype, base64)."""
+    if isinstance(values, dict):
+        return np.frombuffer(base64.b64decode(values["bdata"]), values["dtype"]).tolist()
+    return list(values)
+
+
+def test_the_layer_view_draws_the_evidence_the_run_sent_and_no_empty_panel(api) -> None:
+    register_run(api, "evidence", N_LAYERS)
+    steps = make_steps(0, 100, N_LAYERS)  # no activation samples: no zero-grad share
+    for s in steps:
+        if s["step"] % 10 == 0:
+            s["spikes"] = {"update_ratio": [1e-3 * (1 + s["step"] // 10), *[None] * 3],
+                           "adam_eps_share": [0.25, *[None] * 3],
+                           "attn_max_logit": [None, 30.0 + s["step"], None, None]}
+    assert post_batch(api, "evidence", 0, steps).status_code == 200
+    first = api.get("/runs/evidence/layers/0?format=update").json()["figures"]
+    assert set(first) == {"layer_grad", "layer_act", "layer_update", "layer_optimizer"}
+    ratio = first["layer_update"]["data"][0]
+    # one point per sample, each at the first step of its bucket (the run's 10 samples
+    # fall in 10 buckets over steps 0-99)
+    xs = plotted(ratio["x"])
+    assert len(xs) == 10 and all(abs(x - 10 * i) < 10 for i, x in enumerate(xs)), xs
+    assert plotted(ratio["y"]) == pytest.approx([1e-3 * k for k in range(1, 11)], rel=1e-6)
+    (eps,) = first["layer_optimizer"]["data"]
+    assert eps["name"] == "v under eps" and set(plotted(eps["y"])) == {25.0}
+    second = api.get("/runs/evidence/layers/1?format=update").json()["figures"]
+    assert set(second) == {"layer_grad", "layer_act", "layer_attn"}  # an attention layer
+    assert plotted(second["layer_attn"]["data"][0]["y"]) == pytest.approx([30.0 + s for s in
+                                                                  range(0, 100, 10)])
+    page = api.get("/runs/evidence/layers/0").text
+    assert "Update ratio" in page and "Zero grad elements" not in page

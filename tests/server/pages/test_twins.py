@@ -118,3 +118,20 @@ def test_a_reversed_step_range_is_refused(api, long_run, path):
     assert response.status_code == 422
     assert "before it starts" in response.text
     assert api.get(path + "?start=100&end=100&format=json").status_code == 200
+
+
+def test_the_runs_twin_filters_by_tag_and_sorts_by_a_column(api):
+    for run_id, count, tags in (("t1", 30, ["a", "ünï"]), ("t2", 10, ["ünï"]),
+                                ("t3", 20, ["b"])):
+        register_run(api, run_id, n_layers=2, tags=tags)
+        assert post_batch(api, run_id, 0, make_steps(0, count, 2)).status_code == 200
+
+    def ids(query: str) -> list[str]:
+        return [r["id"] for r in api.get(f"/?format=json&{query}").json()["items"]]
+
+    assert ids("tag=ünï") == ["t2", "t1"]
+    assert ids("tag=a") == ["t1"] and ids("tag=%22") == []
+    assert ids("sort=-last_step") == ["t1", "t3", "t2"]
+    assert ids("sort=last_step&tag=ünï") == ["t2", "t1"]
+    assert ids("sort=name") == ["t1", "t2", "t3"]
+    assert api.get("/?format=json&sort=bogus").status_code == 422

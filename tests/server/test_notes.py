@@ -1,0 +1,40 @@
+"""Notes on a run and on its incidents, and incidents marked handled, through the API
+(issue #50), on the real app: kept, listed, refused when they name nothing, gone with
+their run."""
+
+from __future__ import annotations
+
+from tests.utils import make_steps, post_batch, register_run
+
+
+def test_notes_and_handled_incidents_are_kept(api) -> None:
+    register_run(api, "noted", n_layers=3)
+    assert post_batch(api, "noted", 0, make_steps(0, 40, 3, skipped={7})).status_code == 200
+    incidents = api.get("/api/v1/runs/noted/incidents").json()["items"]
+    assert incidents  # the skipped step's non-finite grads are one
+    incident = incidents[0]["id"]
+
+    note = api.post("/api/v1/runs/noted/notes", json={"text": "  restarted at 12:00 "})
+    assert note.status_code == 201, note.text
+    assert (note.json()["text"], note.json()["incident"]) == ("restarted at 12:00", None)
+    handled = api.post("/api/v1/runs/noted/notes",
+                       json={"incident": incident, "handled": True, "text": "bad batch"})
+    assert handled.status_code == 201, handled.text
+    listed = api.get("/api/v1/runs/noted/notes").json()["items"]
+    assert [(n["text"], n["incident"], n["handled"]) for n in listed] == [
+        ("restarted at 12:00", None, False), ("bad batch", incident, True)]
+
+    assert "handled" in api.get("/runs/noted").text  # the run page says so on its card
+    assert api.delete(f"/api/v1/runs/noted/notes/{handled.json()['id']}").status_code == 204
+    assert [n["text"] for n in api.get("/api/v1/runs/noted/notes").json()["items"]] == [
+        "restarted at 12:00"]
+
+    refused = {"no text": {"text": " "}, "handled without incident": {"handled": True},
+               "no such incident": {"incident": 999_999, "text": "x"}}
+    codes = {why: api.post("/api/v1/runs/noted/notes", json=body).status_code
+             for why, body in refused.items()}
+    assert codes == {"no text": 422, "handled without incident": 422, "no such incident": 404}
+    assert api.post("/api/v1/runs/nobody/notes", json={"text": "x"}).status_code == 404
+    assert api.delete("/api/v1/runs/noted/notes/999").status_code == 404
+    assert api.delete("/api/v1/runs/noted").status_code == 204
+    assert api.get("/api/v1/runs/noted/notes").status_code == 404
