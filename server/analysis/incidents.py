@@ -56,7 +56,14 @@ HEADLINES = {
     "grad_overflow": "Gradients of layer {layer!r} are inf/NaN",
     "nonfinite_loss": "The loss is inf/NaN",
     "nonfinite_input": "The input batch holds inf/NaN",
+    "weight_jump": "Layer {layer!r}'s weights jumped at step {step}",
+    "weight_growth": "Layer {layer!r}'s weights grew from step {step}",
 }
+WEIGHT_CAUSE = "weight_jump"
+# what a layer's moved weights make happen at or after that layer: folded into its story
+AFTER_WEIGHTS = (OVERFLOW, "absorbed_overflow", GRAD_OVERFLOW, "divergence", "nonfinite_loss",
+                 SPIKE_CAUSE)
+LOOSE_AFTER_WEIGHTS = ("spike_precursor", "underflow_risk", "optimizer_state", "scaler_divergence")
 
 
 @dataclass(frozen=True)
@@ -122,8 +129,9 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
 
 def needs_layer_order(findings: Iterable[Any]) -> bool:
     """Whether grouping `findings` can use the layer order (a query): only what may join
-    an overflow upstream of it (zero gradients, overflow risks, gradient overflows)."""
-    return any(_get(f, "kind") in (*SYMPTOMS, RISK)
+    an overflow or a weight jump upstream of it (zero gradients, overflow risks, gradient
+    overflows, what follows a weight jump)."""
+    return any(_get(f, "kind") in (*SYMPTOMS, RISK, "weight_jump")
                or (_get(f, "evidence") or {}).get("cause") == GRAD_OVERFLOW for f in findings)
 
 
@@ -168,6 +176,7 @@ def group_incidents(findings: Iterable[Any],
     _fold_downstream_risks(groups, order)
     _fold_gradient_overflows(groups, order)
     _fold_spikes_into_overflows(groups)
+    _fold_into_weight_jumps(groups, order)
     for symptom in symptoms:
         key = _overflow_upstream(groups, order, _get(symptom, "run_id"), _get(symptom, "rank"),
                                  _get(symptom, "layer"))
@@ -251,6 +260,41 @@ def _fold_spikes_into_overflows(groups: dict[tuple, list[Any]]) -> None:
             groups[min(near)[1]] += groups.pop(key)
 
 
+def _fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, int]) -> None:
+    """Move what followed a layer's weight jump into its incident: on its rank, an
+    overflow, gradient overflow, divergence, non-finite loss or loss spike, and a precursor,
+    zero-gradient, optimizer-state or scaler finding, begun after the sample before the
+    jump while the weights stayed moved (a growth, info, absorbs nothing), in that layer or one
+    after it in forward order (or with no layer). The larger weights explain them."""
+    jumps = [key for key in groups if key[0] != "finding" and key[2] == WEIGHT_CAUSE]
+    for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
+        if key not in groups:
+            continue
+        weights = [f for f in groups[key] if _get(f, "kind") == "weight_jump"
+                   and _get(f, "code") == "weight_jump"]  # a growth may be harmless: its own
+        evidence = (_get(weights[0], "evidence") or {}) if weights else {}
+        if evidence.get("before_step") is None:
+            continue
+        begun = evidence["before_step"] + 1
+        end, position = _last_step(groups[key]), order.get(key[3])
+        for other in [k for k in groups if k != key]:
+            members = groups[other]
+            lead = members[0]
+            if (_get(lead, "run_id"), _get(lead, "rank")) != key[:2]:
+                continue
+            if other[0] == "finding":
+                follows = _get(lead, "kind") in LOOSE_AFTER_WEIGHTS
+            else:
+                follows = other[2] in AFTER_WEIGHTS
+            layer = other[3] if other[0] != "finding" else _get(lead, "layer")
+            at = order.get(layer) if layer not in (None, "-") else None
+            downstream = (layer in (None, "-", key[3]) or layer.startswith("step ")
+                          or (position is not None and at is not None and at >= position))
+            first = _first_step(members)
+            if follows and downstream and first is not None and begun <= first <= end:
+                groups[key] += groups.pop(other)
+
+
 def _first_step(members: list[Any]) -> int | None:
     return min((s for f in members if (s := _get(f, "step")) is not None), default=None)
 
@@ -277,6 +321,14 @@ def _incident(members: list[Any], key: tuple) -> Incident:
                               severity=_get(f, "severity")) for f in members]
     if cause is not None and cause[0] == "misaligned":
         layer, headline, fix, timeline = _misaligned(members)
+    elif cause is not None and cause[0] == WEIGHT_CAUSE:
+        weights = next(f for f in members if _get(f, "kind") == "weight_jump"
+                       or (_get(f, "evidence") or {}).get("cause") == WEIGHT_CAUSE)
+        evidence = _get(weights, "evidence") or {}
+        shape = "weight_growth" if "growth_step" in evidence else "weight_jump"
+        headline = HEADLINES[shape].format(layer=layer, step=_get(weights, "step"))
+        fix = str(evidence.get("fix", ""))
+        fix = fix[0].upper() + fix[1:] + "." if fix else None
     elif cause is not None and cause[0] == SPIKE_CAUSE:
         layer, headline, fix = spike_story([(_get(f, "kind"), _get(f, "layer"),
                                              _get(f, "evidence") or {}) for f in members])

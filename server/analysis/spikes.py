@@ -26,6 +26,7 @@ from ampwatch.server.spike_samples import SpikeWindow
 
 SPIKE_CAUSE = "loss_spike"  # evidence.cause of the findings of one spike (incidents.py)
 CAUSE_WORDS = {
+    "weight_jump": "the layer's weights jumped (their sampled norm)",
     "lr_change": "the learning rate rose",
     "attention_logit_growth": "attention logits grew",
     "output_logit_divergence": "the output logits diverged (log-partition drifting)",
@@ -97,6 +98,8 @@ def _spike_draft(spike: Spike, cause: Cause, run: RunContext, last: int,
                 "spread": spike.spread, "size_spreads": spike.size, "ratio": spike.ratio,
                 "recovered_at": spike.recovered_at, "precursor_step": cause.precursor_step,
                 "lead_steps": lead, "fix": FIXES[cause.label], **cause.evidence}
+    if cause.label == "weight_jump":  # one story with the layer's weight finding
+        evidence.update(cause="weight_jump", layer=layer)
     return FindingDraft(kind="loss_spike", code=cause.label, key=f"loss_spike:{spike.start}",
                         severity="critical" if stuck else "warning", message=message,
                         step=spike.start, last_step=spike.end, layer=layer, evidence=evidence,
