@@ -63,6 +63,34 @@ def cell(findings: set) -> str:
                            findings, key=lambda f: (f[2], f[0], f[1] or "")))
 
 
+# written by hand: the parts of the diagnosis the suite's table does not show
+FOOTER = '''
+## Weights as a cause (server/analysis/weights.py)
+
+The agent samples each layer's weight norm (`spikes.weight_norm`, docs/spikes.md) as a
+sampled step's first forward begins. A `weight_jump` finding names the layer whose norm
+changed `weight_jump_factor` (100) x or more between two samples (a warning, critical from
+1000x): a rescale no optimizer step at a workable learning rate makes (the spike suite's
+query/key learning rate of 2.0 and output shift's 100 moved norms 11-22x in ten steps). A
+norm that grew `weight_growth_factor` (10) x rising on every sample is a `weight_growth`
+(info: it says where a growth starts, and can be harmless, e.g. queries and keys under
+qk-layernorm). What follows a jump on its rank, begun after the sample before it while
+the weights stay moved, in that layer or one after it in forward order (an overflow, a
+gradient overflow and the scaler's findings on it, a loss spike, a precursor, zero
+gradients), joins the jump's incident, titled "Layer 'fc2''s weights jumped at step 40";
+a spike that follows is labelled `weight_jump` on that layer. The fix says precision is
+not the cause: no upcast repairs weights that are 10^4 times too large.
+
+Tested in tests/diagnosis/test_weight_causes.py: fp16 + GradScaler, a 4-Linear GELU MLP,
+fc2's weights x1e4 at step 40 (truth: the test's own norms and forward hooks) gives one
+serious incident, on fc2 at step 40, holding head's non-finite and scaler findings and
+the loss spike; fc2's weights grown 5% a step from step 0 give `weight_growth` on fc2 at
+step 0. Limits: only the weights; a gain applied outside any parameter (a multiply in
+`forward`) is not seen here; a zero-initialised layer (LoRA's B) has no level and is
+skipped.
+'''
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "docs" / "diagnosis.md"))
@@ -100,7 +128,7 @@ def main() -> None:
         f"observed, {tp} matching in kind, layer, step and severity: precision "
         f"{precision:.2f}, recall {recall:.2f}; warning or critical findings on the healthy "
         f"runs: {healthy_alarms}.",
-        "",
+        FOOTER,
     ])
     if args.out == "-":
         print(text)
