@@ -88,6 +88,33 @@ the loss spike; fc2's weights grown 5% a step from step 0 give `weight_growth` o
 step 0. Limits: only the weights; a gain applied outside any parameter (a multiply in
 `forward`) is not seen here; a zero-initialised layer (LoRA's B) has no level and is
 skipped.
+
+## Zeros that are not underflow (server/analysis/ranges.py)
+
+A layer whose gradients are mostly exact zeros (`underflow_zero_share`, 50%, on most
+measured steps) is fp16 underflow only when fp16 made the zeros. The server checks it
+with what the agent already sends: the RMS of the layer's nonzero gradient elements as
+the backward computed them, scaled (its unscaled `layer_grad_norm` x the loss scale over
+the root of its nonzero element count, from the layer table's parameter count and the
+zero share), the median over the flagged steps. Values flush to zero in fp16 only under
+its smallest subnormal (6e-8); when the nonzero elements sit at `underflow_rms_floor`
+(2^-6, 256x fp16's smallest normal) or above, no plausible spread puts most elements 5+
+orders of magnitude under them, so the zeros are the model's own (saturated or dead
+activations, masked inputs): fp32 or a larger scale gives the same. That finding is
+info, code `model_zeros`, and says so with its RMS; it recommends nothing about the
+precision. Under the floor (a tiny or collapsing loss scale, gradients that shrank) it
+stays the warning it was, its message giving the RMS.
+
+Tested in tests/diagnosis/test_underflow_causes.py, the truth being the test's own zero
+count of each layer's gradients and a replay of the same step in fp32 without a scaler:
+48 of fc2's 64 units saturated at -1000 before their GELU from step 40 (fp16 and fp32
+both 75% zeros in fc2 and 74% in fc3: info, `model_zeros`), and a GradScaler fixed at
+2^-8 with a loss x 1e-4 (fp16 50%+ zeros, fp32 none: warning on exactly those layers).
+Limits: a layer whose gradients are heavy-tailed enough to hold both large values and
+many flushed ones reads as the model's zeros; the check uses the step's recorded grad
+norm, so a layer without one (no per-layer norms) keeps the old rule. The weight
+blow-up of issue 49 (fc2 x1e4) did not saturate whole units of this MLP (fc3 at most 20%
+zeros, batch 32), so the saturation is injected directly.
 '''
 
 

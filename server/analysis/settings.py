@@ -38,6 +38,10 @@ class AnalysisSettings(BaseModel):
     underflow_share: float = Field(
         0.5, gt=0, le=1, description="share of recent measured steps that must show underflow"
     )
+    underflow_rms_floor: float = Field(
+        2.0**-6, gt=0, description="the scaled RMS of a layer's nonzero gradients at or over "
+        "which its exact zeros are the model's own, not fp16 underflow (256x fp16's "
+        "smallest normal)")
     underflow_zero_share: float = Field(
         0.5, gt=0, le=1, description="a layer's share of exactly-zero grad elements: underflow"
     )
