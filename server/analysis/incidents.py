@@ -177,6 +177,7 @@ def group_incidents(findings: Iterable[Any],
     _fold_gradient_overflows(groups, order)
     _fold_spikes_into_overflows(groups)
     _fold_into_weight_jumps(groups, order)
+    _fold_into_clip_before_unscale(groups)
     for symptom in symptoms:
         key = _overflow_upstream(groups, order, _get(symptom, "run_id"), _get(symptom, "rank"),
                                  _get(symptom, "layer"))
@@ -292,6 +293,24 @@ def _fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, 
                           or (position is not None and at is not None and at >= position))
             first = _first_step(members)
             if follows and downstream and first is not None and begun <= first <= end:
+                groups[key] += groups.pop(other)
+
+
+def _fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
+    """Move the optimizer states (eps dominating, the second moment at zero) of a rank
+    into the clip-before-unscale pitfall of its run begun no later than they: clipping the
+    scaled gradients makes the update the optimizer sees loss-scale times smaller, which
+    is exactly what starves Adam's moments; one fix (unscale_ before clipping) for all."""
+    pitfalls = [key for key, members in groups.items() if key[0] == "finding"
+                and _get(members[0], "kind") == "pitfall"
+                and _get(members[0], "code") == "clip_before_unscale"]
+    for key in pitfalls:
+        run_id, began = _get(groups[key][0], "run_id"), _first_step(groups[key]) or 0
+        for other in [k for k, members in groups.items() if k != key]:
+            members = groups[other]
+            if all(_get(f, "kind") == "optimizer_state" for f in members) \
+                    and _get(members[0], "run_id") == run_id \
+                    and (_first_step(members) or 0) >= began:
                 groups[key] += groups.pop(other)
 
 
