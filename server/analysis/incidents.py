@@ -178,6 +178,7 @@ def group_incidents(findings: Iterable[Any],
     _fold_spikes_into_overflows(groups)
     _fold_into_weight_jumps(groups, order)
     _fold_into_clip_before_unscale(groups)
+    _fold_precursors_into_overflows(groups, order)
     for symptom in symptoms:
         key = _overflow_upstream(groups, order, _get(symptom, "run_id"), _get(symptom, "rank"),
                                  _get(symptom, "layer"))
@@ -272,7 +273,7 @@ def _fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, 
         if key not in groups:
             continue
         weights = [f for f in groups[key] if _get(f, "kind") == "weight_jump"
-                   and _get(f, "code") == "weight_jump"]  # a growth may be harmless: its own
+                   and _code(f) == "weight_jump"]  # a growth may be harmless: its own
         evidence = (_get(weights[0], "evidence") or {}) if weights else {}
         if evidence.get("before_step") is None:
             continue
@@ -303,7 +304,7 @@ def _fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
     is exactly what starves Adam's moments; one fix (unscale_ before clipping) for all."""
     pitfalls = [key for key, members in groups.items() if key[0] == "finding"
                 and _get(members[0], "kind") == "pitfall"
-                and _get(members[0], "code") == "clip_before_unscale"]
+                and _code(members[0]) == "clip_before_unscale"]
     for key in pitfalls:
         run_id, began = _get(groups[key][0], "run_id"), _first_step(groups[key]) or 0
         for other in [k for k, members in groups.items() if k != key]:
@@ -312,6 +313,30 @@ def _fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
                     and _get(members[0], "run_id") == run_id \
                     and (_first_step(members) or 0) >= began:
                 groups[key] += groups.pop(other)
+
+
+def _fold_precursors_into_overflows(groups: dict[tuple, list[Any]],
+                                    order: Mapping[str, int]) -> None:
+    """Move a precursor with no spike of its own (an output log-partition or attention
+    logit grown) of a layer at or after an overflowing one into that layer's incident when
+    it began no earlier than the overflow's first sign: the overflowing layer's outputs
+    pushed it up, and its fix (z-loss, qk-layernorm) would not help."""
+    loose = [key for key, members in groups.items() if key[0] == "finding"
+             and _get(members[0], "kind") == "spike_precursor"]
+    for key in loose:
+        lead = groups[key][0]
+        target = _overflow_upstream(groups, order, _get(lead, "run_id"), _get(lead, "rank"),
+                                    _get(lead, "layer"))
+        began = _first_step(groups[key])
+        if target is not None and began is not None \
+                and began >= (_first_step(groups[target]) or 0):
+            groups[target] += groups.pop(key)
+
+
+def _code(finding: Any) -> str | None:
+    """The finding's code; hand-made findings may leave it out."""
+    return (finding.get("code") if isinstance(finding, Mapping)
+            else getattr(finding, "code", None))
 
 
 def _first_step(members: list[Any]) -> int | None:

@@ -239,3 +239,16 @@ def test_gradient_overflows_the_data_cannot_tie_to_an_overflow_stay_apart():
     assert len(group_incidents([risk_only, *grad_overflow("8", 20, 60)], ORDER)) == 2
     # without the layer order, another layer's gradients are not known to be fed by it
     assert len(group_incidents([*story, *grad_overflow("8", 20, 60)])) == 2
+
+
+def test_an_overflowing_layer_absorbs_the_output_logits_it_pushed_up():
+    """A layer overflowing fp16 pushes the logits after it up: the head's log-partition
+    precursor (begun no earlier) is part of its story; one begun before it is not."""
+    story = overflow_story("fc2")
+    pushed = finding("spike_precursor", 150, layer="head", code="output_logit_divergence")
+    earlier = finding("spike_precursor", 100, layer="head", code="attention_logit_growth")
+    order = {"fc1": 0, "fc2": 1, "head": 2}
+    incidents = group_incidents([*story, pushed, earlier], order)
+    boom = next(i for i in incidents if i.cause == "forward_overflow")
+    assert pushed["id"] in boom.findings and earlier["id"] not in boom.findings
+    assert len(incidents) == 2
