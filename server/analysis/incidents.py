@@ -333,6 +333,29 @@ def _fold_precursors_into_overflows(groups: dict[tuple, list[Any]],
             groups[target] += groups.pop(key)
 
 
+def _only_risks(members: list[Any]) -> bool:
+    """Whether what is open of the incident (all of it once resolved) is overflow risks
+    and their symptoms: a layer close to the maximum, not yet over it."""
+    open_kinds = {_get(f, "kind") for f in members if _get(f, "status") == "open"} or \
+        {_get(f, "kind") for f in members}
+    return RISK in open_kinds and open_kinds <= {RISK, *SYMPTOMS}
+
+
+def _risk_headline(layer: str | None, members: list[Any], dtype: str | None) -> str:
+    """The one wording of a risk, for the API, the cards and `ampwatch show` alike."""
+    evidence = max((_get(f, "evidence") or {} for f in members if _get(f, "kind") == RISK),
+                   key=lambda e: float(e.get("absmax") or 0))
+    limit = float(evidence.get("limit") or 65504.0)
+    return (f"Layer {layer!r} is approaching {dtype_word(dtype)}'s maximum: "
+            f"{short_number(float(evidence.get('absmax') or 0), 2)} of {limit:g}")
+
+
+def short_number(value: float, digits: int) -> str:
+    """5.5e4 for 54,800 at 2 digits (a number read at a glance, not copied)."""
+    mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+    return f"{mantissa}e{int(exponent)}" if abs(value) >= 1e4 else f"{value:.{digits}g}"
+
+
 def _code(finding: Any) -> str | None:
     """The finding's code; hand-made findings may leave it out."""
     return (finding.get("code") if isinstance(finding, Mapping)
@@ -380,8 +403,9 @@ def _incident(members: list[Any], key: tuple) -> Incident:
         # the run's compute dtype, as its findings' evidence names it (fp16 when none does)
         dtype = next((e["dtype"] for e in (_get(f, "evidence") or {} for f in members)
                       if e.get("dtype")), None)
-        headline = HEADLINES.get(cause[0], "Steps went inf/NaN").format(
-            layer=layer, dtype=dtype_word(dtype))
+        headline = (_risk_headline(layer, members, dtype) if _only_risks(members) else
+                    HEADLINES.get(cause[0], "Steps went inf/NaN").format(
+                        layer=layer, dtype=dtype_word(dtype)))
         # the remedy after "what happened: " (the headline already says what happened)
         fix = fix_for_cause(cause[0], layer, dtype).split(": ", 1)[-1]
         fix = fix[0].upper() + fix[1:] + "."

@@ -252,3 +252,14 @@ def test_an_overflowing_layer_absorbs_the_output_logits_it_pushed_up():
     boom = next(i for i in incidents if i.cause == "forward_overflow")
     assert pushed["id"] in boom.findings and earlier["id"] not in boom.findings
     assert len(incidents) == 2
+
+
+def test_a_risk_alone_reads_approaching_in_the_headline_every_surface_shows():
+    """The incident's headline is the one wording the API, the card and `ampwatch show`
+    print: a layer close to fp16's maximum is approaching it, not overflowing."""
+    risk = finding("overflow_risk", 134, layer="fc2", absmax=40000.0, limit=65504.0)
+    (incident,) = group_incidents([risk])
+    assert incident.headline == "Layer 'fc2' is approaching fp16's maximum: 4.0e4 of 65504"
+    story = overflow_story("fc2")
+    (incident,) = group_incidents(story)
+    assert incident.headline == "Layer 'fc2' overflows fp16 in the forward pass"
