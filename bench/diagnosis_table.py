@@ -115,6 +115,18 @@ many flushed ones reads as the model's zeros; the check uses the step's recorded
 norm, so a layer without one (no per-layer norms) keeps the old rule. The weight
 blow-up of issue 49 (fc2 x1e4) did not saturate whole units of this MLP (fc3 at most 20%
 zeros, batch 32), so the saturation is injected directly.
+
+## One incident per cause (server/analysis/incidents.py)
+
+Besides the folds above (a weight jump absorbs what follows it downstream): the
+clip-before-unscale pitfall absorbs the optimizer states of its run begun no earlier
+(clipping the scaled gradients makes the update loss-scale times smaller, which is what
+starves Adam: one fix, `unscale_` before clipping; tests/diagnosis/test_one_cause.py, real
+fp16 training with eps 1e-6, the truth the optimizer's own state); a layer overflowing
+fp16 absorbs a precursor (output log-partition, attention logit) of a layer at or after
+it begun no earlier (hand-made findings in tests/server/analysis/test_incidents.py). An
+incident of risks alone is titled "Layer 'X' is approaching fp16's maximum: ..." in
+the API, so the card and `ampwatch show` print the same words.
 '''
 
 
