@@ -16,6 +16,7 @@ from ampwatch.agent import guard
 from ampwatch.agent.collectors import default_collectors
 from ampwatch.agent.collectors.fp8 import Fp8Collector
 from ampwatch.agent.collectors.spikes import SpikeCollector
+from ampwatch.agent.collectors.weights import WeightNormCollector
 from ampwatch.agent.distributed import shared_run_id
 from ampwatch.agent.environment import describe_run, distributed_rank, environment, run_body
 from ampwatch.agent.fp8 import find_fp8_layers
@@ -336,6 +337,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         if fp8_layers:
             collectors.append(Fp8Collector(fp8_layers, layers))
         collectors.append(SpikeCollector(layers))
+        collectors.append(WeightNormCollector(layers))  # after it: adds to its `spikes`
         step_guard = None if guard_settings is None else StepGuard(guard_settings)
         if step_guard is not None:
             collectors.append(step_guard)  # after the others: its read marks the step skipped

@@ -63,6 +63,73 @@ def cell(findings: set) -> str:
                            findings, key=lambda f: (f[2], f[0], f[1] or "")))
 
 
+# written by hand: the parts of the diagnosis the suite's table does not show
+FOOTER = '''
+## Weights as a cause (server/analysis/weights.py)
+
+The agent samples each layer's weight norm (`spikes.weight_norm`, docs/spikes.md) as a
+sampled step's first forward begins. A `weight_jump` finding names the layer whose norm
+changed `weight_jump_factor` (100) x or more between two samples (a warning, critical from
+1000x): a rescale no optimizer step at a workable learning rate makes (the spike suite's
+query/key learning rate of 2.0 and output shift's 100 moved norms 11-22x in ten steps). A
+norm that grew `weight_growth_factor` (10) x rising on every sample is a `weight_growth`
+(info: it says where a growth starts, and can be harmless, e.g. queries and keys under
+qk-layernorm). What follows a jump on its rank, begun after the sample before it while
+the weights stay moved, in that layer or one after it in forward order (an overflow, a
+gradient overflow and the scaler's findings on it, a loss spike, a precursor, zero
+gradients), joins the jump's incident, titled "Layer 'fc2''s weights jumped at step 40";
+a spike that follows is labelled `weight_jump` on that layer. The fix says precision is
+not the cause: no upcast repairs weights that are 10^4 times too large.
+
+Tested in tests/diagnosis/test_weight_causes.py: fp16 + GradScaler, a 4-Linear GELU MLP,
+fc2's weights x1e4 at step 40 (truth: the test's own norms and forward hooks) gives one
+serious incident, on fc2 at step 40, holding head's non-finite and scaler findings and
+the loss spike; fc2's weights grown 5% a step from step 0 give `weight_growth` on fc2 at
+step 0. Limits: only the weights; a gain applied outside any parameter (a multiply in
+`forward`) is not seen here; a zero-initialised layer (LoRA's B) has no level and is
+skipped.
+
+## Zeros that are not underflow (server/analysis/ranges.py)
+
+A layer whose gradients are mostly exact zeros (`underflow_zero_share`, 50%, on most
+measured steps) is fp16 underflow only when fp16 made the zeros. The server checks it
+with what the agent already sends: the RMS of the layer's nonzero gradient elements as
+the backward computed them, scaled (its unscaled `layer_grad_norm` x the loss scale over
+the root of its nonzero element count, from the layer table's parameter count and the
+zero share), the median over the flagged steps. Values flush to zero in fp16 only under
+its smallest subnormal (6e-8); when the nonzero elements sit at `underflow_rms_floor`
+(2^-6, 256x fp16's smallest normal) or above, no plausible spread puts most elements 5+
+orders of magnitude under them, so the zeros are the model's own (saturated or dead
+activations, masked inputs): fp32 or a larger scale gives the same. That finding is
+info, code `model_zeros`, and says so with its RMS; it recommends nothing about the
+precision. Under the floor (a tiny or collapsing loss scale, gradients that shrank) it
+stays the warning it was, its message giving the RMS.
+
+Tested in tests/diagnosis/test_underflow_causes.py, the truth being the test's own zero
+count of each layer's gradients and a replay of the same step in fp32 without a scaler:
+48 of fc2's 64 units saturated at -1000 before their GELU from step 40 (fp16 and fp32
+both 75% zeros in fc2 and 74% in fc3: info, `model_zeros`), and a GradScaler fixed at
+2^-8 with a loss x 1e-4 (fp16 50%+ zeros, fp32 none: warning on exactly those layers).
+Limits: a layer whose gradients are heavy-tailed enough to hold both large values and
+many flushed ones reads as the model's zeros; the check uses the step's recorded grad
+norm, so a layer without one (no per-layer norms) keeps the old rule. The weight
+blow-up of issue 49 (fc2 x1e4) did not saturate whole units of this MLP (fc3 at most 20%
+zeros, batch 32), so the saturation is injected directly.
+
+## One incident per cause (server/analysis/incidents.py)
+
+Besides the folds above (a weight jump absorbs what follows it downstream): the
+clip-before-unscale pitfall absorbs the optimizer states of its run begun no earlier
+(clipping the scaled gradients makes the update loss-scale times smaller, which is what
+starves Adam: one fix, `unscale_` before clipping; tests/diagnosis/test_one_cause.py, real
+fp16 training with eps 1e-6, the truth the optimizer's own state); a layer overflowing
+fp16 absorbs a precursor (output log-partition, attention logit) of a layer at or after
+it begun no earlier (hand-made findings in tests/server/analysis/test_incidents.py). An
+incident of risks alone is titled "Layer 'X' is approaching fp16's maximum: ..." in
+the API, so the card and `ampwatch show` print the same words.
+'''
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=str(REPO / "docs" / "diagnosis.md"))
@@ -100,7 +167,7 @@ def main() -> None:
         f"observed, {tp} matching in kind, layer, step and severity: precision "
         f"{precision:.2f}, recall {recall:.2f}; warning or critical findings on the healthy "
         f"runs: {healthy_alarms}.",
-        "",
+        FOOTER,
     ])
     if args.out == "-":
         print(text)

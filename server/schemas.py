@@ -230,6 +230,8 @@ class SpikesIn(Strict):
     attn_max_logit: PerLayer | None = None
     logit_absmax: PerLayer | None = None
     logit_lse: PerLayer | None = None
+    # last: rows stored before it was added hold the signals above only
+    weight_norm: PerLayer | None = None
 
 
 # Per-step scalars as they arrive and as they are answered, from their one declaration

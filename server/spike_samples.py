@@ -72,8 +72,14 @@ def _pack(spikes: SpikesIn, n_layers: int) -> bytes:
 
 
 def _unpack(row) -> np.ndarray:
-    raw = decode_column(row.values, 4)
-    return np.frombuffer(raw, dtype=np.float32).reshape(len(SIGNALS), row.n_layers)
+    raw = np.frombuffer(decode_column(row.values, 4), dtype=np.float32)
+    stored = raw.reshape(-1, row.n_layers)
+    if stored.shape[0] == len(SIGNALS):
+        return stored
+    # a row stored before the later signals existed (weight_norm): NaN for them
+    out = np.full((len(SIGNALS), row.n_layers), np.nan, dtype=np.float32)
+    out[: stored.shape[0]] = stored
+    return out
 
 
 def store_spike_samples(session: Session, run_id: str, rank: int, steps: list[StepIn],

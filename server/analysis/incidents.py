@@ -56,7 +56,14 @@ HEADLINES = {
     "grad_overflow": "Gradients of layer {layer!r} are inf/NaN",
     "nonfinite_loss": "The loss is inf/NaN",
     "nonfinite_input": "The input batch holds inf/NaN",
+    "weight_jump": "Layer {layer!r}'s weights jumped at step {step}",
+    "weight_growth": "Layer {layer!r}'s weights grew from step {step}",
 }
+WEIGHT_CAUSE = "weight_jump"
+# what a layer's moved weights make happen at or after that layer: folded into its story
+AFTER_WEIGHTS = (OVERFLOW, "absorbed_overflow", GRAD_OVERFLOW, "divergence", "nonfinite_loss",
+                 SPIKE_CAUSE)
+LOOSE_AFTER_WEIGHTS = ("spike_precursor", "underflow_risk", "optimizer_state", "scaler_divergence")
 
 
 @dataclass(frozen=True)
@@ -122,8 +129,9 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
 
 def needs_layer_order(findings: Iterable[Any]) -> bool:
     """Whether grouping `findings` can use the layer order (a query): only what may join
-    an overflow upstream of it (zero gradients, overflow risks, gradient overflows)."""
-    return any(_get(f, "kind") in (*SYMPTOMS, RISK)
+    an overflow or a weight jump upstream of it (zero gradients, overflow risks, gradient
+    overflows, what follows a weight jump)."""
+    return any(_get(f, "kind") in (*SYMPTOMS, RISK, "weight_jump")
                or (_get(f, "evidence") or {}).get("cause") == GRAD_OVERFLOW for f in findings)
 
 
@@ -168,6 +176,9 @@ def group_incidents(findings: Iterable[Any],
     _fold_downstream_risks(groups, order)
     _fold_gradient_overflows(groups, order)
     _fold_spikes_into_overflows(groups)
+    _fold_into_weight_jumps(groups, order)
+    _fold_into_clip_before_unscale(groups)
+    _fold_precursors_into_overflows(groups, order)
     for symptom in symptoms:
         key = _overflow_upstream(groups, order, _get(symptom, "run_id"), _get(symptom, "rank"),
                                  _get(symptom, "layer"))
@@ -251,6 +262,106 @@ def _fold_spikes_into_overflows(groups: dict[tuple, list[Any]]) -> None:
             groups[min(near)[1]] += groups.pop(key)
 
 
+def _fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, int]) -> None:
+    """Move what followed a layer's weight jump into its incident: on its rank, an
+    overflow, gradient overflow, divergence, non-finite loss or loss spike, and a precursor,
+    zero-gradient, optimizer-state or scaler finding, begun after the sample before the
+    jump while the weights stayed moved (a growth, info, absorbs nothing), in that layer or one
+    after it in forward order (or with no layer). The larger weights explain them."""
+    jumps = [key for key in groups if key[0] != "finding" and key[2] == WEIGHT_CAUSE]
+    for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
+        if key not in groups:
+            continue
+        weights = [f for f in groups[key] if _get(f, "kind") == "weight_jump"
+                   and _code(f) == "weight_jump"]  # a growth may be harmless: its own
+        evidence = (_get(weights[0], "evidence") or {}) if weights else {}
+        if evidence.get("before_step") is None:
+            continue
+        begun = evidence["before_step"] + 1
+        end, position = _last_step(groups[key]), order.get(key[3])
+        for other in [k for k in groups if k != key]:
+            members = groups[other]
+            lead = members[0]
+            if (_get(lead, "run_id"), _get(lead, "rank")) != key[:2]:
+                continue
+            if other[0] == "finding":
+                follows = _get(lead, "kind") in LOOSE_AFTER_WEIGHTS
+            else:
+                follows = other[2] in AFTER_WEIGHTS
+            layer = other[3] if other[0] != "finding" else _get(lead, "layer")
+            at = order.get(layer) if layer not in (None, "-") else None
+            downstream = (layer in (None, "-", key[3]) or layer.startswith("step ")
+                          or (position is not None and at is not None and at >= position))
+            first = _first_step(members)
+            if follows and downstream and first is not None and begun <= first <= end:
+                groups[key] += groups.pop(other)
+
+
+def _fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
+    """Move the optimizer states (eps dominating, the second moment at zero) of a rank
+    into the clip-before-unscale pitfall of its run begun no later than they: clipping the
+    scaled gradients makes the update the optimizer sees loss-scale times smaller, which
+    is exactly what starves Adam's moments; one fix (unscale_ before clipping) for all."""
+    pitfalls = [key for key, members in groups.items() if key[0] == "finding"
+                and _get(members[0], "kind") == "pitfall"
+                and _code(members[0]) == "clip_before_unscale"]
+    for key in pitfalls:
+        run_id, began = _get(groups[key][0], "run_id"), _first_step(groups[key]) or 0
+        for other in [k for k, members in groups.items() if k != key]:
+            members = groups[other]
+            if all(_get(f, "kind") == "optimizer_state" for f in members) \
+                    and _get(members[0], "run_id") == run_id \
+                    and (_first_step(members) or 0) >= began:
+                groups[key] += groups.pop(other)
+
+
+def _fold_precursors_into_overflows(groups: dict[tuple, list[Any]],
+                                    order: Mapping[str, int]) -> None:
+    """Move a precursor with no spike of its own (an output log-partition or attention
+    logit grown) of a layer at or after an overflowing one into that layer's incident when
+    it began no earlier than the overflow's first sign: the overflowing layer's outputs
+    pushed it up, and its fix (z-loss, qk-layernorm) would not help."""
+    loose = [key for key, members in groups.items() if key[0] == "finding"
+             and _get(members[0], "kind") == "spike_precursor"]
+    for key in loose:
+        lead = groups[key][0]
+        target = _overflow_upstream(groups, order, _get(lead, "run_id"), _get(lead, "rank"),
+                                    _get(lead, "layer"))
+        began = _first_step(groups[key])
+        if target is not None and began is not None \
+                and began >= (_first_step(groups[target]) or 0):
+            groups[target] += groups.pop(key)
+
+
+def _only_risks(members: list[Any]) -> bool:
+    """Whether what is open of the incident (all of it once resolved) is overflow risks
+    and their symptoms: a layer close to the maximum, not yet over it."""
+    open_kinds = {_get(f, "kind") for f in members if _get(f, "status") == "open"} or \
+        {_get(f, "kind") for f in members}
+    return RISK in open_kinds and open_kinds <= {RISK, *SYMPTOMS}
+
+
+def _risk_headline(layer: str | None, members: list[Any], dtype: str | None) -> str:
+    """The one wording of a risk, for the API, the cards and `ampwatch show` alike."""
+    evidence = max((_get(f, "evidence") or {} for f in members if _get(f, "kind") == RISK),
+                   key=lambda e: float(e.get("absmax") or 0))
+    limit = float(evidence.get("limit") or 65504.0)
+    return (f"Layer {layer!r} is approaching {dtype_word(dtype)}'s maximum: "
+            f"{short_number(float(evidence.get('absmax') or 0), 2)} of {limit:g}")
+
+
+def short_number(value: float, digits: int) -> str:
+    """5.5e4 for 54,800 at 2 digits (a number read at a glance, not copied)."""
+    mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
+    return f"{mantissa}e{int(exponent)}" if abs(value) >= 1e4 else f"{value:.{digits}g}"
+
+
+def _code(finding: Any) -> str | None:
+    """The finding's code; hand-made findings may leave it out."""
+    return (finding.get("code") if isinstance(finding, Mapping)
+            else getattr(finding, "code", None))
+
+
 def _first_step(members: list[Any]) -> int | None:
     return min((s for f in members if (s := _get(f, "step")) is not None), default=None)
 
@@ -277,6 +388,14 @@ def _incident(members: list[Any], key: tuple) -> Incident:
                               severity=_get(f, "severity")) for f in members]
     if cause is not None and cause[0] == "misaligned":
         layer, headline, fix, timeline = _misaligned(members)
+    elif cause is not None and cause[0] == WEIGHT_CAUSE:
+        weights = next(f for f in members if _get(f, "kind") == "weight_jump"
+                       or (_get(f, "evidence") or {}).get("cause") == WEIGHT_CAUSE)
+        evidence = _get(weights, "evidence") or {}
+        shape = "weight_growth" if "growth_step" in evidence else "weight_jump"
+        headline = HEADLINES[shape].format(layer=layer, step=_get(weights, "step"))
+        fix = str(evidence.get("fix", ""))
+        fix = fix[0].upper() + fix[1:] + "." if fix else None
     elif cause is not None and cause[0] == SPIKE_CAUSE:
         layer, headline, fix = spike_story([(_get(f, "kind"), _get(f, "layer"),
                                              _get(f, "evidence") or {}) for f in members])
@@ -284,8 +403,9 @@ def _incident(members: list[Any], key: tuple) -> Incident:
         # the run's compute dtype, as its findings' evidence names it (fp16 when none does)
         dtype = next((e["dtype"] for e in (_get(f, "evidence") or {} for f in members)
                       if e.get("dtype")), None)
-        headline = HEADLINES.get(cause[0], "Steps went inf/NaN").format(
-            layer=layer, dtype=dtype_word(dtype))
+        headline = (_risk_headline(layer, members, dtype) if _only_risks(members) else
+                    HEADLINES.get(cause[0], "Steps went inf/NaN").format(
+                        layer=layer, dtype=dtype_word(dtype)))
         # the remedy after "what happened: " (the headline already says what happened)
         fix = fix_for_cause(cause[0], layer, dtype).split(": ", 1)[-1]
         fix = fix[0].upper() + fix[1:] + "."

@@ -32,6 +32,7 @@ class FindingKind(StrEnum):
     LOSS_SPIKE = "loss_spike"
     SPIKE_PRECURSOR = "spike_precursor"
     OPTIMIZER_STATE = "optimizer_state"
+    WEIGHT_JUMP = "weight_jump"
 
 
 class Scope(StrEnum):
@@ -147,6 +148,13 @@ KINDS: dict[FindingKind, KindSpec] = {spec.kind: spec for spec in (
              "Adam's eps dominates, or its second moment underflowed, in a layer",
              Scope.LAYER, Section.OVERVIEW,
              "a smaller eps, fp32 optimizer state, or a larger loss scale",
+             cause=FROM_EVIDENCE),
+    # server/analysis/weights.py: the layer whose weights moved, a cause of its own
+    KindSpec(FindingKind.WEIGHT_JUMP,
+             "a layer's sampled weight norm jumped between samples or grew on every one",
+             Scope.LAYER, Section.OVERVIEW,
+             "find what rescaled the layer's weights at that step (a loop, a load or one "
+             "update); clip or lower the learning rate",
              cause=FROM_EVIDENCE),
 )}
 

@@ -11,7 +11,7 @@ from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.series import MISSING
+from ampwatch.server.series import MISSING, StepSeries
 
 OVERFLOW, UNDERFLOW = FindingKind.OVERFLOW_RISK, FindingKind.UNDERFLOW_RISK
 
@@ -104,24 +104,66 @@ def detect_underflow_risk(window: Window, settings: AnalysisSettings) -> Detecti
            "find what keeps the loss scale low (see the scaler findings), raise init_scale, "
            "or train in bf16, whose range needs no scaling")
     drafts = []
+    counts = run.param_counts(n_layers)
     for layer in np.flatnonzero(flagged):
         name = run.layer_name(int(layer))
         low_steps = steps[low[:, layer]]
         typical = float(np.median(measured[valid[:, layer], layer]))
+        rms = _scaled_rms(series, low_steps, measured[low[:, layer], layer], int(layer),
+                          int(counts[layer]))
+        evidence = {"zero_share": round(typical, 4),
+                    "threshold": settings.underflow_zero_share,
+                    "share_of_steps": round(float(share[layer]), 4),
+                    "scaled_rms": rms,
+                    "steps": recent_steps(low_steps, settings.evidence_steps)}
+        head = (f"Layer {name!r}: {typical:.0%} of its gradient elements are exactly zero "
+                f"(median of the measured steps; {share[layer]:.0%} of them at or above "
+                f"{settings.underflow_zero_share:.0%})")
+        if rms is not None and rms >= settings.underflow_rms_floor:
+            # values this far above fp16's smallest normal are not flushed: the zeros are
+            # exact zeros the model made (saturated or dead activations, masked inputs)
+            drafts.append(FindingDraft(
+                kind=UNDERFLOW, key=f"{UNDERFLOW}:{name}", severity="info", code="model_zeros",
+                message=(f"{head}, but not from fp16 underflow: its nonzero gradients, scaled, "
+                         f"have an RMS of {rms:.3g}, far above fp16's smallest normal "
+                         f"(6.1e-05), so fp32 or a larger loss scale would give the same "
+                         "zeros; the model makes them (saturated or dead activations, masked "
+                         "inputs). Nothing to change in the precision."),
+                step=int(low_steps[0]), last_step=int(low_steps[-1]), layer=name,
+                evidence=evidence, occurrences=low_steps))
+            continue
         drafts.append(FindingDraft(
             kind=UNDERFLOW, key=f"{UNDERFLOW}:{name}", severity="warning",
-            message=(f"Layer {name!r}: {typical:.0%} of its gradient elements are exactly zero "
-                     f"(median of the measured steps; {share[layer]:.0%} of them at or above "
-                     f"{settings.underflow_zero_share:.0%}), the mark of fp16 underflow: "
-                     f"small gradients are flushed to zero; {fix}."),
+            message=(f"{head}, the mark of fp16 underflow: small gradients are flushed to "
+                     f"zero{_rms_words(rms)}; {fix}."),
             step=int(low_steps[0]), last_step=int(low_steps[-1]), layer=name,
-            evidence={"zero_share": round(typical, 4),
-                      "threshold": settings.underflow_zero_share,
-                      "share_of_steps": round(float(share[layer]), 4),
-                      "steps": recent_steps(low_steps, settings.evidence_steps)},
-            occurrences=low_steps,
+            evidence=evidence, occurrences=low_steps,
         ))
     keys = _layer_keys(run, UNDERFLOW)
     unflagged = np.flatnonzero(evaluated & ~flagged)
     covers = tuple(keys[unflagged[unflagged < keys.size]])
     return Detection(drafts=drafts, covers=covers)
+
+
+def _scaled_rms(series: StepSeries, steps: np.ndarray, zero_share: np.ndarray, layer: int,
+                count: int) -> float | None:
+    """The median over `steps` of the RMS of the layer's nonzero gradient elements as the
+    backward computed them (scaled): its unscaled grad norm x the loss scale over the root
+    of its nonzero element count. None when the norm, scale or count is unknown."""
+    if series.layer_grad is None or count <= 0 or not steps.size:
+        return None
+    rows = np.searchsorted(series.steps, steps)
+    rows = np.clip(rows, 0, len(series) - 1)
+    keep = series.steps[rows] == steps
+    norms = series.layer_grad[rows[keep], layer].astype(np.float64)
+    scale = series.column("loss_scale")[rows[keep]]
+    scale = np.where(np.isfinite(scale), scale, 1.0)  # no scaler: the gradients as they are
+    nonzero = count * (1.0 - zero_share[keep])
+    ok = np.isfinite(norms) & (norms >= 0) & (nonzero >= 1)
+    if not ok.any():
+        return None
+    return float(np.median(norms[ok] * scale[ok] / np.sqrt(nonzero[ok])))
+
+
+def _rms_words(rms: float | None) -> str:
+    return "" if rms is None else f" (its nonzero gradients, scaled, have an RMS of {rms:.3g})"

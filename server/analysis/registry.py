@@ -22,6 +22,7 @@ from ampwatch.server.analysis.scaler import detect_scaler_divergence
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.speed import detect_speed
 from ampwatch.server.analysis.spikes import detect_spikes
+from ampwatch.server.analysis.weights import detect_weight_jumps
 from ampwatch.server.analysis.window import Window
 
 Detector = Callable[[Window, AnalysisSettings], Detection]
@@ -61,6 +62,7 @@ DETECTORS: tuple[DetectorSpec, ...] = (
                  (K.FP8_UNDERFLOW, K.FP8_SATURATION, K.FP8_STALE_SCALE)),
     DetectorSpec(detect_spikes, Inputs.SPIKES,
                  (K.LOSS_SPIKE, K.SPIKE_PRECURSOR, K.OPTIMIZER_STATE)),
+    DetectorSpec(detect_weight_jumps, Inputs.SPIKES, (K.WEIGHT_JUMP,)),
 )
 
 

@@ -36,6 +36,10 @@ class AnalysisSettings(BaseModel):
     underflow_share: float = Field(
         0.5, gt=0, le=1, description="share of recent measured steps that must show underflow"
     )
+    underflow_rms_floor: float = Field(
+        2.0**-6, gt=0, description="the scaled RMS of a layer's nonzero gradients at or over "
+        "which its exact zeros are the model's own, not fp16 underflow (256x fp16's "
+        "smallest normal)")
     underflow_zero_share: float = Field(
         0.5, gt=0, le=1, description="a layer's share of exactly-zero grad elements: underflow"
     )
@@ -86,6 +90,12 @@ class AnalysisSettings(BaseModel):
     spike_settle_share: float = Field(
         0.25, gt=0, lt=1, description="after a one-step jump, a tail under this share of "
         "its rise is the bad step's after-effect (still a bad batch)")
+    weight_jump_factor: float = Field(
+        100.0, gt=1, description="a layer's weight norm this many times (or this many "
+        "times under) its previous sample: weight_jump, a rescale (server/analysis/weights.py)")
+    weight_growth_factor: float = Field(
+        10.0, gt=1, description="a layer's weight norm grown this many times, rising on every "
+        "sample: weight_growth (info: evidence, it may be harmless)")
     precursor_factor: float = Field(
         10.0, gt=1, description="attention logit or log-partition this many times its level: "
         "a precursor warning before any spike")

@@ -9,6 +9,11 @@ look like growth). The labels are tried in this order, the first that holds wins
 0. lr_change: the recorded learning rate (the first param group's, as the agent records
    it) rose `spike_lr_jump` times or more within the `spike_lr_steps` steps before the
    spike (a change made by the loop or a scheduler; a fall cannot push a loss up);
+0. weight_jump: a layer's sampled weight norm jumped `weight_jump_factor` times between
+   two samples, the later one at or before the spike's first step (the norm is taken as
+   a step's forward begins, so the spike's own step counts): that layer, not those after
+   it (a steady growth, `weight_growth_factor` times rising on every sample, is tried
+   after the logit growths below: a logit that grew names its own fix);
 1. attention_logit_growth or output_logit_divergence: a layer's largest attention logit,
    or the output log-partition (|log Z|) or largest output logit, grew; when both did,
    the one that grew more (a breaking output layer drags the attention logits along);
@@ -33,12 +38,16 @@ import numpy as np
 
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_finder import Spike
+from ampwatch.server.analysis.weights import moved
 from ampwatch.server.series import StepSeries
 from ampwatch.server.spike_samples import SIGNALS, SpikeWindow
 
 FIXES = {
     "lr_change": "undo or soften the learning-rate change (a smaller step, or a warmup "
                  "to the new value); precision is not the cause",
+    "weight_jump": "find what changed this layer's weights at that step (a loop or a load "
+                   "that rescales them, or one update: clip it or lower the learning rate); "
+                   "precision is not the cause",
     "attention_logit_growth": "add qk-layernorm (normalise queries and keys before their "
                               "product) or lower the learning rate",
     "output_logit_divergence": "add z-loss (1e-4 * logsumexp(logits)**2) or weight decay on "
@@ -135,6 +144,9 @@ def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
         jumped = [g for g in update_jumps if g.factor >= settings.spike_update_jump]
         lr["update_ratio_jumped"] = [len(jumped), len(update_jumps)]
         return Cause("lr_change", precursor_step=lr["lr_step"], evidence={"seen": seen, **lr})
+    weights = _weights_moved(spike, signals, settings)
+    if weights is not None and weights["shape"] == "weight_jump":  # sudden: nothing else is
+        return _weight_cause(weights, seen)
     attention = growth(steps, signal("attn_max_logit"), factor, LEVEL_FLOOR["attn_max_logit"])
     lse = growth(steps, signal("logit_lse"), factor, LEVEL_FLOOR["logit_lse"])
     absmax = growth(steps, signal("logit_absmax"), factor, LEVEL_FLOOR["logit_absmax"])
@@ -150,6 +162,8 @@ def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
     if grown:
         _, label, found = max(grown, key=lambda item: item[0])
         return _cause(label, found, seen)
+    if weights is not None:  # a steady growth of a layer's weights, no logit grew
+        return _weight_cause(weights, seen)
     v_zero = _share_over(steps, signal("adam_v_zero_share"), settings.adam_v_zero_share)
     if v_zero is not None:
         return _cause("second_moment_underflow", v_zero, seen)
@@ -185,6 +199,30 @@ def jumps(steps: np.ndarray, values: np.ndarray) -> list[Growth]:
         if level > 0:
             out.append(Growth(int(layer), level, float(v[-1]), int(s[-1])))
     return out
+
+
+def _weights_moved(spike: Spike, signals: SpikeWindow,
+                   settings: AnalysisSettings) -> dict[str, Any] | None:
+    """The layer whose weight norm moved first into the spike (weights.py's rules on the
+    samples of the lookback up to the spike's first step), and where it began."""
+    keep = (signals.steps <= spike.start) & (
+        signals.steps >= spike.start - settings.spike_lookback_steps)
+    norms = signals.signal("weight_norm")[keep]
+    found = []
+    for layer in np.flatnonzero(np.isfinite(norms).sum(axis=0) >= MIN_SAMPLES):
+        seen = np.isfinite(norms[:, layer])
+        result = moved(signals.steps[keep][seen], norms[seen, layer], settings)
+        if result is not None:
+            code, first, _, evidence, _ = result
+            found.append({"layer": int(layer), "step": first, "shape": code,
+                          "weight_factor": evidence["factor"]})
+    return min(found, key=lambda f: (f["step"], -abs(np.log(f["weight_factor"]))),
+               default=None)
+
+
+def _weight_cause(weights: dict[str, Any], seen: dict[str, Any]) -> Cause:
+    return Cause("weight_jump", layer=int(weights["layer"]),
+                 precursor_step=int(weights["step"]), evidence={"seen": seen, **weights})
 
 
 def _lr_rise(spike: Spike, steps: np.ndarray, lr: np.ndarray,

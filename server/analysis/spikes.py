@@ -27,6 +27,7 @@ from ampwatch.server.spike_samples import SpikeWindow
 
 SPIKE_CAUSE = "loss_spike"  # evidence.cause of the findings of one spike (incidents.py)
 CAUSE_WORDS = {
+    "weight_jump": "the layer's weights jumped (their sampled norm)",
     "lr_change": "the learning rate rose",
     "attention_logit_growth": "attention logits grew",
     "output_logit_divergence": "the output logits diverged (log-partition drifting)",
@@ -106,6 +107,8 @@ def _spike_draft(spike: Spike, cause: Cause, run: RunContext, last: int,
                 "recovered_at": spike.recovered_at, "precursor_step": cause.precursor_step,
                 "lead_steps": lead, "fix": FIXES[cause.label], "guarded_steps": len(left_out),
                 **cause.evidence}
+    if cause.label == "weight_jump":  # one story with the layer's weight finding
+        evidence.update(cause="weight_jump", layer=layer)
     return FindingDraft(kind=FindingKind.LOSS_SPIKE, code=cause.label,
                         key=f"{FindingKind.LOSS_SPIKE}:{spike.start}",
                         severity="critical" if stuck else "warning", message=message,

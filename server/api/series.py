@@ -92,7 +92,7 @@ def get_matrix(
     request: Request,
     metric: Literal["grad_norm", "act_absmax", "act_time_ms", "update_ratio", "update_lost",
                     "adam_eps_share", "adam_v_zero_share", "attn_max_logit", "logit_absmax",
-                    "logit_lse"] = "grad_norm",
+                    "logit_lse", "weight_norm"] = "grad_norm",
     rank: Rank = 0,
     start: Start = None,
     end: End = None,

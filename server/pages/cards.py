@@ -8,8 +8,7 @@ import re
 from urllib.parse import quote, urlencode
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.incidents import RISK, SYMPTOMS
-from ampwatch.server.analysis.localize import dtype_word
+from ampwatch.server.analysis.incidents import SYMPTOMS
 
 LINK_WINDOW = 200  # steps a link to a step opens around it
 
@@ -42,7 +41,6 @@ def step_href(path: str, first: int, last: int | None, run_last: int | None,
 # findings that follow from another cause rather than signal one (zero gradients behind
 # an overflowing layer): a card is ordered by its other findings' first step
 SYMPTOM_KINDS = SYMPTOMS
-RISK_KINDS = (RISK,)
 LEADING_STEP = re.compile(r"^Step [\d,]+: ")
 
 
@@ -124,28 +122,13 @@ def lead_step(incident: dict, members: list[dict]) -> int | None:
 
 
 def card_title(incident: dict, members: list[dict], run: dict) -> str:
-    """What the card's heading says: a risk as a risk ("approaching fp16's maximum"),
-    else the incident's headline or its finding's message; with the incident's first
-    step in front, so that the title and the step range agree."""
-    open_kinds = {f["kind"] for f in members if f["status"] == "open"} or \
-        {f["kind"] for f in members}
-    risks = [f for f in members if f["kind"] in RISK_KINDS]
-    if risks and open_kinds <= {*RISK_KINDS, *SYMPTOM_KINDS}:
-        evidence = max(risks, key=lambda f: float(f["evidence"].get("absmax") or 0))["evidence"]
-        limit = float(evidence.get("limit") or 65504.0)
-        dtype = dtype_word((run.get("environment") or {}).get("autocast_dtype"))
-        text = (f"Layer {incident['layer']!r} is approaching {dtype}'s maximum: "
-                f"{short_number(float(evidence.get('absmax') or 0), 2)} of {limit:g}")
-    else:
-        text = LEADING_STEP.sub("", incident["headline"] or members[0]["message"])
+    """What the card's heading says: the incident's headline (the API's and `ampwatch
+    show`'s words: a risk reads "approaching fp16's maximum" in all three) or its
+    finding's message; with the incident's first step in front, so that the title and the
+    step range agree."""
+    text = LEADING_STEP.sub("", incident["headline"] or members[0]["message"])
     if incident["step"] is None:
         return text
     return f"Step {incident['step']:,}: {text}"
-
-
-def short_number(value: float, digits: int) -> str:
-    """5.5e4 for 54,800 at 2 digits (a number read at a glance, not copied)."""
-    mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
-    return f"{mantissa}e{int(exponent)}" if abs(value) >= 1e4 else f"{value:.{digits}g}"
 
 

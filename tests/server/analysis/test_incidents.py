@@ -239,3 +239,27 @@ def test_gradient_overflows_the_data_cannot_tie_to_an_overflow_stay_apart():
     assert len(group_incidents([risk_only, *grad_overflow("8", 20, 60)], ORDER)) == 2
     # without the layer order, another layer's gradients are not known to be fed by it
     assert len(group_incidents([*story, *grad_overflow("8", 20, 60)])) == 2
+
+
+def test_an_overflowing_layer_absorbs_the_output_logits_it_pushed_up():
+    """A layer overflowing fp16 pushes the logits after it up: the head's log-partition
+    precursor (begun no earlier) is part of its story; one begun before it is not."""
+    story = overflow_story("fc2")
+    pushed = finding("spike_precursor", 150, layer="head", code="output_logit_divergence")
+    earlier = finding("spike_precursor", 100, layer="head", code="attention_logit_growth")
+    order = {"fc1": 0, "fc2": 1, "head": 2}
+    incidents = group_incidents([*story, pushed, earlier], order)
+    boom = next(i for i in incidents if i.cause == "forward_overflow")
+    assert pushed["id"] in boom.findings and earlier["id"] not in boom.findings
+    assert len(incidents) == 2
+
+
+def test_a_risk_alone_reads_approaching_in_the_headline_every_surface_shows():
+    """The incident's headline is the one wording the API, the card and `ampwatch show`
+    print: a layer close to fp16's maximum is approaching it, not overflowing."""
+    risk = finding("overflow_risk", 134, layer="fc2", absmax=40000.0, limit=65504.0)
+    (incident,) = group_incidents([risk])
+    assert incident.headline == "Layer 'fc2' is approaching fp16's maximum: 4.0e4 of 65504"
+    story = overflow_story("fc2")
+    (incident,) = group_incidents(story)
+    assert incident.headline == "Layer 'fc2' overflows fp16 in the forward pass"

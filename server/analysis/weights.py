@@ -1,0 +1,112 @@
+"""A layer's weights as a cause of their own (`weight_jump`), from the weight norms the
+agent samples (`spikes.weight_norm`, agent/collectors/weights.py; docs/diagnosis.md).
+
+Two shapes, each named on the layer whose weights moved, not on the layers after it that
+the larger outputs overflow or saturate:
+
+- jump: between two consecutive samples the norm changed `weight_jump_factor` times or
+  more (up or down): the weights were rescaled, corrupted or hit by one bad update;
+- growth: the norm grew `weight_growth_factor` times over its first sample in the window,
+  rising on every sample since the growth began (a steady compounding growth; the
+  finding's step is where that rise began, the cause's first step).
+
+Adam with a sane learning rate moves a layer's norm by a few percent between samples; even
+the spike suite's pushes (query/key learning rate 2.0, an output shift's 100) moved norms
+11-22x in ten steps, so a jump (100x by default) is a rescale no optimizer step makes:
+a warning (critical from 1000x). A growth is info: evidence that names where a growth
+starts (it can be harmless: queries and keys under qk-layernorm), never an alert of its
+own. Pure numpy over the window's samples.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.window import Window
+from ampwatch.server.spike_samples import SpikeWindow
+
+CAUSE = "weight_jump"
+FIX = ("find what changed this layer's weights at that step (a loop or a load that "
+       "rescales them, or one update: clip it or lower the learning rate); precision is "
+       "not the cause, and the layers after it overflow only because of it")
+MIN_SAMPLES = 3
+
+
+def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection:
+    """A `weight_jump` finding per layer whose sampled weight norm jumped or grew."""
+    signals = (window.spikes if window.spikes is not None
+               else SpikeWindow.empty(window.series.n_layers))
+    norms = signals.signal("weight_norm")
+    drafts = []
+    for layer in np.flatnonzero(np.isfinite(norms).sum(axis=0) >= MIN_SAMPLES):
+        seen = np.isfinite(norms[:, layer])
+        steps, v = signals.steps[seen], norms[seen, layer]
+        draft = moved(steps, v, settings)
+        if draft is not None:
+            code, first, message, evidence, active = draft
+            name = window.run.layer_name(int(layer))
+            big = evidence["factor"] >= 1000 or evidence["factor"] <= 0.001
+            severity = "info" if code == "weight_growth" else "critical" if big else "warning"
+            drafts.append(FindingDraft(
+                kind="weight_jump", code=code, key=f"weight_jump:{name}", severity=severity,
+                message=f"Layer {name!r}: {message}. Fix: {FIX}.", step=first,
+                last_step=int(steps[-1]), layer=name,
+                evidence={**evidence, "cause": CAUSE, "fix": FIX},
+                occurrences=steps[steps >= first], active=active))
+    return Detection(drafts=drafts, covers=("weight_jump:",))
+
+
+def moved(steps: np.ndarray, v: np.ndarray, settings: AnalysisSettings) -> tuple | None:
+    """(code, first step, message, evidence, active) of a layer's norms `v` at `steps`
+    that jumped or grew; None when they did neither."""
+    if v.size < MIN_SAMPLES or (v <= 0).any():  # zero-initialised (LoRA's B): no level
+        return None
+    return (_jump(steps, v, settings.weight_jump_factor)
+            or _growth(steps, v, settings.weight_growth_factor))
+
+
+def _jump(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
+    """The first pair of consecutive samples whose ratio is `factor` or more either way."""
+    ratio = v[1:] / v[:-1]
+    moved = np.flatnonzero((ratio >= factor) | (ratio <= 1 / factor))
+    if not moved.size:
+        return None
+    i = int(moved[0]) + 1
+    before, after = float(v[i - 1]), float(v[i])
+    word = "jumped" if after > before else "collapsed"
+    message = (f"its weights' norm {word} {after / before:.3g}x between the samples of steps "
+               f"{int(steps[i - 1])} and {int(steps[i])} ({before:.4g} -> {after:.4g}), "
+               f"and is {float(v[-1]):.4g} at step {int(steps[-1])}")
+    evidence: dict[str, Any] = {"before": before, "after": after, "factor": after / before,
+                                "before_step": int(steps[i - 1]), "jump_step": int(steps[i]),
+                                "latest": float(v[-1])}
+    # still out of its old range: the rescaled weights are what the run now trains with
+    active = bool(v[-1] / before >= factor or v[-1] / before <= 1 / factor)
+    return "weight_jump", int(steps[i]), message, evidence, active
+
+
+def _growth(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
+    """Growth `factor` times over the first sample, rising on every sample since the rise
+    that reached it began."""
+    if v[-1] < factor * v[0]:
+        return None
+    rising = np.concatenate([[False], v[1:] > v[:-1]])
+    flat = np.flatnonzero(~rising)
+    begin = int(flat[-1])  # the last sample not above the one before: the rise starts there
+    if v[-1] < factor * v[begin]:
+        return None
+    samples = v.size - begin - 1
+    per_sample = (float(v[-1]) / float(v[begin])) ** (1 / max(samples, 1))
+    per_step = per_sample ** (1 / max(float(np.median(np.diff(steps[begin:]))), 1.0))
+    message = (f"its weights' norm grew {float(v[-1]) / float(v[begin]):.3g}x from step "
+               f"{int(steps[begin])} to step {int(steps[-1])} ({float(v[begin]):.4g} -> "
+               f"{float(v[-1]):.4g}, {100 * (per_step - 1):.2g}% a step), rising on every "
+               f"sample: the growth starts in this layer")
+    evidence = {"before": float(v[begin]), "after": float(v[-1]),
+                "factor": float(v[-1]) / float(v[begin]), "growth_step": int(steps[begin]),
+                "per_step": per_step, "latest": float(v[-1])}
+    return "weight_growth", int(steps[begin]), message, evidence, True
