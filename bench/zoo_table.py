@@ -43,13 +43,20 @@ the cells marked **no** are the cases waiting for other work, named in the last 
 
 
 def _cell(findings: list[dict]) -> str:
+    """Each (kind, code, step, severity) once, with its layers (a count past three)."""
     if not findings:
         return "none"
-    return "; ".join(
-        f"{f['kind']}{'/' + f['code'] if f.get('code') else ''} "
-        f"({f['layer'] or 'no layer'}, step {f['step']}, {f['severity']})"
-        + (f", label {f['evidence'].get('label')}" if f["kind"] == "loss_spike" else "")
-        for f in sorted(findings, key=lambda f: (f["step"], f["kind"])))
+    groups: dict[tuple, list[str]] = {}
+    for f in sorted(findings, key=lambda f: (f["step"], f["kind"], f["layer"] or "")):
+        label = f["evidence"].get("label") if f["kind"] == "loss_spike" else None
+        key = (f["kind"], f.get("code"), f["step"], f["severity"], label)
+        groups.setdefault(key, []).append(f"`{f['layer']}`" if f["layer"] else "no layer")
+    cells = []
+    for (kind, code, step, severity, label), layers in groups.items():
+        where = ", ".join(layers) if len(layers) <= 3 else f"{len(layers)} layers"
+        cells.append(f"{kind}{'/' + code if code else ''} ({where}, step {step}, {severity}"
+                     + (f", label {label})" if label else ")"))
+    return "; ".join(cells)
 
 
 def _truth(fault: Fault, truth: Truth) -> str:
@@ -78,8 +85,11 @@ def _bundle(fault: Fault, folder: Path) -> str:
         return "none"
     meta = read_meta(paths[0])
     report = replay_report(str(paths[0]), fault.arch.build, "cpu", bisect=True)
-    named = report["bisect"]["modules"] if report["bisect"]["fixed"] else "not fixed"
-    return f"step {meta['step']} ({meta['trigger']}); bisect keeps {named} in fp32"
+    result = report["bisect"]
+    named = (f"keeps {', '.join(f'`{m}`' for m in result['modules'])} in fp32"
+             if result["fixed"] else f"no fix ({result['reason']})")
+    return (f"step {meta['step']} ({meta['trigger']}); replay reproduces it: "
+            f"{'yes' if report['reproduced'] else '**no**'}; bisect: {named}")
 
 
 WAITING = {faults.GPT2_BACKWARD.name: "layer: **no** (names `lm_head`, tied to `wte`; "
@@ -96,6 +106,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory(prefix="ampwatch-zoo-") as root:
         os.environ["AMPWATCH_SPOOL_DIR"] = str(Path(root) / "spool")
+        os.environ.setdefault("AMPWATCH_ANALYSIS_WAIT_S", "30")  # findings read after analysis
         server = LiveServer(f"sqlite:///{Path(root) / 'zoo.db'}", Path(root) / "server.log")
         server.start()
         try:

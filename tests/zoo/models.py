@@ -1,5 +1,6 @@
 """The zoo's architectures, each built from a config (no download) at a size a CPU trains
-in a few seconds, with a batch maker whose batches it learns (a few fixed batches cycled).
+in a few seconds, with a batch maker whose batches it learns (a few fixed batches cycled;
+token sequences count up, so a batch of other tokens is foreign to the model).
 
 Each `Arch` makes the model, its batch for a step (the root module's keyword arguments;
 HF models take `labels` and return their loss) and names its attention modules as the
@@ -18,8 +19,10 @@ VOCAB, SEQ, BATCH, CYCLE = 64, 16, 4, 4
 
 
 def _tokens(step: int) -> torch.Tensor:
+    """Sequences counting up from a random start (the next token is learnable)."""
     gen = torch.Generator().manual_seed(step % CYCLE)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=gen)
+    return (start + torch.arange(SEQ)) % VOCAB
 
 
 def _causal(step: int) -> dict[str, Any]:
