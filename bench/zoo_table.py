@@ -94,8 +94,9 @@ def _bundle(fault: Fault, folder: Path) -> str:
 
 WAITING = {faults.GPT2_BACKWARD.name: "layer: **no** (names `lm_head`, tied to `wte`; "
            "needs issue-45 attribution); bundle and bisect: yes",
-           faults.GPT2_BAD_BATCH.name: "label: **no** until issue-49 (the bad batch's "
-                                       "after-effects)"}
+           faults.GPT2_BAD_BATCH.name: "label: **no** (not `bad_batch`; in some runs no "
+                                       "spike is found: the loss settles over a few steps); "
+                                       "issue-49's work"}
 
 
 def main() -> None:

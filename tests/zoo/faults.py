@@ -38,7 +38,7 @@ LLAMA_OUTPUT = Fault("llama_output_growth", models.LLAMA, "lm_head weight x1.1 a
                      dtype=torch.bfloat16, scaler=False)
 GPT2_BAD_BATCH = Fault("gpt2_bad_batch", models.GPT2, "one batch of foreign tokens at step 60",
                        inject=foreign_tokens(BAD_BATCH_AT, models.VOCAB), steps=90,
-                       dtype=torch.bfloat16, scaler=False, lr=3e-3)
+                       dtype=torch.bfloat16, scaler=False, lr=1e-2)
 
 
 def _grow(first, second, i, model, batch):  # noqa: ANN001, ANN202 - two injections at once

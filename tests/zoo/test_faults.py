@@ -174,12 +174,19 @@ def test_llama_output_logit_growth(server: LiveServer,
     assert _precursor(run, "output_logit_divergence") == ("lm_head", grown)
 
 
-@pytest.mark.xfail(strict=True, reason="needs issue-49 spike labels (the bad batch's "
-                   "after-effects)")
+@pytest.mark.xfail(strict=True, reason="needs issue-49 spike labels: on this branch the "
+                   "spike at step 60 is labelled output_logit_divergence (or, in some runs, "
+                   "not found: the loss settles over a few steps after the bad batch)")
 def test_gpt2_bad_batch_is_labelled_a_bad_batch(server: LiveServer,
                                                 tmp_path_factory: pytest.TempPathFactory
                                                 ) -> None:
+    """Issue 44 case 4: a one-step loss jump with a grad-norm jump and no precursor is a
+    bad batch even when the loss takes a few steps to settle (truth: the loop's own)."""
     run = _run(faults.GPT2_BAD_BATCH, server, tmp_path_factory)
+    at = faults.BAD_BATCH_AT
+    losses, norms = run.truth.losses, [s.grad_norm for s in run.truth.steps]
+    assert losses[at] > 20 * max(losses[at - 5: at]) and losses[at + 1] < losses[at] / 20
+    assert norms[at] > 10 * max(norms[at - 5: at]), "the bad batch did not act"
     spikes = [f for f in run.findings if f["kind"] == "loss_spike"]
     assert [(f["step"], f["code"]) for f in spikes] == [(faults.BAD_BATCH_AT, "bad_batch")]
 
