@@ -111,9 +111,9 @@ def main() -> None:
         server = LiveServer(f"sqlite:///{Path(root) / 'zoo.db'}", Path(root) / "server.log")
         server.start()
         try:
-            for fault in (faults.GPT2_BACKWARD, faults.T5_FORWARD, faults.VIT_NAN,
-                          faults.LLAMA_ATTENTION, faults.LLAMA_OUTPUT, faults.GPT2_BAD_BATCH,
-                          *faults.HEALTHY.values()):
+            for fault in (faults.GPT2_BACKWARD, faults.GPT2_UNTIED_BACKWARD, faults.T5_FORWARD,
+                          faults.VIT_NAN, faults.LLAMA_ATTENTION, faults.LLAMA_OUTPUT,
+                          faults.GPT2_BAD_BATCH, *faults.HEALTHY.values()):
                 folder = Path(root) / fault.name
                 run_id, truth = train(fault, server.url, record=folder)
                 _, items = observed(server.url, run_id)

@@ -30,11 +30,11 @@ def _causal(step: int) -> dict[str, Any]:
     return {"input_ids": ids, "labels": ids}
 
 
-def gpt2() -> nn.Module:
+def gpt2(tied: bool = True) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0))
+                                      attn_pdrop=0.0, tie_word_embeddings=tied))
 
 
 def llama(attn: str = "sdpa") -> nn.Module:
@@ -121,6 +121,7 @@ class Arch:
 
 
 GPT2 = Arch("gpt2", gpt2, _causal, ("GPT2Attention",))
+GPT2_UNTIED = Arch("gpt2_untied", lambda: gpt2(tied=False), _causal, ("GPT2Attention",))
 LLAMA = Arch("llama", llama, _causal, ("LlamaAttention",))
 LLAMA_EAGER = Arch("llama_eager", lambda: llama("eager"), _causal, ("LlamaAttention",))
 QWEN2 = Arch("qwen2", qwen2, _causal, ("Qwen2Attention",))

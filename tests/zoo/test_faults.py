@@ -125,6 +125,19 @@ def test_a_backward_born_overflow_is_charged_where_the_gradient_went_bad(
     assert {name for _, name, _, _ in gpt2_backward.serious} == {layer}
 
 
+def test_an_untied_backward_born_overflow_is_charged_to_its_layer(
+        server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Without the tied weight, today's attribution already names the layer the truth does."""
+    run = _run(faults.GPT2_UNTIED_BACKWARD, server, tmp_path_factory)
+    layer = run.truth.first_bad_grad[faults.BACKWARD_AT]
+    assert layer == "transformer.h.1.mlp.c_fc"
+    critical = {f for f in run.serious if f[3] == "critical"}
+    assert critical == {("scaler_divergence", layer, at, "critical")
+                        for at in _divergence_steps(run.truth)}
+    assert {(kind, name) for kind, name, _, _ in run.serious} == {("scaler_divergence", layer)}
+    assert [read_meta(p)["step"] for p in run.bundles()] == [_streak_step(run.truth)]
+
+
 def test_t5_feed_forward_overflow(t5_forward: Run) -> None:
     truth = t5_forward.truth
     layer = truth.steps[faults.FORWARD_AT].first_bad_layer
