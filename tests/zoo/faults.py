@@ -16,6 +16,9 @@ GPT2_BACKWARD = Fault("gpt2_backward_overflow", models.GPT2,
                       "transformer.h.1.mlp.c_fc's weight x1e4 at step 40 (tied lm_head)",
                       inject=weights("transformer.h.1.mlp.c_fc.weight", 1e4, BACKWARD_AT),
                       steps=70)
+GPT2_UNTIED_BACKWARD = Fault(
+    "gpt2_untied_backward_overflow", models.GPT2_UNTIED,
+    "the same, with tie_word_embeddings=False", inject=GPT2_BACKWARD.inject, steps=70)
 # T5's classic: its feed-forward output overflows fp16
 T5_FORWARD = Fault("t5_ff_overflow", models.T5,
                    "encoder.block.1's feed-forward wo weight x2e5 at step 20",
@@ -38,7 +41,7 @@ LLAMA_OUTPUT = Fault("llama_output_growth", models.LLAMA, "lm_head weight x1.1 a
                      dtype=torch.bfloat16, scaler=False)
 GPT2_BAD_BATCH = Fault("gpt2_bad_batch", models.GPT2, "one batch of foreign tokens at step 60",
                        inject=foreign_tokens(BAD_BATCH_AT, models.VOCAB), steps=90,
-                       dtype=torch.bfloat16, scaler=False, lr=3e-3)
+                       dtype=torch.bfloat16, scaler=False, lr=1e-2)
 
 
 def _grow(first, second, i, model, batch):  # noqa: ANN001, ANN202 - two injections at once

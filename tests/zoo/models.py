@@ -1,5 +1,6 @@
 """The zoo's architectures, each built from a config (no download) at a size a CPU trains
-in a few seconds, with a batch maker whose batches it learns (a few fixed batches cycled).
+in a few seconds, with a batch maker whose batches it learns (a few fixed batches cycled;
+token sequences count up, so a batch of other tokens is foreign to the model).
 
 Each `Arch` makes the model, its batch for a step (the root module's keyword arguments;
 HF models take `labels` and return their loss) and names its attention modules as the
@@ -18,8 +19,10 @@ VOCAB, SEQ, BATCH, CYCLE = 64, 16, 4, 4
 
 
 def _tokens(step: int) -> torch.Tensor:
+    """Sequences counting up from a random start (the next token is learnable)."""
     gen = torch.Generator().manual_seed(step % CYCLE)
-    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    start = torch.randint(0, VOCAB, (BATCH, 1), generator=gen)
+    return (start + torch.arange(SEQ)) % VOCAB
 
 
 def _causal(step: int) -> dict[str, Any]:
@@ -27,11 +30,11 @@ def _causal(step: int) -> dict[str, Any]:
     return {"input_ids": ids, "labels": ids}
 
 
-def gpt2() -> nn.Module:
+def gpt2(tied: bool = True) -> nn.Module:
     from transformers import GPT2Config, GPT2LMHeadModel
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_positions=SEQ, n_embd=32, n_layer=2,
                                       n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
-                                      attn_pdrop=0.0))
+                                      attn_pdrop=0.0, tie_word_embeddings=tied))
 
 
 def llama(attn: str = "sdpa") -> nn.Module:
@@ -118,6 +121,7 @@ class Arch:
 
 
 GPT2 = Arch("gpt2", gpt2, _causal, ("GPT2Attention",))
+GPT2_UNTIED = Arch("gpt2_untied", lambda: gpt2(tied=False), _causal, ("GPT2Attention",))
 LLAMA = Arch("llama", llama, _causal, ("LlamaAttention",))
 LLAMA_EAGER = Arch("llama_eager", lambda: llama("eager"), _causal, ("LlamaAttention",))
 QWEN2 = Arch("qwen2", qwen2, _causal, ("Qwen2Attention",))

@@ -15,7 +15,7 @@ import torch
 from ampwatch.agent.layers import discover_layers
 from tests.agent.factories import spooled_steps
 from tests.zoo.attention_truth import AttentionTruth
-from tests.zoo.models import ARCHS, Arch, loss_of
+from tests.zoo.models import ARCHS, LLAMA, LLAMA_EAGER, Arch, loss_of
 
 STEPS = 2
 
@@ -45,3 +45,31 @@ def test_every_attention_call_is_credited_to_the_module_running_it(
         logits = record["spikes"]["attn_max_logit"]
         recorded = {names[i]: v for i, v in enumerate(logits) if v is not None}
         assert recorded == pytest.approx(seen, rel=1e-4)
+
+
+@pytest.mark.parametrize("arch", [LLAMA, LLAMA_EAGER], ids=["sdpa", "eager"])
+def test_recording_attention_adds_no_syncing_call(arch: Arch, attach, offline: Path,
+                                                  sync_calls) -> None:
+    """Every step sampled: the training thread makes the calls the plain loop makes."""
+    counts = []
+    for use_agent in (False, True):
+        torch.manual_seed(0)
+        model = arch.build()
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        if use_agent:
+            # the recorder reads a CPU loss without a scaler (a host value: agent/recorder.py)
+            attachment = attach(model, run=f"zoo-sync-{arch.name}", sample_every=1,
+                                record=False)
+        sync_calls.clear()
+        for step in range(3):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = loss_of(model(**arch.batch(step)))
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        counts.append(dict(sync_calls))
+    assert attachment.detach(timeout=10)
+    assert counts[0] == counts[1]
+    records = spooled_steps(offline, f"zoo-sync-{arch.name}")
+    assert all(len([v for v in r["spikes"]["attn_max_logit"] if v is not None]) == 2
+               for r in records)

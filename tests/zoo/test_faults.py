@@ -7,6 +7,7 @@ raise nothing at warning or worse."""
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,8 @@ from tests.zoo import faults
 from tests.zoo.loop import Fault, Truth, first_precursor, step_is_finite, train
 
 SKIP_STREAK, SCALE_FLOOR = 20, 1.0  # the recorder's defaults (agent/record_triggers.py)
+# the layer types whose fp16 compute the precision map flags (docs/diagnosis.md)
+SENSITIVE = re.compile(r"(Norm\w*|Softmax|Softmin|Loss)$")
 
 
 @pytest.fixture(autouse=True)
@@ -122,6 +125,19 @@ def test_a_backward_born_overflow_is_charged_where_the_gradient_went_bad(
     assert {name for _, name, _, _ in gpt2_backward.serious} == {layer}
 
 
+def test_an_untied_backward_born_overflow_is_charged_to_its_layer(
+        server: LiveServer, tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Without the tied weight, today's attribution already names the layer the truth does."""
+    run = _run(faults.GPT2_UNTIED_BACKWARD, server, tmp_path_factory)
+    layer = run.truth.first_bad_grad[faults.BACKWARD_AT]
+    assert layer == "transformer.h.1.mlp.c_fc"
+    critical = {f for f in run.serious if f[3] == "critical"}
+    assert critical == {("scaler_divergence", layer, at, "critical")
+                        for at in _divergence_steps(run.truth)}
+    assert {(kind, name) for kind, name, _, _ in run.serious} == {("scaler_divergence", layer)}
+    assert [read_meta(p)["step"] for p in run.bundles()] == [_streak_step(run.truth)]
+
+
 def test_t5_feed_forward_overflow(t5_forward: Run) -> None:
     truth = t5_forward.truth
     layer = truth.steps[faults.FORWARD_AT].first_bad_layer
@@ -171,12 +187,19 @@ def test_llama_output_logit_growth(server: LiveServer,
     assert _precursor(run, "output_logit_divergence") == ("lm_head", grown)
 
 
-@pytest.mark.xfail(strict=True, reason="needs issue-49 spike labels (the bad batch's "
-                   "after-effects)")
+@pytest.mark.xfail(strict=True, reason="needs issue-49 spike labels: on this branch the "
+                   "spike at step 60 is labelled output_logit_divergence (or, in some runs, "
+                   "not found: the loss settles over a few steps after the bad batch)")
 def test_gpt2_bad_batch_is_labelled_a_bad_batch(server: LiveServer,
                                                 tmp_path_factory: pytest.TempPathFactory
                                                 ) -> None:
+    """Issue 44 case 4: a one-step loss jump with a grad-norm jump and no precursor is a
+    bad batch even when the loss takes a few steps to settle (truth: the loop's own)."""
     run = _run(faults.GPT2_BAD_BATCH, server, tmp_path_factory)
+    at = faults.BAD_BATCH_AT
+    losses, norms = run.truth.losses, [s.grad_norm for s in run.truth.steps]
+    assert losses[at] > 20 * max(losses[at - 5: at]) and losses[at + 1] < losses[at] / 20
+    assert norms[at] > 10 * max(norms[at - 5: at]), "the bad batch did not act"
     spikes = [f for f in run.findings if f["kind"] == "loss_spike"]
     assert [(f["step"], f["code"]) for f in spikes] == [(faults.BAD_BATCH_AT, "bad_batch")]
 
@@ -184,7 +207,14 @@ def test_gpt2_bad_batch_is_labelled_a_bad_batch(server: LiveServer,
 @pytest.mark.parametrize("name", sorted(faults.HEALTHY))
 def test_healthy_runs_raise_nothing(name: str, server: LiveServer,
                                     tmp_path_factory: pytest.TempPathFactory) -> None:
+    """Nothing at warning or worse but what is true of a healthy run too: under CPU fp16
+    autocast a norm fed an fp16 tensor computes in fp16 (BERT's MLM head LayerNorm, the
+    UNet's GroupNorms; CUDA autocast runs them in fp32), the precision map's warning."""
     run = _run(faults.HEALTHY[name], server, tmp_path_factory)
     assert not any(s.first_bad_layer or s.grad_bad_layers for s in run.truth.steps[10:])
-    assert run.serious == set(), run.serious
+    fp16_norms = {("precision_map", layer, 0, "warning")
+                  for layer in run.truth.steps[0].fp16_absmax
+                  if SENSITIVE.search(type(run.truth.layers[layer]).__name__)
+                  and not type(run.truth.layers[layer]).__name__.endswith("BatchNorm2d")}
+    assert run.serious == fp16_norms, run.serious
     assert run.bundles() == []
