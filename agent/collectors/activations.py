@@ -151,7 +151,7 @@ class ActivationCollector(Collector):
         self._pre_by_layer = [(layer.module, self._pre(layer.index)) for layer in session.layers]
         self._post_by_layer = [(layer.module, self._post(layer.index))
                                for layer in session.layers]
-        self._layer_of = {id(layer.module): layer.index for layer in session.layers}
+        self._layer_modules = [(layer.index, layer.module) for layer in session.layers]
         self._flagged = (session.host_reduce
                          and getattr(session.settings, "check_outputs", "flagged") == "flagged")
         # flagged: the post hooks too exist on sampled steps only (a healthy step runs none)
@@ -193,13 +193,10 @@ class ActivationCollector(Collector):
             self._searched = True
             module = self.session.inner  # a compiled model's eager module
             for forward in held:
-                call = first_bad_output(module, forward, self._layer_of)
+                call = first_bad_output(module, forward, self._layer_modules)
                 if call is not None:
                     self._calls.append(call)
                     break
-
-    def on_zero_grad(self) -> None:
-        self._held = []  # a forward whose loss was never backpropagated is not judged
 
     def on_forward_end(self, training: bool, output: Any) -> None:
         self._host.end_forward()
