@@ -74,7 +74,9 @@ STEP_FIELDS: tuple[StepField, ...] = (
     StepField("eval_forwards_no_autocast", "count", "forwards in eval mode without autocast "
               "while training uses it"),
     StepField("forward_nonfinite", "bool", "some layer's output held inf/NaN in this step's "
-              "training forwards (every step; null: not observed)", optional=True),
+              "training forwards (null: not observed; a CPU agent observes sampled steps and "
+              "steps whose loss is inf/NaN, docs/agent.md \"Cheap by design\"; with "
+              "`check_outputs=\"every_step\"` and on a GPU, every step)", optional=True),
     StepField("first_nonfinite_layer", "layer", "layer table index of the first such output "
               "in execution order (null when none); must be below L", optional=True),
     StepField("guarded", "guard", "why the agent's step guard (docs/guard.md) left the step "

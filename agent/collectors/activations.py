@@ -1,9 +1,14 @@
-"""Per-layer forward statistics: a non-finite flag on every step, and on sampled steps
-the abs-max, dtype and time of each layer's output; the layers' forward execution order.
+"""Per-layer forward statistics: a non-finite flag, and on sampled steps the abs-max,
+dtype and time of each layer's output; the layers' forward execution order.
 
-Every layer has a forward post hook on every training step. A hook call does one device
-op, `aminmax` of the layer's output (NaN and inf propagate; on the CPU, between samples,
-a sum: see below), and appends the call to a list. At close, every step: the position
+On the CPU (`session.host_reduce`, one rank, `check_outputs="flagged"`, the default) an
+unsampled step registers no layer hook and reads no output: its training forwards'
+inputs are held and, when the loss comes back inf/NaN, replayed to name the first layer
+whose output held inf/NaN (forward_search.py; docs/agent.md, "Cheap by design").
+Otherwise every layer has a forward post hook on every training step. A hook call does
+one device op, `aminmax` of the layer's output (NaN and inf propagate; on the CPU with
+`check_outputs="every_step"`, between samples, a sum: see below), and appends the call
+to a list. At close, every step: the position
 of the first call whose output held inf/NaN (in execution order, so the first offender
 of that exact step) is reduced into one slot with a few device ops. On a sampled step
 (every `sample_every` steps, and every step through `session.anomaly_until`) the layers
@@ -151,8 +156,10 @@ class ActivationCollector(Collector):
         self._pre_by_layer = [(layer.module, self._pre(layer.index)) for layer in session.layers]
         self._post_by_layer = [(layer.module, self._post(layer.index))
                                for layer in session.layers]
-        self._layer_of = {id(layer.module): layer.index for layer in session.layers}
-        self._flagged = (session.host_reduce
+        self._layer_modules = [(layer.index, layer.module) for layer in session.layers]
+        # not over several ranks: replaying one rank's forward alone could enter a collective
+        # (DDP's buffer broadcast, FSDP's all-gather) the other ranks never join
+        self._flagged = (session.host_reduce and session.parallelism is None
                          and getattr(session.settings, "check_outputs", "flagged") == "flagged")
         # flagged: the post hooks too exist on sampled steps only (a healthy step runs none)
         self._post_hooks = SampledHooks(self._register_post_hooks)
@@ -193,13 +200,10 @@ class ActivationCollector(Collector):
             self._searched = True
             module = self.session.inner  # a compiled model's eager module
             for forward in held:
-                call = first_bad_output(module, forward, self._layer_of)
+                call = first_bad_output(module, forward, self._layer_modules)
                 if call is not None:
                     self._calls.append(call)
                     break
-
-    def on_zero_grad(self) -> None:
-        self._held = []  # a forward whose loss was never backpropagated is not judged
 
     def on_forward_end(self, training: bool, output: Any) -> None:
         self._host.end_forward()

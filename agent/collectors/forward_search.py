@@ -7,9 +7,9 @@ of the CPU RNG state; when the step's loss comes back inf/NaN (read as the backw
 begins: on the CPU the loss is a host value, reading it waits for nothing), the forward
 runs again under no_grad with the same weights (no update has run yet), inputs, RNG
 state and autocast, through the eager module (a compiled model's `_orig_mod`: its
-layers are named, and nothing is traced, so no graph break), with one global forward
-hook that checks each layer's output as it is produced, before a later in-place op can
-change it. CPU kernels are deterministic: the replay computes the step's own values.
+layers are named, and nothing is traced, so no graph break), with a forward hook on each
+layer, for the replay only, that checks its output as it is produced, before a later
+in-place op can change it. CPU kernels are deterministic: the replay computes the step's own values.
 The model's buffers (BatchNorm statistics) are put back as they were after the replay.
 """
 
@@ -22,7 +22,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.nn.modules.module import register_module_forward_hook
 
 from ampwatch.agent.collectors import finite_checks
 from ampwatch.agent.collectors.finite_checks import FINITE, Call, first_float_tensor
@@ -57,15 +56,16 @@ def loss_is_bad(loss: torch.Tensor | None) -> bool:
 
 
 def first_bad_output(module: nn.Module, held: HeldForward,
-                     layer_of: dict[int, int]) -> Call | None:
+                     layers: list[tuple[int, nn.Module]]) -> Call | None:
     """Replay `held` through `module.forward` (its own hooks bypassed: the agent's root
-    hooks must not count it as a training forward); the first layer output with inf/NaN
-    as a call (layer index, dtype, (min, max)), or None when every output is finite."""
+    hooks must not count it as a training forward); the first output of `layers` (index,
+    module) with inf/NaN as a call (layer index, dtype, (min, max)), or None when every
+    output is finite. Each layer's check is its last forward hook, as the agent's own
+    are: it sees the output the user's hooks returned."""
     found: list[Call] = []
 
-    def check(layer: nn.Module, args: tuple, output: Any) -> None:
-        index = layer_of.get(id(layer))
-        if found or index is None:
+    def check(index: int, output: Any) -> None:
+        if found:
             return
         tensor = first_float_tensor(output)
         if tensor is not None and tensor.numel():
@@ -76,7 +76,8 @@ def first_bad_output(module: nn.Module, held: HeldForward,
                 found.append((index, tensor.dtype, stats, None, None))
 
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
-    handle = register_module_forward_hook(check)
+    handles = [layer.register_forward_hook(
+        lambda m, a, out, index=index: check(index, out)) for index, layer in layers]
     autocast = (torch.autocast("cpu", dtype=held.autocast) if held.autocast is not None
                 else contextlib.nullcontext())
     try:
@@ -84,7 +85,8 @@ def first_bad_output(module: nn.Module, held: HeldForward,
             torch.set_rng_state(held.rng)
             module.forward(*held.args, **held.kwargs)
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
         with torch.no_grad():
             for name, value in module.named_buffers():
                 if name in buffers and value.shape == buffers[name].shape:

@@ -5,6 +5,7 @@ clip_grad_norm_ and loss)."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -145,3 +146,45 @@ def test_blocks_compiled_before_attach(attach, offline: Path) -> None:
     assert all(same(s["grad_norm"], norm) for s, (_, norm) in zip(steps, truth, strict=True))
     layers = spooled(offline, attachment.run_id)[-1]["run"]["layers"]
     assert [layer["name"] for layer in layers] == [str(i) for i in range(10)]
+
+
+@pytest.mark.parametrize("order", ["attach_then_compile", "attach_compiled", "module_compile"])
+def test_the_first_bad_layer_of_a_compiled_model_is_named(attach, offline: Path,
+                                                          order: str) -> None:
+    """An inf written into a Linear's weight at step 3 of a compiled model: the step's
+    loss is inf, the agent replays its forward through the eager module and names that
+    Linear, with no added graph break or recompile. Truth: the test replays the batch
+    through the children itself; the weights are put back after the step."""
+    model, compiled, attachment = attach_compiled(attach, order)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    clean = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    truth: dict[int, int | None] = {}
+    for i in range(6):
+        if i == 3:
+            with torch.no_grad():
+                model[4].weight[0, 0] = math.inf
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+            out = x
+            truth[i] = None
+            for position, child in enumerate(model):
+                out = child(out)
+                if truth[i] is None and not bool(out.isfinite().all()):
+                    truth[i] = position
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = compiled(x).float().pow(2).mean()
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.load_state_dict(clean)
+    attachment.flush()
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1  # compiled once: no recompile
+    assert truth == {i: 4 if i == 3 else None for i in range(6)}
+    layers = spooled(offline, attachment.run_id)[-1]["run"]["layers"]
+    names = [layer["name"] for layer in layers]
+    steps = spooled_steps(offline, attachment.run_id)
+    assert [s["first_nonfinite_layer"] for s in steps] == [
+        None if truth[i] is None else names.index(str(truth[i])) for i in range(6)]
+    assert [s["forward_nonfinite"] for s in steps] == [True if i == 3 else None
+                                                      for i in range(6)]

@@ -1,6 +1,10 @@
 """The training thread makes no host-device synchronising call on the agent's behalf:
 with the agent attached it makes exactly the calls the plain loop makes (GradScaler
-itself reads found_inf once per step). The worker thread may read, and does."""
+itself reads found_inf once per step). The worker thread may read, and does. One
+exception, where the device is the host (CPU, `host_reduce`): the agent reads the loss
+once per backward, a host value, to decide whether the step's forward is searched
+(docs/agent.md, "Cheap by design"); with device-side reduction (what CUDA does) there is
+no such read."""
 
 from __future__ import annotations
 
@@ -52,16 +56,26 @@ def _train(model, steps: int, counts: Counter[str], attach=None, **options
 
 @pytest.mark.parametrize("options", [{}, {"sample_every": 1}])
 def test_attached_training_thread_adds_no_syncing_call(attach, offline, sync_calls,
-                                                       options) -> None:
+                                                       options, reduction) -> None:
     plain, _ = _train(mlp(), 8, sync_calls)
     watched, attachment = _train(mlp(), 8, sync_calls, attach, **options)
     steps = spooled_steps(offline, attachment.run_id)
     assert len(steps) == 10 and steps[4]["input_nonfinite"]
     assert set(plain) == {"item"}  # GradScaler.step and AdamW's step counters on CPU
-    assert watched == plain
+    extra = Counter(watched)
+    extra.subtract(plain)
+    if reduction == "device" or options:  # no unsampled step on the host path: no read
+        assert watched == plain
+        return
+    # host path: a read of the loss per unsampled step (2, 3, 4), and the search of
+    # step 4 (its inf input makes the loss inf): a sum and a (min, max), host values
+    unsampled = [s["step"] for s in steps[2:] if "activations" not in s]
+    assert unsampled == [2, 3, 4] and steps[4]["first_nonfinite_layer"] == 0
+    assert set(+extra) == {"item"} and 0 < extra["item"] <= len(unsampled) + 3, extra
 
 
-def test_transformer_with_activations_adds_no_syncing_call(attach, sync_calls) -> None:
+def test_transformer_with_activations_adds_no_syncing_call(attach, sync_calls,
+                                                            reduction) -> None:
     counts = []
     for use_agent in (False, True):
         torch.manual_seed(0)

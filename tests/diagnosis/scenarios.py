@@ -227,6 +227,9 @@ class Scenario:
     stop_after_skips: int | None = None  # end the run after this many skipped steps
     pitfalls: tuple[str, ...] = ()  # loop pitfalls the loop commits from its first step
     infos: tuple[tuple[str, str | None], ...] = ()  # (kind or pitfall:code, layer) expected
+    # "every_step": an overflow a later op absorbs (the loss stays finite) is seen only by
+    # checking every output of every step (docs/agent.md, "Cheap by design")
+    check_outputs: str = "flagged"
 
 
 def _batches(n: int, accumulate: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
@@ -247,7 +250,8 @@ def train(scenario: Scenario, server: str) -> tuple[str, Recorder]:
     truth = Recorder(model, optimizer)
     poison = {"on": False}
     model.fc2.weight.register_hook(lambda g: g * math.inf if poison["on"] else g)
-    attachment = agent.attach(model, scaler, run=run_id, server=server, flush_interval=0.2)
+    attachment = agent.attach(model, scaler, run=run_id, server=server, flush_interval=0.2,
+                              check_outputs=scenario.check_outputs)
     assert attachment.enabled
     skips = 0
     for i, micro in enumerate(_batches(scenario.steps, scenario.accumulate)):
@@ -516,7 +520,7 @@ SCENARIOS = [
              grad_fault=lambda i: i in (17, 31), infos=(("nonfinite", "fc2"),)),
     Scenario("overflow_absorbed_by_relu",
              "from step 11 one fc1 unit's output is -inf in fp16; the ReLU after it zeroes it",
-             inject=_absorbed),
+             inject=_absorbed, check_outputs="every_step"),
     Scenario("slowly_growing_layer", "gain's output grows 6% a step until fp16 overflows",
              inject=_growing, stop_after_skips=2, steps=60),
     Scenario("bf16_high_lr_divergence", "bf16 without a scaler, SGD at lr 30: diverges",

@@ -11,7 +11,8 @@ from tests.diagnosis.scenarios import Scenario, growing_until_absorbed, train
 from tests.utils import WAIT
 
 GROWING = Scenario("growing_until_absorbed", "gain's output grows 8% a step; -inf first",
-                   inject=growing_until_absorbed, stop_after_skips=4, steps=120)
+                   inject=growing_until_absorbed, stop_after_skips=4, steps=120,
+                   check_outputs="every_step")  # absorbed overflows: every output read
 
 
 def test_a_growing_layer_is_one_incident_from_its_absorbed_overflow(server) -> None:

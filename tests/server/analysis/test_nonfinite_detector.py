@@ -79,3 +79,22 @@ def test_resolves_after_enough_clean_steps():
     finding = detect(steps)["nonfinite:grad_overflow:fc1"]
     assert not finding.active
     assert detect(steps[:200])["nonfinite:grad_overflow:fc1"].active
+
+
+def test_a_tied_layer_is_evidence_never_the_verdict():
+    """wte (0) and head (3) share one weight; its grad, accumulated from both uses, is
+    inf with fc2's: fc2 is named, the tie is listed. When only the tied layers' grads are
+    inf, the last of them in forward order is named, as before."""
+    layers = [linear(0, "wte"), linear(1), linear(2), linear(3, "head", tied_to="wte")]
+    steps = scaler_steps(250, overflow=[130, 160])
+    for s in steps:
+        if s["step"] == 130:
+            s["layer_grad_norm"] = [INF, 0.1, INF, INF]
+        if s["step"] == 160:
+            s["layer_grad_norm"] = [INF, 0.1, 0.2, INF]
+    drafts = detect(steps, context(layers))
+    assert set(drafts) == {"nonfinite:grad_overflow:fc2", "nonfinite:grad_overflow:head"}
+    finding = drafts["nonfinite:grad_overflow:fc2"]
+    assert finding.step == 130 and finding.evidence["grad_nonfinite_layers"] == [
+        "wte", "fc2", "head"]
+    assert drafts["nonfinite:grad_overflow:head"].step == 160
