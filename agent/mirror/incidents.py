@@ -21,9 +21,13 @@ class IncidentWatch:
         self.sender, self.server, self.run_id = sender, server, run_id
         self._seen: dict[int, tuple[str, str]] = {}  # id -> (status, severity) told
 
-    def poll(self) -> list[IncidentNote]:
-        """The changes since the previous poll; [] when the server did not answer."""
-        reply = self.sender.get_json(f"/api/v1/runs/{self.run_id}/incidents", self.TIMEOUT_S)
+    def poll(self, wait: float = 0.0) -> list[IncidentNote]:
+        """The changes since the previous poll; [] when the server did not answer.
+        `wait`: seconds the server may first wait for the analysis of the run's stored
+        batches (the last look at detach: the final batches are judged, not still queued)."""
+        query = f"?wait={wait:.3g}" if wait > 0 else ""
+        reply = self.sender.get_json(f"/api/v1/runs/{self.run_id}/incidents{query}",
+                                     self.TIMEOUT_S + wait)
         if reply.outcome is not Outcome.OK or not isinstance(reply.body, dict):
             return []
         changed = []

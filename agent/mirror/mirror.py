@@ -54,6 +54,7 @@ class Mirror:
     BATCH_S = 1.0
     INCIDENTS_EVERY_S = 5.0
     MAX_PENDING_STEPS = 16384  # step records waiting for the mirror's thread; more: dropped
+    MAX_ANALYSIS_WAIT_S = 10.0  # a sync's incident look waits this long at most for analysis
 
     def __init__(self, trackers: Sequence[Tracker], watch: IncidentWatch | None) -> None:
         self.lanes = [Lane(t) for t in trackers]
@@ -62,6 +63,7 @@ class Mirror:
         self._records: deque[dict[str, Any]] = deque()
         self._stop = threading.Event()
         self._poll_now = threading.Event()
+        self._analysis_wait_s = 0.0
         self._thread = threading.Thread(target=self._run, name="ampwatch-mirror", daemon=True)
         self._thread.start()
 
@@ -78,6 +80,8 @@ class Mirror:
         deadline = time.monotonic() + timeout
         done = threading.Event()
         self._records.append({"_sync": done})
+        # the server may first finish judging what was sent: the incidents are then final
+        self._analysis_wait_s = min(self.MAX_ANALYSIS_WAIT_S, timeout / 2)
         self._poll_now.set()
         if not done.wait(timeout):
             return False
@@ -130,7 +134,8 @@ class Mirror:
     def _incidents(self) -> None:
         if self.watch is None:
             return
-        for note in self.watch.poll():
+        wait, self._analysis_wait_s = self._analysis_wait_s, 0.0
+        for note in self.watch.poll(wait):
             self.tell(note)
 
     def tell(self, note: IncidentNote) -> None:

@@ -224,7 +224,7 @@ def test_every_mirrored_value_equals_the_servers(server: LiveServer, mirrored: T
 def incident(server: LiveServer, mirrored: Truth) -> dict[str, Any]:
     """The server's one problem of the run, and the bundle of its first step."""
     with Client(server.url) as client:
-        problems = [i for i in client.incidents(mirrored.run_id) if i.severity != "info"]
+        problems = [i for i in client.incidents(mirrored.run_id, wait=30) if i.severity != "info"]
         bundles = {b.step for b in client.bundles(mirrored.run_id)}
     assert len(problems) == 1, problems
     (problem,) = problems

@@ -16,6 +16,7 @@ from torch import nn
 from ampwatch import agent
 from tests.conftest import LiveServer
 from tests.diagnosis.test_weight_causes import LAYERS, GeluMlp
+from tests.utils import WAIT
 
 EPS_SHARE = 0.5  # the server's default adam_eps_share
 
@@ -56,12 +57,12 @@ def test_clipping_before_unscale_is_one_incident_with_its_optimizer_states(
     starved = {name for name in LAYERS if shares[name] >= EPS_SHARE}
     assert len(starved) >= 2, shares  # the truth: eps dominates several layers
     findings = httpx.get(f"{server.url}/api/v1/runs/{run_id}/findings",
-                         params={"limit": 1000}, timeout=30).json()["items"]
+                         params={"limit": 1000, **WAIT}, timeout=60).json()["items"]
     states = [f for f in findings if f["kind"] == "optimizer_state"]
     assert {f["layer"] for f in states} <= starved and len(states) >= 2, findings
     pitfall = next(f for f in findings if f["code"] == "clip_before_unscale")
     assert {f["incident"] for f in states} == {pitfall["incident"]}
     incidents = httpx.get(f"{server.url}/api/v1/runs/{run_id}/incidents",
-                          timeout=30).json()["items"]
+                          params=WAIT, timeout=60).json()["items"]
     serious = [i for i in incidents if i["severity"] != "info"]
     assert [i["id"] for i in serious] == [pitfall["incident"]], serious

@@ -18,6 +18,7 @@ from torch import nn
 from ampwatch import agent
 from tests.conftest import LiveServer
 from tests.diagnosis.test_weight_causes import LAYERS, GeluMlp
+from tests.utils import WAIT
 
 ZERO_SHARE = 0.5  # the server's default underflow_zero_share
 
@@ -63,8 +64,8 @@ def _train(server: str, steps: int, scaler_kwargs: dict, loss_factor: float,
 
 
 def _zeros_findings(server: str, run_id: str) -> list[dict]:
-    answer = httpx.get(f"{server}/api/v1/runs/{run_id}/findings", params={"limit": 1000},
-                       timeout=30)
+    answer = httpx.get(f"{server}/api/v1/runs/{run_id}/findings", params={"limit": 1000, **WAIT},
+                       timeout=60)
     answer.raise_for_status()
     return [f for f in answer.json()["items"] if f["kind"] == "underflow_risk"]
 

@@ -4,13 +4,13 @@ their run."""
 
 from __future__ import annotations
 
-from tests.utils import make_steps, post_batch, register_run
+from tests.utils import WAIT, make_steps, post_batch, register_run
 
 
 def test_notes_and_handled_incidents_are_kept(api) -> None:
     register_run(api, "noted", n_layers=3)
     assert post_batch(api, "noted", 0, make_steps(0, 40, 3, skipped={7})).status_code == 200
-    incidents = api.get("/api/v1/runs/noted/incidents").json()["items"]
+    incidents = api.get("/api/v1/runs/noted/incidents", params=WAIT).json()["items"]
     assert incidents  # the skipped step's non-finite grads are one
     incident = incidents[0]["id"]
 
