@@ -30,6 +30,8 @@ def test_detach_removes_everything_and_is_idempotent(attach) -> None:
     clip, backward = nn.utils.clip_grad_norm_, torch.Tensor.backward
     zero_grads = torch.optim.Optimizer.zero_grad, nn.Module.zero_grad
     attachment = attach(model, scaler, sample_every=1)
+    # a step on: a sampled step's layer hooks go on as its forward begins
+    fp16_loop(model, torch.optim.SGD(model.parameters(), lr=0.01), scaler, batches(1))
     assert _hook_count(model) > 2 and "step" in vars(scaler)
     assert nn.utils.clip_grad_norm_ is not clip
     assert attachment.detach() and attachment.detach()

@@ -89,8 +89,10 @@ def field_runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FieldRuns]:
     try:
         model = mlp(seed=0)
         growth = GrowingGain(model, GROWING_LAYER, start=8.0)  # overflows near step 400
+        # every output of every step checked: the layers page counts the steps whose output
+        # held inf/NaN, including those whose inf the ReLU after it absorbed (loss finite)
         growing = Trainer(server.url, "growing-fp16", "growing fp16", model,
-                          after_step=growth, tags=["fp16"])
+                          after_step=growth, tags=["fp16"], check_outputs="every_step")
         growing.train(FIELD_STEPS).close()
         assert growth.first_nonfinite is not None, "layer 6 never overflowed"
         Trainer(server.url, "sgd-bf16", "sgd lr=30 bf16", mlp(seed=1), dtype=torch.bfloat16,

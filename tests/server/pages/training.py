@@ -93,7 +93,8 @@ class Trainer:
     def __init__(self, server: str, run: str, name: str, model: nn.Module, *,
                  dtype: torch.dtype = torch.float16, lr: float = 1e-3, sgd: bool = False,
                  project: str = "pages", tags: list[str] | None = None,
-                 after_step: Callable[[], None] | None = None) -> None:
+                 after_step: Callable[[], None] | None = None,
+                 check_outputs: str | None = None) -> None:
         torch.set_num_threads(1)
         self.server, self.run = server, run
         self.model, self.dtype = model, dtype
@@ -107,7 +108,7 @@ class Trainer:
         self.scales: list[float] = []  # the loss scale each step ran with: ground truth
         self.attachment = agent.attach(model, self.scaler, run=run, name=name, project=project,
                                        tags=tags or [], server=server, sample_every=5,
-                                       flush_interval=0.5)
+                                       flush_interval=0.5, check_outputs=check_outputs)
 
     def train(self, steps: int) -> Trainer:
         """The reference AMP loop: autocast forward, scaled backward, unscale_, clip, step,
