@@ -7,18 +7,25 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from ampwatch.server.analysis.kinds import KINDS
 from ampwatch.server.analysis.spikes import SPIKE_CAUSE
 
 OVERFLOW, GRAD_OVERFLOW = "forward_overflow", "grad_overflow"
 WEIGHT_CAUSE = "weight_jump"
-# what a layer's moved weights make happen at or after that layer: folded into its story
+# the causes a layer's moved weights can set off at or after it (not a bad input)
 AFTER_WEIGHTS = (OVERFLOW, "absorbed_overflow", GRAD_OVERFLOW, "divergence", "nonfinite_loss",
                  SPIKE_CAUSE)
-LOOSE_AFTER_WEIGHTS = ("spike_precursor", "underflow_risk", "optimizer_state", "scaler_divergence")
 
 
 def _get(finding: Any, name: str) -> Any:
     return finding[name] if isinstance(finding, Mapping) else getattr(finding, name)
+
+
+def may_follow(members: list[Any], cause: str) -> bool:
+    """Whether every finding of a group is of a kind that declares it may follow from
+    `cause` (kinds.py's `follows`)."""
+    return all(cause in (spec.follows if (spec := KINDS.get(_get(f, "kind"))) else ())
+               for f in members)
 
 
 def _code(finding: Any) -> str | None:
@@ -38,11 +45,12 @@ def _last_step(members: list[Any]) -> int:
 
 
 def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, int]) -> None:
-    """Move what followed a layer's weight jump into its incident: on its rank, an
-    overflow, gradient overflow, divergence, non-finite loss or loss spike, and a precursor,
-    zero-gradient, optimizer-state or scaler finding, begun after the sample before the
-    jump while the weights stayed moved (a growth, info, absorbs nothing), in that layer or one
-    after it in forward order (or with no layer). The larger weights explain them."""
+    """Move what followed a layer's weight jump into its incident: on its rank, groups
+    whose kinds all declare they may follow a weight jump (kinds.py) and, when grouped by
+    a cause, of one it can set off (an overflow, gradient overflow, divergence, non-finite
+    loss or loss spike, not a bad input), begun after the sample before the jump while
+    the weights stayed moved (a growth, info, absorbs nothing), in that layer or one after
+    it in forward order (or with no layer). The larger weights explain them."""
     jumps = [key for key in groups if key[0] != "finding" and key[2] == WEIGHT_CAUSE]
     for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
         if key not in groups:
@@ -59,10 +67,8 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
             lead = members[0]
             if (_get(lead, "run_id"), _get(lead, "rank")) != key[:2]:
                 continue
-            if other[0] == "finding":
-                follows = _get(lead, "kind") in LOOSE_AFTER_WEIGHTS
-            else:
-                follows = other[2] in AFTER_WEIGHTS
+            follows = may_follow(members, WEIGHT_CAUSE) and (
+                other[0] == "finding" or other[2] in AFTER_WEIGHTS)
             layer = other[3] if other[0] != "finding" else _get(lead, "layer")
             at = order.get(layer) if layer not in (None, "-") else None
             downstream = (layer in (None, "-", key[3]) or layer.startswith("step ")
@@ -73,8 +79,9 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
 
 
 def fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
-    """Move the optimizer states (eps dominating, the second moment at zero) of a rank
-    into the clip-before-unscale pitfall of its run begun no later than they: clipping the
+    """Move the groups whose kinds may follow the pitfall (kinds.py: the optimizer
+    states, eps dominating or the second moment at zero) of its run, begun no earlier,
+    into the clip-before-unscale pitfall: clipping the
     scaled gradients makes the update the optimizer sees loss-scale times smaller, which
     is exactly what starves Adam's moments; one fix (unscale_ before clipping) for all."""
     pitfalls = [key for key, members in groups.items() if key[0] == "finding"
@@ -84,7 +91,7 @@ def fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
         run_id, began = _get(groups[key][0], "run_id"), _first_step(groups[key]) or 0
         for other in [k for k, members in groups.items() if k != key]:
             members = groups[other]
-            if all(_get(f, "kind") == "optimizer_state" for f in members) \
+            if may_follow(members, "clip_before_unscale") \
                     and _get(members[0], "run_id") == run_id \
                     and (_first_step(members) or 0) >= began:
                 groups[key] += groups.pop(other)

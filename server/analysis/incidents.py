@@ -27,6 +27,7 @@ from ampwatch.server.analysis.incident_folds import (
     _last_step,
     fold_into_clip_before_unscale,
     fold_into_weight_jumps,
+    may_follow,
 )
 from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS
 from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
@@ -268,7 +269,7 @@ def _fold_precursors_into_overflows(groups: dict[tuple, list[Any]],
     it began no earlier than the overflow's first sign: the overflowing layer's outputs
     pushed it up, and its fix (z-loss, qk-layernorm) would not help."""
     loose = [key for key, members in groups.items() if key[0] == "finding"
-             and _get(members[0], "kind") == "spike_precursor"]
+             and _get(members[0], "kind") == "spike_precursor" and may_follow(members, OVERFLOW)]
     for key in loose:
         lead = groups[key][0]
         target = _overflow_upstream(groups, order, _get(lead, "run_id"), _get(lead, "rank"),
