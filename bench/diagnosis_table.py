@@ -119,6 +119,11 @@ zeros, batch 32), so the saturation is injected directly.
 
 ## One incident per cause (server/analysis/incidents.py)
 
+Each kind declares in kinds.py (`follows`) the causes it may follow from: loss spikes
+and precursors a layer's overflow or weight jump, optimizer states the clip-before-unscale
+pitfall or a weight jump, zero gradients, non-finite steps, the scaler's and the FP8
+findings a weight jump. The folds in incidents.py and incident_folds.py read it; what
+folds joins the cause's incident and sends no alert of its own (alerts go per incident).
 Besides the folds above (a weight jump absorbs what follows it downstream): the
 clip-before-unscale pitfall absorbs the optimizer states of its run begun no earlier
 (clipping the scaled gradients makes the update loss-scale times smaller, which is what

@@ -20,6 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.analysis.incident_folds import (
+    WEIGHT_CAUSE,
+    _first_step,
+    _get,
+    _last_step,
+    fold_into_clip_before_unscale,
+    fold_into_weight_jumps,
+    may_follow,
+)
 from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS, FindingKind
 from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
 from ampwatch.server.analysis.settings import AnalysisSettings
@@ -59,11 +68,6 @@ HEADLINES = {
     "weight_jump": "Layer {layer!r}'s weights jumped at step {step}",
     "weight_growth": "Layer {layer!r}'s weights grew from step {step}",
 }
-WEIGHT_CAUSE = "weight_jump"
-# what a layer's moved weights make happen at or after that layer: folded into its story
-AFTER_WEIGHTS = (OVERFLOW, "absorbed_overflow", GRAD_OVERFLOW, "divergence", "nonfinite_loss",
-                 SPIKE_CAUSE)
-LOOSE_AFTER_WEIGHTS = ("spike_precursor", "underflow_risk", "optimizer_state", "scaler_divergence")
 
 
 @dataclass(frozen=True)
@@ -98,10 +102,6 @@ class Incident:
     def problem(self) -> bool:
         """An open incident worth acting on (warning or critical), not a note."""
         return self.status == "open" and self.severity != "info"
-
-
-def _get(finding: Any, name: str) -> Any:
-    return finding[name] if isinstance(finding, Mapping) else getattr(finding, name)
 
 
 def root_cause(finding: Any) -> tuple[str, str] | None:
@@ -176,8 +176,8 @@ def group_incidents(findings: Iterable[Any],
     _fold_downstream_risks(groups, order)
     _fold_gradient_overflows(groups, order)
     _fold_spikes_into_overflows(groups)
-    _fold_into_weight_jumps(groups, order)
-    _fold_into_clip_before_unscale(groups)
+    fold_into_weight_jumps(groups, order)
+    fold_into_clip_before_unscale(groups)
     _fold_precursors_into_overflows(groups, order)
     for symptom in symptoms:
         key = _overflow_upstream(groups, order, _get(symptom, "run_id"), _get(symptom, "rank"),
@@ -262,59 +262,6 @@ def _fold_spikes_into_overflows(groups: dict[tuple, list[Any]]) -> None:
             groups[min(near)[1]] += groups.pop(key)
 
 
-def _fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, int]) -> None:
-    """Move what followed a layer's weight jump into its incident: on its rank, an
-    overflow, gradient overflow, divergence, non-finite loss or loss spike, and a precursor,
-    zero-gradient, optimizer-state or scaler finding, begun after the sample before the
-    jump while the weights stayed moved (a growth, info, absorbs nothing), in that layer or one
-    after it in forward order (or with no layer). The larger weights explain them."""
-    jumps = [key for key in groups if key[0] != "finding" and key[2] == WEIGHT_CAUSE]
-    for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
-        if key not in groups:
-            continue
-        weights = [f for f in groups[key] if _get(f, "kind") == "weight_jump"
-                   and _code(f) == "weight_jump"]  # a growth may be harmless: its own
-        evidence = (_get(weights[0], "evidence") or {}) if weights else {}
-        if evidence.get("before_step") is None:
-            continue
-        begun = evidence["before_step"] + 1
-        end, position = _last_step(groups[key]), order.get(key[3])
-        for other in [k for k in groups if k != key]:
-            members = groups[other]
-            lead = members[0]
-            if (_get(lead, "run_id"), _get(lead, "rank")) != key[:2]:
-                continue
-            if other[0] == "finding":
-                follows = _get(lead, "kind") in LOOSE_AFTER_WEIGHTS
-            else:
-                follows = other[2] in AFTER_WEIGHTS
-            layer = other[3] if other[0] != "finding" else _get(lead, "layer")
-            at = order.get(layer) if layer not in (None, "-") else None
-            downstream = (layer in (None, "-", key[3]) or layer.startswith("step ")
-                          or (position is not None and at is not None and at >= position))
-            first = _first_step(members)
-            if follows and downstream and first is not None and begun <= first <= end:
-                groups[key] += groups.pop(other)
-
-
-def _fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
-    """Move the optimizer states (eps dominating, the second moment at zero) of a rank
-    into the clip-before-unscale pitfall of its run begun no later than they: clipping the
-    scaled gradients makes the update the optimizer sees loss-scale times smaller, which
-    is exactly what starves Adam's moments; one fix (unscale_ before clipping) for all."""
-    pitfalls = [key for key, members in groups.items() if key[0] == "finding"
-                and _get(members[0], "kind") == "pitfall"
-                and _code(members[0]) == "clip_before_unscale"]
-    for key in pitfalls:
-        run_id, began = _get(groups[key][0], "run_id"), _first_step(groups[key]) or 0
-        for other in [k for k, members in groups.items() if k != key]:
-            members = groups[other]
-            if all(_get(f, "kind") == "optimizer_state" for f in members) \
-                    and _get(members[0], "run_id") == run_id \
-                    and (_first_step(members) or 0) >= began:
-                groups[key] += groups.pop(other)
-
-
 def _fold_precursors_into_overflows(groups: dict[tuple, list[Any]],
                                     order: Mapping[str, int]) -> None:
     """Move a precursor with no spike of its own (an output log-partition or attention
@@ -322,7 +269,7 @@ def _fold_precursors_into_overflows(groups: dict[tuple, list[Any]],
     it began no earlier than the overflow's first sign: the overflowing layer's outputs
     pushed it up, and its fix (z-loss, qk-layernorm) would not help."""
     loose = [key for key, members in groups.items() if key[0] == "finding"
-             and _get(members[0], "kind") == "spike_precursor"]
+             and _get(members[0], "kind") == "spike_precursor" and may_follow(members, OVERFLOW)]
     for key in loose:
         lead = groups[key][0]
         target = _overflow_upstream(groups, order, _get(lead, "run_id"), _get(lead, "rank"),
@@ -354,22 +301,6 @@ def short_number(value: float, digits: int) -> str:
     """5.5e4 for 54,800 at 2 digits (a number read at a glance, not copied)."""
     mantissa, exponent = f"{value:.{digits - 1}e}".split("e")
     return f"{mantissa}e{int(exponent)}" if abs(value) >= 1e4 else f"{value:.{digits}g}"
-
-
-def _code(finding: Any) -> str | None:
-    """The finding's code; hand-made findings may leave it out."""
-    return (finding.get("code") if isinstance(finding, Mapping)
-            else getattr(finding, "code", None))
-
-
-def _first_step(members: list[Any]) -> int | None:
-    return min((s for f in members if (s := _get(f, "step")) is not None), default=None)
-
-
-def _last_step(members: list[Any]) -> int:
-    return max((s for f in members
-                if (s := _get(f, "last_step") if _get(f, "last_step") is not None
-                    else _get(f, "step")) is not None), default=-1)
 
 
 def _incident(members: list[Any], key: tuple) -> Incident:

@@ -263,3 +263,23 @@ def test_a_risk_alone_reads_approaching_in_the_headline_every_surface_shows():
     story = overflow_story("fc2")
     (incident,) = group_incidents(story)
     assert incident.headline == "Layer 'fc2' overflows fp16 in the forward pass"
+
+
+def test_what_follows_a_weight_jump_joins_it_as_kinds_py_declares():
+    """fc2's weights x1e4 at step 40 (sampled at 30 and 40): the head's overflow and the
+    loss spike after it join fc2's incident, titled by the step the weights moved; a bad
+    input (a cause weights cannot set off) and a pitfall (a kind that declares no
+    `follows`) stay apart, and so does what began before the jump."""
+    jump = {**finding("weight_jump", 40, layer="fc2", severity="critical", last_step=90,
+                      cause="weight_jump", before_step=30, jump_step=40), "code": "weight_jump"}
+    overflow = finding("nonfinite", 41, layer="head", cause="forward_overflow")
+    spike = finding("loss_spike", 40, cause="loss_spike", spike_step=40)
+    bad_input = finding("nonfinite", 50, cause="nonfinite_input")
+    pitfall = {**finding("pitfall", 45), "code": "clip_before_unscale"}
+    before = finding("nonfinite", 20, layer="fc1", cause="grad_overflow")
+    order = {"fc1": 0, "fc2": 1, "fc3": 2, "head": 3}
+    incidents = group_incidents([jump, overflow, spike, bad_input, pitfall, before], order)
+    weights = next(i for i in incidents if i.cause == "weight_jump")
+    assert sorted(weights.findings) == sorted(f["id"] for f in (jump, overflow, spike))
+    assert weights.headline == "Layer 'fc2''s weights jumped at step 40"
+    assert len(incidents) == 4

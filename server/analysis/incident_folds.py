@@ -1,0 +1,97 @@
+"""Folds of incidents (server/analysis/incidents.py) whose cause is not an overflow: a
+layer's weight jump absorbs what follows it downstream, and the clip-before-unscale pitfall
+the optimizer states it starves; and the small accessors both modules share."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ampwatch.server.analysis.kinds import KINDS
+from ampwatch.server.analysis.spikes import SPIKE_CAUSE
+
+OVERFLOW, GRAD_OVERFLOW = "forward_overflow", "grad_overflow"
+WEIGHT_CAUSE = "weight_jump"
+# the causes a layer's moved weights can set off at or after it (not a bad input)
+AFTER_WEIGHTS = (OVERFLOW, "absorbed_overflow", GRAD_OVERFLOW, "divergence", "nonfinite_loss",
+                 SPIKE_CAUSE)
+
+
+def _get(finding: Any, name: str) -> Any:
+    return finding[name] if isinstance(finding, Mapping) else getattr(finding, name)
+
+
+def may_follow(members: list[Any], cause: str) -> bool:
+    """Whether every finding of a group is of a kind that declares it may follow from
+    `cause` (kinds.py's `follows`)."""
+    return all(cause in (spec.follows if (spec := KINDS.get(_get(f, "kind"))) else ())
+               for f in members)
+
+
+def _code(finding: Any) -> str | None:
+    """The finding's code; hand-made findings may leave it out."""
+    return (finding.get("code") if isinstance(finding, Mapping)
+            else getattr(finding, "code", None))
+
+
+def _first_step(members: list[Any]) -> int | None:
+    return min((s for f in members if (s := _get(f, "step")) is not None), default=None)
+
+
+def _last_step(members: list[Any]) -> int:
+    return max((s for f in members
+                if (s := _get(f, "last_step") if _get(f, "last_step") is not None
+                    else _get(f, "step")) is not None), default=-1)
+
+
+def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, int]) -> None:
+    """Move what followed a layer's weight jump into its incident: on its rank, groups
+    whose kinds all declare they may follow a weight jump (kinds.py) and, when grouped by
+    a cause, of one it can set off (an overflow, gradient overflow, divergence, non-finite
+    loss or loss spike, not a bad input), begun after the sample before the jump while
+    the weights stayed moved (a growth, info, absorbs nothing), in that layer or one after
+    it in forward order (or with no layer). The larger weights explain them."""
+    jumps = [key for key in groups if key[0] != "finding" and key[2] == WEIGHT_CAUSE]
+    for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
+        if key not in groups:
+            continue
+        weights = [f for f in groups[key] if _get(f, "kind") == "weight_jump"
+                   and _code(f) == "weight_jump"]  # a growth may be harmless: its own
+        evidence = (_get(weights[0], "evidence") or {}) if weights else {}
+        if evidence.get("before_step") is None:
+            continue
+        begun = evidence["before_step"] + 1
+        end, position = _last_step(groups[key]), order.get(key[3])
+        for other in [k for k in groups if k != key]:
+            members = groups[other]
+            lead = members[0]
+            if (_get(lead, "run_id"), _get(lead, "rank")) != key[:2]:
+                continue
+            follows = may_follow(members, WEIGHT_CAUSE) and (
+                other[0] == "finding" or other[2] in AFTER_WEIGHTS)
+            layer = other[3] if other[0] != "finding" else _get(lead, "layer")
+            at = order.get(layer) if layer not in (None, "-") else None
+            downstream = (layer in (None, "-", key[3]) or layer.startswith("step ")
+                          or (position is not None and at is not None and at >= position))
+            first = _first_step(members)
+            if follows and downstream and first is not None and begun <= first <= end:
+                groups[key] += groups.pop(other)
+
+
+def fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
+    """Move the groups whose kinds may follow the pitfall (kinds.py: the optimizer
+    states, eps dominating or the second moment at zero) of its run, begun no earlier,
+    into the clip-before-unscale pitfall: clipping the
+    scaled gradients makes the update the optimizer sees loss-scale times smaller, which
+    is exactly what starves Adam's moments; one fix (unscale_ before clipping) for all."""
+    pitfalls = [key for key, members in groups.items() if key[0] == "finding"
+                and _get(members[0], "kind") == "pitfall"
+                and _code(members[0]) == "clip_before_unscale"]
+    for key in pitfalls:
+        run_id, began = _get(groups[key][0], "run_id"), _first_step(groups[key]) or 0
+        for other in [k for k, members in groups.items() if k != key]:
+            members = groups[other]
+            if may_follow(members, "clip_before_unscale") \
+                    and _get(members[0], "run_id") == run_id \
+                    and (_first_step(members) or 0) >= began:
+                groups[key] += groups.pop(other)
