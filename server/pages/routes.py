@@ -23,7 +23,7 @@ from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.fields import NO_NUL
-from ampwatch.server.pages import auth, cards, fp8, layer, views
+from ampwatch.server.pages import auth, cards, config, fp8, layer, views
 from ampwatch.server.pages.figures import (
     CHART_HEIGHT,
     DASHES,
@@ -267,7 +267,7 @@ def run_page(
     figures = views.overview_figures(twin, mark)
     context = {"twin": twin, "run": twin["run"], "cards": cards.incident_panel(twin),
                "start": steps.start, "end": steps.end,
-               "config": views.flat_config(twin["run"]["config"])}
+               "config": config.flat_config(twin["run"]["config"])}
     return _run_tab(request, output, "run.html", "overview", figures, context,
                     {"findings": "_findings.html", "steps-footer": "_steps_footer.html",
                      **({"ranks-panel": "_ranks_panel.html"} if twin["ranks"] else {})})
@@ -417,7 +417,7 @@ def compare_page(
     n = len(twin["runs"])
     return render_page(request, "compare.html", twin=twin, run_ids=run_ids, recent=recent,
                        notes=views.coinciding(lines), loss_log=views.wide_losses(lines),
-                       config_diff=views.config_diff(twin["runs"]),
+                       config_diff=config.config_diff(twin["runs"]),
                        dashes=[DASHES[i % len(DASHES)] for i in range(n)],
                        colours=[colour(i) for i in range(n)],
                        figures=figures, live_url=_live_url(request) if poll else None,

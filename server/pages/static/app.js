@@ -309,7 +309,43 @@
     });
   }
 
+  // An update redrawn under a drag would cancel the user's zoom box: it waits for the
+  // button to come up.
+  var buttonDown = false;
+  document.addEventListener("mousedown", function () {
+    buttonDown = true;
+  }, true);
+  document.addEventListener("mouseup", function () {
+    buttonDown = false;
+  }, true);
+
+  window.addEventListener("blur", function () {
+    buttonDown = false;
+  });
+
+  function whenButtonUp(apply, waited) {
+    waited = waited || 0;
+    if (buttonDown && waited < 5000) {  // a lost mouseup holds no update back for long
+      window.setTimeout(function () {
+        whenButtonUp(apply, waited + 200);
+      }, 200);
+    } else {
+      apply();
+    }
+  }
+
   function poll(url, interval) {
+    function apply(update) {
+      draw(update.figures || {}, true);
+      swapPanels(update.panels || {});
+      document.body.dataset.updatedAt = String(Date.now());
+      // the server says how soon to ask again: sooner while the run reports,
+      // later once it went quiet (it may resume), never once it finished
+      if (update.poll_ms) {
+        window.setTimeout(tick, update.poll_ms);
+      }
+    }
+
     function tick() {
       fetch(url, { headers: { Accept: "application/json" }, credentials: "same-origin" })
         .then(function (response) {
@@ -319,14 +355,9 @@
           return response.json();
         })
         .then(function (update) {
-          draw(update.figures || {}, true);
-          swapPanels(update.panels || {});
-          document.body.dataset.updatedAt = String(Date.now());
-          // the server says how soon to ask again: sooner while the run reports,
-          // later once it went quiet (it may resume), never once it finished
-          if (update.poll_ms) {
-            window.setTimeout(tick, update.poll_ms);
-          }
+          whenButtonUp(function () {
+            apply(update);
+          });
         })
         .catch(function () {
           // the server may be restarting: keep trying, more slowly

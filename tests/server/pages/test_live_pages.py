@@ -146,6 +146,7 @@ def test_a_zoom_is_kept_across_live_updates_and_in_the_link(quick_browser, quick
         trainer.train(40).flush()
         browser.goto("/runs/zoomed-run")
         browser.wait_for_plots("loss", "grad_norm", "loss_scale")
+        browser.page.locator("#fig-loss").scroll_into_view_if_needed()
         box = browser.page.locator("#fig-loss .nsewdrag").bounding_box()
         mouse = browser.page.mouse
         # a box zoom dragged by hand over the middle of the loss chart
