@@ -34,19 +34,19 @@ from ampwatch.server.api import (
     spikes,
 )
 from ampwatch.server.api.error_responses import PROTECTED
-from ampwatch.server.backpressure import BacklogMiddleware
 from ampwatch.server.budget import ReadBudget
 from ampwatch.server.db import health_on_commit, make_engine, session_info, upgrade
 from ampwatch.server.deps import token_dependencies
 from ampwatch.server.errors import AmpwatchServerError, short_errors
 from ampwatch.server.faults import DatabaseHealth, database_error
-from ampwatch.server.guards import (
+from ampwatch.server.http.backpressure import BacklogMiddleware
+from ampwatch.server.http.guards import (
     AdmissionMiddleware,
     RequestSlotMiddleware,
     SiteGuardMiddleware,
     trusted_hosts,
 )
-from ampwatch.server.middleware import (
+from ampwatch.server.http.middleware import (
     QueryTextMiddleware,
     RequestBodyMiddleware,
     SameOriginPolicyMiddleware,

@@ -85,10 +85,10 @@ def test_every_step_field_consumer_follows_its_one_declaration():
     import dataclasses
 
     from ampwatch.client.models import Step
-    from ampwatch.server import series
     from ampwatch.server.pages.columns import StepColumns
     from ampwatch.server.pages.views import overview_figures
     from ampwatch.server.schemas import StepIn, StepPublic
+    from ampwatch.server.store import series
     from ampwatch.wire.steps import STEP_FIELDS, Chart, doc_row, names
 
     declared = names()

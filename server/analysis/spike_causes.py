@@ -27,7 +27,7 @@ import numpy as np
 
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_finder import Spike
-from ampwatch.server.spike_samples import SIGNALS, SpikeWindow
+from ampwatch.server.store.spike_samples import SIGNALS, SpikeWindow
 
 FIXES = {
     "attention_logit_growth": "add qk-layernorm (normalise queries and keys before their "
