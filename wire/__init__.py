@@ -13,6 +13,7 @@ from ampwatch.wire.batch import (
     FP8_STATS,
     RESTART_EVENT,
     SPEED_CHECK_EVENT,
+    SPIKE_SIGNALS,
 )
 from ampwatch.wire.floats import (
     NONFINITE_STRINGS,
@@ -37,6 +38,7 @@ __all__ = [
     "FINISHED_EVENT",
     "FP8_ROLES",
     "FP8_STATS",
+    "SPIKE_SIGNALS",
     "LABEL_MAX_CHARS",
     "LABEL_PATTERN",
     "NONFINITE_STRINGS",

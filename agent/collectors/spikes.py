@@ -36,8 +36,6 @@ from ampwatch.wire import encode_float_array
 
 SDPA = patches.GlobalPatch("scaled_dot_product_attention",
                            [(nn.functional, "scaled_dot_product_attention")])
-FIELDS = ("update_ratio", "update_lost", "adam_eps_share", "adam_v_zero_share",
-          "attn_max_logit", "logit_absmax", "logit_lse")
 _SUM = {name: i for i, name in enumerate(SUMS)}
 _compiling = torch.compiler.is_compiling
 
