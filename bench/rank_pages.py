@@ -8,7 +8,7 @@ times each read `--repeats` times: the run page as HTML and as its JSON twin, `/
 and the combined grad norms. Prints p50 and p99 per read, the ingest it kept up, and
 the load average (the numbers are only comparable at the same load). With `--layout
 sharded` the run is FSDP's: a combined grad norm sums every rank's, from the rollup the
-analysis worker keeps (server/combined.py), so the detectors run too.
+analysis worker keeps (server/store/combined.py), so the detectors run too.
 
     python bench/rank_pages.py                      # ~2 minutes, most of it loading
     python bench/rank_pages.py --ranks 64 --postgres postgresql+psycopg://postgres@127.0.0.1:5432/test

@@ -23,7 +23,7 @@ from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ampwatch.server import analysis, combined
+from ampwatch.server import analysis
 from ampwatch.server.analysis.window_cache import RankWindows
 from ampwatch.server.analysis_queue import (
     ENQUEUED,
@@ -36,6 +36,7 @@ from ampwatch.server.faults import DatabaseHealth
 from ampwatch.server.models import AnalysisTask, Run
 from ampwatch.server.ranks import SHARDED, grad_layout
 from ampwatch.server.settings import Settings
+from ampwatch.server.store import combined
 
 __all__ = ["AnalysisWorker", "pending_batches", "settle"]
 

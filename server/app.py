@@ -20,7 +20,7 @@ from starlette.types import Scope
 
 from ampwatch.server import __version__, metrics, pages
 from ampwatch.server.alerts import AlertService
-from ampwatch.server.analysis_worker import AnalysisWaitMiddleware, embedded_worker
+from ampwatch.server.analysis_worker import AnalysisWaitMiddleware, AnalysisWorker, embedded_worker
 from ampwatch.server.api import (
     alerts,
     batches,
@@ -35,19 +35,19 @@ from ampwatch.server.api import (
     spikes,
 )
 from ampwatch.server.api.error_responses import PROTECTED
-from ampwatch.server.backpressure import BacklogMiddleware
 from ampwatch.server.budget import ReadBudget
 from ampwatch.server.db import health_on_commit, make_engine, session_info, upgrade
 from ampwatch.server.deps import token_dependencies
 from ampwatch.server.errors import AmpwatchServerError, short_errors
 from ampwatch.server.faults import DatabaseHealth, database_error
-from ampwatch.server.guards import (
+from ampwatch.server.http.backpressure import BacklogMiddleware
+from ampwatch.server.http.guards import (
     AdmissionMiddleware,
     RequestSlotMiddleware,
     SiteGuardMiddleware,
     trusted_hosts,
 )
-from ampwatch.server.middleware import (
+from ampwatch.server.http.middleware import (
     QueryTextMiddleware,
     RequestBodyMiddleware,
     SameOriginPolicyMiddleware,
@@ -122,6 +122,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # arena of its own (the server's resident memory grew with them). Not shut down with
     # the lifespan, which a test may run more than once: idle, its threads end with it.
     app.state.parser = ThreadPoolExecutor(PARSER_THREADS, thread_name_prefix="ampwatch-parse")
+    _add_middlewares(app, settings, maker, worker)
+    _add_error_handlers(app)
+    _add_routes(app, settings)
+    return app
+
+
+def _add_middlewares(app: FastAPI, settings: Settings, maker: sessionmaker,
+                     worker: AnalysisWorker | None) -> None:
+    """The middlewares, outermost last."""
     # The last added runs first: headers on every answer; Host and Origin; metrics; the
     # token, before anything is held; batches refused while analysis is behind; bodies,
     # under their budget; then a request slot.
@@ -141,6 +150,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
     app.add_middleware(SiteGuardMiddleware, hosts=trusted_hosts(settings))
     app.add_middleware(SecurityHeadersMiddleware)
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    """Domain errors, database faults, 405 and validation errors as the API answers them
+    (a person's browser gets a page for an invalid request)."""
 
     @app.exception_handler(AmpwatchServerError)
     async def _domain_error(_request: Request, exc: AmpwatchServerError) -> WireJSONResponse:
@@ -166,6 +180,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             return pages.invalid_page(request, short_errors(exc.errors()))
         return WireJSONResponse({"detail": short_errors(exc.errors())}, status_code=422)
 
+
+def _add_routes(app: FastAPI, settings: Settings) -> None:
+    """/api/v1 (every route but /health behind the token), /metrics and the pages."""
     api = APIRouter(prefix="/api/v1")
     api.include_router(health.router)
     protected = APIRouter(dependencies=token_dependencies(settings),
@@ -178,7 +195,6 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(metrics.router)
     app.include_router(pages.router)
     _document_parsed_bodies(app, (BatchIn, RunUpsert))
-    return app
 
 
 def close_app(app: FastAPI) -> None:

@@ -10,8 +10,8 @@ from fastapi.params import Depends as Dependency
 from fastapi.security import APIKeyCookie, HTTPBearer
 from sqlalchemy.orm import Session
 
-from ampwatch.server.guards import token_scheme
-from ampwatch.server.middleware import UNSAFE_METHODS
+from ampwatch.server.http.guards import token_scheme
+from ampwatch.server.http.middleware import UNSAFE_METHODS
 from ampwatch.server.settings import Settings
 
 

@@ -13,7 +13,7 @@ import math
 
 import numpy as np
 
-from ampwatch.server.series import MISSING, StepSeries
+from ampwatch.server.store.series import MISSING, StepSeries
 
 
 def _buckets(n: int, n_buckets: int) -> tuple[int, int]:

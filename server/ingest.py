@@ -18,10 +18,8 @@ from sqlalchemy.orm import Session
 from ampwatch.server.analysis.store import refresh_run_health
 from ampwatch.server.analysis.window_cache import BatchKey
 from ampwatch.server.analysis_queue import enqueue
-from ampwatch.server.codec import ITEMSIZE, decode_column, encode_columns
 from ampwatch.server.db import PerDialect, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
-from ampwatch.server.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.models import AnalysisTask, Batch, Run, RunRank, utcnow
 from ampwatch.server.restarts import (
     forget_findings,
@@ -30,18 +28,20 @@ from ampwatch.server.restarts import (
     stored_last_step,
     supersede,
 )
-from ampwatch.server.rollups import fold_rank_rollups
 from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
-from ampwatch.server.series import COMPRESSED_FORMAT, FIELD_INDEX, StepSeries, concat
 from ampwatch.server.settings import Settings
-from ampwatch.server.spike_samples import spike_length_errors, store_spike_samples
-from ampwatch.server.storage import (
+from ampwatch.server.store.codec import ITEMSIZE, decode_column, encode_columns
+from ampwatch.server.store.fp8_samples import fp8_length_errors, store_fp8_samples
+from ampwatch.server.store.rollups import fold_rank_rollups
+from ampwatch.server.store.series import COMPRESSED_FORMAT, FIELD_INDEX, StepSeries, concat
+from ampwatch.server.store.spike_samples import spike_length_errors, store_spike_samples
+from ampwatch.server.store.storage import (
     clip_steps,
     new_batch_row,
     unpack_row,
     vector_length_errors,
 )
-from ampwatch.server.summaries import fold_batch
+from ampwatch.server.store.summaries import fold_batch
 from ampwatch.wire import FINISHED_EVENT, encode_tree
 
 

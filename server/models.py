@@ -2,7 +2,7 @@
 
 Per-layer data is the bulk of a run, so it is stored one row per ingested batch with
 packed arrays (`Batch`), not one row per layer and step: ingest is one INSERT per batch
-and a heatmap of a long run reads a few thousand rows (see server/series.py).
+and a heatmap of a long run reads a few thousand rows (see server/store/series.py).
 """
 
 from __future__ import annotations
@@ -111,7 +111,7 @@ class RunRank(Base):
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # when the rank's agent detached (its "finished" event); None while it trains
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
-    # median step time of the rank's last steps, kept at ingest (server/rollups.py);
+    # median step time of the rank's last steps, kept at ingest (server/store/rollups.py);
     # negative: none of them had one; None: stored before migration 0013
     step_ms_median: Mapped[float | None] = mapped_column(Float)
 
@@ -129,7 +129,7 @@ class RunRank(Base):
 
 
 class Batch(Base):
-    """One ingested batch: packed columns of its steps (server/series.py)."""
+    """One ingested batch: packed columns of its steps (server/store/series.py)."""
 
     __tablename__ = "batches"
 
@@ -163,7 +163,7 @@ class Batch(Base):
 
 class StepSummary(Base):
     """One bucket of `summaries.SUMMARY_STEPS` steps of a rank, folded as batches arrive
-    (server/summaries.py): envelope rows and per-layer extremes, compressed."""
+    (server/store/summaries.py): envelope rows and per-layer extremes, compressed."""
 
     __tablename__ = "step_summaries"
 
@@ -182,7 +182,7 @@ class StepSummary(Base):
 
 
 class RankRollup(Base):
-    """One of a rank's rollups kept at ingest (server/rollups.py): a per-layer statistic
+    """One of a rank's rollups kept at ingest (server/store/rollups.py): a per-layer statistic
     (float64 per layer: the last and largest grad norm, non-finite counts, ...) or its
     step-time window. One row each, so that a batch rewrites only the ones it changed."""
 
@@ -198,7 +198,7 @@ class RankRollup(Base):
 
 class CombinedNorms(Base):
     """One bucket of `combined.BUCKET_STEPS` step numbers of a sharded run, kept by the
-    analysis worker (server/combined.py): per step, the ranks folded in (int32), the sum
+    analysis worker (server/store/combined.py): per step, the ranks folded in (int32), the sum
     of their squared total grad norms (float64) and how many of them sent no total
     (int32), each raw."""
 
@@ -234,7 +234,7 @@ class Fp8Sample(Base):
     """FP8 cast statistics of one sampled step of one rank (server/analysis/fp8.py):
     `layers` the int32 indices of the layers it holds (those the agent measured: the FP8
     layers), `values` float32 (3 roles x 5 statistics x those layers), `present` bool
-    (3 roles x those layers), each compressed with server/codec.py. Rows stored before
+    (3 roles x those layers), each compressed with server/store/codec.py. Rows stored before
     `layers` existed (NULL) hold every one of `n_layers` layers, raw. A re-sent step
     replaces its row."""
 
@@ -252,9 +252,9 @@ class Fp8Sample(Base):
 
 
 class SpikeSample(Base):
-    """The spike signals of one sampled step of one rank (server/spike_samples.py):
+    """The spike signals of one sampled step of one rank (server/store/spike_samples.py):
     `values` float32 (signals x `n_layers`, NaN where not measured), compressed with
-    server/codec.py. A re-sent step replaces its row."""
+    server/store/codec.py. A re-sent step replaces its row."""
 
     __tablename__ = "spike_samples"
 

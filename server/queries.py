@@ -18,7 +18,8 @@ from ampwatch.server.downsample import always_kept, bucket_matrix, keep_extremes
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.models import Run, RunRank
 from ampwatch.server.responses import FloatRows
-from ampwatch.server.rollups import (
+from ampwatch.server.runs import run_ranks
+from ampwatch.server.store.rollups import (
     ACT_DTYPE,
     ACT_MAX,
     ACT_NONFINITE,
@@ -29,8 +30,7 @@ from ampwatch.server.rollups import (
     TIME_SUM,
     load_layer_stats,
 )
-from ampwatch.server.runs import run_ranks
-from ampwatch.server.series import (
+from ampwatch.server.store.series import (
     BOOL_FIELDS,
     DTYPES,
     INT_FIELDS,
@@ -39,9 +39,9 @@ from ampwatch.server.series import (
     StepSeries,
     guard_reason,
 )
-from ampwatch.server.spike_samples import SIGNALS, spike_matrix
-from ampwatch.server.storage import layer_rows, load_layers, load_ranks_series, load_series
-from ampwatch.server.summaries import SUMMARY_STEPS, load_summaries, summarised_steps
+from ampwatch.server.store.spike_samples import SIGNALS, spike_matrix
+from ampwatch.server.store.storage import layer_rows, load_layers, load_ranks_series, load_series
+from ampwatch.server.store.summaries import SUMMARY_STEPS, load_summaries, summarised_steps
 from ampwatch.wire import encode_float, encode_float_array
 
 MATRIX_METRICS = ("grad_norm", "act_absmax", "act_time_ms", *SIGNALS)
@@ -338,7 +338,7 @@ def matrix_query(
     sends its own layers only."""
     if metric not in MATRIX_METRICS:
         raise InvalidInput(f"metric must be one of {', '.join(MATRIX_METRICS)}")
-    if metric in SIGNALS:  # sampled spike signals (server/spike_samples.py)
+    if metric in SIGNALS:  # sampled spike signals (server/store/spike_samples.py)
         return _spike_matrix(session, run, metric, rank, start, end, buckets, layers)
     acts = metric != "grad_norm"
     columns = None if layers is None else np.asarray(layers, dtype=np.int64)

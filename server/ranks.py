@@ -17,12 +17,12 @@ import numpy as np
 from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import combined
 from ampwatch.server.models import Batch, Finding, Run, RunRank
-from ampwatch.server.rollups import step_ms_median
 from ampwatch.server.runs import lead_rank, run_ranks
-from ampwatch.server.series import MISSING, StepSeries
-from ampwatch.server.storage import load_ranks_series, load_series
+from ampwatch.server.store import combined
+from ampwatch.server.store.rollups import step_ms_median
+from ampwatch.server.store.series import MISSING, StepSeries
+from ampwatch.server.store.storage import load_ranks_series, load_series
 from ampwatch.wire import encode_float_array
 
 SHARDED, REPLICATED = "sharded", "replicated"
@@ -73,7 +73,7 @@ class ShardSums:
 
     def add_folded(self, first: int, ranks: np.ndarray, sum_sq: np.ndarray,
                    unknown: np.ndarray) -> None:
-        """Steps from `first` on as the worker folded them (server/combined.py): the
+        """Steps from `first` on as the worker folded them (server/store/combined.py): the
         ranks in each, their summed squares and how many sent no total."""
         rows = slice(first - self.start, first - self.start + len(ranks))
         self.ranks_sent[rows] += ranks
@@ -196,7 +196,7 @@ def ranks_panel(session: Session, run: Run, rank_rows: list[RunRank] | None = No
                 ) -> list[dict]:
     """Per rank: steps, skipped, the latest loss scale, the median step time of its last
     PANEL_STEPS steps, dropped and lost data. One read of the ranks' rows (their rollups,
-    server/rollups.py; none when `rank_rows` are given), whatever their number; no batch
+    server/store/rollups.py; none when `rank_rows` are given), whatever their number; no batch
     is read."""
     rows = []
     for rank_row in run_ranks(session, run.id) if rank_rows is None else rank_rows:

@@ -29,8 +29,8 @@ from ampwatch.server.models import (
     SpikeSample,
     StepSummary,
 )
-from ampwatch.server.storage import load_series, unpack_row
-from ampwatch.server.summaries import SUMMARY_STEPS, fold_batch
+from ampwatch.server.store.storage import load_series, unpack_row
+from ampwatch.server.store.summaries import SUMMARY_STEPS, fold_batch
 from ampwatch.wire import RESTART_EVENT
 
 

@@ -9,7 +9,6 @@ from sqlalchemy import delete, insert, select, text
 from sqlalchemy.engine import Engine
 from sqlalchemy.orm import Session
 
-from ampwatch.server.codec import encode_columns
 from ampwatch.server.db import writing
 from ampwatch.server.errors import Conflict
 from ampwatch.server.models import (
@@ -24,8 +23,9 @@ from ampwatch.server.models import (
 )
 from ampwatch.server.restarts import rebuild_summaries
 from ampwatch.server.runs import get_run, run_ranks
-from ampwatch.server.storage import new_batch_row
-from ampwatch.server.summaries import summarised_steps
+from ampwatch.server.store.codec import encode_columns
+from ampwatch.server.store.storage import new_batch_row
+from ampwatch.server.store.summaries import summarised_steps
 
 
 def archive_run(session: Session, run_id: str) -> Run:

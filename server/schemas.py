@@ -30,7 +30,7 @@ from ampwatch.server.fields import (
     name_text,
     text,
 )
-from ampwatch.server.series import DTYPES
+from ampwatch.server.store.series import DTYPES
 from ampwatch.wire import GUARD_REASONS, LABEL_MAX_CHARS
 from ampwatch.wire.steps import STEP_FIELDS, StepField
 

@@ -85,10 +85,10 @@ def test_every_step_field_consumer_follows_its_one_declaration():
     import dataclasses
 
     from ampwatch.client.models import Step
-    from ampwatch.server import series
     from ampwatch.server.pages.columns import StepColumns
     from ampwatch.server.pages.views import overview_figures
     from ampwatch.server.schemas import StepIn, StepPublic
+    from ampwatch.server.store import series
     from ampwatch.wire.steps import STEP_FIELDS, Chart, doc_row, names
 
     declared = names()
@@ -106,3 +106,18 @@ def test_every_step_field_consumer_follows_its_one_declaration():
     doc = (ROOT / "docs" / "wire-format.md").read_text()
     missing = [f.name for f in STEP_FIELDS if doc_row(f) not in doc]
     assert not missing, f"docs/wire-format.md's step table lacks doc_row() of {missing}"
+
+
+def test_spike_signals_are_one_contract_for_the_agent_and_the_server():
+    """The `spikes` object's signal names live in wire/: the server's schema takes them in
+    that order (its storage order), and every signal the agent writes is one of them."""
+    from ampwatch.server.schemas import SpikesIn
+
+    assert tuple(SpikesIn.model_fields) == wire.SPIKE_SIGNALS
+    source = (ROOT / "agent" / "collectors" / "spikes.py").read_text()
+    written = set(re.findall(r'out\["(\w+)"\]', source))
+    written |= set(re.findall(r'for i, name in enumerate\(\(([^)]*)\)\)', source)[0]
+                   .replace('"', "").replace(" ", "").split(","))
+    weights = (ROOT / "agent" / "collectors" / "weights.py").read_text()
+    written |= set(re.findall(r'setdefault\("spikes", \{\}\)\["(\w+)"\]', weights))
+    assert written == set(wire.SPIKE_SIGNALS)

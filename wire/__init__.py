@@ -14,6 +14,7 @@ from ampwatch.wire.batch import (
     GUARD_REASONS,
     RESTART_EVENT,
     SPEED_CHECK_EVENT,
+    SPIKE_SIGNALS,
 )
 from ampwatch.wire.floats import (
     NONFINITE_STRINGS,
@@ -39,6 +40,7 @@ __all__ = [
     "FP8_ROLES",
     "FP8_STATS",
     "GUARD_REASONS",
+    "SPIKE_SIGNALS",
     "LABEL_MAX_CHARS",
     "LABEL_PATTERN",
     "NONFINITE_STRINGS",

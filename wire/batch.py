@@ -16,3 +16,7 @@ GUARD_REASONS = ("loss_spike", "nonfinite_grads", "nonfinite_loss")
 # An FP8 layer's statistics per step: one vector (one entry per layer) per role and stat.
 FP8_ROLES = ("input", "weight", "grad")
 FP8_STATS = ("amax", "scale", "rms", "saturated", "underflow")
+# A sampled step's spike signals (its `spikes` object): one vector per signal, in the
+# server's storage order (docs/spikes.md)
+SPIKE_SIGNALS = ("update_ratio", "update_lost", "adam_eps_share", "adam_v_zero_share",
+                 "attn_max_logit", "logit_absmax", "logit_lse", "weight_norm")

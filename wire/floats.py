@@ -61,7 +61,7 @@ def decode_tree(obj: Any) -> Any:
 
 
 def encode_float_array(values: np.ndarray, missing: np.ndarray | None = None) -> list:
-    """A 1-D or 2-D float array as nested JSON lists (server/codec.py's `encode_array` packs
+    """A 1-D or 2-D float array as nested JSON lists (server/store/codec.py's `encode_array` packs
     binary columns instead); `missing` marks entries sent as null.
 
     Fast when everything is finite (one `tolist`), element-wise otherwise.

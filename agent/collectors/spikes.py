@@ -37,8 +37,6 @@ from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.update_stats import N_SUMS, SUMS, kind_of, param_sums
 from ampwatch.wire import encode_float_array
 
-FIELDS = ("update_ratio", "update_lost", "adam_eps_share", "adam_v_zero_share",
-          "attn_max_logit", "logit_absmax", "logit_lse")
 _SUM = {name: i for i, name in enumerate(SUMS)}
 _compiling = torch.compiler.is_compiling
 

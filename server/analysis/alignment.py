@@ -16,7 +16,7 @@ from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.series import MISSING, StepSeries
+from ampwatch.server.store.series import MISSING, StepSeries
 
 KIND = FindingKind.MISALIGNED_LAYER
 OPTIMAL = 64

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ampwatch.server.series import DTYPE_CODE, DTYPES, FIELD_INDEX, StepSeries
+from ampwatch.server.store.series import DTYPE_CODE, DTYPES, FIELD_INDEX, StepSeries
 
 FP16 = DTYPE_CODE["float16"]
 BF16 = DTYPE_CODE["bfloat16"]

@@ -6,7 +6,7 @@ default) one outlier sets the amax, and every small element of the tensor falls 
 format's smallest subnormal (`fp8_underflow`). With delayed scaling (Transformer Engine's
 default) the scale comes from an amax history, so a growing tensor outgrows it: first the
 amax passes what the scale covers (`fp8_stale_scale`), then elements clip (`fp8_saturation`).
-Judged on the agent's sampled FP8 statistics (server/fp8_samples.py).
+Judged on the agent's sampled FP8 statistics (server/store/fp8_samples.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.fp8_samples import ROLES, Fp8Window
+from ampwatch.server.store.fp8_samples import ROLES, Fp8Window
 
 FORMAT_MAX = {"e4m3": 448.0, "e5m2": 57344.0, "e4m3fnuz": 240.0, "e5m2fnuz": 57344.0}
 # half the smallest subnormal: a scaled value at or below it rounds to zero

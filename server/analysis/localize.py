@@ -11,7 +11,7 @@ import numpy as np
 
 from ampwatch.server.analysis.context import LayerTable, RunContext, step_rows
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.series import FIELD_INDEX, MISSING, StepSeries
+from ampwatch.server.store.series import FIELD_INDEX, MISSING, StepSeries
 
 # Causes in the order they explain each other: a bad input makes the forward pass
 # non-finite, which makes the loss non-finite, which makes every gradient non-finite.

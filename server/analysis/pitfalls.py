@@ -24,7 +24,7 @@ from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.series import FIELD_INDEX, StepSeries
+from ampwatch.server.store.series import FIELD_INDEX, StepSeries
 
 KIND = FindingKind.PITFALL
 

@@ -21,7 +21,7 @@ from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.series import DTYPE_CODE, DTYPES
+from ampwatch.server.store.series import DTYPE_CODE, DTYPES
 
 KIND = FindingKind.PRECISION_MAP
 FP32 = DTYPE_CODE["float32"]

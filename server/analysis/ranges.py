@@ -11,7 +11,7 @@ from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.series import MISSING, StepSeries
+from ampwatch.server.store.series import MISSING, StepSeries
 
 OVERFLOW, UNDERFLOW = FindingKind.OVERFLOW_RISK, FindingKind.UNDERFLOW_RISK
 

@@ -24,7 +24,7 @@ from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.localize import NO_LAYER
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.series import StepSeries
+from ampwatch.server.store.series import StepSeries
 
 KIND = FindingKind.RANKS
 COVERS = (f"{KIND}:",)

@@ -18,7 +18,7 @@ from ampwatch.server.analysis.localize import (
 )
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.series import StepSeries
+from ampwatch.server.store.series import StepSeries
 
 KIND = FindingKind.SCALER_DIVERGENCE
 

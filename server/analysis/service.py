@@ -16,11 +16,11 @@ from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.store import apply_detections, refresh_run_health, update_run_health
 from ampwatch.server.analysis.window import Window
 from ampwatch.server.analysis.window_cache import RankWindows
-from ampwatch.server.fp8_samples import load_fp8_window
 from ampwatch.server.models import Batch, Run, RunRank
-from ampwatch.server.series import StepSeries, concat
-from ampwatch.server.spike_samples import load_spike_window
-from ampwatch.server.storage import clip_steps, load_layers, load_series
+from ampwatch.server.store.fp8_samples import load_fp8_window
+from ampwatch.server.store.series import StepSeries, concat
+from ampwatch.server.store.spike_samples import load_spike_window
+from ampwatch.server.store.storage import clip_steps, load_layers, load_series
 
 # Setup findings (layer table, environment) live on rank 0.
 SETUP_RANK = 0

@@ -39,8 +39,8 @@ import numpy as np
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_finder import Spike
 from ampwatch.server.analysis.weights import moved
-from ampwatch.server.series import StepSeries
-from ampwatch.server.spike_samples import SIGNALS, SpikeWindow
+from ampwatch.server.store.series import StepSeries
+from ampwatch.server.store.spike_samples import SIGNALS, SpikeWindow
 
 FIXES = {
     "lr_change": "undo or soften the learning-rate change (a smaller step, or a warmup "

@@ -3,7 +3,7 @@ code), precursors before any spike (`spike_precursor`: a layer's largest attenti
 or the output log-partition grown `precursor_factor` times over its level), and optimizer
 states that silently lose updates (`optimizer_state`: eps-dominated or zero second
 moments). Judged on the loss series and the agent's sampled spike signals
-(server/spike_samples.py); docs/spikes.md says how each is found and fixed.
+(server/store/spike_samples.py); docs/spikes.md says how each is found and fixed.
 
 The findings of one spike (the spike and the precursor or optimizer state that it is
 labelled with) carry its first step as `evidence.spike_step`: incidents.py makes them one
@@ -23,7 +23,7 @@ from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_causes import FIXES, LEVEL_FLOOR, Cause, label_spike
 from ampwatch.server.analysis.spike_finder import Spike, find_spikes
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.spike_samples import SpikeWindow
+from ampwatch.server.store.spike_samples import SpikeWindow
 
 SPIKE_CAUSE = "loss_spike"  # evidence.cause of the findings of one spike (incidents.py)
 CAUSE_WORDS = {

@@ -27,7 +27,7 @@ import numpy as np
 from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.spike_samples import SpikeWindow
+from ampwatch.server.store.spike_samples import SpikeWindow
 
 CAUSE = "weight_jump"
 FIX = ("find what changed this layer's weights at that step (a loop or a load that "

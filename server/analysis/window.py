@@ -10,9 +10,9 @@ from functools import cached_property
 
 from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.localize import Localization, localize
-from ampwatch.server.fp8_samples import Fp8Window
-from ampwatch.server.series import StepSeries
-from ampwatch.server.spike_samples import SpikeWindow
+from ampwatch.server.store.fp8_samples import Fp8Window
+from ampwatch.server.store.series import StepSeries
+from ampwatch.server.store.spike_samples import SpikeWindow
 
 
 @dataclass

@@ -18,8 +18,8 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import Batch
-from ampwatch.server.series import StepSeries
-from ampwatch.server.storage import unpack_row
+from ampwatch.server.store.series import StepSeries
+from ampwatch.server.store.storage import unpack_row
 
 # What identifies a stored batch's content: its steps change only through a restart
 # superseding them, which sets superseded_from.

@@ -2,7 +2,7 @@
 
 Every status a route can really give is listed (schemathesis checks the server against
 the schema with all its checks, tests/server/test_openapi_fuzz.py): the route's own
-(404, 409, 422), the body checks and caps of server/middleware.py (400, 403, 408, 413,
+(404, 409, 422), the body checks and caps of server/http/middleware.py (400, 403, 408, 413,
 415, 503), the token check (401, on every route but /health) and database faults
 (server/faults.py: 503, and 507 for a write on a full disk). Each has the body
 `ErrorPublic`.

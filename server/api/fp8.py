@@ -15,9 +15,9 @@ from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.api.series import End, Rank, Start
 from ampwatch.server.api.waits import AnalysisWait
 from ampwatch.server.deps import SessionDep
-from ampwatch.server.fp8_samples import fp8_report
 from ampwatch.server.runs import get_run
-from ampwatch.server.storage import load_layers
+from ampwatch.server.store.fp8_samples import fp8_report
+from ampwatch.server.store.storage import load_layers
 
 router = APIRouter(prefix="/runs", tags=["series"])
 MAX_FINDINGS = 500

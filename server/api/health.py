@@ -13,7 +13,7 @@ from ampwatch.server.faults import (
     DiskFull,
     database_error,
 )
-from ampwatch.server.guards import token_scheme
+from ampwatch.server.http.guards import token_scheme
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas import HealthPublic
 

@@ -11,7 +11,6 @@ import numpy as np
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
-from ampwatch.server.fp8_samples import fp8_report
 from ampwatch.server.pages import figures
 from ampwatch.server.pages.columns import LayerMatrix, decode_values
 from ampwatch.server.pages.heatmaps import layer_title
@@ -20,7 +19,8 @@ from ampwatch.server.pages.views import MAX_POINTS, StepRange, findings_of, page
 from ampwatch.server.queries import layer_series_query, layers_query, matrix_query
 from ampwatch.server.runs import get_run
 from ampwatch.server.settings import Settings
-from ampwatch.server.storage import load_layers
+from ampwatch.server.store.fp8_samples import fp8_report
+from ampwatch.server.store.storage import load_layers
 
 FP8_BUCKETS = 500  # points per line of a layer's FP8 shares
 EVIDENCE_BUCKETS = 500  # points per line of a layer's spike signals (sampled steps)

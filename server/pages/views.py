@@ -18,7 +18,6 @@ from ampwatch.server.analysis.queries import list_findings, list_incidents
 from ampwatch.server.api.bundles import public_bundle
 from ampwatch.server.api.notes import run_notes
 from ampwatch.server.bundles import list_bundles
-from ampwatch.server.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.models import Run, RunRank
 from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
@@ -28,7 +27,8 @@ from ampwatch.server.queries import layers_query, matrix_query, steps_query, wit
 from ampwatch.server.ranks import overlaid_ranks, panel_rank_rows, ranks_panel
 from ampwatch.server.runs import get_run, lead_rank, list_runs, public_run
 from ampwatch.server.settings import Settings
-from ampwatch.server.storage import layer_rows
+from ampwatch.server.store.fp8_samples import cast_formats, has_fp8_layers
+from ampwatch.server.store.storage import layer_rows
 
 MAX_POINTS = 2000  # per chart line set: what a laptop-wide chart can show
 BUCKETS = 1000  # heatmap columns

@@ -59,7 +59,7 @@ def test_client_fields_equal_the_server_schema(client_model):
 def test_every_step_field_is_accepted_stored_and_returned():
     """A per-step signal is one column of the stored steps: the batch schema accepts it,
     storage keeps it, the steps API and the client return it."""
-    from ampwatch.server.series import SCALAR_FIELDS
+    from ampwatch.server.store.series import SCALAR_FIELDS
 
     per_layer = {"layer_grad_norm", "layer_grad_zero_share", "activations", "fp8", "spikes"}
     assert set(schemas.StepIn.model_fields) - per_layer == set(SCALAR_FIELDS)

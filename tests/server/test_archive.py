@@ -5,7 +5,7 @@ SQLite and Postgres."""
 
 from __future__ import annotations
 
-from ampwatch.server.storage import load_series
+from ampwatch.server.store.storage import load_series
 from tests.utils import make_steps, post_batch, register_run
 
 N_LAYERS = 2

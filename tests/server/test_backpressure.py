@@ -17,7 +17,7 @@ from sqlalchemy import event
 from ampwatch.server.analysis_queue import pending_batches
 from ampwatch.server.analysis_worker import AnalysisWorker
 from ampwatch.server.app import close_app, create_app
-from ampwatch.server.backpressure import BacklogMiddleware
+from ampwatch.server.http.backpressure import BacklogMiddleware
 from ampwatch.server.models import AnalysisTask
 from ampwatch.server.settings import Settings
 from tests.conftest import LiveServer

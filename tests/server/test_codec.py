@@ -10,16 +10,16 @@ import numpy as np
 import pytest
 import zstandard
 
-from ampwatch.server.codec import (
+from ampwatch.server.schemas import StepIn
+from ampwatch.server.store.codec import (
     ITEMSIZE,
     decode_column,
     encode_array,
     encode_column,
     encode_columns,
 )
-from ampwatch.server.schemas import StepIn
-from ampwatch.server.series import COMPRESSED_FORMAT, RAW_FORMAT
-from ampwatch.server.storage import new_batch_row, unpack_row
+from ampwatch.server.store.series import COMPRESSED_FORMAT, RAW_FORMAT
+from ampwatch.server.store.storage import new_batch_row, unpack_row
 
 
 def realistic_norms(steps: int, layers: int, seed: int = 0) -> np.ndarray:

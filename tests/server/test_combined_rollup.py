@@ -1,4 +1,4 @@
-"""The worker's combined grad norms of a sharded run (server/combined.py): a read takes the
+"""The worker's combined grad norms of a sharded run (server/store/combined.py): a read takes the
 summed squares from a few bucket rows, not every rank's batches, and answers exactly what
 the test's own sums of the norms it sent call for, through restarts, late batches and
 ranks the worker never folded."""

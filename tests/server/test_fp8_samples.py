@@ -9,9 +9,9 @@ import math
 import numpy as np
 from sqlalchemy import func, select, update
 
-from ampwatch.server import fp8_samples
-from ampwatch.server.fp8_samples import ROLES, STATS, load_fp8_window
 from ampwatch.server.models import Fp8Sample
+from ampwatch.server.store import fp8_samples
+from ampwatch.server.store.fp8_samples import ROLES, STATS, load_fp8_window
 from tests.utils import make_layers, make_steps, post_batch, register_run
 
 FP8 = {"fp8_recipe": "delayed (amax history 16)", "fp8_input_format": "e4m3",

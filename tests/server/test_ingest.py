@@ -11,8 +11,8 @@ import pytest
 import zstandard
 from sqlalchemy import func, select
 
-from ampwatch.server.codec import ITEMSIZE, decode_column
 from ampwatch.server.models import Batch
+from ampwatch.server.store.codec import ITEMSIZE, decode_column
 from tests.utils import make_steps, post_batch, register_run
 
 

@@ -14,7 +14,7 @@ from sqlalchemy import delete, func, select
 
 from ampwatch.server import queries
 from ampwatch.server.models import Batch, Run, StepSummary
-from ampwatch.server.summaries import SUMMARY_STEPS, summarised_steps
+from ampwatch.server.store.summaries import SUMMARY_STEPS, summarised_steps
 from tests.utils import make_layers, make_steps, post_batch, register_run
 
 LONG_RANGE = 3 * SUMMARY_STEPS  # the threshold, lowered from 20,000 to keep the test small

@@ -2,7 +2,7 @@
 issue the same SQL statements for a run of 1, 8, 48 and 64 ranks; the run page fetches
 the same rows, run_ranks' included, at 48 ranks as at 64 (its ranks panel holds at most
 PANEL_ROWS ranks, its totals are one aggregate row), and `/ranks` no more batch rows at
-64 ranks than at 8 (server/rollups.py, the run page's overlay of at most
+64 ranks than at 8 (server/store/rollups.py, the run page's overlay of at most
 MAX_OVERLAID_RANKS ranks).
 
 Counted on SQLite, where every statement goes through the engine's cursor events (on
@@ -26,7 +26,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.models import RankRollup
 from ampwatch.server.ranks import MAX_OVERLAID_RANKS, PANEL_ROWS
-from ampwatch.server.rollups import PANEL_STEPS
+from ampwatch.server.store.rollups import PANEL_STEPS
 from tests.utils import WAIT, make_steps, post_batch, register_run
 
 N_LAYERS = 8
@@ -300,7 +300,7 @@ def test_migration_0013_moves_each_ranks_layer_statistics_and_back(database_url)
     from sqlalchemy import text
 
     from ampwatch.server.db import alembic_config, make_engine
-    from ampwatch.server.rollups import LAYER_STATS_ROWS, load_layer_stats
+    from ampwatch.server.store.rollups import LAYER_STATS_ROWS, load_layer_stats
 
     engine = make_engine(database_url)
     cfg = alembic_config(engine.url.render_as_string(hide_password=False))

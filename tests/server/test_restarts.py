@@ -5,9 +5,9 @@ what it superseded. SQLite and Postgres."""
 
 from __future__ import annotations
 
-from ampwatch.server.fp8_samples import STATS, load_fp8_window
-from ampwatch.server.storage import load_series
-from ampwatch.server.summaries import load_summaries
+from ampwatch.server.store.fp8_samples import STATS, load_fp8_window
+from ampwatch.server.store.storage import load_series
+from ampwatch.server.store.summaries import load_summaries
 from tests.utils import make_steps, post_batch, register_run
 
 N_LAYERS = 2

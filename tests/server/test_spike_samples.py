@@ -8,7 +8,7 @@ import numpy as np
 from sqlalchemy import func, select
 
 from ampwatch.server.models import SpikeSample
-from ampwatch.server.spike_samples import SIGNALS, load_spike_window
+from ampwatch.server.store.spike_samples import SIGNALS, load_spike_window
 from tests.utils import make_steps, post_batch, register_run
 
 N = 4

@@ -17,7 +17,7 @@ from ampwatch.server.analysis_worker import AnalysisWorker
 from ampwatch.server.app import close_app, create_app
 from ampwatch.server.models import Finding
 from ampwatch.server.settings import Settings
-from ampwatch.server.storage import load_batches
+from ampwatch.server.store.storage import load_batches
 from ampwatch.wire import FINISHED_EVENT, encode_tree
 from tests.server.analysis.factories import scaler_steps
 from tests.utils import post_batch, register_run

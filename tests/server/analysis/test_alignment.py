@@ -7,7 +7,7 @@ import pytest
 from ampwatch.server.analysis.alignment import detect_misaligned_layers
 from ampwatch.server.analysis.context import LayerInfo
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.series import StepSeries
+from ampwatch.server.store.series import StepSeries
 from tests.server.analysis.factories import (
     SETTINGS,
     activations,

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from ampwatch.server.analysis.fp8 import detect_fp8
-from ampwatch.server.fp8_samples import ROLES, STATS, Fp8Window
+from ampwatch.server.store.fp8_samples import ROLES, STATS, Fp8Window
 from tests.server.analysis.factories import SETTINGS, context, fp8_window, linear
 
 E4M3_MAX = 448.0

@@ -8,7 +8,7 @@ import pytest
 from ampwatch.server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
 from ampwatch.server.analysis.speed import detect_speed
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.series import StepSeries
+from ampwatch.server.store.series import StepSeries
 from tests.server.analysis.factories import (
     SETTINGS,
     context,

@@ -13,7 +13,7 @@ import httpx
 import numpy as np
 import pytest
 
-from ampwatch.server.fp8_samples import ROLES, STATS
+from ampwatch.server.store.fp8_samples import ROLES, STATS
 from tests.server.pages.conftest import GROWING_LAYER
 from tests.server.test_fp8_samples import send
 

@@ -20,7 +20,7 @@ from starlette.datastructures import Headers
 from starlette.requests import cookie_parser
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ampwatch.server.middleware import HEALTH_PATH, UNSAFE_METHODS, error_response
+from ampwatch.server.http.middleware import HEALTH_PATH, UNSAFE_METHODS, error_response
 from ampwatch.server.settings import Settings
 
 LOGIN_COOKIE = "ampwatch_token"

@@ -3,7 +3,7 @@ reading a step range back as a `SpikeWindow`, and folding a signal into a layers
 buckets matrix for the layers page's heatmaps.
 
 A row is one float32 block (signals x layers, NaN where a layer was not measured),
-compressed (server/codec.py): most entries are NaN (only attention layers have a logit,
+compressed (server/store/codec.py): most entries are NaN (only attention layers have a logit,
 only the output layer a log-partition), which the codec's delta planes store in a few
 bytes. Sampled, so a 1,000,000-step run holds about 100,000 rows per rank.
 """
@@ -16,11 +16,11 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.codec import decode_column, encode_array
 from ampwatch.server.db import StepPages, dialect_insert
 from ampwatch.server.fields import missing_entries
 from ampwatch.server.models import SpikeSample
 from ampwatch.server.schemas import SpikesIn, StepIn
+from ampwatch.server.store.codec import decode_column, encode_array
 from ampwatch.wire import encode_float
 
 SIGNALS = tuple(SpikesIn.model_fields)  # storage order follows the wire schema

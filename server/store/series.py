@@ -40,7 +40,7 @@ DTYPES: tuple[str, ...] = (
 )
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
 RAW_FORMAT = 1  # a batch row's packed columns as they are (`Batch.format`)
-COMPRESSED_FORMAT = 2  # the same, each compressed (server/codec.py): what is stored
+COMPRESSED_FORMAT = 2  # the same, each compressed (server/store/codec.py): what is stored
 
 
 def guard_code(reason: str) -> int:

@@ -4,7 +4,7 @@ so a 1,000,000-step run holds about 100,000 rows per rank), and the FP8 report, 
 folds the samples into step buckets as it reads them.
 
 A row holds only the columns of the layers the agent measured (the FP8 layers) with
-their indices, compressed (server/codec.py): a sample of 1,000 layers of which 10 cast
+their indices, compressed (server/store/codec.py): a sample of 1,000 layers of which 10 cast
 to FP8 is a few hundred bytes, not the 60 KB of a dense float32 3 x 5 x 1,000 block.
 Rows stored whole by older servers (`layers` NULL) still read."""
 
@@ -16,11 +16,11 @@ import numpy as np
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.codec import decode_column, encode_array
 from ampwatch.server.db import StepPages, dialect_insert
 from ampwatch.server.fields import missing_entries
 from ampwatch.server.models import Fp8Sample, Layer
 from ampwatch.server.schemas import Fp8In, StepIn
+from ampwatch.server.store.codec import decode_column, encode_array
 from ampwatch.wire import FP8_ROLES, FP8_STATS
 
 # the storage layout follows the wire schema's field order (docs/wire-format.md)

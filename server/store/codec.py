@@ -30,7 +30,7 @@ import threading
 import numpy as np
 import zstandard
 
-from ampwatch.server.series import COMPRESSED_FORMAT
+from ampwatch.server.store.series import COMPRESSED_FORMAT
 
 LEVEL = 3  # higher levels gain < 0.5% on these columns at 3x the CPU
 TAG = b"\x01"  # this layout; a zstd frame (the earlier layout) starts with b"\x28"

@@ -18,12 +18,12 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
-from ampwatch.server.codec import ITEMSIZE, decode_column
 from ampwatch.server.errors import InvalidInput
 from ampwatch.server.fields import MISSING_ENTRY, missing_entries
 from ampwatch.server.models import Batch, Layer
 from ampwatch.server.schemas import StepIn
-from ampwatch.server.series import (
+from ampwatch.server.store.codec import ITEMSIZE, decode_column
+from ampwatch.server.store.series import (
     COMPRESSED_FORMAT,
     DTYPE_CODE,
     MISSING,
@@ -158,7 +158,7 @@ def unpack_row(row, n_layers: int, with_layers: bool, with_acts: bool,
     """One stored batch as a StepSeries; with `layers` (indices), per-layer blocks keep
     only those layers' columns, in that order (so reading one layer of a long run copies
     n values, not n x L).
-    Rows of storage format 2 have their columns compressed (server/codec.py). Steps a
+    Rows of storage format 2 have their columns compressed (server/store/codec.py). Steps a
     restart sent again (`superseded_from` on) are left out."""
     if getattr(row, "format", RAW_FORMAT) == COMPRESSED_FORMAT:
         row = _decoded(row, with_layers, with_acts)

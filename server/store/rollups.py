@@ -21,8 +21,8 @@ from sqlalchemy import bindparam, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import RankRollup, RunRank
-from ampwatch.server.series import FIELD_INDEX, MISSING, StepSeries
-from ampwatch.server.storage import load_series
+from ampwatch.server.store.series import FIELD_INDEX, MISSING, StepSeries
+from ampwatch.server.store.storage import load_series
 
 PANEL_STEPS = 200  # recent steps the ranks panel takes its median step time over
 

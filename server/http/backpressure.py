@@ -16,7 +16,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ampwatch.server.analysis_queue import pending_batches
 from ampwatch.server.faults import DATABASE_ERRORS
-from ampwatch.server.middleware import error_response
+from ampwatch.server.http.middleware import error_response
 
 BATCH_POST = re.compile(r"/api/v1/runs/[^/]+/batches")
 

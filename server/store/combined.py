@@ -24,7 +24,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.models import CombinedNorms, CombinedRank, RunRank
 from ampwatch.server.restarts import restart_from
-from ampwatch.server.series import StepSeries
+from ampwatch.server.store.series import StepSeries
 
 BUCKET_STEPS = 1000
 
