@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 
 from ampwatch.server.analysis.draft import Detection, FindingDraft
+from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
 from ampwatch.server.store.spike_samples import SpikeWindow
@@ -52,7 +53,8 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
             big = evidence["factor"] >= 1000 or evidence["factor"] <= 0.001
             severity = "info" if code == "weight_growth" else "critical" if big else "warning"
             drafts.append(FindingDraft(
-                kind="weight_jump", code=code, key=f"weight_jump:{name}", severity=severity,
+                kind=FindingKind.WEIGHT_JUMP, code=code, key=f"{FindingKind.WEIGHT_JUMP}:{name}",
+                severity=severity,
                 message=f"Layer {name!r}: {message}. Fix: {FIX}.", step=first,
                 last_step=int(steps[-1]), layer=name,
                 evidence={**evidence, "cause": CAUSE, "fix": FIX},

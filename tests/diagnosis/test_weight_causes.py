@@ -16,6 +16,7 @@ from torch import nn
 
 from ampwatch import agent
 from tests.conftest import LiveServer
+from tests.utils import WAIT
 
 LAYERS = ("fc1", "fc2", "fc3", "head")
 
@@ -69,7 +70,7 @@ def _train(server: str, steps: int, fault: Callable[[int, nn.Module], None]
 
 
 def _findings(server: str, run_id: str, what: str = "findings") -> list[dict]:
-    answer = httpx.get(f"{server}/api/v1/runs/{run_id}/{what}", params={"limit": 1000},
+    answer = httpx.get(f"{server}/api/v1/runs/{run_id}/{what}", params={"limit": 1000, **WAIT},
                        timeout=30)
     answer.raise_for_status()
     return answer.json()["items"]
