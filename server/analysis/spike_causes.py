@@ -1,10 +1,13 @@
 """The likely cause of one loss spike, from what the sampled spike signals did before it.
 
 Only samples strictly before the spike's first step count (that step's own forward and
-update are the spike, not its warning). A signal "grew" when its latest samples reach
-`spike_growth_factor` times its level at the start of the lookback (the median of the
-earliest third of the samples there, floored so a level near zero cannot make noise
-look like growth). The labels are tried in this order, the first that holds wins:
+update are the spike, not its warning), and none from the run's first `spike_min_history`
+steps (the untrained model's logits and weights grow from their initial scale as it
+learns: a level read there makes healthy learning look like a precursor). A signal
+"grew" when its latest samples reach `spike_growth_factor` times its level at the start
+of the lookback (the median of the earliest third of the samples there, floored so a
+level near zero cannot make noise look like growth). The labels are tried in this
+order, the first that holds wins:
 
 0. lr_change: the recorded learning rate (the first param group's, as the agent records
    it) rose `spike_lr_jump` times or more within the `spike_lr_steps` steps before the
@@ -127,7 +130,11 @@ def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
                 settings: AnalysisSettings) -> Cause:
     """The cause of `spike`, from the samples in its lookback and the per-step loss,
     grad norm and learning rate of `series`."""
-    before = (signals.steps < spike.start) & (
+    # a level read in the run's first steps is the untrained model's: logits and weights
+    # growing from their initial scale is learning, not a precursor (the spike finder waits
+    # as long)
+    warm = int(series.steps[0]) + settings.spike_min_history if len(series.steps) else 0
+    before = (signals.steps < spike.start) & (signals.steps >= warm) & (
         signals.steps >= spike.start - settings.spike_lookback_steps)
     steps, window = signals.steps[before], signals.values[before]
     factor = settings.spike_growth_factor
@@ -144,7 +151,7 @@ def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
         jumped = [g for g in update_jumps if g.factor >= settings.spike_update_jump]
         lr["update_ratio_jumped"] = [len(jumped), len(update_jumps)]
         return Cause("lr_change", precursor_step=lr["lr_step"], evidence={"seen": seen, **lr})
-    weights = _weights_moved(spike, signals, settings)
+    weights = _weights_moved(spike, signals, settings, warm)
     if weights is not None and weights["shape"] == "weight_jump":  # sudden: nothing else is
         return _weight_cause(weights, seen)
     attention = growth(steps, signal("attn_max_logit"), factor, LEVEL_FLOOR["attn_max_logit"])
@@ -201,11 +208,12 @@ def jumps(steps: np.ndarray, values: np.ndarray) -> list[Growth]:
     return out
 
 
-def _weights_moved(spike: Spike, signals: SpikeWindow,
-                   settings: AnalysisSettings) -> dict[str, Any] | None:
+def _weights_moved(spike: Spike, signals: SpikeWindow, settings: AnalysisSettings,
+                   warm: int) -> dict[str, Any] | None:
     """The layer whose weight norm moved first into the spike (weights.py's rules on the
-    samples of the lookback up to the spike's first step), and where it began."""
-    keep = (signals.steps <= spike.start) & (
+    samples of the lookback, from `warm` on, up to the spike's first step), and where it
+    began."""
+    keep = (signals.steps <= spike.start) & (signals.steps >= warm) & (
         signals.steps >= spike.start - settings.spike_lookback_steps)
     norms = signals.signal("weight_norm")[keep]
     found = []

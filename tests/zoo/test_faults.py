@@ -193,9 +193,6 @@ def test_llama_output_logit_growth(server: LiveServer,
     assert _precursor(run, "output_logit_divergence") == ("lm_head", grown)
 
 
-@pytest.mark.xfail(strict=True, reason="needs issue-49 spike labels: on this branch the "
-                   "spike at step 60 is labelled output_logit_divergence (or, in some runs, "
-                   "not found: the loss settles over a few steps after the bad batch)")
 def test_gpt2_bad_batch_is_labelled_a_bad_batch(server: LiveServer,
                                                 tmp_path_factory: pytest.TempPathFactory
                                                 ) -> None:

@@ -237,3 +237,23 @@ def test_the_findings_of_one_spike_are_one_incident() -> None:
     assert incident.cause == "loss_spike" and incident.layer == "fc3"
     assert incident.headline.startswith("Loss spike at step 150")
     assert "z-loss" in incident.fix
+
+
+def test_logits_and_weights_growing_from_their_init_are_learning_not_a_precursor() -> None:
+    """The zoo's GPT-2 bad batch: over the first steps the untrained model's output logits
+    (0.6 -> 10) and embedding norm (11x, rising on every sample) grow as it learns; a
+    level read there is not one a spike at step 60 is measured against."""
+    window = signals(n=90)
+    learnt = np.array([0.6, 2.5, 5.3, 7.3, 9.0, 10.2, 10.5, 10.6, 10.6])
+    window.values[:, SIGNALS.index("logit_absmax"), HEAD] = learnt
+    window.values[:, SIGNALS.index("weight_norm"), 0] = learnt + 0.4
+    loss = losses(n=90, spikes={60: 6.0})
+    grads = np.ones(loss.size)
+    grads[60] = 5.0
+    assert labels(detect(run_series(loss, grads), window))["loss_spike"][:3] == (
+        "bad_batch", None, 60)
+    # the same growth after the warm-up (spike_min_history steps) still names the cause
+    window.values[:, SIGNALS.index("logit_absmax"), HEAD] = 4.0 * 2.0 ** np.r_[0, 0, :7]
+    code, layer, at, evidence = labels(detect(run_series(loss, grads), window))["loss_spike"]
+    assert (code, layer, at, evidence["precursor_step"]) == (
+        "output_logit_divergence", "fc3", 60, 50)
