@@ -24,6 +24,7 @@ def test_bundle_reaches_the_server_and_comes_back(live_server, tmp_path: Path,
     assert attachment.detach(timeout=30)
     with Client(live_server.url) as client:
         (info,) = client.bundles("flight-1")
+        client.wait_for_analysis("flight-1")  # the page's card shows once it is judged
     assert (info.step, info.trigger, info.first_nonfinite_layer) == (8, "forward_nonfinite",
                                                                       "inp")
     assert not list((tmp_path / "spool").rglob("*.ampbundle"))  # delivered, so gone
