@@ -378,7 +378,7 @@ def test_incidents_are_told_when_they_open_escalate_and_resolve(server: LiveServ
             assert post_batch(api, run_id, seq, make_steps(first, count, 4,
                                                            skipped=set(skipped))).is_success
             told.append([(n.change, n.severity, n.status, n.step, n.layer)
-                         for n in watch.poll() if n.layer == "blocks.0.fc"])
+                         for n in watch.poll(wait=30) if n.layer == "blocks.0.fc"])
         assert watch.poll() == []
     sender.close()
     assert told == [[("opened", "info", "open", 20, "blocks.0.fc")],
