@@ -37,8 +37,7 @@ agent in its default configuration and judged by a real server. The truth is the
 own: forward hooks (the first layer whose output held inf/NaN), hooks on each layer's
 output gradient (the first, in backward execution order, that held inf/NaN), its own view
 of every attention call and of the output logits (tests/zoo/attention_truth.py), the
-optimizer's step hook and the scaler's scale. tests/zoo/test_faults.py asserts each row;
-the cells marked **no** are the cases waiting for other work, named in the last column.
+optimizer's step hook and the scaler's scale. tests/zoo/test_faults.py asserts each row.
 A `scale_decline` warning two steps into a streak shows in some runs and not others: the
 server analyses as batches arrive, and a pass that sees the streak before it is 5 long
 reports the decline (the tests accept it: the same cause, told early). CPU fp16 autocast
@@ -97,11 +96,7 @@ def _bundle(fault: Fault, folder: Path) -> str:
             f"{'yes' if report['reproduced'] else '**no**'}; bisect: {named}")
 
 
-WAITING = {faults.GPT2_BACKWARD.name: "layer: **no** (names `lm_head`, tied to `wte`; "
-           "needs issue-45 attribution); bundle and bisect: yes",
-           faults.GPT2_BAD_BATCH.name: "label: **no** (not `bad_batch`; in some runs no "
-                                       "spike is found: the loss settles over a few steps); "
-                                       "issue-49's work"}
+WAITING: dict[str, str] = {}  # fault name -> why its row cannot be right yet (none today)
 
 
 def main() -> None:
