@@ -58,7 +58,8 @@ def _cell(findings: list[dict]) -> str:
     cells = []
     for (kind, code, step, severity, label), layers in groups.items():
         where = ", ".join(layers) if len(layers) <= 3 else f"{len(layers)} layers"
-        cells.append(f"{kind}{'/' + code if code else ''} ({where}, step {step}, {severity}"
+        named = f"{kind}/{code}" if code and code != kind else kind
+        cells.append(f"{named} ({where}, step {step}, {severity}"
                      + (f", label {label})" if label else ")"))
     return "; ".join(cells)
 
