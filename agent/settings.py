@@ -47,6 +47,9 @@ class AgentSettings:
     # "flagged": layer outputs are searched only on a step whose loss is inf/NaN (by
     # replaying its forward); "every_step": every output checked on every step (the old cost)
     check_outputs: str = "flagged"
+    # the accelerator path (device reductions, no host reads) on CPU tensors too, so its
+    # logic runs and is tested without a GPU (AMPWATCH_DEVICE_PATH=1)
+    device_path: bool = False
     rank: int = 0
     world_size: int = 1
 
@@ -67,6 +70,8 @@ class AgentSettings:
             values["flush_interval_s"] = float(env["AMPWATCH_FLUSH_INTERVAL"])
         if env.get("AMPWATCH_CHECK_OUTPUTS"):
             values["check_outputs"] = env["AMPWATCH_CHECK_OUTPUTS"]
+        if env.get("AMPWATCH_DEVICE_PATH"):
+            values["device_path"] = env["AMPWATCH_DEVICE_PATH"] not in ("0", "")
         if env.get("AMPWATCH_EXIT_TIMEOUT"):
             values["exit_timeout_s"] = float(env["AMPWATCH_EXIT_TIMEOUT"])
         values.update({k: v for k, v in overrides.items() if v is not None})

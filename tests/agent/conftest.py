@@ -11,7 +11,6 @@ import pytest
 import torch
 
 from ampwatch import agent
-from ampwatch.agent.loop_watch import LoopWatch
 from tests.conftest import agent_errors_fail
 
 
@@ -32,7 +31,7 @@ def reduction(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -
     """Run a test both ways statistics are reduced: on the worker from host tensors (what
     the CPU does) and on the device into the step buffer (what CUDA does), here on CPU."""
     if request.param == "device":
-        monkeypatch.setattr(LoopWatch, "HOST_REDUCE_DEVICES", ())
+        monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     return request.param
 
 

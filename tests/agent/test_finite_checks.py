@@ -152,3 +152,28 @@ def test_flagged_steps_are_searched_and_healthy_ones_read_no_output(
         (truth[i] is not None) if loss_bad[i] else None for i in range(1, 9)]
     assert steps[0]["forward_nonfinite"] is False  # step 0 is sampled: every output read
     assert not any(checks.get(i) for i in (1, 4, 7, 8))  # finite losses: nothing read
+
+
+def test_the_device_path_forced_on_the_cpu_checks_every_output(
+        attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """AMPWATCH_DEVICE_PATH=1: the accelerator path (one aminmax per layer output every
+    step, reduced on the device) on CPU tensors. It names the first offender on every step,
+    the one whose overflow the ReLU absorbs (step 4, finite loss) included."""
+    monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
+    model = chain_model()
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    clean = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    truth: dict[int, int | None] = {}
+    for i, (x, y) in enumerate(batches(9)):
+        poison(model, i)
+        truth[i] = first_bad_child(model, x)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.zero_grad()
+        optimizer.step()
+        model.load_state_dict(clean)
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert truth[4] is not None
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == truth
+    assert [s["forward_nonfinite"] for s in steps] == [truth[i] is not None for i in range(9)]

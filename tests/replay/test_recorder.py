@@ -10,7 +10,6 @@ from pathlib import Path
 
 import torch
 
-from ampwatch.agent.loop_watch import LoopWatch
 from ampwatch.replay import load
 from ampwatch.replay.cli import replay_report
 from tests.agent.factories import spooled_steps
@@ -76,7 +75,7 @@ def test_an_applied_step_judged_late_is_marked_approximate(
         attach, offline: Path, monkeypatch) -> None:
     """As on an accelerator: no value is read on the training thread, so a bf16 step
     (no scaler) has updated the weights before the worker's verdict arrives."""
-    monkeypatch.setattr(LoopWatch, "HOST_REDUCE_DEVICES", ())
+    monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     fault = FAULTS[8]
     _, attachment = train(fault, attach)
     assert attachment.detach(timeout=10)
