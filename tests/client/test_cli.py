@@ -64,6 +64,9 @@ def test_show_summarises_a_run_with_its_incidents(ampwatch, server) -> None:
     assert f"Open problems ({len(problems)}):" in result.out
     assert "blocks.0.fc" in result.out and "from step 200" in result.out
     assert "steps skipped in a row" in result.out  # the incident's timeline
+    # the API's headline is the CLI's words, as it is the card's title (card_title)
+    assert all(i.headline in result.out for i in incidents if i.headline)
+    assert any(i.headline for i in incidents)
 
 
 def test_show_json(ampwatch, server) -> None:
