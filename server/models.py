@@ -108,6 +108,8 @@ class RunRank(Base):
     loss_scale: Mapped[float | None] = mapped_column(Float)
     dropped_batches: Mapped[int] = mapped_column(Integer, default=0)
     dropped_steps: Mapped[int] = mapped_column(Integer, default=0)
+    # the last step the rank's training loop said it closed (its agent's heartbeat)
+    reached_step: Mapped[int | None] = mapped_column(BigInteger)
     last_seen_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
     # when the rank's agent detached (its "finished" event); None while it trains
     finished_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))

@@ -147,6 +147,9 @@ class RankPublic(BaseModel):
     dropped_batches: int
     dropped_steps: int
     missing_steps: int
+    # the last step its training loop said it closed (the agent's heartbeat between
+    # batches; None: none came); above last_step: steps that had not arrived (yet)
+    reached_step: int | None = None
     last_seen_at: datetime | None
     finished_at: datetime | None = None  # when its agent detached
 
@@ -178,6 +181,7 @@ class RunPublic(BaseModel):
     dropped_batches: int
     dropped_steps: int
     missing_steps: int
+    reached_step: int | None = None  # the highest of its ranks' (RankPublic.reached_step)
     created_at: datetime
     updated_at: datetime
     last_seen_at: datetime | None
@@ -292,6 +296,12 @@ class BatchIn(Strict):
                     f"follows {before.step}"
                 )
         return self
+
+
+class ReachedIn(Strict):
+    """The agent's heartbeat between batches: the last step its training loop closed."""
+
+    reached_step: integer(0, MAX_STEP)
 
 
 class BatchAck(BaseModel):

@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 
 from ampwatch.agent import guard
@@ -59,6 +60,12 @@ class Delivery:
         self._leftovers_at = 0.0
         self._auth_reported = False
         self.delivered_batches = 0
+        # the last step the loop closed (the worker sets it); sent between batches, at
+        # most every heartbeat_s, so a kill's lost steps are told (wire/batch.py)
+        self.reached_step: Callable[[], int] = lambda: -1
+        self.heartbeat_s = max(0.1, settings.flush_interval_s / 4)
+        self._reached_sent = -1
+        self._heartbeat_at = 0.0
 
     # ------------------------------------------------------------------ any thread
     def start(self) -> None:
@@ -101,7 +108,8 @@ class Delivery:
                     request.done.set()
             else:
                 guard.guarded("sender.deliver")(self._deliver)(None, False)
-            wait = self.IDLE_S if self._retry_at <= time.monotonic() else min(
+            idle = min(self.IDLE_S, self.heartbeat_s)
+            wait = idle if self._retry_at <= time.monotonic() else min(
                 self.IDLE_S * 4, self._retry_at - time.monotonic())
             self._wake.wait(max(0.01, wait))
             self._wake.clear()
@@ -173,10 +181,23 @@ class Delivery:
         if not self._deliver_spool(self.spool, deadline):
             return False
         self._deliver_bundles()
+        self._heartbeat()
         if not force and time.monotonic() >= self._leftovers_at:
             self._leftovers_at = time.monotonic() + self.LEFTOVER_EVERY_S
             self._replay_leftovers(deadline)
         return True
+
+    def _heartbeat(self) -> None:
+        """With the spool sent, tell the server the step the loop reached since, at most
+        every heartbeat_s (one small POST, off the training thread)."""
+        step = self.reached_step()
+        if step <= self._reached_sent or time.monotonic() < self._heartbeat_at:
+            return
+        self._heartbeat_at = time.monotonic() + self.heartbeat_s
+        reply = self.sender.post_reached(self.settings.run_id, self.settings.rank, step,
+                                         self.heartbeat_s)
+        if reply.outcome is Outcome.OK:
+            self._reached_sent = step
 
     def _deliver_bundles(self) -> None:
         """Upload the flight recorder's bundles (agent/bundle.py) once the batches before

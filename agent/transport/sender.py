@@ -115,6 +115,12 @@ class Sender:
         """POST a batch: a dict, or its JSON already encoded (bytes)."""
         return self._send("POST", f"/api/v1/runs/{run_id}/batches", batch, limit, compress=True)
 
+    def post_reached(self, run_id: str, rank: int, step: int, limit: float | None = None
+                     ) -> Response:
+        """POST the heartbeat: the last step the training loop closed."""
+        return self._send("POST", f"/api/v1/runs/{run_id}/ranks/{rank}/reached",
+                          {"reached_step": step}, limit, compress=False)
+
     def get_json(self, url: str, limit: float | None = None) -> Response:
         """GET a JSON resource of the API (the mirror reads its run's incidents)."""
         try:

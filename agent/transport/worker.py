@@ -83,6 +83,9 @@ class Worker:
         self.delivery: Delivery | None = None
         self._steps: list[str] = []  # step records of the next batch, JSON-encoded
         self._last_step = -1
+        # the last closed step the training thread handed over (its own numbering): the
+        # loop had reached it, whether or not its record is ever decoded and sent
+        self._reached_step = -1
         self._progress = -1  # the last step noted in the spool's progress file
         self._run_text = ""  # run_body as JSON, and sorted (the key the sender compares)
         self._run_key = ""
@@ -106,6 +109,9 @@ class Worker:
         if len(self._items) >= self.MAX_QUEUE:
             return False
         self._items.append(item)  # atomic under the GIL
+        step = getattr(item, "step", None)  # a StepItem: the loop closed this step
+        if step is not None:
+            self._reached_step = step
         return True
 
     def start(self, run_body: dict[str, Any], decode: Callable[[StepItem], dict | None],
@@ -162,6 +168,12 @@ class Worker:
         if self.spool is not None:
             self.spool.close()
 
+    def reached_step(self) -> int:
+        """The last step the training loop closed, in the run's numbering (-1: none)."""
+        if self._reached_step < 0:
+            return -1
+        return self._reached_step + (0 if self.explicit_steps else self.step_offset)
+
     # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
         guard.guarded("worker.open")(self._open)()
@@ -191,6 +203,7 @@ class Worker:
         last_step = self.spool.last_step
         if not s.offline:
             self.delivery = Delivery(s, self.spool, Sender(s.server, s.token))
+            self.delivery.reached_step = self.reached_step
             if not s.run_id_generated:
                 # a resumed run (same run id) continues its step numbers instead of
                 # overwriting its first steps: after what this spool or the server holds.

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Depends, Path, Request
 
 from ampwatch.server.api.bodies import json_body_schema, parsed_off_the_loop
 from ampwatch.server.api.error_responses import CONFLICT, NOT_FOUND, WRITE
 from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.deps import SessionDep, SettingsDep
-from ampwatch.server.ingest import ingest_batch
-from ampwatch.server.schemas import BatchAck, BatchIn
+from ampwatch.server.ingest import ingest_batch, note_reached_step
+from ampwatch.server.schemas import BatchAck, BatchIn, ReachedIn
 
 router = APIRouter(prefix="/runs", tags=["ingest"])
 
@@ -34,3 +34,12 @@ def post_batch(run_id: RunIdPath, batch: Annotated[BatchIn, Depends(parsed_off_t
                        hand_over=None if worker is None else worker.windows.offer)
     metrics.batch_acknowledged(ack)
     return ack
+
+
+@router.post("/{run_id}/ranks/{rank}/reached", operation_id="send_reached_step",
+             status_code=204, responses=WRITE | NOT_FOUND)
+def post_reached_step(run_id: RunIdPath, rank: Annotated[int, Path(ge=0, le=1_000_000)],
+                      body: ReachedIn, session: SessionDep) -> None:
+    """The last step a rank's training loop closed, sent between batches: after a kill,
+    the steps past the last stored one are told as lost (never stored as steps)."""
+    note_reached_step(session, run_id, rank, body.reached_step)

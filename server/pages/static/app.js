@@ -76,7 +76,10 @@
         : Plotly.newPlot(el, fig.data, fig.layout, PLOT_CONFIG);
       drawn.then(function () {
         hoverValues(el);
-        if (update) {
+        el.rawY = (el._fullData || []).map(function (trace) {
+          return trace.y ? Array.prototype.slice.call(trace.y) : null;
+        });
+        if (update || el.id !== "fig-loss") {
           applyTools(el);  // a live update redraws the server's smoothing: keep the user's
         }
       });
@@ -141,8 +144,9 @@
     }
   }
 
-  // The loss chart's tools: a smoothing slider (the debiased EMA of figures.smooth) over
-  // each "loss-raw" trace into the "loss-smooth" trace after it, and a log-axis toggle.
+  // A chart's tools: a smoothing slider (the debiased EMA of figures.smooth) over each
+  // "loss-raw" trace into the "loss-smooth" trace after it, or, on charts without that
+  // pair (grad norm, step phases), over each line's own values; and a log-axis toggle.
   function ema(values, weight) {
     var last = 0;
     var debias = 0;
@@ -168,6 +172,16 @@
         indices.push(trace.index);
       }
     });
+    if (!el._fullData.some(function (trace) { return trace.meta === "loss-smooth"; })) {
+      // other charts smooth their own lines, always from the values the server sent
+      el._fullData.forEach(function (trace, i) {
+        if (trace.type === "scatter" && trace.mode && trace.mode.indexOf("lines") >= 0 &&
+            el.rawY && el.rawY[i]) {
+          ys.push(weight > 0 ? ema(el.rawY[i], weight) : el.rawY[i].slice());
+          indices.push(i);
+        }
+      });
+    }
     if (indices.length) {
       Plotly.restyle(el, { y: ys }, indices);
     }
@@ -183,8 +197,25 @@
       if (!el) {
         return;
       }
+      var smoothing = tools.querySelector(".smoothing");
+      var log = tools.querySelector(".log-axis");
+      var query = new URLSearchParams(pageQuery);
+      var name = el.id.replace(/^fig-/, "");
+      if (query.has("smooth_" + name)) {
+        smoothing.value = query.get("smooth_" + name);
+      }
+      if (query.has("log_" + name)) {
+        log.checked = query.get("log_" + name) === "1";
+      }
       tools.querySelectorAll("input").forEach(function (input) {
         input.addEventListener("input", function () {
+          // the choice goes in the address, like the zoom
+          var kept = new URLSearchParams(window.location.search);
+          kept.set("smooth_" + name, smoothing.value);
+          kept.set("log_" + name, log.checked ? "1" : "0");
+          pageQuery = "?" + kept.toString();
+          window.history.replaceState(null, "", window.location.pathname + pageQuery +
+            window.location.hash);
           applyTools(el);
         });
       });

@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,16 +25,19 @@ from tests.server.pages.training import Net, Trainer
 pytestmark = pytest.mark.browser
 LIVE_SECONDS = 3
 ROOT = Path(__file__).resolve().parents[3]
-# a child that trains until killed, saying after each delivered send which step it reached
+# a child that trains until killed, appending each step it ran to a file (the truth of how
+# far it got) and saying after each delivered send which step it reached
 KILLED_CHILD = """
 import sys
 from tests.server.pages.training import Net, Trainer
 trainer = Trainer(sys.argv[1], "killed-run", "killed run", Net(seed=6, norm=False))
+ran = open(sys.argv[2], "a", buffering=1)
 step = 0
 while True:
-    trainer.train(5)
-    step += 5
-    if step % 20 == 0:
+    trainer.train(1)
+    ran.write(f"{step}\\n")
+    step += 1
+    if step in (20, 40):  # the test reads two delivered sends; then batches by time
         trainer.flush()
         print(step - 1, flush=True)
 """
@@ -105,17 +109,32 @@ def test_a_page_opened_before_the_first_batch_follows_the_run_through_a_pause(
 
 
 def test_a_killed_training_process_is_told_apart_from_a_finished_run(
-        quick_browser, quick_server):
+        quick_browser, quick_server, tmp_path):
     browser = quick_browser
-    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, quick_server.url],
+    ran = tmp_path / "ran.txt"
+    child = subprocess.Popen([sys.executable, "-c", KILLED_CHILD, quick_server.url, str(ran)],
                              cwd=ROOT, stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "PYTHONPATH": str(ROOT)})
+                             env={**os.environ, "PYTHONPATH": str(ROOT),
+                                  "AMPWATCH_SPOOL_DIR": str(tmp_path / "spool")})
     try:
         delivered = int(child.stdout.readline())  # a send the child saw delivered
         browser.goto("/runs/killed-run")
         browser.wait_for_plots("grad_norm")
         expect(browser.page.locator(".run-title .live")).to_have_count(1)
         delivered = max(delivered, int(child.stdout.readline()))
+        # freeze the child while the server has heard of steps it has not stored (the
+        # agent's heartbeat runs ahead of its batches), then kill it there
+        for _ in range(200):
+            seen = api_run(quick_server, "killed-run")
+            if (seen["reached_step"] or -1) <= seen["last_step"]:
+                time.sleep(0.02)
+                continue
+            child.send_signal(signal.SIGSTOP)
+            time.sleep(0.3)  # a request under way when it froze can no longer complete
+            frozen = api_run(quick_server, "killed-run")
+            if frozen["reached_step"] > frozen["last_step"]:
+                break
+            child.send_signal(signal.SIGCONT)
     finally:
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=10)
@@ -123,12 +142,24 @@ def test_a_killed_training_process_is_told_apart_from_a_finished_run(
     run = api_run(quick_server, "killed-run")
     assert not run["finished"]
     assert run["last_step"] >= delivered
+    # truth: the steps the child ran, from its own file; the server stored steps 0..N
+    # and heard of M: every step of N+1..M ran, and none of them arrived
+    steps_run = [int(line) for line in ran.read_text().split()]
+    assert steps_run == list(range(len(steps_run)))
+    stored, reached = run["last_step"], run["reached_step"]
+    assert run["steps"] == stored + 1 and stored < reached <= steps_run[-1] + 1
+    assert (run["steps"], run["reached_step"]) == (frozen["steps"], frozen["reached_step"])
 
     status = browser.page.locator(".run-title .stopped")
     expect(status).to_have_text("stopped reporting", timeout=20_000)
     assert browser.page.locator(".run-title .finished").count() == 0
     notice = browser.page.locator("#stopped-reporting").inner_text()
     assert f"at step {run['last_step']:,}" in notice and "killed" in notice
+    lost = reached - stored
+    assert browser.page.locator("#steps-in-memory").inner_text() == (
+        f"Last step stored {stored:,}; the process had reached step {reached:,}: "
+        f"{lost:,} step{'' if lost == 1 else 's'} ({stored + 1:,}\u2013{reached:,}) were in "
+        "its memory or spool and never arrived.")
     assert browser.page.locator("#stat-last-step").inner_text() == f"{run['last_step']:,}"
     browser.shoot("killed-run")
 
