@@ -86,6 +86,8 @@ class RankTotals(Model):
     dropped_batches: int = 0
     dropped_steps: int = 0
     missing_steps: int = 0
+    # the last step its training loop said it closed (heartbeat); above last_step: lost
+    reached_step: int | None = None
     last_seen_at: datetime | None = None
     finished_at: datetime | None = None  # when its agent detached
 
@@ -121,6 +123,7 @@ class Run(Model):
     dropped_batches: int = 0
     dropped_steps: int = 0
     missing_steps: int = 0
+    reached_step: int | None = None  # the highest of its ranks'
     last_seen_at: datetime | None = None
     archived_at: datetime | None = None  # per-step data dropped, summaries kept
     n_ranks: int = 0  # every rank that sent anything (`ranks` lists them all here)

@@ -181,7 +181,8 @@ class Delivery:
         if not self._deliver_spool(self.spool, deadline):
             return False
         self._deliver_bundles()
-        self._heartbeat()
+        if not force:  # a flush wants the batches out, not the heartbeat
+            self._heartbeat()
         if not force and time.monotonic() >= self._leftovers_at:
             self._leftovers_at = time.monotonic() + self.LEFTOVER_EVERY_S
             self._replay_leftovers(deadline)
@@ -198,6 +199,9 @@ class Delivery:
                                          self.heartbeat_s)
         if reply.outcome is Outcome.OK:
             self._reached_sent = step
+        else:  # a server behind or away: the heartbeat must not take its write slot again soon
+            self._heartbeat_at = time.monotonic() + max(self.heartbeat_s * 10,
+                                                        reply.retry_after or 0.0)
 
     def _deliver_bundles(self) -> None:
         """Upload the flight recorder's bundles (agent/bundle.py) once the batches before
