@@ -91,7 +91,7 @@ class LoopWatch:
         self.device = first.device if first is not None else torch.device("cpu")
         self.device_type = self.device.type
         self.host_reduce = (self.device_type in self.HOST_REDUCE_DEVICES
-                            and not getattr(settings, "device_path", False))
+                            and not settings.device_path)
         self.rank, self.world_size = settings.rank, settings.world_size
         self.parallelism = distributed.parallelism(model, self.params)
         self.grad_layout = distributed.grad_layout(self.parallelism, self.world_size)
