@@ -44,23 +44,36 @@ def _last_step(members: list[Any]) -> int:
                     else _get(f, "step")) is not None), default=-1)
 
 
+def _moved_from(members: list[Any]) -> int | None:
+    """The first step the weights of a weight-jump group can explain: the step after the
+    sample before a jump, or where a growth began rising; None without either."""
+    for finding in members:
+        evidence = _get(finding, "evidence") or {}
+        if _get(finding, "kind") != "weight_jump":
+            continue
+        if _code(finding) == "weight_jump" and evidence.get("before_step") is not None:
+            return evidence["before_step"] + 1
+        if _code(finding) == "weight_growth" and evidence.get("growth_step") is not None:
+            return evidence["growth_step"]
+    return None
+
+
 def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, int]) -> None:
     """Move what followed a layer's weight jump into its incident: on its rank, groups
     whose kinds all declare they may follow a weight jump (kinds.py) and, when grouped by
     a cause, of one it can set off (an overflow, gradient overflow, divergence, non-finite
     loss or loss spike, not a bad input), begun after the sample before the jump while
-    the weights stayed moved (a growth, info, absorbs nothing), in that layer or one after
-    it in forward order (or with no layer). The larger weights explain them."""
+    the weights stayed moved (or since a growth began rising: a growth alone is info, but
+    the top card must name the layer where the growth starts, not the first one downstream
+    to cross a line), in that layer or one after it in forward order (or with no layer).
+    The larger weights explain them."""
     jumps = [key for key in groups if key[0] != "finding" and key[2] == WEIGHT_CAUSE]
     for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
         if key not in groups:
             continue
-        weights = [f for f in groups[key] if _get(f, "kind") == "weight_jump"
-                   and _code(f) == "weight_jump"]  # a growth may be harmless: its own
-        evidence = (_get(weights[0], "evidence") or {}) if weights else {}
-        if evidence.get("before_step") is None:
+        begun = _moved_from(groups[key])
+        if begun is None:
             continue
-        begun = evidence["before_step"] + 1
         end, position = _last_step(groups[key]), order.get(key[3])
         for other in [k for k in groups if k != key]:
             members = groups[other]

@@ -34,6 +34,10 @@ CAUSE = "weight_jump"
 FIX = ("find what changed this layer's weights at that step (a loop or a load that "
        "rescales them, or one update: clip it or lower the learning rate); precision is "
        "not the cause, and the layers after it overflow only because of it")
+GROWTH_FIX = ("find what grows this layer's weights on every step (a loop that rescales "
+              "them, or updates that compound: lower the learning rate, add weight decay or "
+              "clip); precision is not the cause, and the layers after it overflow only "
+              "because of it")
 MIN_SAMPLES = 3
 
 
@@ -52,12 +56,13 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
             name = window.run.layer_name(int(layer))
             big = evidence["factor"] >= 1000 or evidence["factor"] <= 0.001
             severity = "info" if code == "weight_growth" else "critical" if big else "warning"
+            fix = GROWTH_FIX if code == "weight_growth" else FIX
             drafts.append(FindingDraft(
                 kind=FindingKind.WEIGHT_JUMP, code=code, key=f"{FindingKind.WEIGHT_JUMP}:{name}",
                 severity=severity,
-                message=f"Layer {name!r}: {message}. Fix: {FIX}.", step=first,
+                message=f"Layer {name!r}: {message}. Fix: {fix}.", step=first,
                 last_step=int(steps[-1]), layer=name,
-                evidence={**evidence, "cause": CAUSE, "fix": FIX},
+                evidence={**evidence, "cause": CAUSE, "fix": fix},
                 occurrences=steps[steps >= first], active=active))
     return Detection(drafts=drafts, covers=("weight_jump:",))
 

@@ -121,13 +121,29 @@ def test_weights_rescaled_by_the_loop_are_named_on_their_layer(server: LiveServe
 
 
 def test_a_growing_layer_is_named_where_the_growth_starts(server: LiveServer) -> None:
-    run_id, norms, outputs = _train(server.url, 80, _grow_fc2)
+    run_id, norms, outputs = _train(server.url, 220, _grow_fc2)
     # the truth: fc2's weights and output grow ~5% a step from step 0; the others barely
     assert norms[70]["fc2"] > 20 * norms[0]["fc2"]
     assert all(norms[70][name] < 1.5 * norms[0][name] for name in ("fc1", "fc3", "head"))
     assert outputs[70]["fc2"] > 20 * outputs[0]["fc2"]
+    # ... until what follows fc2 breaks: head's gradients overflow fp16 long before fc2's
+    # own output nears fp16's maximum
+    assert max(o["fc2"] for o in outputs[:150]) < 65504 / 2
     items = _findings(server.url, run_id)
     named = [(f["layer"], f["code"], f["step"], f["severity"]) for f in items
              if f["kind"] == "weight_jump"]
-    # where the growth starts, as evidence (info: a growth alone may be harmless)
+    # where the growth starts (info on its own: a growth alone may be harmless)
     assert named == [("fc2", "weight_growth", 0, "info")]
+    downstream = [f for f in items if f["severity"] != "info"]
+    assert downstream and all(f["layer"] in (None, "fc2", "fc3", "head") for f in downstream)
+    # one story, told from where it starts: what broke downstream is fc2's growth's
+    # incident, so the top card names fc2 and says the precision is not the cause
+    incidents = [i for i in _findings(server.url, run_id, "incidents")
+                 if i["severity"] != "info"]
+    assert len(incidents) == 1, [(i["cause"], i["layer"], i["findings"]) for i in incidents]
+    (incident,) = incidents
+    assert (incident["cause"], incident["layer"], incident["step"]) == ("weight_jump", "fc2", 0)
+    assert incident["headline"] == "Layer 'fc2''s weights grew from step 0"
+    assert {f["id"] for f in downstream} <= set(incident["findings"])
+    assert "precision is not the cause" in incident["fix"]
+    assert "fp32" not in incident["fix"] and "bf16" not in incident["fix"]
