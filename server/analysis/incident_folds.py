@@ -58,6 +58,13 @@ def _moved_from(members: list[Any]) -> int | None:
     return None
 
 
+def _of_gradients(members: list[Any]) -> bool:
+    """Whether every finding of a group is about a gradient tensor (an FP8 cast's `grad`):
+    gradients flow backward, so a layer before the moved weights gets their larger
+    gradients too."""
+    return all((_get(f, "evidence") or {}).get("tensor") == "grad" for f in members)
+
+
 def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, int]) -> None:
     """Move what followed a layer's weight jump into its incident: on its rank, groups
     whose kinds all declare they may follow a weight jump (kinds.py) and, when grouped by
@@ -65,8 +72,8 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
     loss or loss spike, not a bad input), begun after the sample before the jump while
     the weights stayed moved (or since a growth began rising: a growth alone is info, but
     the top card must name the layer where the growth starts, not the first one downstream
-    to cross a line), in that layer or one after it in forward order (or with no layer).
-    The larger weights explain them."""
+    to cross a line), in that layer or one after it in forward order (or with no layer; or
+    before it, for a gradient's FP8 cast). The larger weights explain them."""
     jumps = [key for key in groups if key[0] != "finding" and key[2] == WEIGHT_CAUSE]
     for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
         if key not in groups:
@@ -85,7 +92,8 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
             layer = other[3] if other[0] != "finding" else _get(lead, "layer")
             at = order.get(layer) if layer not in (None, "-") else None
             downstream = (layer in (None, "-", key[3]) or layer.startswith("step ")
-                          or (position is not None and at is not None and at >= position))
+                          or (position is not None and at is not None and at >= position)
+                          or _of_gradients(members))
             first = _first_step(members)
             if follows and downstream and first is not None and begun <= first <= end:
                 groups[key] += groups.pop(other)

@@ -102,10 +102,12 @@ class Truth:
 
 
 def train(server: Any, recipe: str, *, outlier_from: int | None,
-          device: torch.device | None = None) -> tuple[str, Truth]:
+          device: torch.device | None = None, weight_outlier_at: int | None = None
+          ) -> tuple[str, Truth]:
     """Train `STEPS` steps with the agent sending to `server` (anything with a `.url`):
-    emulated FP8 in float32 on the CPU, real FP8 in bf16 on CUDA. Returns the run id and
-    the truth."""
+    emulated FP8 in float32 on the CPU, real FP8 in bf16 on CUDA. `outlier_from`: an input
+    element of 1e6 from that step on; `weight_outlier_at`: one of fc2's weights set to 1e4
+    as that step begins. Returns the run id and the truth."""
     device = device or torch.device("cpu")
     real = device.type == "cuda"
     model = Net(recipe, emulate=not real).to(device, torch.bfloat16 if real else torch.float32)
@@ -117,6 +119,9 @@ def train(server: Any, recipe: str, *, outlier_from: int | None,
     with agent.attach(model, run=run, server=server.url, sample_every=SAMPLE_EVERY) as watch:
         for step in range(STEPS):
             truth.step = step
+            if step == weight_outlier_at:
+                with torch.no_grad():
+                    model.fc2.weight[0, 0] = 1e4  # sets the tensorwise scale of fc2's weight
             x, y = torch.randn(ROWS, 64, generator=gen), torch.randn(ROWS, 16, generator=gen)
             x, y = x.to(device, dtype), y.to(device, dtype)
             if outlier_from is not None and step >= outlier_from:

@@ -17,6 +17,7 @@ from torch import nn
 from ampwatch.agent.fp8 import CastSpec, cast_stats
 from tests.agent.factories import spooled, spooled_steps
 from tests.conftest import LiveServer
+from tests.utils import WAIT
 
 float8 = pytest.importorskip("torchao.float8", reason="torchao (ampwatch[fp8]) is not installed")
 from tests.agent.fp8_scenario import (  # noqa: E402
@@ -105,6 +106,28 @@ def test_rowwise_scaling_contains_the_outlier_to_its_row(server):
     # only the outlier's own row flushes: at most 1/ROWS of the elements
     fc1 = shares[(FAULT_STEP, "fc1", "input")]
     assert 0 < fc1 <= 1 / ROWS
+
+
+def test_one_outlier_weight_is_one_incident_named_on_its_layer(server):
+    """One of fc2's weights set to 1e4: its own cast flushes, and what it feeds (fc3's
+    input) and what flows back from it (fc1's gradient) flush too; one card, the cause's."""
+    run, truth = train(server, "tensorwise", outlier_from=None, weight_outlier_at=FAULT_STEP)
+    flushed = {(layer, role) for (step, layer, role), seen in truth.seen.items()
+               if step == FAULT_STEP and seen["underflow"] > THRESHOLD}
+    assert {("fc2", "weight"), ("fc3", "input"), ("fc1", "grad")} <= flushed
+    assert all(seen["underflow"] < THRESHOLD for (step, _, _), seen in truth.seen.items()
+               if step < FAULT_STEP)
+    severe = severe_findings(server, run)
+    assert {(layer, role) for kind, layer, step, role in severe
+            if kind == "fp8_underflow" and step == FAULT_STEP} == flushed
+    assert ("weight_jump", "fc2", FAULT_STEP, None) in severe
+    incidents = [i for i in httpx.get(f"{server.url}/api/v1/runs/{run}/incidents",
+                                      params=WAIT, timeout=60).json()["items"]
+                 if i["severity"] != "info"]
+    assert [(i["cause"], i["layer"], i["step"], i["severity"]) for i in incidents] == [
+        ("weight_jump", "fc2", FAULT_STEP, "critical")]
+    assert incidents[0]["headline"] == f"Layer 'fc2''s weights jumped at step {FAULT_STEP}"
+    assert len(incidents[0]["findings"]) == len(severe)
 
 
 def test_healthy_fp8_runs_raise_no_finding(server):
