@@ -158,8 +158,11 @@ class ActivationCollector(Collector):
                                for layer in session.layers]
         self._layer_modules = [(layer.index, layer.module) for layer in session.layers]
         # not over several ranks: replaying one rank's forward alone could enter a collective
-        # (DDP's buffer broadcast, FSDP's all-gather) the other ranks never join
-        self._flagged = (session.host_reduce and session.parallelism is None
+        # (DDP's buffer broadcast, FSDP's all-gather) the other ranks never join. On an
+        # accelerator the flag is a GradScaler's skip (a host fact once its step() has run),
+        # so without a scaler every output is still checked there
+        self._flagged = (session.parallelism is None
+                         and (session.host_reduce or session.scaler_enabled)
                          and getattr(session.settings, "check_outputs", "flagged") == "flagged")
         # flagged: the post hooks too exist on sampled steps only (a healthy step runs none)
         self._post_hooks = SampledHooks(self._register_post_hooks)
@@ -192,25 +195,48 @@ class ActivationCollector(Collector):
         self._pre_hooks.ensure()
         self._post_hooks.ensure()
         if self._search and training:
-            self._held.append(hold(args, kwargs))
+            self._held.append(hold(args, kwargs, self.session.device_type))
 
     def on_backward_begin(self, loss: torch.Tensor | None) -> None:
-        held, self._held = self._held, []
-        if held and loss_is_bad(loss):
-            self._searched = True
-            module = self.session.inner  # a compiled model's eager module
-            for forward in held:
-                call = first_bad_output(module, forward, self._layer_modules)
-                if call is not None:
-                    self._calls.append(call)
-                    break
+        # the CPU's flag: the loss, a host value (an accelerator's would need a sync)
+        if self.session.host_reduce:
+            held, self._held = self._held, []
+            if held and loss_is_bad(loss):
+                self._search_held(held)
+
+    def _search_held(self, held: list[HeldForward]) -> None:
+        """Replay the step's held forwards, in order, up to the first with a bad output."""
+        self._searched = True
+        module = self.session.inner  # a compiled model's eager module
+        for forward in held:
+            call = first_bad_output(module, forward, self._layer_modules)
+            if call is not None:
+                self._calls.append(call)
+                break
 
     def on_forward_end(self, training: bool, output: Any) -> None:
         self._host.end_forward()
 
     def on_step_end(self, step: int, stepped: bool) -> None:
+        # an accelerator's flag: the GradScaler skipped the step (it read found_inf itself),
+        # so the weights are still those the held forwards ran with. A fused optimizer
+        # takes found_inf on the device and always "steps": no host fact, so its outputs
+        # are checked every step from here on
+        held, self._held = self._held, []
+        if held and not self.session.host_reduce:
+            if getattr(self.session.optimizer, "_step_supports_amp_scaling", False):
+                self._unflag()
+            elif not stepped:
+                self._search_held(held)
         if not stepped:
             self.session.note_anomaly(step)
+
+    def _unflag(self) -> None:
+        """Check every output on every step (the flag cannot be read without a sync)."""
+        self._flagged = self._search = False
+        self._post_hooks.remove()
+        if not self._hooks:
+            self._hooks = self._register_post_hooks()
 
     def _register_pre_hooks(self) -> list[Any]:
         return [module.register_forward_pre_hook(pre) for module, pre in self._pre_by_layer]
@@ -283,7 +309,7 @@ class ActivationCollector(Collector):
         host = self._host
         host.end_forward()
         sealed = (self.sampling, self._calls, dict(self._tokens) if self._tokens else None,
-                  host.observed or self._searched)
+                  host.observed or self._searched, self._searched)
         self._calls = []
         host.observed = self._searched = False
         self._held = []
@@ -292,12 +318,12 @@ class ActivationCollector(Collector):
         return sealed
 
     def close(self, sealed: Any) -> Any:
-        sampled, calls, tokens, observed = sealed
+        sampled, calls, tokens, observed, searched = sealed
         if not calls and not observed:
             return None
-        host_reduce = self.session.host_reduce
+        host_reduce = self.session.host_reduce or searched  # a search's stats are host values
         if host_reduce and not sampled:  # the worker reads the calls; nothing to plan
-            return sampled, calls
+            return sampled, calls, host_reduce
         # each call's layer and the dtype its statistics have (None: it has none)
         pattern = tuple((call[0], None if call[2] is None else call[1]) for call in calls)
         if sampled:
@@ -311,7 +337,7 @@ class ActivationCollector(Collector):
             plan.first_nonfinite(pairs, self._first_slot)
             if sampled:
                 plan.reduce(pairs, self._absmax_slots)
-        return sampled, calls
+        return sampled, calls, host_reduce
 
     def _note_order(self, pattern: tuple, calls: list[Call], tokens: dict[int, int]) -> None:
         """Forward order and token counts from a sampled step; a change re-registers."""
@@ -348,8 +374,7 @@ class ActivationCollector(Collector):
             record["forward_nonfinite"] = None
             record["first_nonfinite_layer"] = None
             return
-        sampled, calls = meta
-        host_reduce = self.session.host_reduce
+        sampled, calls, host_reduce = meta
         if host_reduce:
             first = first_nonfinite_call(calls)
         else:

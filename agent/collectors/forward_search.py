@@ -1,16 +1,26 @@
-"""The per-layer search of a flagged step on the CPU: replay its forward and name the first
-layer whose output held inf/NaN, in execution order.
+"""The per-layer search of a flagged step: replay its forward and name the first layer whose
+output held inf/NaN, in execution order.
 
 A healthy step reads no layer output (docs/agent.md, "Cheap by design"). As each
 unsampled training forward begins, the agent keeps references to its inputs and a copy
-of the CPU RNG state; when the step's loss comes back inf/NaN (read as the backward
-begins: on the CPU the loss is a host value, reading it waits for nothing), the forward
-runs again under no_grad with the same weights (no update has run yet), inputs, RNG
-state and autocast, through the eager module (a compiled model's `_orig_mod`: its
-layers are named, and nothing is traced, so no graph break), with a forward hook on each
-layer, for the replay only, that checks its output as it is produced, before a later
-in-place op can change it. CPU kernels are deterministic: the replay computes the step's own values.
-The model's buffers (BatchNorm statistics) are put back as they were after the replay.
+of the RNG states (host values: the CPU generator's state, and a CUDA generator's seed and
+offset, which live on the host). The search runs only when the step is known bad without
+waiting for the device:
+
+- on the CPU, when the step's loss comes back inf/NaN (read as the backward begins: on the
+  CPU the loss is a host value, reading it waits for nothing);
+- on an accelerator under a GradScaler, when the scaler skipped the optimizer step: its
+  `step()` has already read found_inf (its own sync), and a skip leaves the weights as the
+  forward saw them.
+
+The forward then runs again under no_grad with the same weights (no update has run),
+inputs, RNG state and autocast, through the eager module (a compiled model's `_orig_mod`:
+its layers are named, and nothing is traced, so no graph break), with a forward hook on
+each layer, for the replay only, that checks its output as it is produced, before a later
+in-place op can change it. CPU kernels are deterministic, so there the replay computes the
+step's own values; on a GPU a kernel whose reduction order varies can differ in the last
+bits, which does not change where an inf/NaN first appears. The model's buffers
+(BatchNorm statistics) are put back as they were after the replay.
 """
 
 from __future__ import annotations
@@ -29,19 +39,27 @@ from ampwatch.agent.collectors.finite_checks import FINITE, Call, first_float_te
 
 @dataclass
 class HeldForward:
-    """One training forward's inputs as it began (references, and the RNG state copied)."""
+    """One training forward's inputs as it began (references, and the RNG states copied)."""
 
     args: tuple
     kwargs: dict
     rng: torch.Tensor
-    autocast: torch.dtype | None  # the CPU autocast dtype in effect as it began
+    device_type: str  # the model's device type, whose autocast is kept
+    autocast: torch.dtype | None  # that device's autocast dtype in effect as it began
+    # the current CUDA device and its generator's state (seed and offset, host values)
+    cuda_rng: tuple[int, torch.Tensor] | None = None
 
 
-def hold(args: tuple, kwargs: dict) -> HeldForward:
-    """Training thread, CPU models only: a few KB of host copy, no tensor read."""
-    autocast = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
-                else None)
-    return HeldForward(args, dict(kwargs), torch.get_rng_state(), autocast)
+def hold(args: tuple, kwargs: dict, device_type: str = "cpu") -> HeldForward:
+    """Training thread: a few KB of host copy, no tensor read, no wait for a device."""
+    autocast = (torch.get_autocast_dtype(device_type)
+                if torch.is_autocast_enabled(device_type) else None)
+    cuda_rng = None
+    if device_type == "cuda":
+        device = torch.cuda.current_device()
+        cuda_rng = device, torch.cuda.get_rng_state(device)
+    return HeldForward(args, dict(kwargs), torch.get_rng_state(), device_type, autocast,
+                       cuda_rng)
 
 
 def loss_is_bad(loss: torch.Tensor | None) -> bool:
@@ -78,11 +96,14 @@ def first_bad_output(module: nn.Module, held: HeldForward,
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     handles = [layer.register_forward_hook(
         lambda m, a, out, index=index: check(index, out)) for index, layer in layers]
-    autocast = (torch.autocast("cpu", dtype=held.autocast) if held.autocast is not None
-                else contextlib.nullcontext())
+    autocast = (torch.autocast(held.device_type, dtype=held.autocast)
+                if held.autocast is not None else contextlib.nullcontext())
+    devices = [held.cuda_rng[0]] if held.cuda_rng is not None else []
     try:
-        with torch.random.fork_rng(devices=[]), torch.no_grad(), autocast:
+        with torch.random.fork_rng(devices=devices), torch.no_grad(), autocast:
             torch.set_rng_state(held.rng)
+            if held.cuda_rng is not None:
+                torch.cuda.set_rng_state(held.cuda_rng[1], held.cuda_rng[0])
             module.forward(*held.args, **held.kwargs)
     finally:
         for handle in handles:
