@@ -170,6 +170,15 @@ class Client:
                                  content=body, headers={"Content-Type": "application/zip"})
         return BundleInfo.from_json(data)
 
+    def record_bisect(self, run_id: str, step: int, verdict: dict[str, Any], *,
+                      rank: int = 0) -> BundleInfo:
+        """Keep what `ampwatch replay --bisect` found for the bundle of `step` of `rank`
+        on the server (`verdict`: the body of PUT .../bisect, docs/replay.md); a later
+        verdict replaces it. NotFound when the server holds no such bundle."""
+        data = self._request("PUT", f"/runs/{_segment(run_id)}/bundles/{rank}/{step}/bisect",
+                             json=verdict)
+        return BundleInfo.from_json(data)
+
     def register_run(self, run_id: str, body: dict[str, Any]) -> Run:
         """PUT the run registration `body` (wire form, docs/wire-format.md); idempotent."""
         return Run.from_json(self._request("PUT", f"/runs/{_segment(run_id)}", json=body))

@@ -307,10 +307,29 @@ class Spike(Model):
 
 
 @dataclasses.dataclass(frozen=True)
+class BisectVerdict(Model):
+    """What `ampwatch replay --bisect` found for a bundle's step, as the server keeps it:
+    `verdict` fixed (keeping `modules` in float32 makes the step finite; `fp8_modules`
+    of them out of FP8), not_precision (every module in float32 still fails),
+    input_nonfinite or not_reproduced; `fix` the code it printed, `reason` why no upcast
+    helps; `ran_at` when it ran, `recorded_at` when the server got it."""
+
+    verdict: str
+    trials: int
+    ran_at: datetime
+    recorded_at: datetime
+    modules: list[str] = dataclasses.field(default_factory=list)
+    fp8_modules: list[str] = dataclasses.field(default_factory=list)
+    fix: str | None = None
+    reason: str | None = None
+    device: str = "cpu"
+
+
+@dataclasses.dataclass(frozen=True)
 class BundleInfo(Model):
     """A flight-recorder bundle the server holds: the bad step, what triggered it, the
-    first layer whose output held inf/NaN, whether its weights are exact, its size and
-    its download `url` (relative to the server)."""
+    first layer whose output held inf/NaN, whether its weights are exact, its size, its
+    download `url` (relative to the server) and the `bisect` verdict reported for it."""
 
     run_id: str
     rank: int
@@ -321,6 +340,7 @@ class BundleInfo(Model):
     bytes: int
     created_at: datetime
     url: str
+    bisect: BisectVerdict | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -18,6 +18,7 @@ from ampwatch.agent.fp8 import find_fp8_layers
 from ampwatch.agent.layers import discover_layers
 from ampwatch.replay.bundle import Bundle
 from ampwatch.replay.step import StepOutcome
+from ampwatch.wire.bundles import BisectVerdict
 
 Trial = Callable[[list[str]], StepOutcome]
 
@@ -25,13 +26,15 @@ Trial = Callable[[list[str]], StepOutcome]
 @dataclass
 class BisectResult:
     """`modules`: the names to keep in float32 (empty when no upcast helps); `fixed`:
-    whether upcasting them made the step finite; `reason`: why not, when not."""
+    whether upcasting them made the step finite; `reason`: why not, when not; `verdict`:
+    the same, as the word the server reads (wire/bundles.py)."""
 
     modules: list[str]
     fixed: bool
     trials: int
     fp8_modules: list[str] = field(default_factory=list)
     reason: str | None = None
+    verdict: BisectVerdict = BisectVerdict.FIXED
 
 
 def bisect(model: nn.Module, bundle: Bundle, trial: Trial) -> BisectResult:
@@ -46,13 +49,18 @@ def bisect(model: nn.Module, bundle: Bundle, trial: Trial) -> BisectResult:
     base = trial([])
     count += 1
     if not base.bad:
-        return BisectResult([], False, count, reason="the step is not bad when replayed")
+        return BisectResult([], False, count, reason="the step is not bad when replayed",
+                            verdict=BisectVerdict.NOT_REPRODUCED)
     order = base.order
     if not order or not fixes(order):
-        why = ("its input holds inf/NaN" if bundle.meta.get("input_nonfinite") else
-               "upcasting every module to float32 does not make it finite: the cause is "
-               "not the precision (the data, the weights or the learning rate)")
-        return BisectResult([], False, count, reason=f"no upcast fixes this step: {why}")
+        if bundle.meta.get("input_nonfinite"):
+            why, verdict = "its input holds inf/NaN", BisectVerdict.INPUT_NONFINITE
+        else:
+            why = ("upcasting every module to float32 does not make it finite: the cause is "
+                   "not the precision (the data, the weights or the learning rate)")
+            verdict = BisectVerdict.NOT_PRECISION
+        return BisectResult([], False, count, reason=f"no upcast fixes this step: {why}",
+                            verdict=verdict)
     low, high = 0, len(order)  # order[:high] fixes the step, order[:low] does not
     while high - low > 1:
         middle = (low + high) // 2

@@ -1,7 +1,10 @@
-"""`ampwatch replay BUNDLE --model module:factory [--device cpu|cuda] [--bisect]`.
+"""`ampwatch replay BUNDLE --model module:factory [--device cpu|cuda] [--bisect]`, or
+`ampwatch replay --run RUN --step STEP [--rank R] ...` for a bundle on the server.
 
 Registered through the `ampwatch.cli` entry point; torch is imported only when the
-command runs, so the rest of the CLI stays free of it.
+command runs, so the rest of the CLI stays free of it. A bisect of a bundle of a server
+(pulled by --run, or a file when --server or $AMPWATCH_SERVER names one) records its
+verdict there (replay/remote.py).
 """
 
 from __future__ import annotations
@@ -11,9 +14,14 @@ import importlib
 import importlib.util
 import json
 import math
+import os
 import sys
+import tempfile
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
+
+from ampwatch.replay.remote import BundleOrigin, origin_of, pull, record_verdict
 
 
 def register(commands: argparse._SubParsersAction) -> None:
@@ -25,7 +33,8 @@ def register(commands: argparse._SubParsersAction) -> None:
                     "its forward and backward and say whether it fails again, at which "
                     "layer. --bisect then searches for the smallest set of modules whose "
                     "upcast to float32 makes the step finite and prints the fix as code.")
-    parser.add_argument("bundle", help="a .ampbundle file (ampwatch bundles pull RUN STEP)")
+    parser.add_argument("bundle", nargs="?",
+                        help="a .ampbundle file (ampwatch bundles pull RUN STEP); or --run")
     parser.add_argument("--model", required=True, metavar="MODULE:FACTORY",
                         help="a function returning the model (built as in training, "
                              "before loading weights), or (model, loss_fn) where "
@@ -35,6 +44,23 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.add_argument("--bisect", action="store_true",
                         help="search for the modules to keep in float32 and print the fix")
     parser.add_argument("--json", action="store_true", help="print the result as JSON")
+    server = parser.add_argument_group(
+        "server", "a bisect of a bundle of a server records its verdict there: the run's "
+                  "incident then gives the fix the replay found")
+    server.add_argument("--run", metavar="RUN", help="replay the bundle of RUN on the server "
+                                                     "(with --step), pulled to a temporary "
+                                                     "folder")
+    server.add_argument("--step", type=int, metavar="STEP", help="the bundle's step (--run)")
+    server.add_argument("--rank", type=int, default=0, help="the bundle's rank (--run)")
+    server.add_argument("--server", metavar="URL",
+                        help="the server (AMPWATCH_SERVER); a file's verdict is recorded "
+                             "only when one is named")
+    server.add_argument("--token", default=os.environ.get("AMPWATCH_TOKEN"),
+                        help="API token, when the server wants one (AMPWATCH_TOKEN)")
+    server.add_argument("--timeout", type=float, default=30.0, metavar="SECONDS",
+                        help="per request (default %(default)g)")
+    server.add_argument("--no-record", dest="record", action="store_false",
+                        help="do not send the bisect verdict to the server")
     parser.set_defaults(func=_replay)
 
 
@@ -81,6 +107,7 @@ def replay_report(bundle_path: str, factory: Any, device: str, bisect: bool) -> 
 
     outcome = trial([])
     report: dict[str, Any] = {
+        "run_id": meta.get("run_id"), "rank": int(meta.get("rank") or 0),
         "step": bundle.step, "trigger": bundle.trigger, "exact": bundle.exact,
         "recorded": {"loss": meta.get("loss"),
                      "first_nonfinite_layer": meta.get("first_nonfinite_layer")},
@@ -90,11 +117,13 @@ def replay_report(bundle_path: str, factory: Any, device: str, bisect: bool) -> 
         "reproduced": outcome.bad, "unsupported_inputs": bundle.unsupported(),
     }
     if bisect:
+        ran_at = datetime.now(UTC).isoformat()
         result = replay.bisect(model, bundle, trial)
-        report["bisect"] = {"modules": result.modules, "fixed": result.fixed,
-                            "trials": result.trials, "fp8_modules": result.fp8_modules,
-                            "reason": result.reason,
-                            "fix": replay.fix_code(result, bundle) if result.fixed else None}
+        report["bisect"] = {"verdict": str(result.verdict), "modules": result.modules,
+                            "fixed": result.fixed, "trials": result.trials,
+                            "fp8_modules": result.fp8_modules, "reason": result.reason,
+                            "fix": replay.fix_code(result, bundle) if result.fixed else None,
+                            "device": device, "ran_at": ran_at}
     return report
 
 
@@ -104,7 +133,21 @@ def _replay(args: argparse.Namespace) -> int:
     except ImportError:
         print("ampwatch replay needs torch: pip install 'ampwatch[agent]'", file=sys.stderr)
         return 2
-    report = replay_report(args.bundle, load_factory(args.model), args.device, args.bisect)
+    if (args.bundle is None) == (args.run is None) or (args.run is None) != (args.step is None):
+        raise SystemExit("usage: ampwatch replay BUNDLE --model M:F  |  "
+                         "ampwatch replay --run RUN --step STEP [--rank R] --model M:F")
+    factory = load_factory(args.model)
+    if args.run is None:
+        report = replay_report(args.bundle, factory, args.device, args.bisect)
+        origin = origin_of(report, args.server, args.token)
+    else:
+        origin = BundleOrigin(args.server, args.token, args.run, args.rank, args.step)
+        with tempfile.TemporaryDirectory(prefix="ampwatch-replay-") as folder:
+            path = pull(origin, Path(folder), args.timeout)
+            report = replay_report(str(path), factory, args.device, args.bisect)
+    if "bisect" in report and origin is not None and args.record:
+        unrecorded = record_verdict(origin, report["bisect"], args.timeout)
+        report["bisect"]["recorded"] = unrecorded is None
     if args.json:
         print(json.dumps(report, default=str))
         return 0 if report["reproduced"] else 1
@@ -127,4 +170,7 @@ def _replay(args: argparse.Namespace) -> int:
             print(result["fix"])
         else:
             print(f"bisect: {result['reason']} ({result['trials']} trials)")
+        if result.get("recorded"):
+            print(f"verdict recorded on the server with the bundle (run {origin.run_id}, "
+                  f"rank {origin.rank}, step {origin.step})")
     return 0 if report["reproduced"] else 1

@@ -86,6 +86,7 @@ def store_bundle(session: Session, settings: Settings, run_id: str, rank: int, s
         row.exact = bool(params.get("exact"))
         row.bytes = size
         row.meta = meta
+        row.bisect = None  # a verdict judged the file this one replaces
         session.add(row)
         session.commit()
     return row
@@ -104,6 +105,17 @@ def get_bundle(session: Session, settings: Settings, run_id: str, rank: int,
     if row is None or not path.is_file():
         raise NotFound(f"no bundle of run {run_id!r} rank {rank} step {step}")
     return row, path
+
+
+def record_bisect(session: Session, settings: Settings, run_id: str, rank: int, step: int,
+                  verdict: dict[str, Any]) -> Bundle:
+    """Keep what `ampwatch replay --bisect` found for a bundle (JSON-ready, validated by
+    the API); a later verdict replaces it. NotFound when the server has no such bundle."""
+    with writing(session):
+        row, _ = get_bundle(session, settings, run_id, rank, step)
+        row.bisect = verdict
+        session.commit()
+    return row
 
 
 def remove_bundle_files(settings: Settings, run_id: str) -> None:

@@ -354,7 +354,8 @@ class AlertAttempt(Base):
 class Bundle(Base):
     """A flight-recorder bundle of one bad step (docs/replay.md). The file lies in the
     server's bundle folder (server/bundles.py), named by (run, rank, step); the row holds
-    what lists and pages show, `meta` the bundle's bundle.json."""
+    what lists and pages show, `meta` the bundle's bundle.json, `bisect` the verdict
+    `ampwatch replay --bisect` reported for it (None: none yet)."""
 
     __tablename__ = "bundles"
 
@@ -368,6 +369,7 @@ class Bundle(Base):
     exact: Mapped[bool] = mapped_column(Boolean)
     bytes: Mapped[int] = mapped_column(BigInteger)
     meta: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    bisect: Mapped[dict[str, Any] | None] = mapped_column()
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 

@@ -18,9 +18,10 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from ampwatch.server.alerts.settings import AlertRule
+from ampwatch.server.analysis.bisect_verdicts import with_verdicts
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.incidents import Incident, group_incidents, needs_layer_order
-from ampwatch.server.analysis.queries import layer_orders
+from ampwatch.server.analysis.queries import bisected_bundles, layer_orders
 from ampwatch.server.models import AlertNotification, Finding
 
 OPEN = "open"
@@ -35,15 +36,18 @@ FINDING_COLUMNS = (Finding.id, Finding.run_id, Finding.rank, Finding.kind, Findi
 def run_incidents(connection: Connection, run_id: str,
                   ranks: Iterable[int]) -> tuple[list[Incident], dict[int, Mapping[str, Any]]]:
     """The run's incidents on `ranks` as stored now (inside the flush that changed them),
-    and its findings by id. One query (two with findings that need the layer order to
-    join an overflow: `needs_layer_order`); the cost grows with the run's findings, and it
-    is paid only by a flush that changed a finding's status or severity."""
+    and its findings by id, their fixes told by the run's bisect verdicts as the API
+    tells them. Two queries (three with findings that need the layer order to join an
+    overflow: `needs_layer_order`); the cost grows with the run's findings, and it is paid
+    only by a flush that changed a finding's status or severity."""
     rows = connection.execute(
         select(*FINDING_COLUMNS).where(Finding.run_id == run_id,
                                        Finding.rank.in_(sorted(set(ranks))))
     ).mappings().all()
     order = layer_orders(connection, [run_id]).get(run_id) if needs_layer_order(rows) else None
-    return group_incidents(rows, order), {row["id"]: row for row in rows}
+    incidents = with_verdicts(group_incidents(rows, order),
+                              bisected_bundles(connection, [run_id]).get(run_id, ()))
+    return incidents, {row["id"]: row for row in rows}
 
 
 def incident_state(members: list[Mapping[str, Any]],

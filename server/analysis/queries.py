@@ -8,6 +8,7 @@ from sqlalchemy import case, func, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
+from ampwatch.server.analysis.bisect_verdicts import with_verdicts
 from ampwatch.server.analysis.incidents import (
     Incident,
     group_incidents,
@@ -20,7 +21,7 @@ from ampwatch.server.analysis.schemas import (
     IncidentPublic,
     IncidentsPublic,
 )
-from ampwatch.server.models import Finding, Layer, as_utc
+from ampwatch.server.models import Bundle, Finding, Layer, as_utc
 
 SEVERITY_ORDER = case({"critical": 0, "warning": 1, "info": 2}, value=Finding.severity, else_=3)
 OPEN_FIRST = case((Finding.status == "open", 0), else_=1)
@@ -85,8 +86,23 @@ def incidents_by_run(session: Session, run_ids: Iterable[str], *,
         by_run[finding.run_id].append(finding)
     orders = layer_orders(session, [run_id for run_id, found in by_run.items()
                                     if needs_layer_order(found)])
-    return {run_id: group_incidents(found, orders.get(run_id))
+    verdicts = bisected_bundles(session, run_ids)
+    return {run_id: with_verdicts(group_incidents(found, orders.get(run_id)),
+                                  verdicts.get(run_id, ()))
             for run_id, found in by_run.items()}
+
+
+def bisected_bundles(session: Session | Connection,
+                     run_ids: Iterable[str]) -> dict[str, list[dict]]:
+    """Per run, its bundles that `ampwatch replay --bisect` judged: rank, step and the
+    verdict (`bisect`), what `with_verdicts` tells the incidents' fixes by. One query;
+    a run holds a few bundles (`max_bundles` per rank)."""
+    found: dict[str, list[dict]] = {}
+    for run_id, rank, step, verdict in session.execute(
+            select(Bundle.run_id, Bundle.rank, Bundle.step, Bundle.bisect)
+            .where(Bundle.run_id.in_(list(run_ids)), Bundle.bisect.is_not(None))):
+        found.setdefault(run_id, []).append({"rank": rank, "step": step, "bisect": verdict})
+    return found
 
 
 def layer_orders(session: Session | Connection,

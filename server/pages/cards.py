@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 from urllib.parse import quote, urlencode
 
+from ampwatch.server.analysis.bisect_verdicts import incident_bundles
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.incidents import SYMPTOMS
 
@@ -42,20 +43,6 @@ def step_href(path: str, first: int, last: int | None, run_last: int | None,
 # an overflowing layer): a card is ordered by its other findings' first step
 SYMPTOM_KINDS = SYMPTOMS
 LEADING_STEP = re.compile(r"^Step [\d,]+: ")
-
-
-def incident_bundles(incidents: list[dict], bundles: list[dict]) -> dict[int, dict]:
-    """Incident id -> its flight-recorder bundle (docs/replay.md): each bundle goes to the
-    incident of its rank that covers its step and began last (the one the bad step
-    started, not a condition that was already open)."""
-    found: dict[int, dict] = {}
-    for bundle in bundles:
-        covering = [i for i in incidents if i.get("step") is not None
-                    and i.get("rank", 0) == bundle["rank"]
-                    and i["step"] <= bundle["step"] <= (i.get("last_step") or i["step"])]
-        if covering:
-            found.setdefault(max(covering, key=lambda i: i["step"])["id"], bundle)
-    return found
 
 
 def incident_panel(twin: dict) -> dict:

@@ -38,6 +38,7 @@ PAIRS: dict[type, type[BaseModel]] = {
     models.AlertAttempt: alert_schemas.AlertAttemptPublic,
     models.Delivery: alert_schemas.DeliveryPublic,
     models.BundleInfo: bundle_schemas.BundlePublic,
+    models.BisectVerdict: bundle_schemas.BisectVerdictPublic,
 }
 
 

@@ -7,16 +7,24 @@ fc2, on the step the weights moved, not the head that its larger outputs push up
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import uuid
 from collections.abc import Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
 
 import httpx
 import torch
 from torch import nn
 
 from ampwatch import agent
+from ampwatch.client import Client
 from tests.conftest import LiveServer
 from tests.utils import WAIT
+
+ROOT = Path(__file__).resolve().parents[2]
 
 LAYERS = ("fc1", "fc2", "fc3", "head")
 
@@ -147,3 +155,61 @@ def test_a_growing_layer_is_named_where_the_growth_starts(server: LiveServer) ->
     assert {f["id"] for f in downstream} <= set(incident["findings"])
     assert "precision is not the cause" in incident["fix"]
     assert "fp32" not in incident["fix"] and "bf16" not in incident["fix"]
+
+
+# --model for `ampwatch replay`: the loop's loss is an MSE against targets the forward never
+# sees (0.1-scale noise), so the replay's loss is the mean square of the output
+FACTORY = """from tests.diagnosis.test_weight_causes import GeluMlp
+
+
+def make():
+    return GeluMlp(), lambda output, *args, **kwargs: output.float().pow(2).mean()
+"""
+
+
+def _ampwatch(*args: str) -> subprocess.CompletedProcess:
+    """The real `ampwatch` console script of this environment, in a process of its own."""
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env.pop("AMPWATCH_SERVER", None)
+    return subprocess.run(["ampwatch", *args], capture_output=True, text=True, cwd=ROOT,
+                          env=env, timeout=300)
+
+
+def test_a_bisect_that_clears_the_precision_is_the_fix_everywhere(server: LiveServer,
+                                                                   tmp_path: Path) -> None:
+    """`ampwatch replay --bisect` of the bundle of step 40, whose bad step no upcast fixes
+    (fc2's weights were multiplied by 1e4: the test did it), records its verdict with the
+    bundle; the incident's fix then says what the replay found and recommends no upcast,
+    in the API and in `ampwatch show` alike."""
+    run_id, norms, _ = _train(server.url, 60, _rescale_fc2_at_40)
+    assert norms[40]["fc2"] > 1000 * norms[39]["fc2"]  # the truth: the loop did it at 40
+    with Client(server.url, timeout=60) as client:
+        client.wait_for_analysis(run_id)
+        assert 40 in [b.step for b in client.bundles(run_id)]
+    factory = tmp_path / "gelu_mlp.py"
+    factory.write_text(FACTORY)
+    started = datetime.now(UTC)
+    done = _ampwatch("replay", "--run", run_id, "--step", "40", "--model", f"{factory}:make",
+                     "--bisect", "--server", server.url)
+    assert done.returncode == 0, done.stderr  # the bad step fails again
+    assert "no upcast fixes this step" in done.stdout
+    assert f"verdict recorded on the server with the bundle (run {run_id}, rank 0, step 40)" \
+        in done.stdout
+    with Client(server.url, timeout=60) as client:
+        verdict = next(b.bisect for b in client.bundles(run_id) if b.step == 40)
+        incidents = [i for i in client.incidents(run_id) if i.problem]
+    assert (verdict.verdict, verdict.modules, verdict.fix) == ("not_precision", [], None)
+    assert started - timedelta(seconds=1) <= verdict.ran_at <= verdict.recorded_at
+    (incident,) = incidents
+    assert (incident.layer, incident.step) == ("fc2", 40)
+    assert incident.fix == (
+        "Replaying step 40 with every layer in fp32 still fails (ampwatch replay --bisect): "
+        "the cause is not the precision; check the weights of layer 'fc2' and the learning "
+        "rate, then the data.")
+    for upcast in ("bf16", "run it in fp32", "float32", "keep_in_fp32", "KEEP_FP32"):
+        assert upcast not in incident.fix
+    shown = _ampwatch("show", run_id, "--server", server.url)
+    assert shown.returncode == 0, shown.stderr
+    assert f"CRITICAL {incident.headline}" in shown.stdout
+    assert f"fix: {incident.fix}" in shown.stdout

@@ -12,6 +12,7 @@ import pytest
 from ampwatch import agent
 from ampwatch.client import Client
 from ampwatch.client.cli import main
+from tests.conftest import free_port
 from tests.replay.faults import FAULTS, train
 
 
@@ -44,6 +45,24 @@ def test_bundle_reaches_the_server_and_comes_back(live_server, tmp_path: Path,
     assert main(["replay", str(pulled), "--model", f"{factory}:make"]) == 0
     out = capsys.readouterr().out
     assert "reproduced: yes" in out and "first non-finite layer inp" in out
+
+    # a bisect records its verdict on a server it is told of, and only then
+    nowhere = f"http://127.0.0.1:{free_port()}"
+    for kept_local in (["--no-record", "--server", live_server.url], ["--server", nowhere]):
+        assert main(["replay", str(pulled), "--model", f"{factory}:make", "--bisect",
+                     *kept_local]) == 0
+    assert "the verdict was not recorded on" in capsys.readouterr().err
+    with Client(live_server.url) as client:
+        assert client.bundles("flight-1")[0].bisect is None
+    assert main(["replay", str(pulled), "--model", f"{factory}:make", "--bisect",
+                 "--server", live_server.url]) == 0
+    assert "verdict recorded on the server with the bundle (run flight-1, rank 0, step 8)" \
+        in capsys.readouterr().out
+    with Client(live_server.url) as client:
+        assert client.bundles("flight-1")[0].bisect.verdict == "input_nonfinite"
+        (incident,) = [i for i in client.incidents("flight-1") if i.step == 8]
+    assert incident.fix.startswith("Replaying step 8 fails in any precision: its input "
+                                   "holds inf/NaN")
 
 
 def test_offline_bundle_uploads_with_ampwatch_sync(live_server, tmp_path: Path,

@@ -6,12 +6,14 @@ from __future__ import annotations
 import io
 import json
 import zipfile
+from datetime import UTC, datetime
 from pathlib import Path
 
 import pytest
 import torch
 
 from ampwatch import agent
+from ampwatch.client import Client
 from ampwatch.server.api.bundles import BundlePublic
 from tests.replay.faults import FAULTS, train
 from tests.utils import register_run
@@ -84,3 +86,60 @@ def test_refused_uploads(api, app, bundle: bytes) -> None:
     assert _upload(api, "run-r", 8, bundle).status_code == 507
     assert api.get("/api/v1/runs/run-r/bundles").json()["items"] == []
     assert not any(Path(app.state.settings.bundle_folder).rglob("*.part"))
+
+
+NOT_PRECISION = {"verdict": "not_precision", "trials": 2, "device": "cpu",
+                 "reason": "no upcast fixes this step: the cause is not the precision",
+                 "ran_at": "2026-11-29T10:00:00+00:00"}
+
+
+def test_bisect_verdict_is_checked_then_kept_with_its_bundle(api, bundle: bytes) -> None:
+    """PUT .../bisect: a bundle the server lacks is 404, a verdict that contradicts
+    itself or lacks a field is 422, and neither stores anything; a good one is kept with
+    the bundle (the client reads it back) until the bundle is re-sent."""
+    register_run(api, "run-v")
+    assert _upload(api, "run-v", 8, bundle).status_code == 200
+
+    def put(body: dict, run_id: str = "run-v", rank: int = 0, step: int = 8):
+        return api.put(f"/api/v1/runs/{run_id}/bundles/{rank}/{step}/bisect", json=body)
+
+    def stored() -> dict | None:
+        (listed,) = api.get("/api/v1/runs/run-v/bundles").json()["items"]
+        return listed["bisect"]
+
+    assert put(NOT_PRECISION, run_id="no-such-run").status_code == 404
+    assert put(NOT_PRECISION, step=9).status_code == 404
+    assert put(NOT_PRECISION, rank=1).status_code == 404
+    fixed = {**NOT_PRECISION, "verdict": "fixed", "modules": ["mid.proj"], "reason": None,
+             "fix": "KEEP_FP32 = ['mid.proj']"}
+    for bad in ({**NOT_PRECISION, "verdict": "fixed"},  # fixed by no module
+                {**NOT_PRECISION, "modules": ["mid"]},  # modules that fixed nothing
+                {**fixed, "fp8_modules": ["inp"]},  # an FP8 module it did not keep
+                {**NOT_PRECISION, "verdict": "maybe"},
+                {**NOT_PRECISION, "trials": 0},
+                {**NOT_PRECISION, "ran_at": "2026-11-29T10:00:00"},  # no time zone
+                {**NOT_PRECISION, "modules": [""]},
+                {**NOT_PRECISION, "layer": "fc2"},  # a field the API does not know
+                {k: v for k, v in NOT_PRECISION.items() if k != "verdict"},
+                {**NOT_PRECISION, "fix": "x" * 64_001}):
+        answer = put(bad)
+        assert answer.status_code == 422, (bad, answer.text)
+        assert answer.json()["detail"]
+    assert api.put("/api/v1/runs/run-v/bundles/0/8/bisect", content=b"[1",
+                   headers={"Content-Type": "application/json"}).status_code == 422
+    assert stored() is None
+
+    answer = put(fixed)
+    assert answer.status_code == 200
+    assert set(answer.json()) == set(BundlePublic.model_fields)
+    with Client(http_client=api) as client:
+        info = client.record_bisect("run-v", 8, NOT_PRECISION)  # a later verdict replaces
+        (listed,) = client.bundles("run-v")
+    assert listed == info
+    assert (info.bisect.verdict, info.bisect.modules, info.bisect.trials) == (
+        "not_precision", [], 2)
+    assert info.bisect.ran_at == datetime(2026, 11, 29, 10, tzinfo=UTC)
+    assert info.bisect.recorded_at >= info.created_at
+    assert stored()["verdict"] == "not_precision"
+    assert _upload(api, "run-v", 8, bundle).status_code == 200  # a re-sent file: unjudged
+    assert stored() is None
