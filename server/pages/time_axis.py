@@ -42,7 +42,7 @@ def retime(fig: Figure, axis: XAxis, lines: list[StepColumns],
     first line's otherwise); steps between two recorded ones are interpolated.
     `started`: each line's run's registration (the wall clock's zero). A trace of a
     line with no clock (its steps are gone) is left out."""
-    if axis == "step" or fig.layout["xaxis"].get("visible") is False:
+    if axis == "step" or not lines or fig.layout["xaxis"].get("visible") is False:
         return fig
     unit, per = relative_unit(lines)
     clocks = []
