@@ -178,6 +178,33 @@ def with_events(steps: dict) -> list[dict]:
     return [rows[key] for key in sorted(rows)]
 
 
+def with_elapsed(session: Session, run: Run, steps: dict) -> dict:
+    """A `steps_query` answer with `elapsed_ms` on each item and event: the time from the
+    end of its rank's first stored step to the end of this step, the running sum of
+    `t_step_ms` over every stored step in between (not only the points the answer kept).
+    A step without `t_step_ms`, and a step never stored (lost, or not yet sent), adds
+    nothing, so the sum runs short by their time. Null where the steps themselves are
+    gone (an archived run keeps summaries only). Reads the scalars of each rank's steps
+    from its first to the answer's last: a zoomed-in page reads from the run's start."""
+    rows = [*steps["items"], *steps.get("events", ())]
+    ends: dict[int, int] = {}
+    for row in rows:
+        ends[row["rank"]] = max(ends.get(row["rank"], row["step"]), row["step"])
+    clocks = {}
+    for rank, end in ends.items():
+        series = load_series(session, run.id, rank, None, end, n_layers=run.n_layers,
+                             with_layers=False, with_acts=False)
+        step_ms = np.where(series.has("t_step_ms"), series.column("t_step_ms"), 0.0)
+        step_ms[:1] = 0.0  # the first step's time was spent before the clock's zero
+        clocks[rank] = (series.steps, np.cumsum(np.where(np.isfinite(step_ms), step_ms, 0.0)))
+    for row in rows:
+        stored, elapsed = clocks[row["rank"]]
+        at = int(np.searchsorted(stored, row["step"]))
+        found = at < len(stored) and stored[at] == row["step"]
+        row["elapsed_ms"] = float(elapsed[at]) if found else None
+    return steps
+
+
 def _float_or_none(x: float) -> float | str | None:
     """A running-summary value; negative (the "none yet" marker) becomes None."""
     return None if np.isfinite(x) and x < 0 else encode_float(float(x))

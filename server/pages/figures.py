@@ -202,6 +202,18 @@ def smooth(values: np.ndarray, weight: float = LOSS_SMOOTHING) -> np.ndarray:
     return out
 
 
+# The charts with a smoothing slider and a log toggle (app.js applyTools), on the run page
+# and on /compare alike, and the smoothing and axis each opens on.
+CHART_TOOLS = {
+    "loss": {"smoothing": LOSS_SMOOTHING, "log": False},
+    "grad_norm": {"smoothing": 0, "log": True},
+    "phases": {"smoothing": 0, "log": False},
+    "lr": {"smoothing": 0, "log": False},
+    "skip_rate": {"smoothing": 0, "log": False},
+    "step_time": {"smoothing": 0, "log": False},
+}
+
+
 def loss_figure(lines: list[StepColumns]) -> Figure:
     """Training loss, each line smoothed (EMA, LOSS_SMOOTHING) over its raw values drawn
     faint (app.js: a smoothing slider and a log toggle); NaN/inf steps as red markers

@@ -16,7 +16,9 @@ from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from plotly.io.json import to_json_plotly
 
+from ampwatch.server.pages.figures import CHART_TOOLS
 from ampwatch.server.pages.plot import Figure
+from ampwatch.server.pages.time_axis import X_AXES
 
 TEMPLATES = Path(__file__).parent / "templates"
 # Pages run no inline script and load nothing from elsewhere; Plotly needs inline styles.
@@ -106,6 +108,7 @@ def make_environment() -> Environment:
     env.filters.update(number=number, power_of_two=power_of_two, percent=percent, ago=ago,
                        iso=iso)
     env.globals["plotly_version"] = plotly.__version__  # plotly.min.js?v=: cached for a year
+    env.globals.update(tool_defaults=CHART_TOOLS, x_axes=X_AXES)  # _chart_tools.html
     return env
 
 

@@ -33,6 +33,7 @@ from ampwatch.server.pages.figures import (
     note,
 )
 from ampwatch.server.pages.rendering import render_fragment, render_page
+from ampwatch.server.pages.time_axis import XAxis
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.runs import RUN_SORTS
 from ampwatch.server.schemas import MAX_STEP, Health
@@ -52,6 +53,8 @@ Format = Annotated[Literal["html", "json", "update"],
 Start = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 End = Annotated[int | None, Query(ge=0, le=MAX_STEP)]
 RUN_SORT = "^-?(" + "|".join(RUN_SORTS) + ")$"  # a column of the runs list, "-": descending
+XAxisQuery = Annotated[XAxis, Query(alias="x", description="the step charts' x axis: step, "
+                                   "relative (time since the first step) or wall time")]
 Mark = Annotated[int | None, Query(ge=0, le=MAX_STEP,
                                    description="a step to draw a line at on every chart")]
 
@@ -254,19 +257,20 @@ def run_page(
     steps: StepsQuery,
     rank: RankChoice = None,
     mark: Mark = None,
+    x_axis: XAxisQuery = "step",
     output: Format = "html",
 ) -> Response:
     """A run's overview: scaler, grad norm, loss, lr, timings, memory and findings."""
     try:
         twin = views.overview_twin(session, settings, run_id, rank=_rank(rank),
-                                   steps=steps)
+                                   steps=steps, x_axis=x_axis)
     except NotFound as exc:
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
-    figures = views.overview_figures(twin, mark)
+    figures = views.overview_figures(twin, mark, x_axis)
     context = {"twin": twin, "run": twin["run"], "cards": cards.incident_panel(twin),
-               "start": steps.start, "end": steps.end,
+               "start": steps.start, "end": steps.end, "x_axis": x_axis,
                "config": config.flat_config(twin["run"]["config"])}
     return _run_tab(request, output, "run.html", "overview", figures, context,
                     {"findings": "_findings.html", "steps-footer": "_steps_footer.html",
@@ -392,6 +396,7 @@ def compare_page(
                                     description="run ids, one per parameter")] = [],  # noqa: B006
     runs: Annotated[str | None, Query(max_length=4096, include_in_schema=False,
                                       description="old form: ids, comma-separated")] = None,
+    x_axis: XAxisQuery = "step",
     output: Format = "html",
 ) -> Response:
     """Loss, learning rate, loss scale, grad norm, skip rate and step time of several
@@ -404,11 +409,11 @@ def compare_page(
                   if k not in ("run", "runs")]
         return RedirectResponse(f"/compare?{urlencode(query)}", status_code=308)
     run_ids = list(dict.fromkeys(r.strip() for r in run if r.strip()))
-    twin = views.compare_twin(session, settings, run_ids)
+    twin = views.compare_twin(session, settings, run_ids, x_axis)
     if output == "json":
         return WireJSONResponse(twin)
     lines = views.compare_lines(twin)
-    figures = views.compare_figures(twin, lines) if twin["runs"] else {}
+    figures = views.compare_figures(twin, lines, x_axis) if twin["runs"] else {}
     poll = _soonest([poll_ms(r) for r in twin["runs"]])
     if output == "update":
         return _update(poll, figures, {})
@@ -419,7 +424,7 @@ def compare_page(
                        notes=views.coinciding(lines), loss_log=views.wide_losses(lines),
                        config_diff=config.config_diff(twin["runs"]),
                        dashes=[DASHES[i % len(DASHES)] for i in range(n)],
-                       colours=[colour(i) for i in range(n)],
+                       colours=[colour(i) for i in range(n)], x_axis=x_axis,
                        figures=figures, live_url=_live_url(request) if poll else None,
                        poll_ms=poll)
 

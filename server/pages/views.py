@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from datetime import datetime
 from urllib.parse import quote
 
 import numpy as np
@@ -19,11 +20,17 @@ from ampwatch.server.api.bundles import public_bundle
 from ampwatch.server.api.notes import run_notes
 from ampwatch.server.bundles import list_bundles
 from ampwatch.server.models import Run, RunRank
-from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes
+from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes, time_axis
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.pages.plot import Figure
-from ampwatch.server.queries import layers_query, matrix_query, steps_query, with_events
+from ampwatch.server.queries import (
+    layers_query,
+    matrix_query,
+    steps_query,
+    with_elapsed,
+    with_events,
+)
 from ampwatch.server.ranks import overlaid_ranks, panel_rank_rows, ranks_panel
 from ampwatch.server.runs import get_run, lead_rank, list_runs, public_run
 from ampwatch.server.settings import Settings
@@ -100,24 +107,26 @@ def named_layers(session: Session, run_id: str, findings: dict) -> dict[str, int
 
 
 def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: int | None,
-                  steps: StepRange) -> dict:
+                  steps: StepRange, x_axis: time_axis.XAxis = "step") -> dict:
     """/runs/{id}: the run, its downsampled steps (the picked rank, else all ranks up to
     MAX_OVERLAID_RANKS, else the ones `overlaid_ranks` picks), the ranks panel (at most
     PANEL_ROWS ranks, `panel_rank_rows`), its findings and its incidents (the findings
-    grouped by root cause). Neither its reads nor the rows they fetch grow with ranks."""
+    grouped by root cause). Neither its reads nor the rows they fetch grow with ranks.
+    On a time `x_axis`, each step also has its `elapsed_ms` (`queries.with_elapsed`)."""
     run = get_run(session, run_id)
     rank_rows = panel_rank_rows(session, run_id)  # every rank when there are few
     public = page_run(session, run_id, settings, rank_rows)
     findings = findings_of(session, run_id)
     panel = ranks_panel(session, run, rank_rows)
     overlaid = overlaid_ranks(panel, public["n_ranks"]) if rank is None else None
+    drawn = steps_query(session, run, rank=rank, ranks=overlaid, rank_rows=rank_rows,
+                        max_points=MAX_POINTS, **steps.query())
     return {
         "run": public,
         "rank": rank,
         "ranks": panel if public["n_ranks"] > 1 else [],
         "overlaid_ranks": overlaid,
-        "steps": steps_query(session, run, rank=rank, ranks=overlaid, rank_rows=rank_rows,
-                             max_points=MAX_POINTS, **steps.query()),
+        "steps": drawn if x_axis == "step" else with_elapsed(session, run, drawn),
         "findings": findings,
         "incidents": list_incidents(session, run_id).model_dump(mode="json")["items"],
         "layer_index": named_layers(session, run_id, findings),
@@ -134,9 +143,10 @@ def has_scaler(run: dict, lines: list[StepColumns]) -> bool:
                 or any(line.present["loss_scale"].any() for line in lines))
 
 
-def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
+def overview_figures(twin: dict, mark: int | None = None,
+                     x_axis: time_axis.XAxis = "step") -> dict[str, Figure]:
     """The overview's charts, all over one step range (app.js also shares the zoom), with
-    a line at step `mark` on each."""
+    a line at step `mark` on each, drawn against `x_axis`."""
     lines = by_rank(twin["steps"])
     charts = {
         "grad_norm": figures.grad_norm_figure(lines),
@@ -152,7 +162,9 @@ def overview_figures(twin: dict, mark: int | None = None) -> dict[str, Figure]:
     if any(line.finite("peak_mem_bytes").any() for line in lines):
         charts["memory"] = figures.peak_memory_figure(lines)
     span = figures.step_span(lines)
-    return {name: figures.mark_step(figures.share_x(fig, span), mark)
+    started = [datetime.fromisoformat(twin["run"]["created_at"])] * len(lines)
+    return {name: time_axis.retime(figures.mark_step(figures.share_x(fig, span), mark),
+                                   x_axis, lines, started)
             for name, fig in charts.items()}
 
 
@@ -363,9 +375,11 @@ def _layer_flag(group: list[dict]) -> dict:
             "label": name.replace("_", " "), "message": " ".join(f["message"] for f in group)}
 
 
-def compare_twin(session: Session, settings: Settings, run_ids: list[str]) -> dict:
+def compare_twin(session: Session, settings: Settings, run_ids: list[str],
+                 x_axis: time_axis.XAxis = "step") -> dict:
     """/compare: each run's lowest rank, downsampled; unknown ids listed apart. A run's
-    `ranks` holds that lead rank only (one row, whatever the number of ranks)."""
+    `ranks` holds that lead rank only (one row, whatever the number of ranks). On a time
+    `x_axis`, each step also has its `elapsed_ms` (`queries.with_elapsed`)."""
     runs, steps, missing = [], {}, []
     for run_id in run_ids[:MAX_COMPARED]:
         run = session.get(Run, run_id)
@@ -378,6 +392,8 @@ def compare_twin(session: Session, settings: Settings, run_ids: list[str]) -> di
         runs.append(public)
         steps[run_id] = steps_query(session, run, rank=lead_row.rank if lead_row else 0,
                                     max_points=MAX_POINTS)
+        if x_axis != "step":
+            with_elapsed(session, run, steps[run_id])
     return {"runs": runs, "steps": steps, "missing": missing}
 
 
@@ -438,8 +454,10 @@ def wide_losses(lines: list[StepColumns], ratio: float = 100.0) -> bool:
     return len(medians) > 1 and positive and max(medians) >= ratio * min(medians)
 
 
-def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:
-    """The compare charts over one shared step range, each run in its own dash style."""
+def compare_figures(twin: dict, lines: list[StepColumns],
+                    x_axis: time_axis.XAxis = "step") -> dict[str, Figure]:
+    """The compare charts over one shared step range, each run in its own dash style,
+    drawn against `x_axis` (relative time lines up runs of different step speeds)."""
     # a run without a GradScaler skips no step by design: no flat line at 0% for it
     totals = [twin["steps"][run["id"]]["total"] if has_scaler(run, [line]) else 0
               for run, line in zip(twin["runs"], lines, strict=True)]
@@ -453,5 +471,7 @@ def compare_figures(twin: dict, lines: list[StepColumns]) -> dict[str, Figure]:
     }
     span = figures.step_span(lines)
     labels = [line.label for line in lines]
-    return {name: figures.dash_lines(figures.share_x(fig, span), labels)
+    started = [datetime.fromisoformat(run["created_at"]) for run in twin["runs"]]
+    return {name: time_axis.retime(figures.dash_lines(figures.share_x(fig, span), labels),
+                                   x_axis, lines, started)
             for name, fig in charts.items()}

@@ -114,7 +114,7 @@
 
   function rememberZoom(range) {
     var query = new URLSearchParams(pageQuery);
-    if (range) {
+    if (range && (query.get("x") || "step") === "step") {  // start/end are steps
       query.set("start", String(Math.max(0, Math.floor(range[0]))));
       query.set("end", String(Math.max(0, Math.ceil(range[1]))));
     }
@@ -398,6 +398,24 @@
     window.setTimeout(tick, interval);
   }
 
+  // The step charts' x axis (?x=: step, relative or wall time) is drawn by the server:
+  // a choice reopens the page with it, keeping the rest of the address.
+  function xAxisChoice() {
+    document.querySelectorAll("select.x-axis").forEach(function (select) {
+      select.addEventListener("change", function () {
+        var query = new URLSearchParams(window.location.search);
+        if (select.value === "step") {
+          query.delete("x");
+        } else {
+          query.set("x", select.value);
+        }
+        var search = query.toString();
+        window.location.assign(window.location.pathname + (search ? "?" + search : "") +
+          window.location.hash);
+      });
+    });
+  }
+
   function autosubmit() {
     document.querySelectorAll("form[data-autosubmit] select").forEach(function (select) {
       select.addEventListener("change", function () {
@@ -408,6 +426,7 @@
 
   document.addEventListener("DOMContentLoaded", function () {
     autosubmit();
+    xAxisChoice();
     var embedded = document.getElementById("figures");
     if (embedded) {
       draw(JSON.parse(embedded.textContent), false);

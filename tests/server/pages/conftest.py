@@ -3,6 +3,7 @@ the agent, and headless Chromium (Debian's, via Playwright) that may only talk t
 
 from __future__ import annotations
 
+import math
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -12,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from ampwatch.server.pages import figures
 from tests.conftest import LiveServer
 from tests.server.pages.training import GrowingGain, Net, Trainer, mlp
 
@@ -138,6 +140,33 @@ class Browser:
         return self.page.evaluate(
             "([id, i]) => Array.from(document.getElementById(id)._fullData[i].x)",
             [f"fig-{name}", trace])
+
+    def lines(self, name: str) -> list[list[float]]:
+        """The y values of each line of #fig-<name> as drawn (smoothed, when it is)."""
+        return self.page.evaluate(
+            """(id) => document.getElementById(id)._fullData
+                .filter(t => t.type === 'scatter' && t.mode.includes('lines'))
+                .map(t => Array.from(t.y))""", f"fig-{name}")
+
+    def smooth(self, name: str, weight: float, raw: list[list[float]]) -> list[list[float]]:
+        """Move #fig-<name>'s smoothing slider to `weight` and check each line now draws
+        the server's EMA (figures.smooth) of its `raw` values; the lines drawn."""
+        self.page.locator(f".chart-tools[data-for='fig-{name}'] .smoothing").fill(str(weight))
+        drawn = self.lines(name)
+        for raw_line, line in zip(raw, drawn, strict=True):
+            expected = figures.smooth(np.array(raw_line), weight).tolist()
+            assert all(math.isclose(a, b, rel_tol=1e-9)
+                       for a, b in zip(line, expected, strict=True))
+            assert weight == 0 or line != raw_line
+        return drawn
+
+    def log_axis(self, name: str, on: bool) -> None:
+        """Tick or clear #fig-<name>'s log toggle and wait for its y axis to follow."""
+        toggle = self.page.locator(f".chart-tools[data-for='fig-{name}'] .log-axis")
+        toggle.check() if on else toggle.uncheck()
+        self.page.wait_for_function(
+            f"document.getElementById('fig-{name}')._fullLayout.yaxis.type === "
+            f"'{'log' if on else 'linear'}'")
 
     def shoot(self, name: str) -> Path:
         """A full-page screenshot in the test's temp dir, copied to /tmp/ampwatch-shots."""

@@ -121,25 +121,11 @@ def test_grad_norm_and_phases_smooth_and_log_and_keep_it_in_the_address(field_br
     browser = field_browser
     browser.goto("/runs/sgd-bf16")
     browser.wait_for_plots("grad_norm", "phases")
-    lines = """name => Array.from(document.getElementById('fig-' + name)._fullData
-        .filter(t => t.type === 'scatter' && t.mode.includes('lines'))[0].y)"""
-    raw = browser.page.evaluate(f"({lines})('phases')")
+    raw = browser.lines("phases")
     assert _layout(browser, "grad_norm", "yaxis.type") == "log"  # the grad norm's default
-    browser.page.locator(".chart-tools[data-for='fig-phases'] .smoothing").fill("0.9")
-    smoothed = browser.page.evaluate(f"({lines})('phases')")
-    expected, last, debias = [], 0.0, 0.0  # the debiased EMA, from the raw values drawn
-    for value in raw:
-        last, debias = last * 0.9 + 0.1 * value, debias * 0.9 + 0.1
-        expected.append(last / debias)
-    assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(smoothed, expected,
-                                                                 strict=True))
-    assert smoothed != raw
-    browser.page.locator(".chart-tools[data-for='fig-phases'] .log-axis").check()
-    browser.page.wait_for_function(
-        "document.getElementById('fig-phases')._fullLayout.yaxis.type === 'log'")
-    browser.page.locator(".chart-tools[data-for='fig-grad_norm'] .log-axis").uncheck()
-    browser.page.wait_for_function(
-        "document.getElementById('fig-grad_norm')._fullLayout.yaxis.type === 'linear'")
+    smoothed = browser.smooth("phases", 0.9, raw)  # each phase its own EMA
+    browser.log_axis("phases", True)
+    browser.log_axis("grad_norm", False)
     address = browser.page.url
     assert "smooth_phases=0.9" in address and "log_phases=1" in address
     assert "log_grad_norm=0" in address
@@ -149,7 +135,5 @@ def test_grad_norm_and_phases_smooth_and_log_and_keep_it_in_the_address(field_br
     browser.page.wait_for_function(
         "document.getElementById('fig-phases')._fullLayout.yaxis.type === 'log'")
     assert _layout(browser, "grad_norm", "yaxis.type") == "linear"
-    reopened = browser.page.evaluate(f"({lines})('phases')")
-    assert all(math.isclose(a, b, rel_tol=1e-9) for a, b in zip(reopened, expected,
-                                                                 strict=True))
+    assert browser.lines("phases") == smoothed
     browser.assert_clean()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from ampwatch.server.app import close_app, create_app
@@ -135,3 +136,25 @@ def test_the_runs_twin_filters_by_tag_and_sorts_by_a_column(api):
     assert ids("sort=last_step&tag=ünï") == ["t2", "t1"]
     assert ids("sort=name") == ["t1", "t2", "t3"]
     assert api.get("/?format=json&sort=bogus").status_code == 422
+
+
+def test_a_time_axis_gives_each_step_its_time_summed_over_every_stored_step(api):
+    """?x=relative: each drawn step's elapsed_ms is the running sum of t_step_ms over every
+    stored step from the first (not only over the downsampled points, not only from the
+    zoom's start); steps that never arrived add nothing."""
+    register_run(api, "timed", n_layers=2)
+    stored = [s for s in make_steps(0, 5000, 2, skipped={77}) if not 2000 <= s["step"] < 2500]
+    for step in stored:
+        step["t_step_ms"] = 10.0 + step["step"] % 13
+    for seq, first in enumerate(range(0, len(stored), 1000)):
+        assert post_batch(api, "timed", seq, stored[first:first + 1000]).status_code == 200
+    running = np.cumsum([0.0] + [s["t_step_ms"] for s in stored[1:]])
+    expected = dict(zip([s["step"] for s in stored], running.tolist(), strict=True))
+    for query in ("x=relative", "x=wall&start=3000"):
+        twin = api.get(f"/runs/timed?format=json&{query}").json()["steps"]
+        rows = twin["items"] + twin["events"]
+        assert twin["downsampled"] or "start" in query
+        assert {row["step"] for row in twin["events"]} == ({77} if "start" not in query
+                                                           else set())
+        assert all(row["elapsed_ms"] == expected[row["step"]] for row in rows)
+    assert "elapsed_ms" not in api.get("/runs/timed?format=json").json()["steps"]["items"][0]
