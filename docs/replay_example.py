@@ -25,6 +25,7 @@ from tests.server.pages.conftest import CHROMIUM, CHROMIUM_ARGS  # noqa: E402
 
 IMG = ROOT / "docs" / "img"
 RUN = "replay-example"
+DEFAULT_URL = "http://127.0.0.1:8000"  # `ampwatch serve`'s
 FACTORY = '''from tests.replay.faults import FAULTS, build
 
 
@@ -57,11 +58,13 @@ def main() -> None:
             for command in (["bundles", RUN], ["bundles", "pull", RUN, "8"],
                             ["replay", "step-000000008.ampbundle", "--model",
                              "train:build_model", "--bisect"]):
-                extra = ["--server", server.url] if command[0] == "bundles" else []
-                done = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", *command,
-                                       *extra], cwd=folder, capture_output=True, text=True,
-                                      env={"PYTHONPATH": str(ROOT), **_env()})
-                lines += [f"$ ampwatch {' '.join(command)}", done.stdout.rstrip(), ""]
+                # the example's server listens on a free port; the page shows the default
+                done = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", *command],
+                                      cwd=folder, capture_output=True, text=True,
+                                      env={**_env(), "PYTHONPATH": str(ROOT),
+                                           "AMPWATCH_SERVER": server.url})
+                shown = done.stdout.rstrip().replace(server.url, DEFAULT_URL)
+                lines += [f"$ ampwatch {' '.join(command)}", shown, ""]
             (IMG / "replay-terminal.txt").write_text("\n".join(lines))
             print("\n".join(lines))
         finally:

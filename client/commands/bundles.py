@@ -30,11 +30,13 @@ def run_bundles(args: argparse.Namespace) -> int:
         run_id, step = args.step[0], int(args.step[1])
         with connect(args) as client:
             path = client.download_bundle(run_id, step, args.output, rank=args.rank)
+            server = client.base_url
         if args.json:
             print_json({"path": str(path)})
         else:
+            # --server: the bisect's verdict goes back with the bundle (docs/replay.md)
             print(f"{path}\nreplay it: ampwatch replay {path} --model MODULE:FACTORY "
-                  "[--bisect]")
+                  f"--bisect --server {server}")
         return 0
     if args.step:
         raise SystemExit("usage: ampwatch bundles RUN  |  ampwatch bundles pull RUN STEP")

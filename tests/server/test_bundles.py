@@ -54,7 +54,8 @@ def test_upload_list_download_delete(api, app, bundle: bytes) -> None:
     assert head.headers["content-type"] == "application/zip"
     page = api.get("/runs/run-b").text  # the run page lists it with the commands
     assert "ampwatch bundles pull run-b 8</code>" in page
-    assert "ampwatch replay step-000000008.ampbundle --model" in page
+    assert "ampwatch replay --run run-b --step 8 --model MODULE:FACTORY --bisect" in page
+    assert "not run</span>" in page  # no bisect verdict yet
     folder = app.state.settings.bundle_folder / "run-b"
     assert folder.is_dir()
     assert api.delete("/api/v1/runs/run-b").status_code == 204

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import base64
 
+import httpx
 import numpy as np
 import pytest
 
+from ampwatch.server.analysis.spikes import CAUSE_WORDS
 from tests.client.test_spikes import N_LAYERS, seed_spike
-from tests.utils import make_steps, post_batch, register_run
+from tests.server.pages.conftest import open_browser
+from tests.utils import WAIT, make_steps, post_batch, register_run
 
 
 def test_the_loss_chart_marks_each_spike_with_its_label(api) -> None:
@@ -78,3 +81,43 @@ def test_the_layer_view_draws_the_evidence_the_run_sent_and_no_empty_panel(api) 
                                                                   range(0, 100, 10)])
     page = api.get("/runs/evidence/layers/0").text
     assert "Update ratio" in page and "Zero grad elements" not in page
+
+
+# each drawn spike label's box and its chart's, in page pixels
+LABEL_BOXES = """() => Array.from(document.querySelectorAll('#fig-loss .annotation')).map(a => {
+    const svg = document.querySelector('#fig-loss .main-svg').getBoundingClientRect();
+    const box = a.getBoundingClientRect();
+    return {text: a.textContent, box: [box.left, box.top, box.right, box.bottom],
+            chart: [svg.left, svg.top, svg.right, svg.bottom]}; })"""
+
+
+@pytest.mark.browser
+@pytest.mark.parametrize("width", [1366, 800])
+def test_every_spike_label_fits_in_its_chart(chromium, dashboard, tmp_path, width) -> None:
+    """The rotated label at a spike is drawn whole, at both widths, even the longest label
+    a spike can get (issue 50: "ike (model.layers.0.post_..." was clipped)."""
+    run_id = f"spiky-label-{width}"
+    with httpx.Client(base_url=dashboard.url, timeout=30) as api:
+        seed_spike(api, run_id)
+        spikes = api.get(f"/api/v1/runs/{run_id}/findings",
+                         params={"kind": "loss_spike", **WAIT}).json()["items"]
+    assert [f["step"] for f in spikes] == [250]
+    browser = open_browser(chromium, dashboard.url, tmp_path, width=width)
+    try:
+        browser.goto(f"/runs/{run_id}")
+        browser.wait_for_plots("loss")
+        (drawn,) = browser.page.evaluate(LABEL_BOXES)
+        assert drawn["text"] == "bad_batch"
+        longest = max(CAUSE_WORDS, key=len)
+        browser.page.evaluate("t => Plotly.relayout('fig-loss', {'annotations[0].text': t})",
+                              longest)
+        for label in browser.page.evaluate(LABEL_BOXES):
+            assert label["text"] == longest
+            left, top, right, bottom = label["box"]
+            c_left, c_top, c_right, c_bottom = label["chart"]
+            assert c_left <= left and right <= c_right and c_top <= top and bottom <= c_bottom, (
+                width, label)
+        browser.page.screenshot(path=str(tmp_path / f"spike-label-{width}.png"))
+        assert not browser.errors
+    finally:
+        browser.page.context.close()
