@@ -188,3 +188,48 @@ def test_the_first_bad_layer_of_a_compiled_model_is_named(attach, offline: Path,
         None if truth[i] is None else names.index(str(truth[i])) for i in range(6)]
     assert [s["forward_nonfinite"] for s in steps] == [True if i == 3 else None
                                                       for i in range(6)]
+
+
+def test_a_compiled_model_on_the_device_path_is_searched_when_the_scaler_skips(
+        attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The accelerator path (forced on the CPU), fp16 under a GradScaler, a compiled
+    model: healthy steps check no output; the step the scaler skips (an inf written into
+    a Linear's weight at step 3) is replayed through the eager module, which names that
+    Linear, with no graph break or recompile. Truth: the test's own eager pass."""
+    monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
+    model = five_layers()
+    compiled = torch.compile(model, backend=BACKEND)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    attachment = attach(compiled, scaler)
+    clean = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
+    truth: dict[int, int | None] = {}
+    for i in range(6):
+        if i == 3:
+            with torch.no_grad():
+                model[4].weight[0, 0] = math.inf
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
+            out, truth[i] = x, None
+            for position, child in enumerate(model):
+                out = child(out)
+                if truth[i] is None and not bool(out.isfinite().all()):
+                    truth[i] = position
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = compiled(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        model.load_state_dict(clean)
+    attachment.flush()
+    assert sum(counters["graph_break"].values()) == 0
+    assert counters["stats"]["unique_graphs"] == 1
+    assert truth == {i: 4 if i == 3 else None for i in range(6)}
+    names = [layer["name"] for layer in spooled(offline, attachment.run_id)[-1]["run"]["layers"]]
+    steps = spooled_steps(offline, attachment.run_id)
+    assert [s["skipped"] for s in steps] == [i == 3 for i in range(6)]
+    assert [s["first_nonfinite_layer"] for s in steps] == [
+        names.index("4") if i == 3 else None for i in range(6)]
+    assert [s["forward_nonfinite"] for s in steps] == [True if i == 3 else None
+                                                      for i in range(6)]
