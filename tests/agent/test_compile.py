@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -148,14 +149,23 @@ def test_blocks_compiled_before_attach(attach, offline: Path) -> None:
     assert [layer["name"] for layer in layers] == [str(i) for i in range(10)]
 
 
-@pytest.mark.parametrize("order", ["attach_then_compile", "attach_compiled", "module_compile"])
-def test_the_first_bad_layer_of_a_compiled_model_is_named(attach, offline: Path,
-                                                          order: str) -> None:
-    """An inf written into a Linear's weight at step 3 of a compiled model: the step's
-    loss is inf, the agent replays its forward through the eager module and names that
-    Linear, with no added graph break or recompile. Truth: the test replays the batch
-    through the children itself; the weights are put back after the step."""
-    model, compiled, attachment = attach_compiled(attach, order)
+def first_bad_child(model: nn.Sequential, x: torch.Tensor, dtype: torch.dtype) -> int | None:
+    """The truth: the position of the first child whose output held inf/NaN, the test
+    running the children itself, eagerly, under autocast to `dtype`."""
+    with torch.no_grad(), torch.autocast("cpu", dtype=dtype):
+        for position, child in enumerate(model):
+            x = child(x)
+            if not bool(x.isfinite().all()):
+                return position
+    return None
+
+
+def train_with_an_inf_weight_at_3(model: nn.Sequential, compiled: nn.Module,
+                                  dtype: torch.dtype, scaler: Any = None
+                                  ) -> dict[int, int | None]:
+    """Six steps of `compiled` (SGD, autocast to `dtype`, under `scaler` if given), an inf
+    written into model[4]'s weight as step 3 begins, the weights put back after each step;
+    per step, the truth of `first_bad_child`."""
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     clean = {k: v.clone() for k, v in model.state_dict().items()}
     x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
@@ -164,19 +174,30 @@ def test_the_first_bad_layer_of_a_compiled_model_is_named(attach, offline: Path,
         if i == 3:
             with torch.no_grad():
                 model[4].weight[0, 0] = math.inf
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
-            out = x
-            truth[i] = None
-            for position, child in enumerate(model):
-                out = child(out)
-                if truth[i] is None and not bool(out.isfinite().all()):
-                    truth[i] = position
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        truth[i] = first_bad_child(model, x, dtype)
+        with torch.autocast("cpu", dtype=dtype):
             loss = compiled(x).float().pow(2).mean()
-        loss.backward()
-        optimizer.step()
+        if scaler is None:
+            loss.backward()
+            optimizer.step()
+        else:
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
         optimizer.zero_grad()
         model.load_state_dict(clean)
+    return truth
+
+
+@pytest.mark.parametrize("order", ["attach_then_compile", "attach_compiled", "module_compile"])
+def test_the_first_bad_layer_of_a_compiled_model_is_named(attach, offline: Path,
+                                                          order: str) -> None:
+    """An inf written into a Linear's weight at step 3 of a compiled model: the step's
+    loss is inf, the agent replays its forward through the eager module and names that
+    Linear, with no added graph break or recompile. Truth: the test replays the batch
+    through the children itself; the weights are put back after the step."""
+    model, compiled, attachment = attach_compiled(attach, order)
+    truth = train_with_an_inf_weight_at_3(model, compiled, torch.bfloat16)
     attachment.flush()
     assert sum(counters["graph_break"].values()) == 0
     assert counters["stats"]["unique_graphs"] == 1  # compiled once: no recompile
@@ -199,29 +220,9 @@ def test_a_compiled_model_on_the_device_path_is_searched_when_the_scaler_skips(
     monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     model = five_layers()
     compiled = torch.compile(model, backend=BACKEND)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = torch.amp.GradScaler("cpu")
     attachment = attach(compiled, scaler)
-    clean = {k: v.clone() for k, v in model.state_dict().items()}
-    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(1))
-    truth: dict[int, int | None] = {}
-    for i in range(6):
-        if i == 3:
-            with torch.no_grad():
-                model[4].weight[0, 0] = math.inf
-        with torch.no_grad(), torch.autocast("cpu", dtype=torch.float16):
-            out, truth[i] = x, None
-            for position, child in enumerate(model):
-                out = child(out)
-                if truth[i] is None and not bool(out.isfinite().all()):
-                    truth[i] = position
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = compiled(x).float().pow(2).mean()
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad()
-        model.load_state_dict(clean)
+    truth = train_with_an_inf_weight_at_3(model, compiled, torch.float16, scaler)
     attachment.flush()
     assert sum(counters["graph_break"].values()) == 0
     assert counters["stats"]["unique_graphs"] == 1
