@@ -209,7 +209,8 @@ class ActivationCollector(Collector):
         self._searched = True
         module = self.session.inner  # a compiled model's eager module
         for forward in held:
-            call = first_bad_output(module, forward, self._layer_modules)
+            call = first_bad_output(module, forward, self._layer_modules,
+                                    on_device=not self.session.host_reduce)
             if call is not None:
                 self._calls.append(call)
                 break

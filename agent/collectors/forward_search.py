@@ -74,24 +74,32 @@ def loss_is_bad(loss: torch.Tensor | None) -> bool:
 
 
 def first_bad_output(module: nn.Module, held: HeldForward,
-                     layers: list[tuple[int, nn.Module]]) -> Call | None:
+                     layers: list[tuple[int, nn.Module]], on_device: bool = False
+                     ) -> Call | None:
     """Replay `held` through `module.forward` (its own hooks bypassed: the agent's root
     hooks must not count it as a training forward); the first output of `layers` (index,
     module) with inf/NaN as a call (layer index, dtype, (min, max)), or None when every
     output is finite. Each layer's check is its last forward hook, as the agent's own
-    are: it sees the output the user's hooks returned."""
+    are: it sees the output the user's hooks returned. On the host each output is read as
+    it is checked (the replay stops checking at the first bad one); `on_device` (the
+    accelerator path), each (min, max) stays on the device and all of them are read at the
+    end, at once: one wait."""
     found: list[Call] = []
+    pending: list[tuple[int, torch.dtype, torch.Tensor]] = []  # device (min, max) pairs
 
     def check(index: int, output: Any) -> None:
         if found:
             return
         tensor = first_float_tensor(output)
-        if tensor is not None and tensor.numel():
-            stats = finite_checks.finite_check(tensor.detach())
-            # a sum of finite values can overflow: then the exact (min, max) decides
-            if stats is not FINITE and not (math.isfinite(stats[0])
-                                            and math.isfinite(stats[1])):
-                found.append((index, tensor.dtype, stats, None, None))
+        if tensor is None or not tensor.numel():
+            return
+        if on_device:
+            pending.append((index, tensor.dtype, torch.stack(torch.aminmax(tensor.detach()))))
+            return
+        stats = finite_checks.finite_check(tensor.detach())
+        # a sum of finite values can overflow: then the exact (min, max) decides
+        if stats is not FINITE and not (math.isfinite(stats[0]) and math.isfinite(stats[1])):
+            found.append((index, tensor.dtype, stats, None, None))
 
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     handles = [layer.register_forward_hook(
@@ -112,5 +120,10 @@ def first_bad_output(module: nn.Module, held: HeldForward,
             for name, value in module.named_buffers():
                 if name in buffers and value.shape == buffers[name].shape:
                     value.copy_(buffers[name])
+    if pending:  # the one read of the search on a device
+        pairs = torch.stack([pair.float() for _, _, pair in pending]).tolist()
+        for (index, dtype, _), (low, high) in zip(pending, pairs, strict=True):
+            if not (math.isfinite(low) and math.isfinite(high)):
+                return index, dtype, (low, high), None, None
     return found[0] if found else None
 

@@ -247,6 +247,29 @@ def allow_loop_syncs(scaler: Any, device: torch.device) -> None:
     scaler._maybe_opt_step = maybe_opt_step
 
 
+def allow_search_syncs(monkeypatch: Any, device: torch.device) -> list[int]:
+    """Exclude the agent's search of a step a GradScaler skipped from a sync-checked step:
+    its replay of that step's forward reads every layer's (min, max) at once (one host
+    read, after the scaler's own; agent/collectors/forward_search.py), made here with the
+    mode off. Returns the list each search appends its answer to (a layer index, or -1)."""
+    from ampwatch.agent.collectors import activations
+
+    original = activations.first_bad_output
+    searched: list[int] = []
+
+    def search(*args: Any, **kwargs: Any) -> Any:
+        set_sync_debug("default", device)
+        try:
+            call = original(*args, **kwargs)
+        finally:
+            set_sync_debug("error", device)
+        searched.append(-1 if call is None else call[0])
+        return call
+
+    monkeypatch.setattr(activations, "first_bad_output", search)
+    return searched
+
+
 # host waits the sync debug mode does not flag (c10 flags only the synchronising copies
 # and stream/device syncs it wraps): an event or stream waited on from the training thread
 WAITS = (("Event", "synchronize"), ("Event", "elapsed_time"), ("Stream", "synchronize"))

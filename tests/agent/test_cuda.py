@@ -19,6 +19,7 @@ from tests.agent.gpu_loops import (
     GPTConfig,
     Loop,
     allow_loop_syncs,
+    allow_search_syncs,
     fp8_unavailable,
     host_waits,
     overflow_factors,
@@ -54,10 +55,12 @@ INDUCTOR = [pytest.mark.filterwarnings(
 
 @pytest.mark.parametrize("recipe", [pytest.param(r, marks=INDUCTOR) if r == "compiled" else r
                                     for r in RECIPES])
-def test_no_host_sync_in_any_recipe(attach, offline: Path, recipe: str) -> None:
+def test_no_host_sync_in_any_recipe(attach, offline: Path, recipe: str,
+                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """100 steps under the sync debug mode, sampled steps and an overflow's anomaly window
-    included; the loop's own found_inf read is the only sync allowed. A sync in the agent's
-    hooks is swallowed by its guard and fails the test through `agent_errors`."""
+    included; the loop's own found_inf read is the only sync allowed, and the agent's one
+    read when the scaler skipped a step (its search of that step's forward). A sync in the
+    agent's hooks is swallowed by its guard and fails the test through `agent_errors`."""
     if recipe == "fp8_torchao":
         _needs_fp8()
     loop = Loop(recipe, CUDA)
@@ -69,6 +72,7 @@ def test_no_host_sync_in_any_recipe(attach, offline: Path, recipe: str) -> None:
     for i in range(warmup):
         loop.step(tokens[i], factors[i])
     allow_loop_syncs(loop.scaler, CUDA)
+    searched = allow_search_syncs(monkeypatch, CUDA)
     with host_waits() as waits:
         for i in range(warmup, warmup + steps):
             with sync_errors(CUDA):
@@ -81,6 +85,10 @@ def test_no_host_sync_in_any_recipe(attach, offline: Path, recipe: str) -> None:
     assert bool(sampled) != loop.compiled  # sampled steps were checked (never when compiled)
     if scaled:
         assert records[warmup + 30]["skipped"]
+    # searched: each unsampled step the scaler skipped, and only those (never a healthy
+    # one): a replay per micro-batch at most, up to the first with a bad output
+    skipped = [r["step"] for r in records[warmup:] if r["skipped"] and "activations" not in r]
+    assert len(skipped) <= len(searched) <= loop.micro * len(skipped), (searched, skipped)
 
 
 def test_the_loops_own_sync_raises_where_it_is_not_excluded() -> None:
