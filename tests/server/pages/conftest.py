@@ -46,19 +46,22 @@ def dashboard(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     tmp = tmp_path_factory.mktemp("dashboard")
     server = LiveServer(f"sqlite:///{tmp / 'live.db'}", tmp / "server.log")
     server.start()
-    try:
-        Trainer(server.url, "healthy-fp16", "healthy fp16", Net(seed=0, norm=False),
-                tags=["fp16"]).train(150).close()
-        Trainer(server.url, "diverging-fp16", "diverging fp16",
-                Net(seed=1, width=100, boom=1e6), tags=["fp16"]).train(60).close()
-        Trainer(server.url, "bf16-run", "bf16 run", Net(seed=2), dtype=torch.bfloat16,
-                tags=["bf16"]).train(60).close()
-        Trainer(server.url, "xss-run", XSS, XssNet(), project=XSS_PROJECT,
-                tags=[XSS]).train(20).close()
-        server.wait_for_analysis()  # the pages tell the findings of all it was sent
-        yield server
-    finally:
-        server.stop()
+    # a spool of its own: each module that asks for it trains the same run ids again
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("AMPWATCH_SPOOL_DIR", str(tmp / "spool"))
+        try:
+            Trainer(server.url, "healthy-fp16", "healthy fp16", Net(seed=0, norm=False),
+                    tags=["fp16"]).train(150).close()
+            Trainer(server.url, "diverging-fp16", "diverging fp16",
+                    Net(seed=1, width=100, boom=1e6), tags=["fp16"]).train(60).close()
+            Trainer(server.url, "bf16-run", "bf16 run", Net(seed=2), dtype=torch.bfloat16,
+                    tags=["bf16"]).train(60).close()
+            Trainer(server.url, "xss-run", XSS, XssNet(), project=XSS_PROJECT,
+                    tags=[XSS]).train(20).close()
+            server.wait_for_analysis()  # the pages tell the findings of all it was sent
+            yield server
+        finally:
+            server.stop()
 
 
 GROWING_LAYER = "6"  # the Linear of the fp16 run whose gain grows 2.5% a step

@@ -5,6 +5,7 @@ twin carries their matrices."""
 from __future__ import annotations
 
 import base64
+from collections.abc import Iterator
 
 import httpx
 import numpy as np
@@ -12,6 +13,7 @@ import pytest
 
 from ampwatch.server.analysis.spikes import CAUSE_WORDS
 from tests.client.test_spikes import N_LAYERS, seed_spike
+from tests.conftest import LiveServer, module_server
 from tests.server.pages.conftest import open_browser
 from tests.utils import WAIT, make_steps, post_batch, register_run
 
@@ -91,18 +93,23 @@ LABEL_BOXES = """() => Array.from(document.querySelectorAll('#fig-loss .annotati
             chart: [svg.left, svg.top, svg.right, svg.bottom]}; })"""
 
 
+@pytest.fixture(scope="module")
+def spike_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    yield from module_server(tmp_path_factory, "spike-labels")
+
+
 @pytest.mark.browser
 @pytest.mark.parametrize("width", [1366, 800])
-def test_every_spike_label_fits_in_its_chart(chromium, dashboard, tmp_path, width) -> None:
+def test_every_spike_label_fits_in_its_chart(chromium, spike_server, tmp_path, width) -> None:
     """The rotated label at a spike is drawn whole, at both widths, even the longest label
     a spike can get (issue 50: "ike (model.layers.0.post_..." was clipped)."""
     run_id = f"spiky-label-{width}"
-    with httpx.Client(base_url=dashboard.url, timeout=30) as api:
+    with httpx.Client(base_url=spike_server.url, timeout=30) as api:
         seed_spike(api, run_id)
         spikes = api.get(f"/api/v1/runs/{run_id}/findings",
                          params={"kind": "loss_spike", **WAIT}).json()["items"]
     assert [f["step"] for f in spikes] == [250]
-    browser = open_browser(chromium, dashboard.url, tmp_path, width=width)
+    browser = open_browser(chromium, spike_server.url, tmp_path, width=width)
     try:
         browser.goto(f"/runs/{run_id}")
         browser.wait_for_plots("loss")
