@@ -109,18 +109,53 @@
     }
   }
 
-  // The zoom goes in the address (?start=&end=), so a link opens on the same steps.
+  // The zoom goes in the address (?start=&end=), so a link opens on the same steps. On a
+  // time axis the zoom's ends are times: the address keeps the first and last step drawn
+  // between them (each point's hover text names its step).
   var pageQuery = window.location.search;
 
-  function rememberZoom(range) {
+  function rememberZoom(range, el) {
     var query = new URLSearchParams(pageQuery);
-    if (range && (query.get("x") || "step") === "step") {  // start/end are steps
-      query.set("start", String(Math.max(0, Math.floor(range[0]))));
-      query.set("end", String(Math.max(0, Math.ceil(range[1]))));
+    var steps = range && ((query.get("x") || "step") === "step" ? range : stepsIn(el, range));
+    if (steps) {
+      query.set("start", String(Math.max(0, Math.floor(steps[0]))));
+      query.set("end", String(Math.max(0, Math.ceil(steps[1]))));
     }
     var search = query.toString();
     window.history.replaceState(null, "", window.location.pathname +
       (search ? "?" + search : "") + window.location.hash);
+  }
+
+  // A time axis's value as a number: relative time is one; wall time comes back from a
+  // zoom as a UTC date string ("2026-11-29 01:02:03.4567"), drawn from milliseconds.
+  function timeValue(value) {
+    if (typeof value === "number") {
+      return value;
+    }
+    var iso = String(value).replace(" ", "T").replace(/(\.\d{3})\d+/, "$1");
+    return Date.parse(/[zZ]|[+-]\d\d:?\d\d$/.test(iso) ? iso : iso + "Z");
+  }
+
+  // The first and last step drawn between a time axis's `range` on chart `el`; null when
+  // none is.
+  function stepsIn(el, range) {
+    var low = timeValue(range[0]);
+    var high = timeValue(range[1]);
+    var first = null;
+    var last = null;
+    (el && el._fullData || []).forEach(function (trace) {
+      var xs = trace.x || [];
+      var texts = trace.text || [];
+      for (var i = 0; i < xs.length; i++) {
+        var x = timeValue(xs[i]);
+        var step = parseInt(String(texts[i] || "").replace(/,/g, ""), 10);
+        if (x >= low && x <= high && !isNaN(step)) {
+          first = first === null ? step : Math.min(first, step);
+          last = last === null ? step : Math.max(last, step);
+        }
+      }
+    });
+    return first === null ? null : [first, last];
   }
 
   // Heatmaps coloured by log10 (meta "log10") hover with the value itself: customdata
@@ -266,7 +301,7 @@
           return;
         }
         userRange = range === sharedRange ? null : range.slice();
-        rememberZoom(userRange);
+        rememberZoom(userRange, el);
         syncing = true;
         Promise.all(stepCharts().map(function (other) {
           return Plotly.relayout(other, { "xaxis.range": range.slice() });

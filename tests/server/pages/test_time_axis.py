@@ -154,3 +154,39 @@ def test_compare_smooths_and_logs_every_chart_and_keeps_it_in_the_address(field_
         "document.getElementById('fig-grad_norm')._fullLayout.yaxis.type") == "linear"
     assert browser.lines("step_time") == smoothed
     browser.assert_clean()
+
+
+@pytest.mark.parametrize("axis", ["relative", "wall"])
+def test_a_zoom_on_a_time_axis_is_kept_in_the_link_as_steps(field_browser, field_runs,
+                                                            axis):
+    """Zoomed on a time axis, the address keeps the first and last step drawn in the
+    zoomed span, so the link reopens on them (still on that axis)."""
+    browser = field_browser
+    elapsed, created_ms = clock(field_runs.server.url, "growing-fp16")
+    browser.goto(f"/runs/growing-fp16?x={axis}")
+    browser.wait_for_plots(*STEP_CHARTS)
+    steps = sorted(elapsed)
+    low, high = steps[len(steps) // 4], steps[len(steps) // 2]
+    # the zoom's ends, half-way between two steps' times, as the axis reads them
+    scale = 1000.0 if axis == "relative" else 1.0
+    offset = 0.0 if axis == "relative" else created_ms
+    ends = [(offset + (elapsed[a] + elapsed[b]) / 2) / scale
+            for a, b in ((steps[steps.index(low) - 1], low), (high, steps[steps.index(high) + 1]))]
+    if axis == "wall":  # a date axis hands its range back as UTC date strings
+        ends = browser.page.evaluate(
+            "ms => ms.map(v => new Date(v).toISOString().replace('T', ' ').replace('Z', ''))",
+            ends)
+    browser.page.evaluate("r => Plotly.relayout('fig-grad_norm', {'xaxis.range': r})", ends)
+    browser.page.wait_for_function("() => window.location.search.includes('start=')")
+    query = parse_qs(urlsplit(browser.page.url).query)
+    drawn = [step for step, _ in plotted(browser, "grad_norm", 0)[1]
+             if low <= step <= high]
+    assert query["x"] == [axis]
+    assert (int(query["start"][0]), int(query["end"][0])) == (min(drawn), max(drawn))
+    browser.page.reload()
+    browser.page.wait_for_load_state("networkidle")
+    browser.wait_for_plots("grad_norm")
+    reopened = [step for step, _ in plotted(browser, "grad_norm", 0)[1]]
+    assert min(reopened) >= min(drawn) and max(reopened) <= max(drawn)
+    assert browser.page.locator("select.x-axis").input_value() == axis
+    browser.assert_clean()
