@@ -1,13 +1,20 @@
 """Cheap by design (docs/agent.md): on a healthy, unsampled CPU step the agent reads at
 most 3% more elements than the plain step, counted with torch.profiler over all threads
-on the nanoGPT-style model of bench/agent_overhead.py (4 blocks, bf16 autocast)."""
+on the nanoGPT-style model of bench/agent_overhead.py (4 blocks, bf16 autocast under a
+GradScaler), on the host path and on the accelerator path forced on the CPU."""
 
 from __future__ import annotations
+
+import pytest
 
 from bench.elements_read import measure
 
 
-def test_a_healthy_unsampled_step_reads_almost_nothing_extra() -> None:
+@pytest.mark.parametrize("path", ["host", "device"])
+def test_a_healthy_unsampled_step_reads_almost_nothing_extra(
+        path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    if path == "device":  # the scaler's skip is that path's flag: no output read
+        monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     plain, watched = measure("flagged")
     assert plain > 10_000_000  # the count sees the step's GEMMs
     assert (watched - plain) / plain <= 0.03, (plain, watched)
