@@ -78,10 +78,12 @@ def ensure_installed(out: Path, install: bool, deadline_s: float) -> list[str]:
             importlib.util.find_spec(m) is None for m in SERVER_MODULES):
         wanted += ["-e", f"{REPO}[server]"]
     # the check's local server is the test suite's (tests/conftest.py imports pytest), and
-    # `pytest -m cuda` is the acceptance's second half
-    for module in ("pytest", "torchao"):
+    # `pytest -m cuda` is the acceptance's second half (pytest-xdist: pyproject's addopts
+    # name its -n)
+    for module, package in (("pytest", "pytest"), ("xdist", "pytest-xdist"),
+                            ("torchao", "torchao")):
         if importlib.util.find_spec(module) is None:
-            wanted.append(module)
+            wanted.append(package)
     if not wanted:
         return ["nothing to install"] if "AMPWATCH_GPU_CHECK_T0" not in os.environ else [
             os.environ.get("AMPWATCH_GPU_CHECK_INSTALLED", "")]
