@@ -58,6 +58,17 @@ def _moved_from(members: list[Any]) -> int | None:
     return None
 
 
+def _carried(members: list[Any]) -> set[str] | None:
+    """A growth's layers downstream whose outputs grew with it (server/analysis/weights.py),
+    the only ones it takes findings from besides its own; None for a jump (whose
+    step-sized rescale explains everything after it)."""
+    for finding in members:
+        evidence = _get(finding, "evidence") or {}
+        if _get(finding, "kind") == "weight_jump" and _code(finding) == "weight_growth":
+            return set(evidence.get("carried") or ())
+    return None
+
+
 def _of_gradients(members: list[Any]) -> bool:
     """Whether every finding of a group is about a gradient tensor (an FP8 cast's `grad`):
     gradients flow backward, so a layer before the moved weights gets their larger
@@ -73,7 +84,8 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
     the weights stayed moved (or since a growth began rising: a growth alone is info, but
     the top card must name the layer where the growth starts, not the first one downstream
     to cross a line), in that layer or one after it in forward order (or with no layer; or
-    before it, for a gradient's FP8 cast). The larger weights explain them."""
+    before it, for a gradient's FP8 cast); for a growth, only in that layer or one whose
+    outputs grew with it. The larger weights explain them."""
     jumps = [key for key in groups if key[0] != "finding" and key[2] == WEIGHT_CAUSE]
     for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
         if key not in groups:
@@ -81,6 +93,7 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
         begun = _moved_from(groups[key])
         if begun is None:
             continue
+        reach = _carried(groups[key])
         end, position = _last_step(groups[key]), order.get(key[3])
         for other in [k for k in groups if k != key]:
             members = groups[other]
@@ -95,6 +108,9 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
                           or (position is not None and at is not None and at >= position)
                           or _of_gradients(members))
             first = _first_step(members)
+            if reach is not None:  # a growth: only the layers whose outputs grew with it
+                named = {layer, *(_get(f, "layer") for f in members)}
+                downstream = bool(named & (reach | {key[3]}))
             if follows and downstream and first is not None and begun <= first <= end:
                 groups[key] += groups.pop(other)
 

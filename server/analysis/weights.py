@@ -15,7 +15,8 @@ the spike suite's pushes (query/key learning rate 2.0, an output shift's 100) mo
 11-22x in ten steps, so a jump (100x by default) is a rescale no optimizer step makes:
 a warning (critical from 1000x). A growth is info: evidence that names where a growth
 starts (it can be harmless: queries and keys under qk-layernorm), never an alert of its
-own. Pure numpy over the window's samples.
+own; its evidence lists the layers after it whose outputs grew with it (`carried`), the
+only ones whose findings it explains. Pure numpy over the window's samples.
 """
 
 from __future__ import annotations
@@ -57,6 +58,8 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
             big = evidence["factor"] >= 1000 or evidence["factor"] <= 0.001
             severity = "info" if code == "weight_growth" else "critical" if big else "warning"
             fix = GROWTH_FIX if code == "weight_growth" else FIX
+            if code == "weight_growth":
+                evidence["carried"] = carried(window, int(layer), first, evidence["factor"])
             drafts.append(FindingDraft(
                 kind=FindingKind.WEIGHT_JUMP, code=code, key=f"{FindingKind.WEIGHT_JUMP}:{name}",
                 severity=severity,
@@ -65,6 +68,27 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
                 evidence={**evidence, "cause": CAUSE, "fix": fix},
                 occurrences=steps[steps >= first], active=active))
     return Detection(drafts=drafts, covers=("weight_jump:",))
+
+
+def carried(window: Window, layer: int, first: int, factor: float) -> list[str]:
+    """The layers after `layer` in forward order whose sampled output abs-max grew with its
+    weights: at least sqrt(`factor`) times from the first sample at or after step `first`
+    to the last finite one. A growth is the cause of what breaks in these layers only (an
+    embedding growing slowly through a long run explains nothing about a layer whose
+    outputs did not follow it)."""
+    series = window.series
+    absmax = series.act_absmax
+    if absmax is None or not len(series.act_step):
+        return []
+    position = window.run.forward_position(series.n_layers)
+    since = series.act_step >= first
+    out = []
+    for other in np.flatnonzero(position > position[layer]):
+        values = absmax[since, other]
+        values = values[(values > 0) & np.isfinite(values)]
+        if values.size >= 2 and values[-1] >= np.sqrt(factor) * values[0]:
+            out.append(window.run.layer_name(int(other)))
+    return out
 
 
 def moved(steps: np.ndarray, v: np.ndarray, settings: AnalysisSettings) -> tuple | None:

@@ -283,3 +283,23 @@ def test_what_follows_a_weight_jump_joins_it_as_kinds_py_declares():
     assert sorted(weights.findings) == sorted(f["id"] for f in (jump, overflow, spike))
     assert weights.headline == "Layer 'fc2''s weights jumped at step 40"
     assert len(incidents) == 4
+
+
+def test_a_growth_takes_in_only_what_broke_where_outputs_grew_with_it():
+    """A slow growth of the embedding's weights (info) whose outputs grew downstream in
+    h.0 only: h.0's overflow joins it, and its incident takes the overflow's severity;
+    h.5's attention-logit precursor (h.5's outputs did not grow with it) and a spike that
+    names no layer stay incidents of their own, so the card does not blame the embedding."""
+    growth = {**finding("weight_jump", 0, layer="wte", severity="info", last_step=900,
+                        cause="weight_jump", growth_step=0, carried=["h.0"]),
+              "code": "weight_growth"}
+    overflow = finding("nonfinite", 400, layer="h.0", cause="forward_overflow")
+    precursor = {**finding("spike_precursor", 500, layer="h.5", cause="loss_spike",
+                           spike_step=510), "code": "attention_logit_growth"}
+    spike = finding("loss_spike", 700, cause="loss_spike", spike_step=700)
+    order = {"wte": 0, "h.0": 1, "h.5": 2}
+    incidents = group_incidents([growth, overflow, precursor, spike], order)
+    grown = next(i for i in incidents if i.cause == "weight_jump")
+    assert sorted(grown.findings) == sorted(f["id"] for f in (growth, overflow))
+    assert (grown.severity, grown.headline) == ("warning", "Layer 'wte''s weights grew from step 0")
+    assert len(incidents) == 3
