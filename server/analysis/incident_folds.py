@@ -44,28 +44,19 @@ def _last_step(members: list[Any]) -> int:
                     else _get(f, "step")) is not None), default=-1)
 
 
-def _moved_from(members: list[Any]) -> int | None:
-    """The first step the weights of a weight-jump group can explain: the step after the
-    sample before a jump, or where a growth began rising; None without either."""
+def _moved(members: list[Any]) -> tuple[int, set[str] | None] | None:
+    """What a weight-jump group's weights can explain: (the first step: the step after the
+    sample before a jump, or where a growth began rising; for a growth, the layers after
+    it whose outputs grew with it (server/analysis/weights.py), None for a jump, whose
+    step-sized rescale explains everything after it). None without either."""
     for finding in members:
         evidence = _get(finding, "evidence") or {}
         if _get(finding, "kind") != "weight_jump":
             continue
         if _code(finding) == "weight_jump" and evidence.get("before_step") is not None:
-            return evidence["before_step"] + 1
+            return evidence["before_step"] + 1, None
         if _code(finding) == "weight_growth" and evidence.get("growth_step") is not None:
-            return evidence["growth_step"]
-    return None
-
-
-def _carried(members: list[Any]) -> set[str] | None:
-    """A growth's layers downstream whose outputs grew with it (server/analysis/weights.py),
-    the only ones it takes findings from besides its own; None for a jump (whose
-    step-sized rescale explains everything after it)."""
-    for finding in members:
-        evidence = _get(finding, "evidence") or {}
-        if _get(finding, "kind") == "weight_jump" and _code(finding) == "weight_growth":
-            return set(evidence.get("carried") or ())
+            return evidence["growth_step"], set(evidence.get("carried") or ())
     return None
 
 
@@ -90,10 +81,10 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
     for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
         if key not in groups:
             continue
-        begun = _moved_from(groups[key])
-        if begun is None:
+        moved = _moved(groups[key])
+        if moved is None:
             continue
-        reach = _carried(groups[key])
+        begun, reach = moved
         end, position = _last_step(groups[key]), order.get(key[3])
         for other in [k for k in groups if k != key]:
             members = groups[other]
@@ -103,14 +94,15 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
             follows = may_follow(members, WEIGHT_CAUSE) and (
                 other[0] == "finding" or other[2] in AFTER_WEIGHTS)
             layer = other[3] if other[0] != "finding" else _get(lead, "layer")
-            at = order.get(layer) if layer not in (None, "-") else None
-            downstream = (layer in (None, "-", key[3]) or layer.startswith("step ")
-                          or (position is not None and at is not None and at >= position)
-                          or _of_gradients(members))
-            first = _first_step(members)
-            if reach is not None:  # a growth: only the layers whose outputs grew with it
+            if reach is None:
+                at = order.get(layer) if layer not in (None, "-") else None
+                downstream = (layer in (None, "-", key[3]) or layer.startswith("step ")
+                              or (position is not None and at is not None and at >= position)
+                              or _of_gradients(members))
+            else:  # a growth: only its own layer and those whose outputs grew with it
                 named = {layer, *(_get(f, "layer") for f in members)}
                 downstream = bool(named & (reach | {key[3]}))
+            first = _first_step(members)
             if follows and downstream and first is not None and begun <= first <= end:
                 groups[key] += groups.pop(other)
 

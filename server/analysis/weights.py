@@ -72,23 +72,25 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
 
 def carried(window: Window, layer: int, first: int, factor: float) -> list[str]:
     """The layers after `layer` in forward order whose sampled output abs-max grew with its
-    weights: at least sqrt(`factor`) times from the first sample at or after step `first`
-    to the last finite one. A growth is the cause of what breaks in these layers only (an
+    weights: at least sqrt(`factor`) times from their first finite sample at or after step
+    `first` to their last. A growth is the cause of what breaks in these layers only (an
     embedding growing slowly through a long run explains nothing about a layer whose
     outputs did not follow it)."""
     series = window.series
-    absmax = series.act_absmax
-    if absmax is None or not len(series.act_step):
+    if series.act_absmax is None or not len(series.act_step):
         return []
+    values = series.act_absmax[series.act_step >= first].astype(np.float64)
+    if not len(values):
+        return []
+    values[~((values > 0) & np.isfinite(values))] = np.nan
+    seen = np.isfinite(values)
+    counted = seen.sum(axis=0) >= 2
+    rows = np.arange(values.shape[1])
+    firsts = values[seen.argmax(axis=0), rows]
+    lasts = values[len(values) - 1 - seen[::-1].argmax(axis=0), rows]
     position = window.run.forward_position(series.n_layers)
-    since = series.act_step >= first
-    out = []
-    for other in np.flatnonzero(position > position[layer]):
-        values = absmax[since, other]
-        values = values[(values > 0) & np.isfinite(values)]
-        if values.size >= 2 and values[-1] >= np.sqrt(factor) * values[0]:
-            out.append(window.run.layer_name(int(other)))
-    return out
+    grew = counted & (position > position[layer]) & (lasts >= np.sqrt(factor) * firsts)
+    return [window.run.layer_name(int(other)) for other in np.flatnonzero(grew)]
 
 
 def moved(steps: np.ndarray, v: np.ndarray, settings: AnalysisSettings) -> tuple | None:
