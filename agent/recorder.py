@@ -29,6 +29,7 @@ import torch
 from ampwatch.agent import guard
 from ampwatch.agent.bundle import BundleWriter, to_host
 from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.collectors.forward_search import rng_states
 from ampwatch.agent.distributed import SHARDED_PARALLELISMS
 from ampwatch.agent.environment import scaler_config
 from ampwatch.agent.record_triggers import RecordSettings, Triggers
@@ -75,15 +76,6 @@ class Held:
     pre: HostCopy | None = None  # state dict copied before any update
     skipped: bool = False  # the optimizer did not step (a scaler found inf/NaN)
     judged: bool = False  # the worker has read the step
-
-
-def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
-    """The RNG states a forward on `device` draws from (host tensors; no device sync:
-    a CUDA generator's state is its seed and offset, kept on the host)."""
-    states = {"cpu": torch.get_rng_state()}
-    if device.type == "cuda":
-        states["cuda"] = torch.cuda.get_rng_state(device)
-    return states
 
 
 def _plain(value: Any) -> Any:

@@ -195,7 +195,7 @@ class ActivationCollector(Collector):
         self._pre_hooks.ensure()
         self._post_hooks.ensure()
         if self._search and training:
-            self._held.append(hold(args, kwargs, self.session.device_type))
+            self._held.append(hold(args, kwargs, self.session.device))
 
     def on_backward_begin(self, loss: torch.Tensor | None) -> None:
         # the CPU's flag: the loss, a host value (an accelerator's would need a sync)
@@ -235,7 +235,7 @@ class ActivationCollector(Collector):
     def _unflag(self) -> None:
         """Check every output on every step (the flag cannot be read without a sync)."""
         self._flagged = self._search = False
-        self._post_hooks.remove()
+        self._post_hooks.want(False)
         if not self._hooks:
             self._hooks = self._register_post_hooks()
 

@@ -37,29 +37,31 @@ from ampwatch.agent.collectors import finite_checks
 from ampwatch.agent.collectors.finite_checks import FINITE, Call, first_float_tensor
 
 
+def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
+    """The RNG states a forward on `device` draws from (host tensors; no device sync:
+    a CUDA generator's state is its seed and offset, kept on the host)."""
+    states = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        states["cuda"] = torch.cuda.get_rng_state(device)
+    return states
+
+
 @dataclass
 class HeldForward:
     """One training forward's inputs as it began (references, and the RNG states copied)."""
 
     args: tuple
     kwargs: dict
-    rng: torch.Tensor
-    device_type: str  # the model's device type, whose autocast is kept
+    device: torch.device  # the model's, whose autocast and generator are kept
+    rng: dict[str, torch.Tensor]  # rng_states(device)
     autocast: torch.dtype | None  # that device's autocast dtype in effect as it began
-    # the current CUDA device and its generator's state (seed and offset, host values)
-    cuda_rng: tuple[int, torch.Tensor] | None = None
 
 
-def hold(args: tuple, kwargs: dict, device_type: str = "cpu") -> HeldForward:
+def hold(args: tuple, kwargs: dict, device: torch.device) -> HeldForward:
     """Training thread: a few KB of host copy, no tensor read, no wait for a device."""
-    autocast = (torch.get_autocast_dtype(device_type)
-                if torch.is_autocast_enabled(device_type) else None)
-    cuda_rng = None
-    if device_type == "cuda":
-        device = torch.cuda.current_device()
-        cuda_rng = device, torch.cuda.get_rng_state(device)
-    return HeldForward(args, dict(kwargs), torch.get_rng_state(), device_type, autocast,
-                       cuda_rng)
+    kind = device.type
+    autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
+    return HeldForward(args, dict(kwargs), device, rng_states(device), autocast)
 
 
 def loss_is_bad(loss: torch.Tensor | None) -> bool:
@@ -104,14 +106,15 @@ def first_bad_output(module: nn.Module, held: HeldForward,
     buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
     handles = [layer.register_forward_hook(
         lambda m, a, out, index=index: check(index, out)) for index, layer in layers]
-    autocast = (torch.autocast(held.device_type, dtype=held.autocast)
+    autocast = (torch.autocast(held.device.type, dtype=held.autocast)
                 if held.autocast is not None else contextlib.nullcontext())
-    devices = [held.cuda_rng[0]] if held.cuda_rng is not None else []
+    cuda = "cuda" in held.rng
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad(), autocast:
-            torch.set_rng_state(held.rng)
-            if held.cuda_rng is not None:
-                torch.cuda.set_rng_state(held.cuda_rng[1], held.cuda_rng[0])
+        with torch.random.fork_rng(devices=[held.device] if cuda else []), torch.no_grad(), \
+                autocast:
+            torch.set_rng_state(held.rng["cpu"])
+            if cuda:
+                torch.cuda.set_rng_state(held.rng["cuda"], held.device)
             module.forward(*held.args, **held.kwargs)
     finally:
         for handle in handles:
