@@ -95,6 +95,21 @@ def _grow_fc2(step: int, model: nn.Module) -> None:
         model.fc2.weight.mul_(1.05)
 
 
+def _one_story_on_fc2(server: str, run_id: str, step: int, headline: str,
+                     serious: list[dict]) -> dict:
+    """The run's one incident at warning or worse: fc2's weights from `step`, titled
+    `headline`, holding every finding of `serious`, its fix clearing the precision."""
+    incidents = [i for i in _findings(server, run_id, "incidents") if i["severity"] != "info"]
+    assert len(incidents) == 1, [(i["cause"], i["layer"], i["findings"]) for i in incidents]
+    (incident,) = incidents
+    assert (incident["cause"], incident["layer"], incident["step"]) == ("weight_jump", "fc2",
+                                                                        step)
+    assert incident["headline"] == headline
+    assert {f["id"] for f in serious} <= set(incident["findings"])
+    assert "precision is not the cause" in incident["fix"]
+    return incident
+
+
 def test_weights_rescaled_by_the_loop_are_named_on_their_layer(server: LiveServer) -> None:
     run_id, norms, outputs = _train(server.url, 60, _rescale_fc2_at_40)
     # the truth: fc2's own weights and output jumped at step 40, the other layers' weights
@@ -116,14 +131,8 @@ def test_weights_rescaled_by_the_loop_are_named_on_their_layer(server: LiveServe
     assert all(f["step"] is not None and f["step"] >= 40 for f in serious), items
     # one story: what the larger weights did downstream (head's overflow, the scaler, the
     # loss spike) is fc2's incident, its title the layer and the step the weights moved
-    incidents = [i for i in _findings(server.url, run_id, "incidents")
-                 if i["severity"] != "info"]
-    assert len(incidents) == 1, [(i["cause"], i["layer"], i["findings"]) for i in incidents]
-    (incident,) = incidents
-    assert (incident["cause"], incident["layer"], incident["step"]) == ("weight_jump", "fc2", 40)
-    assert incident["headline"] == "Layer 'fc2''s weights jumped at step 40"
-    assert {f["id"] for f in serious} <= set(incident["findings"])
-    assert "precision is not the cause" in incident["fix"]
+    _one_story_on_fc2(server.url, run_id, 40, "Layer 'fc2''s weights jumped at step 40",
+                      serious)
     spike = [f for f in items if f["kind"] == "loss_spike"]
     assert [(f["code"], f["layer"]) for f in spike] in ([], [("weight_jump", "fc2")])
 
@@ -146,14 +155,8 @@ def test_a_growing_layer_is_named_where_the_growth_starts(server: LiveServer) ->
     assert downstream and all(f["layer"] in (None, "fc2", "fc3", "head") for f in downstream)
     # one story, told from where it starts: what broke downstream is fc2's growth's
     # incident, so the top card names fc2 and says the precision is not the cause
-    incidents = [i for i in _findings(server.url, run_id, "incidents")
-                 if i["severity"] != "info"]
-    assert len(incidents) == 1, [(i["cause"], i["layer"], i["findings"]) for i in incidents]
-    (incident,) = incidents
-    assert (incident["cause"], incident["layer"], incident["step"]) == ("weight_jump", "fc2", 0)
-    assert incident["headline"] == "Layer 'fc2''s weights grew from step 0"
-    assert {f["id"] for f in downstream} <= set(incident["findings"])
-    assert "precision is not the cause" in incident["fix"]
+    incident = _one_story_on_fc2(server.url, run_id, 0,
+                                 "Layer 'fc2''s weights grew from step 0", downstream)
     assert "fp32" not in incident["fix"] and "bf16" not in incident["fix"]
 
 
