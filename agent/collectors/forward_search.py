@@ -19,8 +19,8 @@ its layers are named, and nothing is traced, so no graph break), with a forward 
 each layer, for the replay only, that checks its output as it is produced, before a later
 in-place op can change it. CPU kernels are deterministic, so there the replay computes the
 step's own values; on a GPU a kernel whose reduction order varies can differ in the last
-bits, which does not change where an inf/NaN first appears. The model's buffers
-(BatchNorm statistics) are put back as they were after the replay.
+bits, which does not change where an inf/NaN first appears. The buffers the replay
+wrote to (BatchNorm statistics) are put back as they were.
 """
 
 from __future__ import annotations
@@ -103,7 +103,10 @@ def first_bad_output(module: nn.Module, held: HeldForward,
         if stats is not FINITE and not (math.isfinite(stats[0]) and math.isfinite(stats[1])):
             found.append((index, tensor.dtype, stats, None, None))
 
-    buffers = {name: b.detach().clone() for name, b in module.named_buffers()}
+    # (the copy, the version): only a buffer the replay wrote to is put back (BatchNorm's
+    # statistics); writing to the others would bump the version of a buffer autograd saved
+    # for the step's backward (BERT's token_type_ids) and break that backward
+    buffers = {name: (b.detach().clone(), b._version) for name, b in module.named_buffers()}
     handles = [layer.register_forward_hook(
         lambda m, a, out, index=index: check(index, out)) for index, layer in layers]
     autocast = (torch.autocast(held.device.type, dtype=held.autocast)
@@ -121,8 +124,10 @@ def first_bad_output(module: nn.Module, held: HeldForward,
             handle.remove()
         with torch.no_grad():
             for name, value in module.named_buffers():
-                if name in buffers and value.shape == buffers[name].shape:
-                    value.copy_(buffers[name])
+                kept = buffers.get(name)
+                if kept is not None and value._version != kept[1] \
+                        and value.shape == kept[0].shape:
+                    value.copy_(kept[0])
     if pending:  # the one read of the search on a device
         pairs = torch.stack([pair.float() for _, _, pair in pending]).tolist()
         for (index, dtype, _), (low, high) in zip(pending, pairs, strict=True):
