@@ -27,7 +27,7 @@ from ampwatch.agent.mirror.incidents import IncidentWatch
 from ampwatch.agent.record_triggers import RecordSettings
 from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
-from ampwatch.agent.settings import CHECK_OUTPUTS, AgentSettings, make_run_id
+from ampwatch.agent.settings import CHECK_OUTPUTS, AgentSettings, check_hold_mb, make_run_id
 from ampwatch.agent.step_guard import GuardSettings, StepGuard, weights_finite
 from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
@@ -267,7 +267,8 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            offline: bool | None = None, flush_interval: float | None = None,
            max_batch_steps: int | None = None, resume: bool | None = None,
            step: int | None = None, record: Any = True, guard: Any = False,
-           mirror: Any = None, check_outputs: str | None = None) -> Attachment:
+           mirror: Any = None, check_outputs: str | None = None,
+           hold_mb: float | None = None) -> Attachment:
     """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
 
     The optimizer is found at its first step when not given (the first whose parameters
@@ -304,7 +305,12 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     unsampled step's layer outputs are searched for the first inf/NaN only when its loss
     is inf/NaN, by replaying its forward (docs/agent.md, "Cheap by design");
     "every_step" checks every output of every step, which also sees an overflow a later
-    op absorbed, at ~13% more elements read per step.
+    op absorbed, at ~13% more elements read per step. On an accelerator the flag is a
+    GradScaler's skip, and without one the outputs are held until their backward begins
+    and checked there only when the loss is inf/NaN (without a sync).
+    `hold_mb` (default `AMPWATCH_HOLD_MB`, else 1% of the device's memory): the most
+    memory those held outputs may keep alive that autograd does not keep anyway; beyond
+    it an output is checked as it is produced (read every step).
     """
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"step must be a non-negative int, got {step!r}")
@@ -314,6 +320,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
     guard_settings = GuardSettings.parse(guard)
     if check_outputs not in (None, *CHECK_OUTPUTS):
         raise ValueError(f"check_outputs must be one of {CHECK_OUTPUTS}, got {check_outputs!r}")
+    check_hold_mb(hold_mb)
     if not enabled:
         return Attachment(run)
     try:
@@ -325,7 +332,8 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             run, name, server, rank=rank, world_size=world_size, sample_every=sample_every,
             sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
             flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
-            run_id_generated=generated or None, token=token, check_outputs=check_outputs)
+            run_id_generated=generated or None, token=token, check_outputs=check_outputs,
+            hold_mb=hold_mb)
     except Exception as exc:  # noqa: BLE001
         _errors.report("attach", exc)
         return Attachment(run)

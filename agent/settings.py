@@ -47,6 +47,10 @@ class AgentSettings:
     # "flagged": layer outputs are searched only on a step whose loss is inf/NaN (by
     # replaying its forward); "every_step": every output checked on every step (the old cost)
     check_outputs: str = "flagged"
+    # on an accelerator without a scaler's skip: the most memory (MiB) layer outputs held
+    # for their flagged check may keep alive that autograd does not (None: 1% of the
+    # device's memory); beyond it an output is checked as it is produced (AMPWATCH_HOLD_MB)
+    hold_mb: float | None = None
     # the accelerator path (device reductions, no host reads) on CPU tensors too, so its
     # logic runs and is tested without a GPU (AMPWATCH_DEVICE_PATH=1)
     device_path: bool = False
@@ -70,6 +74,8 @@ class AgentSettings:
             values["flush_interval_s"] = float(env["AMPWATCH_FLUSH_INTERVAL"])
         if env.get("AMPWATCH_CHECK_OUTPUTS"):
             values["check_outputs"] = env["AMPWATCH_CHECK_OUTPUTS"]
+        if env.get("AMPWATCH_HOLD_MB"):
+            values["hold_mb"] = float(env["AMPWATCH_HOLD_MB"])
         if env.get("AMPWATCH_DEVICE_PATH"):
             values["device_path"] = env["AMPWATCH_DEVICE_PATH"] not in ("0", "")
         if env.get("AMPWATCH_EXIT_TIMEOUT"):
@@ -80,4 +86,12 @@ class AgentSettings:
         if values.get("check_outputs", "flagged") not in CHECK_OUTPUTS:
             raise ValueError(f"check_outputs must be one of {CHECK_OUTPUTS}, "
                              f"got {values['check_outputs']!r}")
+        check_hold_mb(values.get("hold_mb"))
         return cls(**values)
+
+
+def check_hold_mb(value: Any) -> None:
+    """A caller's `hold_mb`: None or a number of MiB >= 0 (else ValueError)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int | float)
+                              or not value >= 0):
+        raise ValueError(f"hold_mb must be a number of MiB >= 0, got {value!r}")

@@ -102,12 +102,12 @@ class GPT(nn.Module):
 class Trainer:
     """One model, its AdamW and GradScaler; `step()` is the timed unit."""
 
-    def __init__(self, seed: int = 0, compiled: bool = False) -> None:
+    def __init__(self, seed: int = 0, compiled: bool = False, scaled: bool = True) -> None:
         torch.manual_seed(seed)
         self.model = GPT()
         self.call = torch.compile(self.model) if compiled else self.model
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=3e-4)
-        self.scaler = torch.amp.GradScaler("cpu")
+        self.scaler = torch.amp.GradScaler("cpu", enabled=scaled)  # disabled: passes through
         self.gen = torch.Generator().manual_seed(seed)
 
     def step(self) -> float:

@@ -4,8 +4,11 @@ all threads, against the plain step's (the nanoGPT-style model of agent_overhead
 
 An op's elements read are the elements of its tensor inputs; only outermost ATen ops count
 (an op called inside another is part of it) and views and allocations read nothing.
-Prints the plain step's count and, for each `check_outputs` mode, the watched step's and
-the extra as a share of the plain one.
+Prints the plain step's count and, for each path (the host's, the accelerator's forced on
+the CPU), scaler, `check_outputs` and `hold_mb`, the watched step's and the extra as a
+share of the plain one. On the accelerator path without a scaler the flagged kernel runs
+in Triton's interpreter, whose reads are not ATen ops: on a healthy step it reads the
+flag, one value per program, and nothing else (tests/agent/test_flagged_checks.py).
 
     .venv/bin/python bench/elements_read.py
 """
@@ -13,17 +16,21 @@ the extra as a share of the plain one.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the flagged kernel on the CPU: before triton
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 import torch  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 
+from ampwatch.agent.collectors.flagged_checks import INTERPRETED  # noqa: E402
 from bench.agent_overhead import Trainer  # noqa: E402
 
 # views, allocations and metadata ops: no element is read
@@ -33,6 +40,15 @@ NO_READ = frozenset("aten::" + name for name in (
     "empty", "empty_like", "empty_strided", "resolve_conj", "resolve_neg", "lift_fresh",
     "zeros", "ones", "full", "arange", "set_", "narrow", "unbind", "chunk", "_reshape_alias",
     "view_as", "contiguous"))
+
+
+def interpreted(event: Any) -> bool:
+    """Whether `event` ran inside an interpreted launch of the flagged kernel."""
+    while event is not None:
+        if event.name == INTERPRETED:
+            return True
+        event = event.cpu_parent
+    return False
 
 
 def elements_read(step: Callable[[], object]) -> int:
@@ -48,25 +64,32 @@ def elements_read(step: Callable[[], object]) -> int:
         parent = event.cpu_parent
         if parent is not None and parent.name.startswith("aten::"):
             continue  # part of the outer op
+        if interpreted(event):
+            continue  # the Triton interpreter's copies, not the kernel's reads
         total += sum(math.prod(shape) for shape in event.input_shapes or []
                      if shape and all(isinstance(d, int) for d in shape))
     return total
 
 
-def measure(check_outputs: str, warmup: int = 2) -> tuple[int, int]:
+def measure(check_outputs: str, scaled: bool = True, hold_mb: float | None = None,
+            warmup: int = 2) -> tuple[int, int]:
     """(plain step's elements, watched unsampled step's), the same model and shapes;
-    offline, the spool in a temporary folder."""
+    offline, the spool in a temporary folder. `scaled`: under a GradScaler (else a
+    disabled one: bf16 without a scaler)."""
     from ampwatch import agent
 
-    trainer = Trainer()
+    trainer = Trainer(scaled=scaled)
     for _ in range(warmup):
         trainer.step()
     plain = elements_read(trainer.step)
     attachment = agent.attach(trainer.model, trainer.scaler, sample_every=100,
                               sample_after_anomaly=0, check_outputs=check_outputs,
-                              offline=True, spool_dir=tempfile.mkdtemp(prefix="ampwatch-"))
+                              hold_mb=hold_mb, offline=True,
+                              spool_dir=tempfile.mkdtemp(prefix="ampwatch-"))
     try:
-        for _ in range(warmup):  # step 0 is sampled: the measured step is not
+        # step 0 is sampled, step 1 tells the agent which outputs only it would keep alive:
+        # the measured step is the third
+        for _ in range(warmup):
             trainer.step()
         watched = elements_read(trainer.step)
     finally:
@@ -74,12 +97,22 @@ def measure(check_outputs: str, warmup: int = 2) -> tuple[int, int]:
     return plain, watched
 
 
+# (path, under a GradScaler, check_outputs, hold_mb)
+ROWS = [("host", True, "every_step", None), ("host", True, "flagged", None),
+        ("device", True, "every_step", None), ("device", True, "flagged", None),
+        ("device", False, "every_step", None), ("device", False, "flagged", None),
+        ("device", False, "flagged", 0)]
+
+
 def main() -> None:
-    print("| check_outputs | plain step | watched step | extra |")
-    print("|---|---:|---:|---:|")
-    for mode in ("every_step", "flagged"):
-        plain, watched = measure(mode)
-        print(f"| {mode} | {plain:,} | {watched:,} | {(watched - plain) / plain:.4%} |")
+    print("| path | GradScaler | check_outputs | hold_mb | plain step | watched step | extra |")
+    print("|---|---|---|---|---:|---:|---:|")
+    for path, scaled, mode, hold_mb in ROWS:
+        os.environ["AMPWATCH_DEVICE_PATH"] = "1" if path == "device" else "0"
+        plain, watched = measure(mode, scaled, hold_mb)
+        print(f"| {path} | {'yes' if scaled else 'no'} | {mode} | "
+              f"{'default' if hold_mb is None else hold_mb} | {plain:,} | {watched:,} | "
+              f"{(watched - plain) / plain:.4%} |")
 
 
 if __name__ == "__main__":

@@ -17,11 +17,17 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 from sqlalchemy import Engine, create_engine, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.exc import OperationalError
 
 from tests.utils import ANALYSIS_WAIT_S
+
+if not torch.cuda.is_available():
+    # the device path's flagged checks run their Triton kernel in Triton's interpreter on
+    # the CPU (agent/collectors/flagged_checks.py): set before triton is first imported
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 POSTGRES_URL = os.environ.get("AMPWATCH_TEST_POSTGRES_URL")
 NO_POSTGRES = "AMPWATCH_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)"

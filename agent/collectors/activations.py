@@ -36,6 +36,7 @@ import numpy as np
 import torch
 
 from ampwatch.agent import guard
+from ampwatch.agent.collectors import flagged_checks
 from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.collectors.finite_checks import (
     FINITE_PRESERVING,
@@ -141,6 +142,15 @@ class ActivationCollector(Collector):
         self._search = False  # this step is unsampled and flagged: hold, search if bad
         self._held: list[HeldForward] = []  # this step's training forwards, not yet judged
         self._searched = False  # this step's forwards were searched (replayed)
+        # an accelerator without a scaler's skip to go by: outputs held until their
+        # backward begins, then checked by a kernel that reads the loss's flag first
+        self._checks: flagged_checks.FlaggedChecks | None = None
+        self._hold = False  # this step is unsampled and has flagged checks: hold outputs
+        self._held_outputs: list[tuple[int, int, torch.Tensor, int]] = []  # (call, layer,
+        # output, its version when produced)
+        self._in_place: set[int] = set()  # layers whose output changed before its check
+        self._alone: set[int] = set()  # layers whose held output only the agent kept alive
+        self._alone_bytes = 0  # what such outputs hold since the last check
         self._pre_hooks = SampledHooks(self._register_pre_hooks)  # sampled steps only
         self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
         self._calls: list[Call] = []
@@ -159,15 +169,17 @@ class ActivationCollector(Collector):
         self._layer_modules = [(layer.index, layer.module) for layer in session.layers]
         # not over several ranks: replaying one rank's forward alone could enter a collective
         # (DDP's buffer broadcast, FSDP's all-gather) the other ranks never join. On an
-        # accelerator the flag is a GradScaler's skip (a host fact once its step() has run),
-        # so without a scaler every output is still checked there
+        # accelerator the replay's flag is a GradScaler's skip (a host fact once its step()
+        # has run); without one, the outputs are held and checked by flagged_checks.py
+        flagged = getattr(session.settings, "check_outputs", "flagged") == "flagged"
         self._flagged = (session.parallelism is None
-                         and (session.host_reduce or session.scaler_enabled)
-                         and getattr(session.settings, "check_outputs", "flagged") == "flagged")
+                         and (session.host_reduce or session.scaler_enabled) and flagged)
         # flagged: the post hooks too exist on sampled steps only (a healthy step runs none)
         self._post_hooks = SampledHooks(self._register_post_hooks)
         if not self._flagged:
             self._hooks = self._register_post_hooks()
+            if flagged and not session.host_reduce:
+                self._use_flagged_checks()
 
     def unbind(self) -> None:
         self._pre_hooks.remove()
@@ -185,6 +197,7 @@ class ActivationCollector(Collector):
         sample = self.session.samples(step)
         self._host_checks = self.session.host_reduce and not sample and not self._flagged
         self._search = self._flagged and not sample
+        self._hold = self._checks is not None and not sample
         if sample != self._sampled:
             self._sampled = sample
             self._pre_hooks.want(sample)
@@ -203,6 +216,24 @@ class ActivationCollector(Collector):
             held, self._held = self._held, []
             if held and loss_is_bad(loss):
                 self._search_held(held)
+        elif self._held_outputs:
+            self._check_held_outputs(loss)
+
+    def _check_held_outputs(self, loss: torch.Tensor | None) -> None:
+        """Launch the flagged check of each output held since the last backward (no read:
+        a healthy step's kernels read the flag and exit)."""
+        held, self._held_outputs = self._held_outputs, []
+        self._alone_bytes = 0
+        checks = self._checks
+        flag = checks.flag(loss)
+        for position, index, output, version in held:
+            if output._version != version:  # changed in place since: checked as produced
+                self._in_place.add(index)  # from the next step on (this one: as it is now)
+            if flagged_checks.kept_alone(output):
+                self._alone.add(index)
+            else:
+                self._alone.discard(index)
+            checks.check(flag, output, position)
 
     def _search_held(self, held: list[HeldForward]) -> None:
         """Replay the step's held forwards, in order, up to the first with a bad output."""
@@ -233,11 +264,21 @@ class ActivationCollector(Collector):
             self.session.note_anomaly(step)
 
     def _unflag(self) -> None:
-        """Check every output on every step (the flag cannot be read without a sync)."""
+        """No skip to go by: hold the outputs for the flagged checks, or where the kernel
+        cannot run check every output on every step (no flag is read without a sync)."""
         self._flagged = self._search = False
         self._post_hooks.want(False)
         if not self._hooks:
             self._hooks = self._register_post_hooks()
+        self._use_flagged_checks()
+
+    def _use_flagged_checks(self) -> None:
+        device = self.session.device
+        if self._checks is None and flagged_checks.available(device):
+            hold_mb = getattr(self.session.settings, "hold_mb", None)
+            budget = (flagged_checks.default_budget(device) if hold_mb is None
+                      else int(hold_mb * (1 << 20)))
+            self._checks = flagged_checks.FlaggedChecks(device, NO_CALL, budget)
 
     def _register_pre_hooks(self) -> list[Any]:
         return [module.register_forward_pre_hook(pre) for module, pre in self._pre_by_layer]
@@ -295,6 +336,18 @@ class ActivationCollector(Collector):
                             return
                 start = starts.pop(index, None) if starts else None
                 end = None if start is None else mark()
+                if (self._hold and tensor is not None and index not in self._in_place
+                        and tensor.is_floating_point() and tensor.is_contiguous()
+                        and tensor.numel()):
+                    try:
+                        version = tensor._version
+                    except RuntimeError:  # an inference tensor: no version counter
+                        version = None
+                    if version is not None and self._within_budget(index, tensor):
+                        # held for the flagged check as its backward begins
+                        self._held_outputs.append((len(self._calls), index, tensor, version))
+                        self._calls.append((index, tensor.dtype, None, start, end))
+                        return
                 if tensor is None or not tensor.is_floating_point():
                     self._calls.append((index, None, None, start, end))
                 elif tensor.numel() == 0:
@@ -306,6 +359,18 @@ class ActivationCollector(Collector):
                 guard.report("activations.post", exc)
         return hook
 
+    def _within_budget(self, index: int, tensor: torch.Tensor) -> bool:
+        """Whether holding `tensor` (layer `index`'s output) stays within the budget: an
+        output autograd kept anyway costs nothing; one only the agent kept (last time)
+        counts its bytes."""
+        if index not in self._alone:
+            return True
+        size = tensor.numel() * tensor.element_size()
+        if self._alone_bytes + size > self._checks.budget:
+            return False
+        self._alone_bytes += size
+        return True
+
     def seal(self) -> Any:
         host = self._host
         host.end_forward()
@@ -314,6 +379,7 @@ class ActivationCollector(Collector):
         self._calls = []
         host.observed = self._searched = False
         self._held = []
+        self._held_outputs = []  # a forward no backward of this step followed: unchecked
         self._starts.clear()
         self._tokens.clear()
         return sealed
@@ -336,6 +402,8 @@ class ActivationCollector(Collector):
                                                          self.session.device)
             pairs = plan.stack(calls) if not plan.empty else []
             plan.first_nonfinite(pairs, self._first_slot)
+            if self._checks is not None:
+                self._checks.take_into(self._first_slot)
             if sampled:
                 plan.reduce(pairs, self._absmax_slots)
         return sampled, calls, host_reduce
@@ -381,6 +449,10 @@ class ActivationCollector(Collector):
         else:
             position = int(host[self.n_layers])
             first = None if position >= NO_CALL else position
+            if position > NO_CALL:  # held for the flagged checks, and the loss was finite
+                record["forward_nonfinite"] = None
+                record["first_nonfinite_layer"] = None
+                return
         record["forward_nonfinite"] = first is not None
         record["first_nonfinite_layer"] = None if first is None else calls[first][0]
         if not sampled:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -46,6 +47,45 @@ def poison(model: nn.Sequential, step: int) -> None:
             model[0].bias.fill_(3e38)
         elif step == 6:
             model[6].bias[0] = math.nan  # the last layer
+
+
+def run_poisoned(attachment_of, spool: Path, model: nn.Sequential,
+                 at: dict[str, int] | None = None, **settings: Any
+                 ) -> tuple[dict[int, int | None], dict[int, bool], list[dict]]:
+    """Train the chain 9 steps with one fault a step (poison()), `at["i"]` set to each
+    step's number; the truth (first bad child, replayed by the test), whether each loss
+    was inf/NaN, and the spooled steps."""
+    at = {} if at is None else at
+    attachment = attachment_of(model, sample_every=100, sample_after_anomaly=0, **settings)
+    clean = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    truth: dict[int, int | None] = {}
+    loss_bad: dict[int, bool] = {}
+    for i, (x, y) in enumerate(batches(9)):
+        at["i"] = i
+        poison(model, i)
+        truth[i] = first_bad_child(model, x)
+        loss = nn.functional.mse_loss(model(x), y)
+        loss_bad[i] = not math.isfinite(loss.item())
+        loss.backward()
+        optimizer.zero_grad()
+        optimizer.step()
+        model.load_state_dict(clean)
+    attachment.flush(5)
+    return truth, loss_bad, spooled_steps(spool, attachment.run_id)
+
+
+def assert_named_on_bad_losses(truth: dict[int, int | None], loss_bad: dict[int, bool],
+                               steps: list[dict]) -> None:
+    """The flagged designs: the first offender exactly where the loss went inf/NaN, and
+    nothing said of the outputs of a step whose loss was finite (step 4's absorbed
+    overflow), but for step 0, sampled: every output read."""
+    assert [i for i, bad in loss_bad.items() if bad] == [2, 3, 5, 6]
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == {
+        i: truth[i] if loss_bad[i] else None for i in range(9)}
+    assert [s["forward_nonfinite"] for s in steps[1:]] == [
+        (truth[i] is not None) if loss_bad[i] else None for i in range(1, 9)]
+    assert steps[0]["forward_nonfinite"] is False
 
 
 def test_first_offender_at_every_position_of_a_chain(attach, offline: Path,
@@ -128,52 +168,85 @@ def test_flagged_steps_are_searched_and_healthy_ones_read_no_output(
         return check(tensor)
 
     monkeypatch.setattr(finite_checks, "finite_check", counted)
-    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
-    clean = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    truth: dict[int, int | None] = {}
-    loss_bad: dict[int, bool] = {}
-    for i, (x, y) in enumerate(batches(9)):
-        step["i"] = i
-        poison(model, i)
-        truth[i] = first_bad_child(model, x)
-        loss = nn.functional.mse_loss(model(x), y)
-        loss_bad[i] = not math.isfinite(loss.item())
-        loss.backward()
-        optimizer.zero_grad()
-        optimizer.step()
-        model.load_state_dict(clean)
-    attachment.flush(5)
-    steps = spooled_steps(offline, attachment.run_id)
-    assert [i for i, bad in loss_bad.items() if bad] == [2, 3, 5, 6]
-    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == {
-        i: truth[i] if loss_bad[i] else None for i in range(9)}
-    assert [s["forward_nonfinite"] for s in steps[1:]] == [
-        (truth[i] is not None) if loss_bad[i] else None for i in range(1, 9)]
-    assert steps[0]["forward_nonfinite"] is False  # step 0 is sampled: every output read
+    truth, loss_bad, steps = run_poisoned(attach, offline, model, at=step)
+    assert_named_on_bad_losses(truth, loss_bad, steps)
     assert not any(checks.get(i) for i in (1, 4, 7, 8))  # finite losses: nothing read
 
 
 def test_the_device_path_forced_on_the_cpu_checks_every_output(
         attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """AMPWATCH_DEVICE_PATH=1: the accelerator path (one aminmax per layer output every
-    step, reduced on the device) on CPU tensors. It names the first offender on every step,
-    the one whose overflow the ReLU absorbs (step 4, finite loss) included."""
+    """AMPWATCH_DEVICE_PATH=1 with check_outputs="every_step": the accelerator's every-step
+    path (one aminmax per layer output, reduced on the device) on CPU tensors. It names
+    the first offender on every step, the one whose overflow the ReLU absorbs (step 4,
+    finite loss) included."""
     monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
-    model = chain_model()
+    truth, _, steps = run_poisoned(attach, offline, chain_model(), check_outputs="every_step")
+    assert truth[4] is not None
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == truth
+    assert [s["forward_nonfinite"] for s in steps] == [truth[i] is not None for i in range(9)]
+
+
+def test_the_device_path_without_a_scaler_checks_held_outputs_on_a_bad_loss(
+        attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default on an accelerator without a GradScaler, forced on the CPU: each
+    unsampled step's outputs are held until its backward begins and checked by the flagged
+    kernel (in Triton's interpreter here), whose programs read the loss's flag first. A
+    step whose loss is inf/NaN names its first offender exactly; a finite loss reads no
+    output and says nothing of them (step 4: the overflow the ReLU absorbs)."""
+    monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
+    truth, loss_bad, steps = run_poisoned(attach, offline, chain_model())
+    assert_named_on_bad_losses(truth, loss_bad, steps)
+
+
+def test_an_output_changed_in_place_is_checked_as_it_was_produced(
+        attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A held output that a later op changes in place (an in-place ReLU over a Linear's
+    output) is seen changed at its backward; from the next step on that layer is checked
+    as its output is produced. On step 3 the first Linear puts out -inf, which the ReLU
+    turns to 0, and a NaN weight later makes the loss NaN: the first offender is the
+    first Linear, as produced, not the later layer."""
+    monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 32),
+                          nn.Linear(32, 4))
     attachment = attach(model, sample_every=100, sample_after_anomaly=0)
     clean = {k: v.clone() for k, v in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    truth: dict[int, int | None] = {}
-    for i, (x, y) in enumerate(batches(9)):
-        poison(model, i)
-        truth[i] = first_bad_child(model, x)
+    produced: dict[int, bool] = {}  # the test's own hook: the Linear's output as produced
+    step = {"i": 0}
+    model[0].register_forward_hook(
+        lambda m, a, out: produced.__setitem__(step["i"], bool(out.isfinite().all())))
+    for i, (x, y) in enumerate(batches(5)):
+        step["i"] = i
+        if i == 3:
+            with torch.no_grad():
+                model[0].bias[0] = -math.inf
+                model[2].weight[0, 0] = math.nan
         nn.functional.mse_loss(model(x), y).backward()
         optimizer.zero_grad()
         optimizer.step()
         model.load_state_dict(clean)
     attachment.flush(5)
     steps = spooled_steps(offline, attachment.run_id)
-    assert truth[4] is not None
-    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == truth
-    assert [s["forward_nonfinite"] for s in steps] == [truth[i] is not None for i in range(9)]
+    assert [i for i, finite in produced.items() if not finite] == [3]
+    assert [s["first_nonfinite_layer"] for s in steps] == [None, None, None, 0, None]
+
+
+def test_outputs_only_the_agent_kept_alive_are_checked_as_produced_past_the_budget(
+        attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """hold_mb=0: an output autograd did not save (layer 4's, which the ReLU after it does
+    not keep: ReLU saves its own output) is, from the step after the agent saw that, checked
+    as it is produced instead of held. Every output autograd saved is still held. So step
+    4's overflow, which the ReLU absorbs (finite loss), is now named; the others as before."""
+    monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
+    truth, loss_bad, steps = run_poisoned(attach, offline, chain_model(), hold_mb=0)
+    assert truth[4] == 4 and not loss_bad[4]
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == {
+        i: truth[i] if loss_bad[i] or i == 4 else None for i in range(9)}
+    assert [s["forward_nonfinite"] for s in steps] == [
+        False, None, True, True, True, True, True, None, None]
+
+
+def test_hold_mb_must_be_a_size(attach) -> None:
+    with pytest.raises(ValueError, match="hold_mb must be a number of MiB >= 0, got -1"):
+        attach(chain_model(), hold_mb=-1)
