@@ -146,6 +146,7 @@ class ActivationCollector(Collector):
         # backward begins, then checked by a kernel that reads the loss's flag first
         self._checks: flagged_checks.FlaggedChecks | None = None
         self._hold = False  # this step is unsampled and has flagged checks: hold outputs
+        self._holding = False  # ... and this forward records a graph (a backward follows)
         self._held_outputs: list[tuple[int, int, torch.Tensor, int]] = []  # (call, layer,
         # output, its version when produced)
         self._in_place: set[int] = set()  # layers whose output changed before its check
@@ -207,6 +208,9 @@ class ActivationCollector(Collector):
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
         self._pre_hooks.ensure()
         self._post_hooks.ensure()
+        # under no_grad no backward follows, and holding would keep alive outputs the
+        # forward frees as it goes: those are checked as produced
+        self._holding = self._hold and torch.is_grad_enabled()
         if self._search and training:
             self._held.append(hold(args, kwargs, self.session.device))
 
@@ -336,7 +340,7 @@ class ActivationCollector(Collector):
                             return
                 start = starts.pop(index, None) if starts else None
                 end = None if start is None else mark()
-                if (self._hold and tensor is not None and index not in self._in_place
+                if (self._holding and tensor is not None and index not in self._in_place
                         and tensor.is_floating_point() and tensor.is_contiguous()
                         and tensor.numel()):
                     try:
@@ -379,7 +383,8 @@ class ActivationCollector(Collector):
         self._calls = []
         host.observed = self._searched = False
         self._held = []
-        self._held_outputs = []  # a forward no backward of this step followed: unchecked
+        if self._held_outputs:  # a forward no backward of this step followed: checked as
+            self._check_held_outputs(None)  # if its loss were bad (read: a rare case)
         self._starts.clear()
         self._tokens.clear()
         return sealed

@@ -250,3 +250,25 @@ def test_outputs_only_the_agent_kept_alive_are_checked_as_produced_past_the_budg
 def test_hold_mb_must_be_a_size(attach) -> None:
     with pytest.raises(ValueError, match="hold_mb must be a number of MiB >= 0, got -1"):
         attach(chain_model(), hold_mb=-1)
+
+
+def test_forwards_no_backward_follows_are_still_checked(
+        attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Held outputs wait for a backward; a training-mode forward that none follows (step
+    1: a second forward, its loss never backpropagated) has them checked as the step ends,
+    and one under no_grad (step 2), which holds nothing, checked as produced. Both get a
+    NaN batch: the first layer is named."""
+    monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
+    model = chain_model()
+    attachment = attach(model, sample_every=100, sample_after_anomaly=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(batches(4)):
+        nn.functional.mse_loss(model(x), y).backward()
+        if i in (1, 2):
+            with torch.set_grad_enabled(i == 1):
+                model(torch.full_like(x, math.nan))
+        optimizer.step()
+        optimizer.zero_grad()
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert [s["first_nonfinite_layer"] for s in steps] == [None, 0, 0, None]
