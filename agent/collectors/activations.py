@@ -4,7 +4,13 @@ dtype and time of each layer's output; the layers' forward execution order.
 On the CPU (`session.host_reduce`, one rank, `check_outputs="flagged"`, the default) an
 unsampled step registers no layer hook and reads no output: its training forwards'
 inputs are held and, when the loss comes back inf/NaN, replayed to name the first layer
-whose output held inf/NaN (forward_search.py; docs/agent.md, "Cheap by design").
+whose output held inf/NaN (forward_search.py; docs/agent.md, "Cheap by design"). On an
+accelerator the same holds under a GradScaler, whose skip is the flag; without one, an
+unsampled step's outputs are held until their backward and checked by a kernel that reads
+the loss's flag first (flagged_checks.py), and a sampled step's outputs are held to the
+forward's end and reduced by one `_foreach_norm(ord=inf)` per dtype. Outputs only the
+agent would keep alive are held within `hold_mb`; past it, and for an output changed in
+place before its check, the call takes its own `aminmax` as below.
 Otherwise every layer has a forward post hook on every training step. A hook call does
 one device op, `aminmax` of the layer's output (NaN and inf propagate; on the CPU with
 `check_outputs="every_step"`, between samples, a sum: see below), and appends the call
@@ -147,11 +153,16 @@ class ActivationCollector(Collector):
         self._checks: flagged_checks.FlaggedChecks | None = None
         self._hold = False  # this step is unsampled and has flagged checks: hold outputs
         self._holding = False  # ... and this forward records a graph (a backward follows)
+        # an accelerator's sampled step: outputs held to the forward's end, then their
+        # abs-max in one _foreach_norm(ord=inf) launch per dtype (NaN and -inf kept)
+        self._fuse = False
+        self._fusing = False  # this forward's outputs are held for that
         self._held_outputs: list[tuple[int, int, torch.Tensor, int]] = []  # (call, layer,
         # output, its version when produced)
         self._in_place: set[int] = set()  # layers whose output changed before its check
         self._alone: set[int] = set()  # layers whose held output only the agent kept alive
         self._alone_bytes = 0  # what such outputs hold since the last check
+        self._budget = 0  # bytes they may hold (bind: hold_mb)
         self._pre_hooks = SampledHooks(self._register_pre_hooks)  # sampled steps only
         self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
         self._calls: list[Call] = []
@@ -181,6 +192,11 @@ class ActivationCollector(Collector):
             self._hooks = self._register_post_hooks()
             if flagged and not session.host_reduce:
                 self._use_flagged_checks()
+        self._fuse = not session.host_reduce
+        if self._fuse:  # what held outputs may keep alive that autograd does not
+            hold_mb = getattr(session.settings, "hold_mb", None)
+            self._budget = (flagged_checks.default_budget(session.device) if hold_mb is None
+                            else int(hold_mb * (1 << 20)))
 
     def unbind(self) -> None:
         self._pre_hooks.remove()
@@ -211,6 +227,7 @@ class ActivationCollector(Collector):
         # under no_grad no backward follows, and holding would keep alive outputs the
         # forward frees as it goes: those are checked as produced
         self._holding = self._hold and torch.is_grad_enabled()
+        self._fusing = self._sampled and self._fuse
         if self._search and training:
             self._held.append(hold(args, kwargs, self.session.device))
 
@@ -229,15 +246,15 @@ class ActivationCollector(Collector):
         held, self._held_outputs = self._held_outputs, []
         self._alone_bytes = 0
         checks = self._checks
-        flag = checks.flag(loss)
-        for position, index, output, version in held:
-            if output._version != version:  # changed in place since: checked as produced
-                self._in_place.add(index)  # from the next step on (this one: as it is now)
-            if flagged_checks.kept_alone(output):
-                self._alone.add(index)
-            else:
-                self._alone.discard(index)
-            checks.check(flag, output, position)
+        try:
+            flag = checks.flag(loss)
+            for position, index, output, version in held:
+                self._note_held(index, output, version)
+                checks.check(flag, output, position)
+        except Exception as exc:  # noqa: BLE001 (a Triton that cannot compile for this GPU)
+            self._checks = None  # from the next step on every output is checked as made
+            self._hold = self._holding = False
+            guard.report("activations.flagged_checks", exc)
 
     def _search_held(self, held: list[HeldForward]) -> None:
         """Replay the step's held forwards, in order, up to the first with a bad output."""
@@ -252,6 +269,38 @@ class ActivationCollector(Collector):
 
     def on_forward_end(self, training: bool, output: Any) -> None:
         self._host.end_forward()
+        if self._fusing:
+            self._fusing = False
+            if self._held_outputs:
+                self._fuse_held()
+
+    def _fuse_held(self) -> None:
+        """A sampled forward's held outputs: each call's abs-max as its (min, max) pair
+        (the same 0-d tensor twice: finite exactly when the output was, the abs-max
+        either way), in one `_foreach_norm` per dtype."""
+        held, self._held_outputs = self._held_outputs, []
+        self._alone_bytes = 0
+        groups: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+        for position, index, output, version in held:
+            self._note_held(index, output, version)
+            groups.setdefault(output.dtype, []).append((position, output))
+        calls = self._calls
+        for items in groups.values():
+            norms = torch._foreach_norm([output.detach() for _, output in items], math.inf)
+            for (position, _), norm in zip(items, norms, strict=True):
+                index, dtype, _, start, end = calls[position]
+                calls[position] = (index, dtype, (norm, norm), start, end)
+
+    def _note_held(self, index: int, output: torch.Tensor, version: int) -> None:
+        """What a held output says of its layer at its check: changed in place since it
+        was produced (from the next step on checked as produced; this one as it is now),
+        and whether only the agent kept it alive (then held within the budget only)."""
+        if output._version != version:
+            self._in_place.add(index)
+        if flagged_checks.kept_alone(output):
+            self._alone.add(index)
+        else:
+            self._alone.discard(index)
 
     def on_step_end(self, step: int, stepped: bool) -> None:
         # an accelerator's flag: the GradScaler skipped the step (it read found_inf itself),
@@ -279,10 +328,7 @@ class ActivationCollector(Collector):
     def _use_flagged_checks(self) -> None:
         device = self.session.device
         if self._checks is None and flagged_checks.available(device):
-            hold_mb = getattr(self.session.settings, "hold_mb", None)
-            budget = (flagged_checks.default_budget(device) if hold_mb is None
-                      else int(hold_mb * (1 << 20)))
-            self._checks = flagged_checks.FlaggedChecks(device, NO_CALL, budget)
+            self._checks = flagged_checks.FlaggedChecks(device, NO_CALL)
 
     def _register_pre_hooks(self) -> list[Any]:
         return [module.register_forward_pre_hook(pre) for module, pre in self._pre_by_layer]
@@ -340,15 +386,16 @@ class ActivationCollector(Collector):
                             return
                 start = starts.pop(index, None) if starts else None
                 end = None if start is None else mark()
-                if (self._holding and tensor is not None and index not in self._in_place
-                        and tensor.is_floating_point() and tensor.is_contiguous()
-                        and tensor.numel()):
+                if ((self._holding or self._fusing) and tensor is not None
+                        and index not in self._in_place and tensor.is_floating_point()
+                        and tensor.numel() and (self._fusing or tensor.is_contiguous())):
                     try:
                         version = tensor._version
                     except RuntimeError:  # an inference tensor: no version counter
                         version = None
                     if version is not None and self._within_budget(index, tensor):
-                        # held for the flagged check as its backward begins
+                        # held for the flagged check as its backward begins, or for the
+                        # sampled abs-max as the forward ends
                         self._held_outputs.append((len(self._calls), index, tensor, version))
                         self._calls.append((index, tensor.dtype, None, start, end))
                         return
@@ -370,7 +417,7 @@ class ActivationCollector(Collector):
         if index not in self._alone:
             return True
         size = tensor.numel() * tensor.element_size()
-        if self._alone_bytes + size > self._checks.budget:
+        if self._alone_bytes + size > self._budget:
             return False
         self._alone_bytes += size
         return True
@@ -383,8 +430,9 @@ class ActivationCollector(Collector):
         self._calls = []
         host.observed = self._searched = False
         self._held = []
-        if self._held_outputs:  # a forward no backward of this step followed: checked as
-            self._check_held_outputs(None)  # if its loss were bad (read: a rare case)
+        if self._held_outputs and self._checks is not None:  # a forward no backward of
+            self._check_held_outputs(None)  # this step followed: checked as if its loss
+        self._held_outputs = []  # were bad (read: a rare case)
         self._starts.clear()
         self._tokens.clear()
         return sealed

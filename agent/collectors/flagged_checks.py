@@ -66,8 +66,9 @@ def default_budget(device: torch.device) -> int:
 
 def _base_storage_refs() -> int:
     """A lone tensor's storage count as kept_alone() reads it (untyped_storage() adds one)."""
+    lone = torch.empty(1)  # alive while counted, as kept_alone()'s tensor is
     try:
-        return torch._C._storage_Use_Count(torch.empty(1).untyped_storage()._cdata)
+        return torch._C._storage_Use_Count(lone.untyped_storage()._cdata)
     except (AttributeError, RuntimeError):
         return 0  # kept_alone() is then always False
 
@@ -76,12 +77,14 @@ _BASE_STORAGE_REFS = _base_storage_refs()
 
 
 def kept_alone(tensor: torch.Tensor) -> bool:
-    """Whether nothing but `tensor` itself keeps its storage alive: autograd saved neither
-    it nor a view of it (host counters, no device work; private APIs, so False where they
-    are missing: the output then counts as kept anyway, and is always held)."""
+    """Whether nothing but `tensor` itself (and, for a view, its base) keeps its storage
+    alive: autograd saved neither it nor another view of it (host counters, no device
+    work; private APIs, so False where they are missing: the output then counts as kept
+    anyway, and is always held). A GEMM's 3-D output is often a view of its 2-D result."""
     try:
-        return (tensor._use_count() == 1 and torch._C._storage_Use_Count(
-            tensor.untyped_storage()._cdata) <= _BASE_STORAGE_REFS)
+        own = _BASE_STORAGE_REFS + (1 if tensor._is_view() else 0)
+        return (tensor._use_count() == 1
+                and torch._C._storage_Use_Count(tensor.untyped_storage()._cdata) <= own)
     except (AttributeError, RuntimeError):
         return False
 
@@ -102,8 +105,7 @@ def available(device: torch.device) -> bool:
 class FlaggedChecks:
     """One step's first-bad slot and the launches that lower it (training thread)."""
 
-    def __init__(self, device: torch.device, no_call: int, budget: int) -> None:
-        self.budget = budget  # bytes held outputs may keep alive that autograd does not
+    def __init__(self, device: torch.device, no_call: int) -> None:
         self.no_call = no_call  # the slot's value when every output checked was finite
         # the slot's value when the outputs were not checked (the step buffer is float64)
         self.unchecked = torch.full((1,), no_call + 1, dtype=torch.float64, device=device)

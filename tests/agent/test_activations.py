@@ -501,3 +501,28 @@ def test_zero_shares_are_counted_when_layers_compute_in_fp16(attach, offline: Pa
     # step 0's forward is the first sampled one: its dtypes are known from step 1 on
     assert [s["step"] for s in steps if "layer_grad_zero_share" in s] == [10]
     assert steps[0]["activations"]["dtype"][0] == "float16"
+
+
+def test_a_sampled_minus_inf_is_the_first_offender_and_its_abs_max(attach, offline: Path
+                                                                  ) -> None:
+    """On an accelerator a sampled step's abs-max comes from one _foreach_norm(ord=inf) a
+    dtype (torch._foreach_max would drop a -inf): a -inf output is the first offender and
+    its layer's abs-max is inf."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    clean = {k: v.clone() for k, v in model.state_dict().items()}
+    attachment = attach(model, sample_every=1)
+    for i, (x, y) in enumerate(batches(3)):
+        if i == 1:
+            with torch.no_grad():
+                model[0].bias[0] = -math.inf
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.load_state_dict(clean)
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert [s["first_nonfinite_layer"] for s in steps] == [None, 0, None]
+    absmax = steps[1]["activations"]["absmax"]
+    assert absmax[0] == math.inf and not math.isfinite(absmax[1])

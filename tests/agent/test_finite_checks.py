@@ -272,3 +272,22 @@ def test_forwards_no_backward_follows_are_still_checked(
     attachment.flush(5)
     steps = spooled_steps(offline, attachment.run_id)
     assert [s["first_nonfinite_layer"] for s in steps] == [None, 0, 0, None]
+
+
+def test_a_kernel_that_cannot_run_falls_back_to_checking_every_output(
+        attach, offline: Path, monkeypatch: pytest.MonkeyPatch,
+        agent_errors: list[tuple[str, BaseException]]) -> None:
+    """A Triton that cannot compile for the GPU fails the first launch: reported once, and
+    from the next step on every output is checked as produced (the absorbed overflow of
+    step 4 included), so the run keeps its diagnosis."""
+    from ampwatch.agent.collectors import flagged_checks
+
+    def fails(*args: Any) -> None:
+        raise RuntimeError("no kernel for this GPU")
+
+    monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
+    monkeypatch.setattr(flagged_checks.FlaggedChecks, "check", fails)
+    truth, _, steps = run_poisoned(attach, offline, chain_model())
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == truth
+    assert [site for site, _ in agent_errors] == ["activations.flagged_checks"]
+    agent_errors.clear()
