@@ -247,10 +247,10 @@ class ActivationCollector(Collector):
         self._alone_bytes = 0
         checks = self._checks
         try:
-            flag = checks.flag(loss)
-            for position, index, output, version in held:
+            for _, index, output, version in held:
                 self._note_held(index, output, version)
-                checks.check(flag, output, position)
+            checks.check(checks.flag(loss), [(position, output)
+                                             for position, _, output, _ in held])
         except Exception as exc:  # noqa: BLE001 (a Triton that cannot compile for this GPU)
             self._checks = None  # from the next step on every output is checked as made
             self._hold = self._holding = False
@@ -388,7 +388,8 @@ class ActivationCollector(Collector):
                 end = None if start is None else mark()
                 if ((self._holding or self._fusing) and tensor is not None
                         and index not in self._in_place and tensor.is_floating_point()
-                        and tensor.numel() and (self._fusing or tensor.is_contiguous())):
+                        and tensor.numel() and (self._fusing or (
+                            tensor.is_contiguous() and flagged_checks.readable(tensor.dtype)))):
                     try:
                         version = tensor._version
                     except RuntimeError:  # an inference tensor: no version counter

@@ -4,13 +4,15 @@ fused optimizer): layer outputs checked only when the step's loss says so, witho
 The loss's finiteness is a device value there: reading it would wait for the device, and
 by the time it can be read without waiting, the optimizer has applied the step and a
 replay would not see its weights. So each unsampled training forward's hooked outputs are
-held (references, no device op) until its backward begins, and then each gets one launch
-of a Triton kernel whose programs first read the flag (the loss not finite, two tiny ops
-on the loss) and exit at once when it is clear. On a healthy step that is all the kernel
-reads: one value per program, never the output. When the flag is set, the programs read
-the output and lower the step's first-bad slot to the call's position (`atomic_min`), so
-after the step the slot holds the position of the first call, in execution order, whose
-output held inf/NaN, exactly as checking every output would.
+held (references, no device op) until its backward begins; then the outputs of each
+dtype get one launch of a Triton kernel, given a small table of their addresses, sizes
+and call positions (one non-blocking copy), whose programs first read the flag (the loss
+not finite, two tiny ops on the loss) and exit at once when it is clear. On a healthy
+step that is all the kernel reads: one value per program, never an output. When the flag
+is set, the programs read every output and lower the step's first-bad slot to the
+position of each that held inf/NaN (`atomic_min`), so after the step the slot holds the
+position of the first call, in execution order, whose output held inf/NaN, exactly as
+checking every output would.
 
 Holding an output keeps it alive until its backward begins. Autograd saves many layer
 outputs for backward anyway (the next layer's input); those cost nothing. The others (a
@@ -21,8 +23,8 @@ kept alive (nothing else referenced their storage), and on later steps holds suc
 only up to a budget (`hold_mb`, default 1% of the device's memory); past it an output is
 checked as it is produced, with the `aminmax` every output had before (read every step).
 
-The grid is persistent (a few programs per SM, each striding over the output), so a
-healthy launch is a few hundred programs whatever the output's size. On the CPU (the
+The grid is persistent (a few programs per SM, each striding over every output), so a
+healthy launch is a few hundred programs whatever the outputs' number and size. On the CPU (the
 device path under test, `AMPWATCH_DEVICE_PATH=1`) the same kernel runs in Triton's
 interpreter, which needs `TRITON_INTERPRET=1` before triton is first imported
 (tests/conftest.py sets it on a machine without CUDA). Where Triton cannot run the
@@ -46,9 +48,15 @@ INTERPRETED = "ampwatch::interpreted_flagged_check"
 
 @functools.cache
 def _kernel() -> Any:
-    from ampwatch.agent.collectors import flagged_kernel  # imports triton: only when used
+    """The kernel module (imports triton: only when the path is used)."""
+    from ampwatch.agent.collectors import flagged_kernel
 
-    return flagged_kernel.check
+    return flagged_kernel
+
+
+def readable(dtype: torch.dtype) -> bool:
+    """Whether the kernel reads outputs of `dtype` (after available() said it runs)."""
+    return dtype in _kernel().TYPES
 
 
 @functools.cache
@@ -95,7 +103,7 @@ def available(device: torch.device) -> bool:
     if device.type not in ("cuda", "cpu"):
         return False
     try:
-        kernel = _kernel()
+        kernel = _kernel().check
     except Exception:  # noqa: BLE001 (no triton, or one that cannot load here)
         return False
     # a CPU tensor needs the interpreter: TRITON_INTERPRET=1 before triton was imported
@@ -112,6 +120,7 @@ class FlaggedChecks:
         self.first = torch.full((1,), no_call, dtype=torch.int64, device=device)
         self.unknown = torch.ones(1, dtype=torch.bool, device=device)  # the loss unknown
         self._flags: list[torch.Tensor] = []  # this step's, one per checked backward
+        self.device = device
         self._interpreted = device.type == "cpu"
         self._programs = (INTERPRETED_PROGRAMS if self._interpreted
                           else PROGRAMS_PER_SM * _sm_count(device))
@@ -123,15 +132,29 @@ class FlaggedChecks:
         self._flags.append(flag)
         return flag
 
-    def check(self, flag: torch.Tensor, output: torch.Tensor, position: int) -> None:
-        """Launch the check of one held (contiguous) output, call `position` of its step."""
-        n = output.numel()
-        grid = (max(1, min(self._programs, -(-n // BLOCK))),)
-        if self._interpreted:
-            with torch.profiler.record_function(INTERPRETED):
-                _kernel()[grid](flag, output, n, self.first, position, BLOCK=BLOCK)
-        else:
-            _kernel()[grid](flag, output, n, self.first, position, BLOCK=BLOCK)
+    def check(self, flag: torch.Tensor, held: list[tuple[int, torch.Tensor]]) -> None:
+        """Launch the checks of held (contiguous, `readable`) outputs: (call position,
+        output) pairs. One launch per dtype; the outputs stay referenced until it is
+        queued, and the allocator hands their memory on only in stream order after it."""
+        groups: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
+        for position, output in held:
+            groups.setdefault(output.dtype, []).append((position, output))
+        kernel = _kernel()
+        for dtype, items in groups.items():
+            table = torch.tensor([[o.data_ptr() for _, o in items],
+                                  [o.numel() for _, o in items],
+                                  [p for p, _ in items]], dtype=torch.int64)
+            if not self._interpreted:  # a pinned staging copy: non-blocking, no sync
+                table = table.pin_memory().to(self.device, non_blocking=True)
+            largest = max(o.numel() for _, o in items)
+            grid = (max(1, min(self._programs, -(-largest // BLOCK))),)
+            if self._interpreted:
+                with torch.profiler.record_function(INTERPRETED):
+                    kernel.check[grid](flag, table, len(items), self.first,
+                                       DTYPE=kernel.TYPES[dtype], BLOCK=BLOCK)
+            else:
+                kernel.check[grid](flag, table, len(items), self.first,
+                                   DTYPE=kernel.TYPES[dtype], BLOCK=BLOCK)
 
     def take_into(self, slot: torch.Tensor) -> None:
         """Write this step's result into its float64 first-call `slot` (which holds what

@@ -58,6 +58,20 @@ def batches(n: int, seed: int = 1, bad: Callable[[int], str | None] = lambda i: 
     return out
 
 
+def train_with_faults(model: nn.Module, n: int, fault: Callable[[int], None]) -> None:
+    """SGD on `batches(n)`: `fault(i)` (under no_grad) changes the weights before step i's
+    forward, and they are put back after each step, so every step sees its own fault only."""
+    clean = {k: v.clone() for k, v in model.state_dict().items()}
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    for i, (x, y) in enumerate(batches(n)):
+        with torch.no_grad():
+            fault(i)
+        nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        model.load_state_dict(clean)
+
+
 def fp16_loop(model: nn.Module, optimizer: Any, scaler: Any, data: list, *,
               clip: float | None = None, unscale: bool = True, accumulate: int = 1,
               scheduler: Any = None, on_step: Callable[..., None] | None = None,

@@ -19,6 +19,7 @@ from tests.agent.factories import (
     mlp,
     spooled,
     spooled_steps,
+    train_with_faults,
 )
 
 
@@ -510,17 +511,13 @@ def test_a_sampled_minus_inf_is_the_first_offender_and_its_abs_max(attach, offli
     its layer's abs-max is inf."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.Linear(32, 4))
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
-    clean = {k: v.clone() for k, v in model.state_dict().items()}
     attachment = attach(model, sample_every=1)
-    for i, (x, y) in enumerate(batches(3)):
+
+    def fault(i: int) -> None:
         if i == 1:
-            with torch.no_grad():
-                model[0].bias[0] = -math.inf
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        model.load_state_dict(clean)
+            model[0].bias[0] = -math.inf
+
+    train_with_faults(model, 3, fault)
     attachment.flush(5)
     steps = spooled_steps(offline, attachment.run_id)
     assert [s["first_nonfinite_layer"] for s in steps] == [None, 0, None]

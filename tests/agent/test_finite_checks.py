@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ampwatch.agent.collectors import finite_checks
-from tests.agent.factories import batches, spooled_steps
+from tests.agent.factories import batches, spooled_steps, train_with_faults
 
 
 def chain_model() -> nn.Sequential:
@@ -210,22 +210,18 @@ def test_an_output_changed_in_place_is_checked_as_it_was_produced(
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 32),
                           nn.Linear(32, 4))
     attachment = attach(model, sample_every=100, sample_after_anomaly=0)
-    clean = {k: v.clone() for k, v in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     produced: dict[int, bool] = {}  # the test's own hook: the Linear's output as produced
     step = {"i": 0}
     model[0].register_forward_hook(
         lambda m, a, out: produced.__setitem__(step["i"], bool(out.isfinite().all())))
-    for i, (x, y) in enumerate(batches(5)):
+
+    def fault(i: int) -> None:
         step["i"] = i
         if i == 3:
-            with torch.no_grad():
-                model[0].bias[0] = -math.inf
-                model[2].weight[0, 0] = math.nan
-        nn.functional.mse_loss(model(x), y).backward()
-        optimizer.zero_grad()
-        optimizer.step()
-        model.load_state_dict(clean)
+            model[0].bias[0] = -math.inf
+            model[2].weight[0, 0] = math.nan
+
+    train_with_faults(model, 5, fault)
     attachment.flush(5)
     steps = spooled_steps(offline, attachment.run_id)
     assert [i for i, finite in produced.items() if not finite] == [3]

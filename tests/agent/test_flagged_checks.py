@@ -1,7 +1,8 @@
 """The flagged checks' kernel (agent/collectors/flagged_checks.py): with the flag clear it
-leaves the slot alone whatever the output holds; with it set, the slot ends at the first
-call whose output held inf/NaN, wherever the element lies in a stride. On the CPU in
-Triton's interpreter; the same on a CUDA device (`-m cuda`)."""
+leaves the slot alone whatever the outputs hold; with it set, the slot ends at the first
+call whose output held inf/NaN, wherever the element lies in a stride, whatever the order
+and dtype of the outputs (one launch per dtype). On the CPU in Triton's interpreter; the
+same on a CUDA device (`-m cuda`)."""
 
 from __future__ import annotations
 
@@ -38,9 +39,7 @@ def outputs(device: torch.device) -> list[torch.Tensor]:
 
 def slot_after(checks: flagged_checks.FlaggedChecks, loss: torch.Tensor | None,
                held: list[torch.Tensor], slot_value: float = NO_CALL) -> float:
-    flag = checks.flag(loss)
-    for position, output in enumerate(held):
-        checks.check(flag, output, position)
+    checks.check(checks.flag(loss), list(enumerate(held)))
     slot = torch.full((1,), float(slot_value), dtype=torch.float64, device=held[0].device)
     checks.take_into(slot)
     return slot.item()
@@ -72,7 +71,7 @@ def test_a_set_flag_names_the_first_bad_output(device_type: str, value: float) -
     assert slot_after(checks, None, held) == 1  # an unknown loss checks too
     assert slot_after(checks, bad_loss, held[2:]) == 1  # position 1 here is held[3]
     # several backwards in one step: any set flag checks
-    checks.check(checks.flag(torch.tensor(1.0, device=device)), held[4], 4)
+    checks.check(checks.flag(torch.tensor(1.0, device=device)), [(4, held[4])])
     assert slot_after(checks, torch.tensor(math.inf, device=device), held[3:4]) == 0
 
 
