@@ -190,6 +190,17 @@ def run_checks(args: argparse.Namespace) -> int:
         return _run_checks(args, budget, installs, server, ready)
 
 
+def flagged_checks_state(device: Any) -> str:
+    """Whether a run without a GradScaler takes the flagged kernel here (a healthy step
+    reads no layer output) or checks every output (docs/agent.md, "Cheap by design")."""
+    from ampwatch.agent.collectors import flagged_checks
+
+    if not flagged_checks.available(device):
+        return "off: the Triton kernel cannot run here; every layer output is checked"
+    import triton
+    return f"on (triton {triton.__version__}): held outputs, checked when the loss is bad"
+
+
 def _run_checks(args: argparse.Namespace, budget: Any, installs: list[str], server: str,
                 ready: Callable[[], None]) -> int:
     import torch
@@ -206,6 +217,7 @@ def _run_checks(args: argparse.Namespace, budget: Any, installs: list[str], serv
             "memory_gib": round(memory / 2**30, 1)}
     report = Report(Path(args.out), budget, meta)
     report.note("installs", installs)
+    report.note("flagged_checks", flagged_checks_state(device))
     signal.signal(signal.SIGALRM, _alarm)
     signal.alarm(max(1, int(budget.left())))
     from gpu_correctness import check_no_sync, check_values

@@ -96,7 +96,7 @@ class Report:
                  f"{meta.get('mode', '')}; torch {meta.get('torch', '?')}; "
                  f"{meta.get('elapsed_s')} s of a {self.budget.total_s:.0f} s budget; "
                  f"started {meta.get('started', '?')}", ""]
-        for key in ("installs", "interrupted"):
+        for key in ("installs", "flagged_checks", "interrupted"):
             if meta.get(key):
                 lines += [f"{key}: {meta[key]}", ""]
         lines += ["| group | check | status | figure | target |", "|---|---|---|---|---|"]

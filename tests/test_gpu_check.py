@@ -35,6 +35,8 @@ def test_smoke_run_passes_within_two_minutes(smoke) -> None:
     assert failed == [] and code == 0, stdout[-3000:]
     assert elapsed < SMOKE_LIMIT_S
     assert not report["meta"].get("interrupted")
+    # whether the runs without a scaler took the flagged kernel: the report says which
+    assert report["meta"]["flagged_checks"].startswith(("on (triton", "off: "))
 
 
 def test_smoke_run_reaches_every_check(smoke) -> None:
