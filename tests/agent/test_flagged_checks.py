@@ -46,7 +46,8 @@ def slot_after(checks: flagged_checks.FlaggedChecks, loss: torch.Tensor | None,
 
 
 @pytest.mark.parametrize("device_type", DEVICES)
-def test_a_clear_flag_reads_no_output(device_type: str) -> None:
+def test_a_clear_flag_leaves_the_slot_alone_whatever_the_outputs_hold(device_type: str
+                                                                     ) -> None:
     checks = checks_on(device_type)
     held = outputs(checks.first.device)
     for output in held:
@@ -65,7 +66,7 @@ def test_a_set_flag_names_the_first_bad_output(device_type: str, value: float) -
     bad_loss = torch.tensor(math.nan, device=device)
     held = outputs(device)
     assert slot_after(checks, bad_loss, held) == NO_CALL  # checked, all finite
-    for position, index in ((3, -1), (1, 2999), (4, 0)):  # the last element of a stride
+    for position, index in ((3, -1), (1, 2999), (4, 0)):  # last elements, a first one
         held[position].view(-1)[index] = value
     assert slot_after(checks, bad_loss, held) == 1
     assert slot_after(checks, None, held) == 1  # an unknown loss checks too

@@ -43,13 +43,17 @@ class FirstBad:
             module.register_forward_hook(lambda m, a, out: self._seen(names[m], out))
 
     def _seen(self, name: str, output: Any) -> None:
-        tensor = output if isinstance(output, torch.Tensor) else next(
-            (t for t in (output.values() if isinstance(output, dict) else output)
-             if isinstance(t, torch.Tensor)), None) if isinstance(
-            output, tuple | list | dict) else None
-        if (self.recording and self.steps[-1] is None and tensor is not None
-                and tensor.is_floating_point() and not bool(tensor.isfinite().all())):
+        if self.recording and self.steps[-1] is None and not all(
+                bool(t.isfinite().all()) for t in float_tensors(output)):
             self.steps[-1] = name
+
+
+def float_tensors(output: Any) -> list[torch.Tensor]:
+    """The floating tensors of a module's output (a tensor, or in a tuple, list, dict or
+    transformers' ModelOutput, one level deep)."""
+    items = output.values() if isinstance(output, dict) else (
+        output if isinstance(output, tuple | list) else [output])
+    return [t for t in items if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 @pytest.mark.parametrize("path", ["host", "device"])
