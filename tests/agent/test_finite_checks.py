@@ -287,3 +287,33 @@ def test_a_kernel_that_cannot_run_falls_back_to_checking_every_output(
     assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == truth
     assert [site for site, _ in agent_errors] == ["activations.flagged_checks"]
     agent_errors.clear()
+
+
+def test_a_fused_optimizer_under_a_scaler_takes_the_held_outputs_path(
+        attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fused AdamW takes GradScaler's found_inf on the device and always "steps": no
+    skip to replay on. After its first step its outputs are held and checked by the
+    flagged kernel: a NaN weight in layer 2 at step 3 is named, the healthy steps read
+    nothing."""
+    monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
+    model = chain_model()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    scaler = torch.amp.GradScaler("cpu")
+    attachment = attach(model, scaler, sample_every=100, sample_after_anomaly=0)
+    clean = {k: v.clone() for k, v in model.state_dict().items()}
+    truth = {}
+    for i, (x, y) in enumerate(batches(5)):
+        if i == 3:
+            with torch.no_grad():
+                model[2].weight[0, 0] = math.nan
+        truth[i] = first_bad_child(model, x)
+        scaler.scale(nn.functional.mse_loss(model(x), y)).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+        model.load_state_dict(clean)
+    attachment.flush(5)
+    steps = spooled_steps(offline, attachment.run_id)
+    assert truth == {0: None, 1: None, 2: None, 3: 2, 4: None}
+    assert [s["first_nonfinite_layer"] for s in steps] == [None, None, None, 2, None]
+    assert [s["forward_nonfinite"] for s in steps[2:]] == [None, True, None]
