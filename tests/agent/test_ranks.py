@@ -35,15 +35,22 @@ def server(tmp_path_factory: pytest.TempPathFactory):
     live.stop()
 
 
-@pytest.fixture(scope="module", params=sorted(SCENARIOS))
+# (world size, path): the accelerator's path forced on the CPU once, on 2 ranks, where
+# no replay may run (a collective) and the held outputs' flagged kernel names the layer
+JOBS = [(2, "host"), (4, "host"), (2, "device")]
+
+
+@pytest.fixture(scope="module", params=JOBS, ids=[f"{w}-{p}" for w, p in JOBS])
 def job(request: pytest.FixtureRequest, server: LiveServer,
         tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
     """Train every scenario on `world` ranks; returns what each rank reported."""
-    world = request.param
-    out = tmp_path_factory.mktemp(f"ranks-{world}")
-    # fork: the ranks inherit the imported torch instead of importing it again each
-    mp.start_processes(ranks_worker.main, nprocs=world, start_method="fork", args=(
-        world, free_port(), server.url, str(out), SCENARIOS[world], f"w{world}"))
+    world, path = request.param
+    out = tmp_path_factory.mktemp(f"ranks-{world}-{path}")
+    with pytest.MonkeyPatch.context() as patch:  # the forked ranks inherit the setting
+        patch.setenv("AMPWATCH_DEVICE_PATH", "1" if path == "device" else "0")
+        # fork: the ranks inherit the imported torch instead of importing it again each
+        mp.start_processes(ranks_worker.main, nprocs=world, start_method="fork", args=(
+            world, free_port(), server.url, str(out), SCENARIOS[world], f"w{world}{path}"))
     ranks = [json.loads(Path(out, f"rank-{r}.json").read_text()) for r in range(world)]
     with httpx.Client(base_url=server.url + "/api/v1", timeout=60) as api:
         yield {"world": world, "ranks": ranks, "api": api}
