@@ -243,14 +243,9 @@ class ActivationCollector(Collector):
     def _check_held_outputs(self, loss: torch.Tensor | None) -> None:
         """Launch the flagged check of each output held since the last backward (no read:
         a healthy step's kernels read the flag and exit)."""
-        held, self._held_outputs = self._held_outputs, []
-        self._alone_bytes = 0
         checks = self._checks
         try:
-            for _, index, output, version in held:
-                self._note_held(index, output, version)
-            checks.check(checks.flag(loss), [(position, output)
-                                             for position, _, output, _ in held])
+            checks.check(checks.flag(loss), self._take_held())
         except Exception as exc:  # noqa: BLE001 (a Triton that cannot compile for this GPU)
             self._checks = None  # from the next step on every output is checked as made
             self._hold = self._holding = False
@@ -278,11 +273,8 @@ class ActivationCollector(Collector):
         """A sampled forward's held outputs: each call's abs-max as its (min, max) pair
         (the same 0-d tensor twice: finite exactly when the output was, the abs-max
         either way), in one `_foreach_norm` per dtype."""
-        held, self._held_outputs = self._held_outputs, []
-        self._alone_bytes = 0
         groups: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
-        for position, index, output, version in held:
-            self._note_held(index, output, version)
+        for position, output in self._take_held():
             groups.setdefault(output.dtype, []).append((position, output))
         calls = self._calls
         for items in groups.values():
@@ -291,16 +283,21 @@ class ActivationCollector(Collector):
                 index, dtype, _, start, end = calls[position]
                 calls[position] = (index, dtype, (norm, norm), start, end)
 
-    def _note_held(self, index: int, output: torch.Tensor, version: int) -> None:
-        """What a held output says of its layer at its check: changed in place since it
-        was produced (from the next step on checked as produced; this one as it is now),
-        and whether only the agent kept it alive (then held within the budget only)."""
-        if output._version != version:
-            self._in_place.add(index)
-        if flagged_checks.kept_alone(output):
-            self._alone.add(index)
-        else:
-            self._alone.discard(index)
+    def _take_held(self) -> list[tuple[int, torch.Tensor]]:
+        """The held outputs as (call position, output), released, and what each says of
+        its layer: changed in place since it was produced (from the next step on checked
+        as produced; this one as it is now), and whether only the agent kept it alive
+        (then held within the budget only)."""
+        held, self._held_outputs = self._held_outputs, []
+        self._alone_bytes = 0
+        for _, index, output, version in held:
+            if output._version != version:
+                self._in_place.add(index)
+            if flagged_checks.kept_alone(output):
+                self._alone.add(index)
+            else:
+                self._alone.discard(index)
+        return [(position, output) for position, _, output, _ in held]
 
     def on_step_end(self, step: int, stepped: bool) -> None:
         # an accelerator's flag: the GradScaler skipped the step (it read found_inf itself),
@@ -431,9 +428,11 @@ class ActivationCollector(Collector):
         self._calls = []
         host.observed = self._searched = False
         self._held = []
-        if self._held_outputs and self._checks is not None:  # a forward no backward of
-            self._check_held_outputs(None)  # this step followed: checked as if its loss
-        self._held_outputs = []  # were bad (read: a rare case)
+        # outputs of a forward no backward followed: checked as if its loss were bad (they
+        # are read; a rare case)
+        if self._held_outputs and self._checks is not None:
+            self._check_held_outputs(None)
+        self._held_outputs = []
         self._starts.clear()
         self._tokens.clear()
         return sealed
