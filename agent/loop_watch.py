@@ -21,7 +21,7 @@ import torch.optim.optimizer as optim_hooks
 from torch import nn
 from torch.amp.grad_scaler import OptState
 
-from ampwatch.agent import distributed, grad_clip, guard, patches
+from ampwatch.agent import distributed, guard, patches
 from ampwatch.agent.attribution import BackwardOwner
 from ampwatch.agent.buffer import StepBuffer
 from ampwatch.agent.clock import CudaClock, HostClock
@@ -34,7 +34,13 @@ from ampwatch.agent.split_params import SplitParams
 _SCALER_METHODS = ("scale", "unscale_", "step", "update")
 CLOSE_FAILED = object()  # meta of a collector whose close() raised: its fields are left out
 _compiling = torch.compiler.is_compiling  # dynamo folds it to True while tracing a hook
+
+
+def _in_backward() -> bool:
+    """Whether autograd's engine is running a backward on this thread (host only)."""
+    return torch._C._current_graph_task_id() != -1
 _GRAD = operator.attrgetter("grad")
+_VERSION = operator.attrgetter("_version")
 
 
 def _unwrap_scaler_method(scaler: Any, name: str, wrapper: Callable) -> None:
@@ -111,11 +117,17 @@ class LoopWatch:
         self.anomaly_until = -1  # sample activations through this step (worker sets it too)
         self.dropped_steps = 0
         self._grads_taken = False
-        self._clipping_ours = False  # set by _clip_before for the clip_grad_norm_ call under way
+        # the grads' version counters summed as the snapshot (or an unscale_ or a clip the
+        # agent saw) left them: a different sum at the step means something else rewrote them
+        self._grad_versions: tuple[tuple[int, ...], int] | None = None
+        self._clipping_ours = False  # set by _clip_before for the clip call under way
         self._in_scaler_step = False
         self._opt_stepped = False
         self._pending: tuple[int, bool, dict[str, Any]] | None = None
         self._forward_owner: nn.Module | None = None  # the module whose hooks run this forward
+        # the modules a forward may enter by (the loop may call a submodule itself: a
+        # LightningModule's `self.net(x)`), by their names in the model ("": the model)
+        self._entries: dict[int, str] = {}
         self._inplace_compiled: list[tuple[nn.Module, Callable]] = []
         self._handles: list[Any] = []
         self._patch_tokens: list[tuple[patches.GlobalPatch, object]] = []
@@ -123,7 +135,7 @@ class LoopWatch:
         # per event, the bound handlers of the collectors that implement it
         self._listeners = {e: [(getattr(c, e), f"{c.name}.{e}") for c in collectors
                                if overrides(c, e)] for e in EVENTS}
-        self._take_grads_guarded = guard.guarded("session.clip_snapshot")(self._take_grads)
+        self._take_grads_guarded = guard.guarded("session.grad_snapshot")(self._take_grads)
         self._step_end_guarded = guard.guarded("session.step_end")(self._step_end)
         self.on_run_change: Callable[[], None] = lambda: None
         self.on_event: Callable[[str, dict[str, Any]], Any] = lambda kind, detail: None
@@ -145,14 +157,18 @@ class LoopWatch:
         self.buffer.allocate()
         for collector in self.collectors:
             collector.bind(self)
-        self._hook_forward(self.model)
+        for name, module in self._entry_modules():
+            self._entries[id(module)] = name
+            self._hook_forward(module)
         self._handles.append(optim_hooks.register_optimizer_step_pre_hook(self._opt_pre))
         self._handles.append(optim_hooks.register_optimizer_step_post_hook(self._opt_post))
         self._patch_tokens = [
             (patches.BACKWARD, patches.BACKWARD.add(self._backward_before, self._backward_after)),
             (patches.ZERO_GRAD, patches.ZERO_GRAD.add(self._zero_grad_before)),
             (patches.CLIP_GRAD_NORM, patches.CLIP_GRAD_NORM.add(
-                self._clip_before, self._clip_after, replace=self._clip_replace)),
+                self._clip_before, self._clip_after)),
+            (patches.CLIP_GRADS_WITH_NORM, patches.CLIP_GRADS_WITH_NORM.add(
+                self._clip_before, self._clip_after)),
             (patches.SCHEDULER_STEP, patches.SCHEDULER_STEP.add(self._scheduler_before)),
             (patches.COMPILE, patches.COMPILE.add(after=self._compile_after)),
             (patches.MODULE_COMPILE, patches.MODULE_COMPILE.add(after=self._module_compile_after)),
@@ -170,6 +186,32 @@ class LoopWatch:
             if not is_compiled_wrapper(self.model):
                 self._wrap_inplace_compiled(self.inner)
         self.dispatch("on_next_step", self.step)
+
+    def _entry_modules(self) -> list[tuple[str, nn.Module]]:
+        """The model, the module it wraps, and that module's children that hold parameters:
+        a step's forward is whichever of them the loop calls first (a loss module or a
+        metric, without parameters, is not a forward). A container's children are entered
+        through the container's own forward, so only the model is hooked then."""
+        entries = [("", self.model)]
+        if self.inner is not self.model:
+            entries.append(("", self.inner))
+        if not isinstance(self.inner, (nn.Sequential, nn.ModuleList, nn.ModuleDict)):
+            for name, child in self.inner.named_children():
+                if next(child.parameters(), None) is not None:
+                    entries.append((name, child))
+        return entries
+
+    @property
+    def forward_owner(self) -> nn.Module | None:
+        """The module running the current forward (None between forwards)."""
+        return self._forward_owner
+
+    @property
+    def forward_entry(self) -> str:
+        """The name in the model of the module running the current forward ("": the
+        model itself), for a replay to call the same one."""
+        owner = self._forward_owner
+        return "" if owner is None else self._entries.get(id(owner), "")
 
     def _hook_forward(self, module: nn.Module) -> None:
         self._handles.append(module.register_forward_pre_hook(
@@ -230,27 +272,60 @@ class LoopWatch:
         return False
 
     # ------------------------------------------------------------------ step lifecycle
-    def _take_grads(self, divisor: torch.Tensor | None = None,
-                    clip: grad_clip.PreparedClip | None = None,
-                    present: tuple[int, ...] | None = None) -> None:
-        """Per-step gradient snapshot, once, at the first point the grads are unscaled
-        (`clip`: a clip_grad_norm_ call's prepared norms, to reuse; `present`: the
-        positions of the params with a grad, when the caller has them)."""
-        if self._grads_taken:
+    def _take_grads(self, divisor: torch.Tensor | None = None, again: bool = False) -> None:
+        """The step's gradient snapshot. Taken as each of the model's backwards ends
+        (`again`: the last one before the step wins), so the grads are as backward left
+        them, before whatever clips or rescales them; taken at the step instead when no
+        backward was seen (one the agent cannot observe). `divisor`: the scale the grads
+        still carry (GradScaler's, on device: no synchronisation)."""
+        if self._grads_taken and not again:
             return
         self._grads_taken = True
         self.close_pending()
+        present = self._present()
+        with_grad = [self.params[i] for i in present]
+        grads = [p.grad for p in with_grad]
+        if divisor is None and self.scaler_enabled and self.optimizer is not None:
+            grads = self._split.unscale(self.optimizer, present, grads, self.scaler._scale)
+        self.dispatch("on_grads", grads, present, divisor)
+        self._note_grad_versions(present)
+
+    def _note_grad_versions(self, present: tuple[int, ...] | None = None) -> None:
+        """Remember the grads' version counters (host counters: no device work)."""
         if present is None:
-            present = self._present()
-        if clip is not None and clip.model_order:  # the clip's lists, already built
-            with_grad, grads = clip.with_grad, clip.grads
-        else:
-            with_grad = [self.params[i] for i in present]
-            grads = [p.grad for p in with_grad]
-            if divisor is None and self.scaler_enabled and self.optimizer is not None:
-                grads = self._split.unscale(self.optimizer, present, grads, self.scaler._scale)
-        norms = None if clip is None else clip.norms_for(with_grad)
-        self.dispatch("on_grads", grads, present, divisor, norms)
+            if self._grad_versions is None:
+                return
+            present = self._grad_versions[0]
+        params = self.params
+        try:
+            versions = sum(map(_VERSION, (params[i].grad for i in present)))
+        except AttributeError:  # a grad dropped since: nothing left to compare
+            self._grad_versions = None
+            return
+        self._grad_versions = (present, versions)
+
+    def _grads_at_step(self, divisor: torch.Tensor | None = None) -> None:
+        """At the optimizer step: the snapshot if no backward took it; else, when the grads
+        were rewritten since (a clip the agent did not see called, a loop's own scaling),
+        their norm as the optimizer gets them is the clipped norm."""
+        if not self._grads_taken:
+            self._take_grads(divisor)
+            return
+        taken = self._grad_versions
+        if taken is None:
+            return
+        present, versions = taken
+        params = self.params
+        try:
+            grads = [params[i].grad for i in present]
+            if sum(map(_VERSION, grads)) == versions:
+                return
+        except AttributeError:  # a grad dropped since
+            return
+        self._grad_versions = None
+        if divisor is None and not self._grads_unscaled():
+            divisor = self.scaler._scale
+        self.dispatch("on_grads_rewritten", grads, divisor)
 
     @property
     def computes_in_fp16(self) -> bool:
@@ -282,6 +357,7 @@ class LoopWatch:
         self._pending = (step, stepped, sealed)
         self.step = step + 1
         self._grads_taken = False
+        self._grad_versions = None
         self._owner.step_ended()
         if not self.scaler_enabled:
             self.close_pending()
@@ -331,9 +407,11 @@ class LoopWatch:
     def _forward_pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if _compiling() or not self.live or self._forward_owner is not None:
             return
+        if module is not self.model and _in_backward():  # checkpointing's recompute
+            return
         self._forward_owner = module
         self._owner.forward_ran()
-        training = self.inner.training
+        training = self.inner.training if module is self.model else module.training
         self.in_training_forward = training
         self.dispatch("on_forward_begin", training, args, kwargs)
 
@@ -403,6 +481,8 @@ class LoopWatch:
         if self._backward_ours and self.live:
             self._backward_ours = False
             self.dispatch("on_backward_end")
+            self._take_grads_guarded(self.scaler._scale if self.scaler_enabled else None,
+                                     again=True)
 
     def _zero_grad_before(self, args: tuple, kwargs: dict) -> None:
         """The loop drops the model's grads (its optimizer's or the model's `zero_grad`):
@@ -427,7 +507,9 @@ class LoopWatch:
             return state is not None and state["stage"] is OptState.UNSCALED
         return any(s["stage"] is OptState.UNSCALED for s in states.values())
 
-    # clip_grad_norm_'s arguments arrive bound (patches.CLIP_GRAD_NORM): `parameters` is a list
+    # clip_grad_norm_'s and clip_grads_with_norm_'s arguments arrive bound
+    # (patches.CLIP_GRAD_NORM): `parameters` is a list. The snapshot was taken as backward
+    # ended; these calls only say whether the loop clipped unscaled grads, and by how much.
     def _clip_before(self, args: tuple, kwargs: dict) -> bool | None:
         """Whether the grads were unscaled; None when the call clips no parameter of this
         model (another model in the process: a discriminator, an EMA copy)."""
@@ -436,34 +518,16 @@ class LoopWatch:
         if not self._clipping_ours:
             return None
         unscaled = self._grads_unscaled()
-        if unscaled and patches.CLIP_GRAD_NORM._replace != self._clip_replace:
-            self._take_grads()
+        if unscaled and not self._grads_taken:  # no backward seen: before the clip, at least
+            self._take_grads_guarded()
         self.dispatch("on_clip_begin", unscaled)
         return unscaled
 
-    def _clip_replace(self, original: Callable, args: tuple, kwargs: dict) -> Any:
-        """Run `clip_grad_norm_` ourselves so its one norm pass also gives the per-layer
-        norms (bitwise the same total and clipping); otherwise snapshot first, then run
-        the original on the same arguments."""
-        if not self._clipping_ours or self._grads_taken or not self._grads_unscaled():
-            return patches.NOT_HANDLED
-        arguments = kwargs
-        present = self._present()
-        try:
-            prepared = grad_clip.prepare(arguments, self.params,
-                                         [self.params[i] for i in present])
-        except Exception as exc:  # noqa: BLE001
-            guard.report("session.clip", exc)
-            prepared = None
-        if prepared is None:
-            self._take_grads_guarded()
-            return original(**arguments)
-        self._take_grads_guarded(None, prepared, present)
-        return prepared.apply()
-
     def _clip_after(self, result: Any, args: tuple, kwargs: dict, unscaled: Any) -> None:
         if unscaled is not None and self.live:
-            self.dispatch("on_clip_end", result, kwargs["max_norm"], unscaled)
+            self._note_grad_versions()  # a clip seen: its norm is derived, not re-read
+            total = kwargs.get("total_norm", result)
+            self.dispatch("on_clip_end", total, kwargs["max_norm"], unscaled)
 
     def _scheduler_before(self, args: tuple, kwargs: dict) -> None:
         scheduler = args[0]
@@ -483,7 +547,7 @@ class LoopWatch:
                 return (*args[:own], wrapped, *args[own + 1:]), kwargs
             if callable(kwargs.get("closure")):
                 return args, {**kwargs, "closure": self._closure_then_grads(kwargs["closure"])}
-            self._take_grads()
+            self._grads_at_step()
         except Exception as exc:  # noqa: BLE001
             guard.report("session.optimizer_pre", exc)
         return None
@@ -542,12 +606,11 @@ class LoopWatch:
             original(optimizer)
             if self.live:
                 try:
-                    # outside scaler.step the snapshot waits for clip_grad_norm_ (whose
-                    # norm pass it shares) or the step; inside, the grads are final
                     if not self._adopt(optimizer):
                         self._split.unscaled_by(optimizer)
                     elif self._in_scaler_step:
-                        self._take_grads()
+                        self._take_grads()  # no backward seen: the grads are final now
+                    self._note_grad_versions()  # unscaling rewrote them, as expected
                 except Exception as exc:  # noqa: BLE001
                     guard.report("session.unscale_", exc)
         return unscale_
@@ -559,9 +622,9 @@ class LoopWatch:
                 if ours:
                     self._step_begin()
                     if self._grads_unscaled():
-                        self._take_grads()
+                        self._grads_at_step()
                     elif getattr(optimizer, "_step_supports_amp_scaling", False):
-                        self._take_grads(divisor=self.scaler._scale)  # fused: grads stay scaled
+                        self._grads_at_step(divisor=self.scaler._scale)  # fused: stay scaled
             except Exception as exc:  # noqa: BLE001
                 guard.report("session.step", exc)
                 ours = False

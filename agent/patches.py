@@ -1,9 +1,9 @@
 """Shared wrappers around global torch functions the agent must observe.
 
-`clip_grad_norm_`, `Tensor.backward`, `zero_grad` (of optimizers and modules), LR
-schedulers' `step`, `torch.compile` and `Module.compile` have no hook API, so one
-wrapper per function is installed while at least one listener is registered and removed
-with the last one. Listeners run under the guard; the wrapped call itself is untouched
+`clip_grad_norm_`, `clip_grads_with_norm_`, `Tensor.backward`, `zero_grad` (of optimizers
+and modules), LR schedulers' `step`, `torch.compile` and `Module.compile` have no hook API,
+so one wrapper per function is installed while at least one listener is registered and
+removed with the last one. Listeners run under the guard; the wrapped call itself is untouched
 (its exceptions and return value pass through). A wrapper costs one Python call.
 """
 
@@ -138,6 +138,11 @@ def _scheduler_classes() -> list[tuple[Any, str]]:
 CLIP_GRAD_NORM = GlobalPatch("clip_grad_norm_", [(torch.nn.utils, "clip_grad_norm_"),
                                                  (torch.nn.utils.clip_grad, "clip_grad_norm_")],
                              bind=grad_clip.bind)
+# the newer pair (accelerate clips with get_total_norm + clip_grads_with_norm_); torch's own
+# clip_grad_norm_ calls the private name, so a clip_grad_norm_ call is seen once
+CLIP_GRADS_WITH_NORM = GlobalPatch("clip_grads_with_norm_",
+                                   [(torch.nn.utils, "clip_grads_with_norm_")],
+                                   bind=grad_clip.bind)
 BACKWARD = GlobalPatch("Tensor.backward", [(torch.Tensor, "backward")])
 ZERO_GRAD = GlobalPatch("zero_grad", [(torch.optim.Optimizer, "zero_grad"),
                                       (torch.nn.Module, "zero_grad")])

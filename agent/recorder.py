@@ -71,6 +71,7 @@ class Held:
     """One step's inputs, kept until the worker has judged the step."""
 
     batches: list[tuple[tuple, dict]]
+    entries: list[str]  # per batch, the module the loop called ("": the model)
     rng: dict[str, torch.Tensor]
     applied_at_begin: int  # optimizer steps applied before this step began
     pre: HostCopy | None = None  # state dict copied before any update
@@ -121,6 +122,7 @@ class Recorder(Collector):
 
     def _reset(self) -> None:
         self._batches: list[tuple[tuple, dict]] = []
+        self._entries: list[str] = []
         self._rng: dict[str, torch.Tensor] | None = None
         self._applied_at_begin = self._applied
         self._losses: list[torch.Tensor] = []
@@ -154,6 +156,7 @@ class Recorder(Collector):
             self._rng = rng_states(self.session.device)
             self._applied_at_begin = self._applied
         self._batches.append((args, dict(kwargs)))
+        self._entries.append(self.session.forward_entry)
 
     def _take(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.numel() == 1 and tensor.is_floating_point():
@@ -196,8 +199,8 @@ class Recorder(Collector):
     def seal(self) -> Any:
         held = None
         if self._batches and self._sealed - self._read < self.MAX_HELD:
-            held = Held(self._batches, self._rng or {}, self._applied_at_begin, self._pre,
-                        skipped=not self._stepped)
+            held = Held(self._batches, self._entries, self._rng or {},
+                        self._applied_at_begin, self._pre, skipped=not self._stepped)
             self._sealed += 1
         self._last_held = held
         self._reset()
@@ -282,6 +285,8 @@ class Recorder(Collector):
                               "taken": "before any update" if held.pre is not None
                               else "at capture"}
             meta["micro_batches"] = len(held.batches)
+            if any(held.entries):  # the loop called submodules itself: replay calls them
+                meta["forward_entries"] = list(held.entries)
             batches, rng = held.batches, held.rng
             held.batches, held.pre = [], None  # the writer owns them now
 

@@ -133,6 +133,31 @@ def matching_keys(state: dict[str, torch.Tensor], model: nn.Module) -> dict[str,
     return state
 
 
+def forward_entries(model: nn.Module, bundle: Bundle) -> list[nn.Module]:
+    """Per recorded forward, the module the training loop called: the model, or the
+    submodule it called itself (a LightningModule's `self.net(x)`), by its name in the
+    bundle, less any wrapper's prefix (DDP's `module`). A name the model does not have is
+    the wrong model for this bundle: a ValueError that says so."""
+    names = bundle.meta.get("forward_entries") or [""] * len(bundle.batches)
+    if len(names) != len(bundle.batches) or not all(isinstance(n, str) for n in names):
+        raise ValueError("the bundle's forward_entries do not match its batches")
+    modules = dict(model.named_modules())
+    entries = []
+    for name in names:
+        for prefix in ("", *WRAPPER_PREFIXES):
+            if name == prefix.rstrip("."):
+                name = ""
+            name = name.removeprefix(prefix)
+            if name in modules:
+                break
+        else:
+            raise ValueError(f"the bundle's forward entered the model by a submodule named "
+                             f"{name[:200]!r}, which this model does not have: is it the "
+                             f"model that was trained?")
+        entries.append(modules[name])
+    return entries
+
+
 def run_step(model: nn.Module, bundle: Bundle, *, loss_fn: LossFn | None = None,
              device: str | torch.device = "cpu", upcast_names: Iterable[str] = (),
              loss_limit: float | None = None) -> StepOutcome:
@@ -170,11 +195,12 @@ def run_step(model: nn.Module, bundle: Bundle, *, loss_fn: LossFn | None = None,
         for module in model.modules():
             stack.callback(module.register_forward_hook(finished).remove)
         stack.enter_context(upcast(model, upcast_names, device.type))
-        for args, kwargs in bundle.batches:
+        for (args, kwargs), entry in zip(bundle.batches, forward_entries(model, bundle),
+                                         strict=True):
             args, kwargs = _move(args, device), _move(kwargs, device)
             with torch.autocast(device.type, dtype=dtype or torch.float32,
                                 enabled=dtype is not None):
-                output = model(*args, **kwargs)
+                output = entry(*args, **kwargs)
                 loss = (loss_fn or default_loss)(output, *args, **kwargs)
             forward_finite = forward_finite and not _nonfinite(output)
             if loss is None:

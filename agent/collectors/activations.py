@@ -58,6 +58,7 @@ from ampwatch.agent.collectors.forward_search import (
     hold,
     loss_is_bad,
 )
+from ampwatch.agent.compiled import unwrap
 from ampwatch.agent.layers import dtype_name
 from ampwatch.wire import encode_float_array
 
@@ -229,7 +230,7 @@ class ActivationCollector(Collector):
         self._holding = self._hold and torch.is_grad_enabled()
         self._fusing = self._sampled and self._fuse
         if self._search and training:
-            self._held.append(hold(args, kwargs, self.session.device))
+            self._held.append(hold(self._replayable(), args, kwargs, self.session.device))
 
     def on_backward_begin(self, loss: torch.Tensor | None) -> None:
         # the CPU's flag: the loss, a host value (an accelerator's would need a sync)
@@ -239,6 +240,11 @@ class ActivationCollector(Collector):
                 self._search_held(held)
         elif self._held_outputs:
             self._check_held_outputs(loss)
+
+    def _replayable(self) -> torch.nn.Module:
+        """The module this forward entered by (a compiled one's eager module)."""
+        owner = self.session.forward_owner
+        return self.session.inner if owner is None else unwrap(owner)
 
     def _check_held_outputs(self, loss: torch.Tensor | None) -> None:
         """Launch the flagged check of each output held since the last backward (no read:
@@ -254,13 +260,17 @@ class ActivationCollector(Collector):
     def _search_held(self, held: list[HeldForward]) -> None:
         """Replay the step's held forwards, in order, up to the first with a bad output."""
         self._searched = True
-        module = self.session.inner  # a compiled model's eager module
-        for forward in held:
-            call = first_bad_output(module, forward, self._layer_modules,
-                                    on_device=not self.session.host_reduce)
-            if call is not None:
-                self._calls.append(call)
-                break
+        session = self.session
+        suspended, session.suspended = session.suspended, True  # the replay is no forward
+        try:
+            for forward in held:
+                call = first_bad_output(forward.module, forward, self._layer_modules,
+                                        on_device=not session.host_reduce)
+                if call is not None:
+                    self._calls.append(call)
+                    break
+        finally:
+            session.suspended = suspended
 
     def on_forward_end(self, training: bool, output: Any) -> None:
         self._host.end_forward()

@@ -19,7 +19,8 @@ if TYPE_CHECKING:
     from ampwatch.agent.loop_watch import LoopWatch
 
 EVENTS = ("on_forward_begin", "on_forward_end", "on_backward_begin", "on_backward_end",
-          "on_zero_grad", "on_loss_logged", "on_scale", "on_grads", "on_clip_begin",
+          "on_zero_grad", "on_loss_logged", "on_scale", "on_grads", "on_grads_rewritten",
+          "on_clip_begin",
           "on_clip_end", "on_scheduler_step",
           "on_step_begin", "on_step_end", "on_update_begin", "on_update_end", "on_next_step")
 
@@ -79,8 +80,14 @@ class Collector:
     def on_zero_grad(self) -> None: ...  # the model's grads were dropped: so is what made them
     def on_loss_logged(self, loss: Any) -> None: ...  # attachment.log_loss()
     def on_scale(self, outputs: Any) -> None: ...
+    # the grads as the model's backward left them (each backward: the last before the step
+    # wins); `divisor`: the scale they still carry (device tensor), None when unscaled
     def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
-                 divisor: torch.Tensor | None, norms: torch.Tensor | None) -> None: ...
+                 divisor: torch.Tensor | None) -> None: ...
+    # at the step, the grads were rewritten since on_grads by something the agent did not
+    # see called (a hand-written clip): as the optimizer gets them
+    def on_grads_rewritten(self, grads: list[torch.Tensor],
+                           divisor: torch.Tensor | None) -> None: ...
     def on_clip_begin(self, unscaled: bool) -> None: ...
     def on_clip_end(self, total_norm: Any, max_norm: float, unscaled: bool) -> None: ...
     def on_scheduler_step(self, optimizer: Any) -> None: ...

@@ -48,8 +48,10 @@ def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
 
 @dataclass
 class HeldForward:
-    """One training forward's inputs as it began (references, and the RNG states copied)."""
+    """One training forward's inputs as it began (references, and the RNG states copied),
+    and the module the loop called (the model, or a submodule it called itself)."""
 
+    module: nn.Module
     args: tuple
     kwargs: dict
     device: torch.device  # the model's, whose autocast and generator are kept
@@ -57,11 +59,11 @@ class HeldForward:
     autocast: torch.dtype | None  # that device's autocast dtype in effect as it began
 
 
-def hold(args: tuple, kwargs: dict, device: torch.device) -> HeldForward:
+def hold(module: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> HeldForward:
     """Training thread: a few KB of host copy, no tensor read, no wait for a device."""
     kind = device.type
     autocast = torch.get_autocast_dtype(kind) if torch.is_autocast_enabled(kind) else None
-    return HeldForward(args, dict(kwargs), device, rng_states(device), autocast)
+    return HeldForward(module, args, dict(kwargs), device, rng_states(device), autocast)
 
 
 def loss_is_bad(loss: torch.Tensor | None) -> bool:

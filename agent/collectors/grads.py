@@ -1,13 +1,16 @@
 """Gradient norms at optimizer-step time, after unscale: total and per layer.
 
-The per-parameter grad norms (one `torch._foreach_norm`, or the ones `clip_grad_norm_`
-already took) are squared in float64 and summed per layer with one `index_add` straight
-into the buffer, and in total with one `sum`; the worker takes the square roots. The total
-is what `clip_grad_norm_` returns (to float tolerance), inf or NaN exactly when a grad
-is. When the loop clips the unscaled grads, the clipped norm is derived on the worker the
-way `clip_grad_norm_` scales the grads: total * min(1, max_norm / (total + 1e-6)).
-Four device ops a step; on the CPU (`session.host_reduce`) none: the worker sums the
-norms. Does not synchronise the device.
+The grads are read as the model's backward left them (agent/loop_watch.py), divided by
+the scale they carry: the pre-clip norm, whoever clips and however. The per-parameter
+grad norms (one `torch._foreach_norm` in float64) are squared and summed per layer with
+one `index_add` straight into the buffer, and in total with one `sum`; the worker takes
+the square roots. The total is what `clip_grad_norm_` returns (to float tolerance), inf
+or NaN exactly when a grad is. When the loop clips with `clip_grad_norm_` or
+`clip_grads_with_norm_`, the clipped norm is derived on the worker the way they scale the
+grads: total * min(1, max_norm / (total + 1e-6)); when something else rewrote the grads
+before the step (a hand-written clip), their norm is taken again there (one more
+`_foreach_norm`, on those steps only). Four device ops a backward; on the CPU
+(`session.host_reduce`) one: the worker sums the norms. Does not synchronise the device.
 
 Underflow, measured: every `sample_every` steps (at most every 10th step) each grad's
 non-zero elements are counted (`count_nonzero`, one op per grad) and summed per layer the
@@ -59,13 +62,15 @@ class GradNormCollector(Collector):
     def __init__(self, n_layers: int) -> None:
         super().__init__()
         self.n_layers = n_layers
-        self.slots = 2 * n_layers + 1  # norms, total, non-zero counts
+        self.slots = 2 * n_layers + 2  # norms, total, non-zero counts, rewritten total
         self._cache: dict[tuple[int, ...], _Indices] = {}
         self._taken = False
         self._blind_named = False
         self._index: _Indices | None = None
         self._max_norm: float | None = None
-        self._norms: torch.Tensor | None = None  # host_reduce: this step's grad norms
+        # host_reduce: this step's grad norms and the scale they carry
+        self._norms: tuple[torch.Tensor, torch.Tensor | None] | None = None
+        self._rewritten: torch.Tensor | bool | None = None  # host_reduce: the norms, else True
         # sampled steps: elements per layer; host_reduce: the non-zero counts themselves
         self._zeros_of: tuple[np.ndarray, Any] | None = None
 
@@ -78,6 +83,7 @@ class GradNormCollector(Collector):
         self._total_slot = self.view.select(0, self.n_layers)  # 0-d: an out= target
         self._layer_slots = self.view.narrow(0, 0, self.n_layers)
         self._nonzero_slots = self.view.narrow(0, self.n_layers + 1, self.n_layers)
+        self._rewritten_slot = self.view.select(0, 2 * self.n_layers + 1)
         self._zeros = torch.zeros(self.n_layers, dtype=session.buffer.dtype,
                                   device=session.device)
 
@@ -144,7 +150,7 @@ class GradNormCollector(Collector):
         self._zeros_of = (elements, None)
 
     def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
-                 divisor: torch.Tensor | None, norms: torch.Tensor | None) -> None:
+                 divisor: torch.Tensor | None) -> None:
         self._taken = bool(grads)
         if not grads:
             return
@@ -152,18 +158,16 @@ class GradNormCollector(Collector):
         grad_idx, layer_idx = index.grad_idx, index.layer_idx
         if self.session.parallelism is not None:  # this rank's parts (no communication)
             grads = [distributed.local(g) for g in grads]
-            norms = None if norms is None else distributed.local(norms)
         if self._counts_zeros():
             self._count_nonzero(grads, grad_idx, layer_idx, index.elements)
-        if norms is None:  # in float64: finite grads above ~1e19 have no fp32 norm
-            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self._zeros.dtype))
-        if self.session.host_reduce and divisor is None:
-            self._norms = norms  # the worker reduces them
+        # in float64: finite grads above ~1e19 have no fp32 norm
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self._zeros.dtype))
+        if self.session.host_reduce:  # the worker reduces them (the scale: as it is now)
+            self._norms = (norms, None if divisor is None else divisor.detach().clone())
             return
-        squares = norms.to(self._zeros.dtype)
         if divisor is not None:
-            squares = squares / divisor
-        squares = squares.square()
+            norms = norms / divisor
+        squares = norms.square()
         if index.weight is not None:
             squares = squares * index.weight
         torch.sum(squares, dim=0, out=self._total_slot)
@@ -171,24 +175,45 @@ class GradNormCollector(Collector):
             squares = squares.index_select(0, grad_idx)
         torch.index_add(self._zeros, 0, layer_idx, squares, out=self._layer_slots)
 
+    def on_grads_rewritten(self, grads: list[torch.Tensor],
+                           divisor: torch.Tensor | None) -> None:
+        if not self._taken or self.session.grad_layout == distributed.SHARDED:
+            return  # sharded: this rank's part only; the clipped norm needs the whole
+        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self._zeros.dtype))
+        if divisor is not None:
+            norms = norms / divisor
+        if self.session.host_reduce:
+            self._rewritten = norms
+            return
+        torch.sum(norms.square(), dim=0, out=self._rewritten_slot)
+        self._rewritten = True
+
     def on_clip_end(self, total_norm: Any, max_norm: float, unscaled: bool) -> None:
         if unscaled and isinstance(total_norm, torch.Tensor) and max_norm is not None:
             self._max_norm = float(max_norm)
 
     def seal(self) -> Any:
         sealed = (self._index if self._taken else None, self._max_norm, self._norms,
-                  self._zeros_of if self._taken else None)
+                  self._zeros_of if self._taken else None, self._rewritten)
         self._taken, self._max_norm, self._norms, self._zeros_of = False, None, None, None
-        self._index = None
+        self._index, self._rewritten = None, None
         return sealed
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
         n = self.n_layers
-        index, max_norm, norms, zeros_of = meta
+        index, max_norm, norms, zeros_of, rewritten = meta
         if zeros_of is not None:
             record["layer_grad_zero_share"] = self._zero_share(host, index.mask, *zeros_of)
+        if isinstance(rewritten, torch.Tensor):  # host_reduce
+            rewritten = float(np.sqrt(np.square(rewritten.numpy()).sum()))
+        elif rewritten:
+            rewritten = float(np.sqrt(host[2 * n + 1]))
         if norms is not None:  # host_reduce: the same sums as on_grads, here
-            squares = np.square(norms.numpy().astype(np.float64))
+            norms, divisor = norms
+            values = norms.numpy().astype(np.float64)
+            if divisor is not None:
+                values = values / divisor.double().numpy()
+            squares = np.square(values)
             if index.weight is not None:
                 squares = squares * index.weight.numpy()
             host = np.empty(n + 1)
@@ -210,8 +235,11 @@ class GradNormCollector(Collector):
             record.pop("layer_grad_zero_share", None)
         # sharded: this rank's part of the total; the clipped norm needs the whole one
         sharded = session.grad_layout == distributed.SHARDED
-        record["grad_norm_clipped"] = (clipped_norm(total, max_norm) if max_norm is not None
-                                       and total is not None and not sharded else None)
+        if rewritten is not None:
+            record["grad_norm_clipped"] = rewritten
+        else:
+            record["grad_norm_clipped"] = (clipped_norm(total, max_norm) if max_norm is not None
+                                           and total is not None and not sharded else None)
 
     def _zero_share(self, host: np.ndarray, mask: np.ndarray, elements: np.ndarray,
                     counts: Any) -> list:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 STEPS = 6
+CLIP = 0.05  # max_norm: below the tiny model's grad norms
 OVERFLOW_STEP = 3  # the last rank's input overflows fp16 in the first layer here
 STRAGGLER_SLEEP_S = 0.03
 
@@ -91,6 +92,24 @@ def make_scaler(scenario: str, rank: int) -> Any:
     return torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=2)
 
 
+def clip_per_mesh(params: list[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip as accelerate does for DTensor grads (a TP model mixes them with plain ones):
+    `get_total_norm` per device mesh, then `clip_grads_with_norm_` with the whole norm."""
+    from torch.distributed.tensor import DTensor
+
+    groups: dict = {}
+    for p in params:
+        if p.grad is not None:
+            mesh = p.grad.device_mesh if isinstance(p.grad, DTensor) else None
+            groups.setdefault(mesh, []).append(p)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups.values()]
+    total = torch.linalg.vector_norm(torch.stack(
+        [n.full_tensor() if isinstance(n, DTensor) else n for n in norms]))
+    for group in groups.values():
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
+
+
 def train(scenario: str, rank: int, world: int, server: str, run_id: str) -> dict:
     from ampwatch import agent
     from ampwatch.agent import guard
@@ -127,9 +146,13 @@ def train(scenario: str, rank: int, world: int, server: str, run_id: str) -> dic
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
             norms = layer_norms(model)
-        total = None
+        # a clip that acts on most steps: the stored norms must be those before it
         if scenario == "fsdp1":  # FSDP1's own clip all-reduces the shards' norms
-            total = float(model.clip_grad_norm_(1e9))
+            total = float(model.clip_grad_norm_(CLIP))
+        elif scenario in ("fsdp2", "tp"):  # DTensor grads: the newer pair, per mesh
+            total = float(clip_per_mesh(list(model.parameters()), CLIP))
+        else:
+            total = float(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP))
         if scaler is None:
             optimizer.step()
         else:

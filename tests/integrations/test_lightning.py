@@ -140,3 +140,95 @@ def test_mirror_true_writes_into_the_trainers_tensorboard_logger(offline: Path,
     assert any(t["skipped"] for t in truth.steps)
     for t in truth.steps:
         assert same(scalars["ampwatch/grad_norm"][t["step"]], t["grad_norm"], rel=1e-6)
+
+
+class Block(nn.Module):
+    """A ConvNeXt block's shape: depthwise conv, norm, pointwise MLP."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.dwconv = nn.Conv2d(dim, dim, 7, padding=3, groups=dim)
+        self.norm = nn.LayerNorm(dim)
+        self.pwconv1 = nn.Linear(dim, 4 * dim)
+        self.act = nn.GELU()
+        self.pwconv2 = nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.dwconv(x).permute(0, 2, 3, 1)
+        h = self.pwconv2(self.act(self.pwconv1(self.norm(h))))
+        return x + h.permute(0, 3, 1, 2)
+
+
+class NetOnly(L.LightningModule):
+    """The most common pattern: `training_step` calls `self.net(x)`; no `forward`."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.net = nn.Sequential(nn.Conv2d(3, 16, 4, stride=4), Block(16), Block(16),
+                                 nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 4))
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return nn.functional.cross_entropy(self.net(x).float(), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+class BlowUp(L.Callback):
+    """Multiplies `net.2.pwconv1`'s weight by 3e5 before step BAD's batch, puts it back
+    after; the test's own forward hooks record the first non-finite layer per step."""
+
+    BAD = 2
+
+    def __init__(self, layers: list) -> None:
+        self.layers = layers
+        self.first_bad: dict[int, int | None] = {}
+        self.step = 0
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
+        self.step = trainer.global_step
+        if self.step in (self.BAD, self.BAD + 1):
+            with torch.no_grad():
+                pl_module.net[2].pwconv1.weight.mul_(3e5 if self.step == self.BAD else 1 / 3e5)
+
+    def on_fit_start(self, trainer, pl_module) -> None:
+        for layer in self.layers:
+            layer.module.register_forward_hook(
+                lambda m, a, out, i=layer.index: self._see(i, out))
+
+    def _see(self, index: int, out: torch.Tensor) -> None:
+        if self.first_bad.get(self.step) is None and not bool(torch.isfinite(out).all()):
+            self.first_bad[self.step] = index
+
+
+def test_self_net_in_training_step_is_the_forward(offline: Path) -> None:
+    """`self.net(x)` never runs the LightningModule's own forward: the forward flags, the
+    first bad layer and the autocast dtype still come from the modules that ran."""
+    from ampwatch.agent.layers import discover_layers
+
+    module = NetOnly()
+    layers = discover_layers(module)
+    blow_up = BlowUp(layers)
+    gen = torch.Generator().manual_seed(1)
+    data = torch.utils.data.TensorDataset(torch.randn(48, 3, 32, 32, generator=gen),
+                                          torch.randint(0, 4, (48,), generator=gen))
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_steps=5, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        callbacks=[AmpwatchCallback(sample_every=100), blow_up])
+    trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=8))
+    run_id = next(p.name for p in offline.iterdir())
+    steps = spooled_steps(offline, run_id)
+    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
+    bad = {step for step, layer in blow_up.first_bad.items() if layer is not None}
+    assert bad == {BlowUp.BAD}
+    assert layers[blow_up.first_bad[BlowUp.BAD]].name == "net.2.pwconv1"
+    assert {s["step"]: s["first_nonfinite_layer"] for s in steps} == \
+        {i: blow_up.first_bad.get(i) for i in range(5)}
+    assert [s["forward_nonfinite"] is True for s in steps] == [i == BlowUp.BAD for i in range(5)]
+    assert {s["autocast_dtype"] for s in steps} == {"float16"}
+    assert "activations" in steps[0] and "weight_norm" in steps[0]["spikes"]
