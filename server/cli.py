@@ -20,7 +20,7 @@ def register(commands: argparse._SubParsersAction) -> None:
         "serve", help="run the ampwatch server",
         description="Serve the REST API (/api/v1, described at /docs), the dashboard pages "
                     "and ingest from agents. Migrates the database on start. Flags win over "
-                    "the AMPWATCH_* environment; see the README for every setting.")
+                    "the AMPWATCH_* environment; see docs/server.md for every setting.")
     serve.add_argument("--host", help="bind address (AMPWATCH_HOST, default 127.0.0.1)")
     serve.add_argument("--port", type=int, help="port (AMPWATCH_PORT, default 8000)")
     serve.add_argument("--database-url",

@@ -33,9 +33,9 @@ POSTGRES_PLACEHOLDER = "postgresql+psycopg://user:pw@db/ampwatch"
 NOT_RUN = {
     "python3 -m venv .venv": "the install: .ci/run does it on a bare machine",
     ". .venv/bin/activate": "the install: .ci/run",
-    'pip install torch==2.13.0 -e ".[agent,server]"': "the install: .ci/run installs [dev], "
-                                                      "a superset",
-    'pip install -q torch==2.13.0 -e ".[dev]"': "the install: .ci/run",
+    'pip install torch==2.13.0 -c .ci/constraints.txt -e ".[agent,server]"':
+        "the install: .ci/run installs [dev], a superset",
+    'pip install -q torch==2.13.0 -c .ci/constraints.txt -e ".[dev]"': "the install: .ci/run",
     "python -m pytest": "this suite itself",
     "AMPWATCH_SERVER=http://ampwatch.internal:8000 python train.py":
         "tests/test_packaging.py runs a train.py with AMPWATCH_SERVER set",
