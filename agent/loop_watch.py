@@ -20,6 +20,7 @@ import torch
 import torch.optim.optimizer as optim_hooks
 from torch import nn
 from torch.amp.grad_scaler import OptState
+from torch.nn.utils import clip_grad
 
 from ampwatch.agent import distributed, guard, patches
 from ampwatch.agent.attribution import BackwardOwner
@@ -41,6 +42,10 @@ def _in_backward() -> bool:
     return torch._C._current_graph_task_id() != -1
 _GRAD = operator.attrgetter("grad")
 _VERSION = operator.attrgetter("_version")
+
+
+def _same(a: list, b: list) -> bool:
+    return a is b or (len(a) == len(b) and all(map(operator.is_, a, b)))
 
 
 def _unwrap_scaler_method(scaler: Any, name: str, wrapper: Callable) -> None:
@@ -120,6 +125,8 @@ class LoopWatch:
         # the grads' version counters summed as the snapshot (or an unscale_ or a clip the
         # agent saw) left them: a different sum at the step means something else rewrote them
         self._grad_versions: tuple[tuple[int, ...], int] | None = None
+        # the snapshot's (present, per-parameter norms, divisor), shared with a clip
+        self._norms: tuple[tuple[int, ...], torch.Tensor | None, Any] = ((), None, None)
         self._clipping_ours = False  # set by _clip_before for the clip call under way
         self._in_scaler_step = False
         self._opt_stepped = False
@@ -166,7 +173,7 @@ class LoopWatch:
             (patches.BACKWARD, patches.BACKWARD.add(self._backward_before, self._backward_after)),
             (patches.ZERO_GRAD, patches.ZERO_GRAD.add(self._zero_grad_before)),
             (patches.CLIP_GRAD_NORM, patches.CLIP_GRAD_NORM.add(
-                self._clip_before, self._clip_after)),
+                self._clip_before, self._clip_after, replace=self._clip_replace)),
             (patches.CLIP_GRADS_WITH_NORM, patches.CLIP_GRADS_WITH_NORM.add(
                 self._clip_before, self._clip_after)),
             (patches.SCHEDULER_STEP, patches.SCHEDULER_STEP.add(self._scheduler_before)),
@@ -287,8 +294,47 @@ class LoopWatch:
         grads = [p.grad for p in with_grad]
         if divisor is None and self.scaler_enabled and self.optimizer is not None:
             grads = self._split.unscale(self.optimizer, present, grads, self.scaler._scale)
-        self.dispatch("on_grads", grads, present, divisor)
+        norms = None
+        if grads and self.parallelism is None:  # float64: finite grads above ~1e19 too
+            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self.buffer.dtype))
+        self._norms = (present, norms, divisor)
+        self.dispatch("on_grads", grads, present, divisor, norms)
         self._note_grad_versions(present)
+
+    def _shared_clip(self, arguments: dict[str, Any]) -> tuple[list, torch.Tensor] | None:
+        """A `clip_grad_norm_` of the grads the snapshot read, unchanged since but for
+        `unscale_`: its parameters and its total norm from the snapshot's per-parameter
+        norms (no second pass over the grads), else None. The total is taken in float64,
+        so it can differ from torch's float32 sum in its last bits."""
+        present, norms, divisor = self._norms
+        if (norms is None or float(arguments["norm_type"]) != 2.0
+                or arguments["error_if_nonfinite"] or not self._grads_unchanged()
+                or not self._grads_unscaled() or self.scaler_enabled and (
+                    self.optimizer is None or self._split.elsewhere(self.optimizer))):
+            return None
+        params = arguments["parameters"]
+        if not isinstance(params, list):
+            return None
+        if not _same(params, self.params):
+            ids = {id(p) for p in params if p.grad is not None}
+            if ids != {id(self.params[i]) for i in present}:
+                return None
+        if divisor is not None:  # read while scaled; unscale_ has divided them since
+            norms = norms / divisor
+        grad = self.params[present[0]].grad
+        total = torch.linalg.vector_norm(norms, 2.0).to(grad.dtype)
+        return params, total
+
+    def _grads_unchanged(self) -> bool:
+        """Whether the grads are as the snapshot (or an unscale_ after it) left them."""
+        taken = self._grad_versions
+        if taken is None:
+            return False
+        present, versions = taken
+        try:
+            return sum(map(_VERSION, (self.params[i].grad for i in present))) == versions
+        except AttributeError:
+            return False
 
     def _note_grad_versions(self, present: tuple[int, ...] | None = None) -> None:
         """Remember the grads' version counters (host counters: no device work)."""
@@ -311,16 +357,11 @@ class LoopWatch:
         if not self._grads_taken:
             self._take_grads(divisor)
             return
-        taken = self._grad_versions
-        if taken is None:
+        if self._grad_versions is None or self._grads_unchanged():
             return
-        present, versions = taken
-        params = self.params
-        try:
-            grads = [params[i].grad for i in present]
-            if sum(map(_VERSION, grads)) == versions:
-                return
-        except AttributeError:  # a grad dropped since
+        present = self._grad_versions[0]
+        grads = [self.params[i].grad for i in present]
+        if any(g is None for g in grads):  # a grad dropped since
             return
         self._grad_versions = None
         if divisor is None and not self._grads_unscaled():
@@ -522,6 +563,22 @@ class LoopWatch:
             self._take_grads_guarded()
         self.dispatch("on_clip_begin", unscaled)
         return unscaled
+
+    def _clip_replace(self, original: Callable, args: tuple, kwargs: dict) -> Any:
+        """`clip_grad_norm_` with the snapshot's norms when they are the clip's (the norm
+        pass is shared, not repeated); otherwise the original runs."""
+        if not self._clipping_ours:
+            return patches.NOT_HANDLED
+        try:
+            shared = self._shared_clip(kwargs)
+        except Exception as exc:  # noqa: BLE001
+            guard.report("session.clip", exc)
+            shared = None
+        if shared is None:
+            return patches.NOT_HANDLED
+        params, total = shared
+        clip_grad._clip_grads_with_norm_(params, kwargs["max_norm"], total, kwargs["foreach"])
+        return total
 
     def _clip_after(self, result: Any, args: tuple, kwargs: dict, unscaled: Any) -> None:
         if unscaled is not None and self.live:

@@ -160,7 +160,7 @@ class StepGuard(Collector):
         self._losses.clear()
 
     def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
-                 divisor: torch.Tensor | None) -> None:
+                 divisor: torch.Tensor | None, norms: torch.Tensor | None) -> None:
         self._grads = grads
         if self._armed is not None and not self._decided:  # inside step(closure)
             with torch.no_grad():

@@ -2,7 +2,8 @@
 all threads, against the plain step's (the nanoGPT-style model of agent_overhead.py,
 4 blocks, bf16 autocast, GradScaler, clip_grad_norm_).
 
-An op's elements read are the elements of its tensor inputs; only outermost ATen ops count
+An op's elements read are the elements of its tensor inputs (a foreach op, whose tensor
+lists the profiler records without shapes, by the ops it runs); only outermost ATen ops count
 (an op called inside another is part of it) and views and allocations read nothing.
 Prints the plain step's count and, for each path (the host's, the accelerator's forced on
 the CPU), scaler, `check_outputs` and `hold_mb`, the watched step's and the extra as a
@@ -64,11 +65,21 @@ def elements_read(step: Callable[[], object]) -> int:
         parent = event.cpu_parent
         if parent is not None and parent.name.startswith("aten::"):
             continue  # part of the outer op
-        if interpreted(event):
-            continue  # the Triton interpreter's copies, not the kernel's reads
-        total += sum(math.prod(shape) for shape in event.input_shapes or []
-                     if shape and all(isinstance(d, int) for d in shape))
+        total += _read(event)
     return total
+
+
+def _read(event: Any) -> int:
+    """An op's elements read: its tensor inputs'; an op whose inputs the profiler records
+    without shapes (a foreach op's tensor lists: the optimizer's update, grad norms) is
+    counted by the ops it runs."""
+    if event.name in NO_READ or interpreted(event):
+        return 0  # interpreted: the Triton interpreter's copies, not the kernel's reads
+    own = sum(math.prod(shape) for shape in event.input_shapes or []
+              if shape and all(isinstance(d, int) for d in shape))
+    if own or not event.cpu_children:
+        return own
+    return sum(_read(child) for child in event.cpu_children if child.name.startswith("aten::"))
 
 
 def measure(check_outputs: str, scaled: bool = True, hold_mb: float | None = None,

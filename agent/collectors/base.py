@@ -81,9 +81,10 @@ class Collector:
     def on_loss_logged(self, loss: Any) -> None: ...  # attachment.log_loss()
     def on_scale(self, outputs: Any) -> None: ...
     # the grads as the model's backward left them (each backward: the last before the step
-    # wins); `divisor`: the scale they still carry (device tensor), None when unscaled
+    # wins); `divisor`: the scale they still carry (device tensor), None when unscaled;
+    # `norms`: their norms (float64, not divided), None when the collector takes its own
     def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
-                 divisor: torch.Tensor | None) -> None: ...
+                 divisor: torch.Tensor | None, norms: torch.Tensor | None) -> None: ...
     # at the step, the grads were rewritten since on_grads by something the agent did not
     # see called (a hand-written clip): as the optimizer gets them
     def on_grads_rewritten(self, grads: list[torch.Tensor],

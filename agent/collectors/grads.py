@@ -150,7 +150,7 @@ class GradNormCollector(Collector):
         self._zeros_of = (elements, None)
 
     def on_grads(self, grads: list[torch.Tensor], present: tuple[int, ...],
-                 divisor: torch.Tensor | None) -> None:
+                 divisor: torch.Tensor | None, norms: torch.Tensor | None) -> None:
         self._taken = bool(grads)
         if not grads:
             return
@@ -160,8 +160,8 @@ class GradNormCollector(Collector):
             grads = [distributed.local(g) for g in grads]
         if self._counts_zeros():
             self._count_nonzero(grads, grad_idx, layer_idx, index.elements)
-        # in float64: finite grads above ~1e19 have no fp32 norm
-        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self._zeros.dtype))
+        if norms is None:  # in float64: finite grads above ~1e19 have no fp32 norm
+            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self._zeros.dtype))
         if self.session.host_reduce:  # the worker reduces them (the scale: as it is now)
             self._norms = (norms, None if divisor is None else divisor.detach().clone())
             return

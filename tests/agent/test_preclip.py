@@ -103,3 +103,34 @@ def test_a_clip_before_unscale_through_the_new_pair_is_flagged(attach, offline: 
     attachment.detach()
     steps = spooled_steps(offline, attachment.run_id)
     assert [s["clip_before_unscale"] for s in steps] == [True, True, True]
+
+
+@pytest.mark.parametrize("scaled", [True, False], ids=["fp16-scaler", "bf16"])
+def test_a_shared_clip_clips_as_torch_does(scaled: bool, attach, offline: Path) -> None:
+    """`clip_grad_norm_` of the grads the agent read takes its total from the agent's
+    per-parameter norms (no second pass): the returned totals and the trained weights
+    equal an unwatched run's, to float32's precision."""
+    def run(watched: bool) -> tuple[list[float], list[torch.Tensor]]:
+        model = mlp()
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        scaler = torch.amp.GradScaler("cpu") if scaled else None
+        attachment = attach(model, scaler) if watched else None
+        totals = []
+        for x, y in batches(6):
+            with torch.autocast("cpu", dtype=torch.float16 if scaled else torch.bfloat16):
+                loss = nn.functional.mse_loss(model(x).float(), y)
+            (scaler.scale(loss) if scaler else loss).backward()
+            if scaler:
+                scaler.unscale_(optimizer)
+            totals.append(float(nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM)))
+            (scaler.step(optimizer), scaler.update()) if scaler else optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        if attachment is not None:
+            attachment.detach()
+        return totals, [p.detach().clone() for p in model.parameters()]
+
+    plain_totals, plain_weights = run(False)
+    totals, weights = run(True)
+    assert totals == pytest.approx(plain_totals, rel=1e-6)
+    for a, b in zip(weights, plain_weights, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
