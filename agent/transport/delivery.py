@@ -63,8 +63,8 @@ class Delivery:
         # says when the server cannot be reached or refuses the token, and when it is
         # back; `send_event` (the worker sets it) carries the outage to the server
         self.send_event: Callable[[dict], object] = lambda event: None
-        self.outage = OutageWatch(settings, lambda event: self.send_event(event))
-        self.outage.delivered_batches = lambda: self.delivered_batches
+        self.outage = OutageWatch(settings, lambda event: self.send_event(event),
+                                  lambda: self.delivered_batches)
         sender.on_reply = self.outage.observe
         # the last step the loop closed (the worker sets it); sent between batches, at
         # most every heartbeat_s, so a kill's lost steps are told (wire/batch.py)

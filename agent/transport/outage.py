@@ -48,24 +48,24 @@ class OutageWatch:
     drained after an answer came back, says the recovery once and hands `send_event` a
     `delivery` event (start, end, cause, batches sent since the start)."""
 
-    def __init__(self, settings: AgentSettings,
-                 send_event: Callable[[dict[str, Any]], object]) -> None:
+    def __init__(self, settings: AgentSettings, send_event: Callable[[dict[str, Any]], object],
+                 delivered_batches: Callable[[], int]) -> None:
         self.settings = settings
         self.send_event = send_event
+        self.delivered_batches = delivered_batches  # batches sent so far, in all
         self.cause: str | None = None  # None: no outage
         self._started_at: datetime | None = None
         self._started_mono = 0.0
         self._answered_at: datetime | None = None  # the outage's first answer since
         self._delivered_before = 0
         self._said: set[Outcome] = set()
-        self.delivered_batches: Callable[[], int] = lambda: 0
 
     def observe(self, reply: Response) -> None:
         """Every response of the sender: an answer ends the outage's silence; no answer
         (or a refused token) starts or continues one."""
         if reply.outcome is Outcome.UNAUTHORIZED:
-            given = "a token that it refused" if self.settings.token else "no token"
-            self._failed(Outcome.UNAUTHORIZED, f"HTTP {reply.status}: it refused {given}")
+            given = "the token was refused" if self.settings.token else "no token was sent"
+            self._failed(Outcome.UNAUTHORIZED, f"HTTP {reply.status}: {given}")
         elif reply.error is not None:
             self._failed(Outcome.RETRY, reply.error)
         elif reply.status is not None and self.cause is not None and self._answered_at is None:
@@ -83,7 +83,7 @@ class OutageWatch:
         self._said.add(condition)
         s, folder = self.settings, spooled_in(self.settings)
         if condition is Outcome.UNAUTHORIZED:
-            tell(f"ampwatch: the server {s.server} answered {cause}: set AMPWATCH_TOKEN "
+            tell(f"ampwatch: the server {s.server} refused the run ({cause}): set AMPWATCH_TOKEN "
                  f"(or attach(token=...)) to the server's token. Training goes on; the run "
                  f"is spooled in {folder}; send it later with `ampwatch sync {folder} "
                  f"--server {s.server} --token TOKEN`")
@@ -98,11 +98,12 @@ class OutageWatch:
             return
         sent = self.delivered_batches() - self._delivered_before
         seconds = time.monotonic() - self._started_mono
-        tell(f"ampwatch: server {self.settings.server} reachable again; {sent} spooled "
-             f"batch{'' if sent == 1 else 'es'} sent (delivery was interrupted for "
-             f"{seconds:.0f} s: {self.cause})")
+        # the event first: whoever reads the message may flush and expect it sent
         self.send_event({"step": None, "kind": DELIVERY_EVENT, "detail": {
             "start": self._started_at.isoformat(), "end": self._answered_at.isoformat(),
             "cause": self.cause, "batches_spooled": sent}})
+        tell(f"ampwatch: server {self.settings.server} reachable again; {sent} spooled "
+             f"batch{'' if sent == 1 else 'es'} sent (delivery was interrupted for "
+             f"{seconds:.0f} s: {self.cause})")
         self.cause = self._started_at = self._answered_at = None
         self._said.clear()
