@@ -156,6 +156,21 @@ def test_a_malformed_url_is_said_at_attach_and_the_run_is_spooled(
     assert [s["step"] for s in spooled_steps(spool_dir, attachment.run_id)] == list(range(20))
 
 
+def test_a_users_stderr_handler_shows_it_and_nothing_more_is_printed(
+        spool_dir, notices, capfd) -> None:
+    """With the script's own handler on stderr, the log is the one copy there."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
+    logging.getLogger("ampwatch").addHandler(handler)
+    try:
+        attachment = agent.attach(Loop().model, server="localhost:8000")
+        attachment.detach()
+    finally:
+        logging.getLogger("ampwatch").removeHandler(handler)
+    [message] = said(notices)
+    assert capfd.readouterr().err == f"WARNING ampwatch.agent: {message}\n"
+
+
 # ---------------------------------------------------------------------- unreachable
 def test_a_dead_port_is_said_once_and_no_step_waits(spool_dir, notices, capfd) -> None:
     url = f"http://127.0.0.1:{dead_port()}"
