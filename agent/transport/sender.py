@@ -39,7 +39,9 @@ class Response:
     body: Any = None
     status: int | None = None
     retry_after: float | None = None  # seconds the server asked to wait (Retry-After)
-    error: str | None = None  # no answer came: why ("connection refused", ...)
+    # no answer came: why ("connection refused", ...); None for a timeout shorter than
+    # the full one (the caller's deadline, not the server's fault)
+    error: str | None = None
 
 
 def retry_after_s(value: str | None) -> float | None:
@@ -140,6 +142,12 @@ class Sender:
         """One request, classified; a transport failure is a RETRY with its `error`."""
         try:
             reply = self._client.request(method, url, timeout=timeout, **kwargs)
+        except httpx.TimeoutException as exc:
+            # a wait cut short by the caller (a flush's deadline, the heartbeat) says
+            # nothing about the server: only the full timeout is a verdict
+            full = (timeout.read or 0.0) >= self.REQUEST_TIMEOUT_S and (
+                timeout.connect or 0.0) >= self.CONNECT_TIMEOUT_S
+            response = Response(Outcome.RETRY, error=failure(exc, timeout) if full else None)
         except httpx.HTTPError as exc:
             response = Response(Outcome.RETRY, error=failure(exc, timeout))
         else:
