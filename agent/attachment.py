@@ -29,6 +29,7 @@ from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
 from ampwatch.agent.settings import CHECK_OUTPUTS, AgentSettings, check_hold_mb, make_run_id
 from ampwatch.agent.step_guard import GuardSettings, StepGuard, weights_finite
+from ampwatch.agent.transport.outage import check_server_url
 from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
 from ampwatch.wire import (
@@ -334,6 +335,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
             run_id_generated=generated or None, token=token, check_outputs=check_outputs,
             hold_mb=hold_mb)
+        check_server_url(settings)  # a malformed URL is said here; the run is only spooled
     except Exception as exc:  # noqa: BLE001
         _errors.report("attach", exc)
         return Attachment(run)

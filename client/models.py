@@ -128,6 +128,8 @@ class Run(Model):
     archived_at: datetime | None = None  # per-step data dropped, summaries kept
     n_ranks: int = 0  # every rank that sent anything (`ranks` lists them all here)
     ranks: list[RankTotals] = dataclasses.field(default_factory=list)
+    # one line per delivery outage its agents reported (read with one run; [] in lists)
+    delivery_outages: list[str] = dataclasses.field(default_factory=list)
 
 
 # a step's scalars, from their one declaration (wire/steps.py); `rank` first

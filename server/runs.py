@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from datetime import datetime
+from datetime import UTC, datetime
 from typing import Any
 
 from sqlalchemy import Row, String, case, cast, delete, func, or_, select
@@ -15,10 +15,12 @@ from ampwatch.server.analysis.queries import incidents_by_run
 from ampwatch.server.analysis_queue import pending_count
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import NotFound
-from ampwatch.server.models import Layer, Run, RunRank, as_utc, utcnow
+from ampwatch.server.models import Batch, Layer, Run, RunRank, as_utc, utcnow
 from ampwatch.server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
 from ampwatch.server.settings import Settings
-from ampwatch.wire import encode_tree
+from ampwatch.wire import DELIVERY_EVENT, encode_tree
+
+MAX_OUTAGE_LINES = 10  # the newest; older ones are counted in one more line
 
 
 def get_run(session: Session, run_id: str) -> Run:
@@ -221,9 +223,58 @@ def public_run(session: Session, run: Run, settings: Settings,
     if row is None:
         raise NotFound(f"no run with id {run.id!r}")  # deleted since it was read
     run, pending = row
-    return run_public(run, run_ranks(session, run.id) if ranks is None else ranks, settings,
-                      incidents_by_run(session, [run.id], open_only=True)[run.id],
-                      rank_totals(session, [run.id]).get(run.id), pending)
+    public = run_public(run, run_ranks(session, run.id) if ranks is None else ranks, settings,
+                        incidents_by_run(session, [run.id], open_only=True)[run.id],
+                        rank_totals(session, [run.id]).get(run.id), pending)
+    public.delivery_outages = delivery_outages(session, run.id)
+    return public
+
+
+def delivery_outages(session: Session, run_id: str) -> list[str]:
+    """One line per delivery outage its agents reported (a `delivery` event, sent once
+    delivery recovered), oldest first. Reads only the events of the batches that
+    mention one."""
+    rows = session.execute(
+        select(Batch.rank, Batch.events)
+        .where(Batch.run_id == run_id,
+               cast(Batch.events, String).like(f'%"{DELIVERY_EVENT}"%'))
+        .order_by(Batch.rank, Batch.seq)
+    ).all()
+    outages = [(row.rank, event.get("detail") or {}) for row in rows for event in row.events
+               if isinstance(event, dict) and event.get("kind") == DELIVERY_EVENT]
+    outages.sort(key=lambda outage: str(outage[1].get("start")))
+    lines = [outage_line(rank, detail) for rank, detail in outages[-MAX_OUTAGE_LINES:]]
+    if len(outages) > MAX_OUTAGE_LINES:
+        lines.insert(0, f"Delivery was interrupted {len(outages) - MAX_OUTAGE_LINES} more "
+                        "times before these.")
+    return lines
+
+
+def outage_line(rank: int, detail: dict) -> str:
+    """'Delivery was interrupted from 2025-01-01 12:00:03 to 12:00:41 UTC (38 s): connection
+    refused; 4 batches waited in the agent's spool and arrived.' (a rank's agent above 0)"""
+    start, end = _moment(detail.get("start")), _moment(detail.get("end"))
+    span = "for a while"
+    if start is not None and end is not None:
+        to = end.strftime("%H:%M:%S" if end.date() == start.date() else "%Y-%m-%d %H:%M:%S")
+        span = (f"from {start:%Y-%m-%d %H:%M:%S} to {to} UTC "
+                f"({max(0, round((end - start).total_seconds()))} s)")
+    cause = str(detail.get("cause") or "")[:200]  # an agent's text: bounded on the page
+    batches = detail.get("batches_spooled")
+    waited = ""
+    if isinstance(batches, int) and not isinstance(batches, bool):
+        waited = (f"; {batches} batch{'' if batches == 1 else 'es'} waited in the agent's "
+                  "spool and arrived")
+    who = f"Rank {rank}: delivery" if rank else "Delivery"
+    return f"{who} was interrupted {span}" + (f": {cause}" if cause else "") + f"{waited}."
+
+
+def _moment(value: Any) -> datetime | None:
+    try:
+        moment = datetime.fromisoformat(value)
+    except (TypeError, ValueError):
+        return None
+    return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).astimezone(UTC)
 
 
 def run_public(run: Run, ranks: list[RunRank], settings: Settings,

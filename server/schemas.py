@@ -189,6 +189,9 @@ class RunPublic(BaseModel):
     archived_at: datetime | None = None
     n_ranks: int  # every rank that sent anything; `ranks` may list fewer (the pages' twins)
     ranks: list[RankPublic]
+    # one line per outage its agents reported once delivery recovered (oldest first);
+    # read with one run (GET /api/v1/runs/{id}, its pages), empty in lists of runs
+    delivery_outages: list[str] = []
 
 
 class RunsPublic(BaseModel):

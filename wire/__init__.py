@@ -8,6 +8,7 @@ client may all import it (docs/architecture.md, "The walls").
 """
 
 from ampwatch.wire.batch import (
+    DELIVERY_EVENT,
     FINISHED_EVENT,
     FP8_ROLES,
     FP8_STATS,
@@ -36,6 +37,7 @@ from ampwatch.wire.runs import (
 
 __all__ = [
     "DEFAULT_SERVER",
+    "DELIVERY_EVENT",
     "FINISHED_EVENT",
     "FP8_ROLES",
     "FP8_STATS",

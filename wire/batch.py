@@ -7,6 +7,9 @@ from __future__ import annotations
 FINISHED_EVENT = "finished"  # the agent's detach: the rank is done
 RESTART_EVENT = "restart"  # the agent resumed a run from an earlier step
 SPEED_CHECK_EVENT = "speed_check"  # detail: fp32_ms, amp_ms, speedup, dtype
+# delivery stopped and recovered; sent once it did. detail: start, end (ISO 8601 UTC: the
+# first request without an answer, the first answer after), cause (text), batches_spooled
+DELIVERY_EVENT = "delivery"
 
 # A step's `guarded`: why the step guard (agent/step_guard.py) left it out; codes 1..3 in
 # this order, least severe first (ranks agree on the highest). The server keeps the code

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from ampwatch.agent import guard
 from ampwatch.agent.settings import AgentSettings
+from ampwatch.agent.transport.outage import OutageWatch
 from ampwatch.agent.transport.sender import Outcome, Response, Sender
 from ampwatch.agent.transport.spool import Spool, leftover_dirs, read_entry
 from ampwatch.wire.bundles import BUNDLE_FOLDER, bundle_step
@@ -58,8 +59,13 @@ class Delivery:
         self._server_wait_until = 0.0  # its Retry-After: even a flush() waits for it
         self._stopped = threading.Event()
         self._leftovers_at = 0.0
-        self._auth_reported = False
         self.delivered_batches = 0
+        # says when the server cannot be reached or refuses the token, and when it is
+        # back; `send_event` (the worker sets it) carries the outage to the server
+        self.send_event: Callable[[dict], object] = lambda event: None
+        self.outage = OutageWatch(settings, lambda event: self.send_event(event),
+                                  lambda: self.delivered_batches)
+        sender.on_reply = self.outage.observe
         # the last step the loop closed (the worker sets it); sent between batches, at
         # most every heartbeat_s, so a kill's lost steps are told (wire/batch.py)
         self.reached_step: Callable[[], int] = lambda: -1
@@ -156,20 +162,9 @@ class Delivery:
         return not self._stopped.wait(wait)
 
     def _refused(self, reply: Response) -> None:
-        """401/403: say so once, loudly, in the training log; the data stays spooled."""
-        if reply.outcome is not Outcome.UNAUTHORIZED:
-            return
-        self._backoff_s = self.BACKOFF_MAX_S  # a token does not fix itself quickly
-        if self._auth_reported:
-            return
-        self._auth_reported = True
-        given = "a token that it refused" if self.settings.token else "no token"
-        guard.report("sender.unauthorized", PermissionError(
-            f"the ampwatch server {self.settings.server} answered HTTP {reply.status} to "
-            f"{given}: set AMPWATCH_TOKEN (or attach(token=...)) to the server's token. "
-            f"Nothing is lost: the run stays in the spool {self.spool.dir}; upload it with "
-            f"`ampwatch sync {self.spool.dir.parent} --server {self.settings.server} "
-            f"--token ...`"))
+        """401/403 (said once by `self.outage`): the data stays spooled; retry slowly."""
+        if reply.outcome is Outcome.UNAUTHORIZED:
+            self._backoff_s = self.BACKOFF_MAX_S  # a token does not fix itself quickly
 
     def _deliver(self, deadline: float | None, force: bool) -> bool:
         """Send the spool in order until it is empty, the deadline passes or the server
@@ -180,6 +175,7 @@ class Delivery:
             return False
         if not self._deliver_spool(self.spool, deadline):
             return False
+        self.outage.drained()
         self._deliver_bundles()
         if not force:  # a flush wants the batches out, not the heartbeat
             self._heartbeat()

@@ -1,16 +1,21 @@
 """HTTP to the server: register a run, post a batch. Worker thread only; may block up to
-the given timeout. Responses are classified so the worker knows whether to retry."""
+the given timeout. Responses are classified so the worker knows whether to retry, and a
+request that got no answer says why (`Response.error`)."""
 
 from __future__ import annotations
 
 import gzip
 import json
+import socket
+import ssl
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import UTC
 from email.utils import parsedate_to_datetime
 from enum import Enum
 from typing import Any
+from urllib.parse import urlsplit
 
 import httpx
 
@@ -34,6 +39,9 @@ class Response:
     body: Any = None
     status: int | None = None
     retry_after: float | None = None  # seconds the server asked to wait (Retry-After)
+    # no answer came: why ("connection refused", ...); None for a timeout shorter than
+    # the full one (the caller's deadline, not the server's fault)
+    error: str | None = None
 
 
 def retry_after_s(value: str | None) -> float | None:
@@ -53,6 +61,51 @@ def retry_after_s(value: str | None) -> float | None:
             moment = moment.replace(tzinfo=UTC)
         seconds = moment.timestamp() - time.time()
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
+
+
+def url_problem(url: str) -> str | None:
+    """What makes `url` unusable as the server's base URL ("has no http:// or https://"),
+    None when it is usable. Syntax only: no network."""
+    if any(c.isspace() for c in url):
+        return "contains whitespace"
+    if "://" not in url:
+        return "has no http:// or https://"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port out of range or not a number, a bad IPv6 address
+        return f"cannot be read ({exc})"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"has the unsupported scheme {parts.scheme + '://'!r}: use http:// or https://"
+    if not parts.hostname:
+        return "has no host"
+    if port == 0:
+        return "has port 0"
+    if parts.query or parts.fragment:
+        return "has a query or fragment (a base URL has neither)"
+    return None
+
+
+def failure(exc: BaseException, timeout: httpx.Timeout) -> str:
+    """Why a request got no answer, in a few words, from the exception's chain."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        if isinstance(seen, ssl.SSLCertVerificationError):
+            return f"its TLS certificate was not accepted ({seen.verify_message})"
+        if isinstance(seen, ssl.SSLError):
+            return "the TLS handshake failed: is it a plain http:// server?"
+        if isinstance(seen, socket.gaierror):
+            return "its host name does not resolve"
+        if isinstance(seen, ConnectionRefusedError):
+            return "connection refused: nothing listens on that port"
+        if isinstance(seen, httpx.ConnectTimeout):
+            return f"no connection within {timeout.connect:g} s"
+        if isinstance(seen, httpx.TimeoutException | TimeoutError):
+            return f"no answer within {timeout.read:g} s"
+        seen = seen.__cause__ or seen.__context__
+    if isinstance(exc, httpx.RemoteProtocolError):
+        return "it closed the connection without an answer"
+    return f"{type(exc).__name__}: {exc}"
 
 
 def classify(status: int) -> Outcome:
@@ -81,6 +134,31 @@ class Sender:
         if token:
             headers["Authorization"] = f"Bearer {token}"
         self._client = httpx.Client(base_url=base_url, headers=headers)
+        # sees every response, on the thread that sent it (delivery.py watches outages)
+        self.on_reply: Callable[[Response], None] = lambda reply: None
+
+    def _request(self, method: str, url: str, timeout: httpx.Timeout, **kwargs: Any
+                 ) -> Response:
+        """One request, classified; a transport failure is a RETRY with its `error`."""
+        try:
+            reply = self._client.request(method, url, timeout=timeout, **kwargs)
+        except httpx.TimeoutException as exc:
+            # a wait cut short by the caller (a flush's deadline, the heartbeat) says
+            # nothing about the server: only the full timeout is a verdict
+            full = (timeout.read or 0.0) >= self.REQUEST_TIMEOUT_S and (
+                timeout.connect or 0.0) >= self.CONNECT_TIMEOUT_S
+            response = Response(Outcome.RETRY, error=failure(exc, timeout) if full else None)
+        except httpx.HTTPError as exc:
+            response = Response(Outcome.RETRY, error=failure(exc, timeout))
+        else:
+            try:
+                parsed = reply.json()
+            except ValueError:
+                parsed = None
+            response = Response(classify(reply.status_code), parsed, reply.status_code,
+                                retry_after_s(reply.headers.get("retry-after")))
+        self.on_reply(response)
+        return response
 
     def _timeout(self, limit: float | None) -> httpx.Timeout:
         total = self.REQUEST_TIMEOUT_S if limit is None else max(0.05, min(
@@ -94,18 +172,8 @@ class Sender:
         if compress:
             content = gzip.compress(content, compresslevel=5)
             headers["Content-Encoding"] = "gzip"
-        try:
-            reply = self._client.request(method, url, content=content,
-                                         timeout=self._timeout(limit), headers=headers)
-        except httpx.HTTPError:
-            return Response(Outcome.RETRY)
-        outcome = classify(reply.status_code)
-        try:
-            parsed = reply.json()
-        except ValueError:
-            parsed = None
-        return Response(outcome, parsed, reply.status_code,
-                        retry_after_s(reply.headers.get("retry-after")))
+        return self._request(method, url, self._timeout(limit), content=content,
+                             headers=headers)
 
     def put_run(self, run_id: str, body: dict, limit: float | None = None) -> Response:
         return self._send("PUT", f"/api/v1/runs/{run_id}", body, limit, compress=False)
@@ -123,15 +191,7 @@ class Sender:
 
     def get_json(self, url: str, limit: float | None = None) -> Response:
         """GET a JSON resource of the API (the mirror reads its run's incidents)."""
-        try:
-            reply = self._client.get(url, timeout=self._timeout(limit))
-        except httpx.HTTPError:
-            return Response(Outcome.RETRY)
-        try:
-            parsed = reply.json()
-        except ValueError:
-            parsed = None
-        return Response(classify(reply.status_code), parsed, reply.status_code)
+        return self._request("GET", url, self._timeout(limit))
 
     def put_bundle(self, run_id: str, rank: int, step: int, path: Any) -> Response:
         """PUT a flight-recorder bundle file, streamed from disk (a minute per 64 MiB at
@@ -141,13 +201,11 @@ class Sender:
                                 connect=self.CONNECT_TIMEOUT_S)
         try:
             with open(path, "rb") as body:
-                reply = self._client.put(f"/api/v1/runs/{run_id}/bundles/{rank}/{step}",
-                                         content=body, timeout=timeout,
-                                         headers={"Content-Type": "application/zip"})
-        except (httpx.HTTPError, OSError):
+                return self._request("PUT", f"/api/v1/runs/{run_id}/bundles/{rank}/{step}",
+                                     timeout, content=body,
+                                     headers={"Content-Type": "application/zip"})
+        except OSError:  # reading the file: no fault of the server's
             return Response(Outcome.RETRY)
-        return Response(classify(reply.status_code), None, reply.status_code,
-                        retry_after_s(reply.headers.get("retry-after")))
 
     def close(self) -> None:
         self._client.close()

@@ -204,6 +204,7 @@ class Worker:
         if not s.offline:
             self.delivery = Delivery(s, self.spool, Sender(s.server, s.token))
             self.delivery.reached_step = self.reached_step
+            self.delivery.send_event = lambda event: self.submit(EventMessage(event))
             if not s.run_id_generated:
                 # a resumed run (same run id) continues its step numbers instead of
                 # overwriting its first steps: after what this spool or the server holds.

@@ -163,6 +163,7 @@ def summary(run: Run) -> str:
     fields += [(label, str(count)) for label, count in losses if count]
     width = max(len(label) for label, _ in fields)
     lines = [f"{label + ':':<{width + 1}} {value}" for label, value in fields]
+    lines += run.delivery_outages  # the run page's lines, as the server wrote them
     if len(run.ranks) > 1:
         lines += ["", render.table(
             ["rank", "steps", "skipped", "last step", "scale", "batches", "lost"],

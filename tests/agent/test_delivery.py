@@ -180,9 +180,10 @@ def test_resumed_run_that_numbered_from_zero_offline_is_renumbered(live_server,
     finally:
         second.detach()
     rank = _rank(live_server.url, "resumed-late")
-    # batches: 1 + 3 of steps and each detach's `finished` event; steps: b could not learn
-    # the server's last step, so its steps 0..4 replace the first ones, counted once
-    assert (rank["batches"], rank["steps"], rank["lost_batches"]) == (6, 5, 0)
+    # batches: 1 + 3 of steps, each detach's `finished` event and b's `delivery` event (its
+    # outage, sent once delivery recovered); steps: b could not learn the server's last
+    # step, so its steps 0..4 replace the first ones, counted once
+    assert (rank["batches"], rank["steps"], rank["lost_batches"]) == (7, 5, 0)
     assert _server_steps(live_server.url, "resumed-late") == list(range(5))
     assert not list((tmp_path / "b").rglob("*.json.gz"))  # nothing left behind or rejected
 

@@ -131,3 +131,30 @@ def test_nan_tokens_in_user_json_are_stored_as_wire_strings(api):
     assert run["config"] == {"eps": "NaN", "max": "Infinity"}
     assert run["environment"]["extra"] == "-Infinity"
     assert api.get("/api/v1/runs/r1/layers").json()["items"][0]["attrs"] == {"x": "NaN"}
+
+
+def test_delivery_outages_are_one_line_each_on_the_api_and_the_page(api):
+    """The agent's `delivery` events (sent once delivery recovered) as the lines the run
+    page and `ampwatch show` print; a detail the server cannot read still gives a line."""
+    register_run(api, "outaged", 2)
+    outage = {"start": "2025-01-01T12:00:03.5+00:00", "end": "2025-01-01T12:00:41+00:00",
+              "cause": "connection refused", "batches_spooled": 4}
+    events = [{"step": None, "kind": "delivery", "detail": outage},
+              {"step": None, "kind": "finished", "detail": {}}]
+    assert post_batch(api, "outaged", 0, make_steps(0, 5, 2), events=events).status_code == 200
+    assert post_batch(api, "outaged", 1, make_steps(5, 5, 2)).status_code == 200
+    odd = {"step": None, "kind": "delivery", "detail": {"start": "soon", "batches_spooled": 1}}
+    assert post_batch(api, "outaged", 0, make_steps(0, 5, 2), rank=1,
+                      events=[odd]).status_code == 200
+    lines = api.get("/api/v1/runs/outaged").json()["delivery_outages"]
+    assert lines == [  # in the order of their start
+        "Delivery was interrupted from 2025-01-01 12:00:03 to 12:00:41 UTC (38 s): "
+        "connection refused; 4 batches waited in the agent's spool and arrived.",
+        "Rank 1: delivery was interrupted for a while; 1 batch waited in the agent's spool "
+        "and arrived.",
+    ]
+    assert api.get("/runs/outaged", params={"format": "json"}).json()["run"][
+        "delivery_outages"] == lines
+    page = api.get("/runs/outaged").text
+    assert 'id="delivery-outages"' in page and "(38 s): connection refused;" in page
+    assert api.get("/api/v1/runs").json()["items"][0]["delivery_outages"] == []
