@@ -20,7 +20,6 @@ from starlette.types import Scope
 
 from ampwatch.server import __version__, metrics, pages
 from ampwatch.server.alerts import AlertService
-from ampwatch.server.analysis_worker import AnalysisWaitMiddleware, AnalysisWorker, embedded_worker
 from ampwatch.server.api import (
     alerts,
     batches,
@@ -54,8 +53,14 @@ from ampwatch.server.http.middleware import (
     SecurityHeadersMiddleware,
 )
 from ampwatch.server.responses import WireJSONResponse
-from ampwatch.server.schemas import BatchIn, RunUpsert
+from ampwatch.server.schemas.batches import BatchIn
+from ampwatch.server.schemas.runs import RunUpsert
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker.analysis_worker import (
+    AnalysisWaitMiddleware,
+    AnalysisWorker,
+    embedded_worker,
+)
 
 PARSER_THREADS = 2
 

@@ -5,7 +5,7 @@ loss scale, steps and skipped steps (counters: `rate()` of their ratio is the re
 rate), the last step, seconds since data, open findings by severity. Read from the
 database by a custom collector at scrape time, so a finished run drops out by itself and
 every replica reports the same runs (no per-run gauges to forget); so are the analysis
-queue's depth and lag (server/analysis_queue.py). Server counters and
+queue's depth and lag (server/worker/queue.py). Server counters and
 latency histograms are per process, in a registry of the app's own (no global state).
 """
 
@@ -33,12 +33,12 @@ from sqlalchemy.orm import sessionmaker
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis_queue import lag_seconds, pending_batches
 from ampwatch.server.deps import SettingsDep
 from ampwatch.server.models import AlertNotification, Finding, RunRank, as_utc, utcnow
-from ampwatch.server.runs import live_runs
-from ampwatch.server.schemas import BatchAck
+from ampwatch.server.schemas.batches import BatchAck
+from ampwatch.server.services.runs import live_runs
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker.queue import lag_seconds, pending_batches
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 INGEST_PATH = re.compile(r"^/api/v1/runs/[^/]+/batches$")

@@ -66,7 +66,7 @@ class KindSpec:
         incident (one fix for all of them).
     fix: what to do in general; each finding's message gives the fix for its case.
     follows: the causes its findings may follow from: an incident of one of them that
-        they follow (server/analysis/incident_folds.py says when) takes them in, and they
+        they follow (server/findings/incident_folds.py says when) takes them in, and they
         send no alert of their own. "weight_jump" (a layer's rescaled weights),
         "forward_overflow" (a layer overflowing fp16), "clip_before_unscale" (the pitfall).
     """

@@ -7,9 +7,9 @@ from __future__ import annotations
 import re
 from urllib.parse import quote, urlencode
 
-from ampwatch.server.analysis.bisect_verdicts import incident_bundles
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.incidents import SYMPTOMS
+from ampwatch.server.findings.bisect_verdicts import incident_bundles
+from ampwatch.server.findings.incidents import SYMPTOMS
 
 LINK_WINDOW = 200  # steps a link to a step opens around it
 

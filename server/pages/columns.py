@@ -1,4 +1,4 @@
-"""Wire-form query answers (server/queries.py) back into numpy columns for the figures.
+"""Wire-form query answers (server/services/series.py) back into numpy columns for the figures.
 
 The JSON twins carry non-finite floats as "NaN"/"Infinity" strings and missing values
 as null; a chart needs both told apart: a missing point is left out, a non-finite one
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ampwatch.server.queries import with_events
 from ampwatch.server.responses import FloatRows
+from ampwatch.server.services.series import with_events
 from ampwatch.wire import decode_float
 from ampwatch.wire import steps as step_fields
 

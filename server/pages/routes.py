@@ -18,9 +18,7 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from plotly.io.json import to_json_plotly
 from pydantic import ValidationError
 
-from ampwatch.server.api.notes import NoteCreate, NoteId, add_note, delete_run_note
-from ampwatch.server.api.runs import RunIdPath
-from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.deps import NoteId, RunIdPath, SessionDep, SettingsDep
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.fields import NO_NUL
 from ampwatch.server.pages import auth, cards, config, fp8, layer, views
@@ -35,8 +33,10 @@ from ampwatch.server.pages.figures import (
 from ampwatch.server.pages.rendering import render_fragment, render_page
 from ampwatch.server.pages.time_axis import XAxis
 from ampwatch.server.responses import WireJSONResponse
-from ampwatch.server.runs import RUN_SORTS
-from ampwatch.server.schemas import MAX_STEP, Health
+from ampwatch.server.schemas.common import MAX_STEP, Health
+from ampwatch.server.schemas.notes import NoteCreate
+from ampwatch.server.services.notes import add_note, delete_note
+from ampwatch.server.services.runs import RUN_SORTS
 
 STATIC = FilePath(__file__).parent / "static"
 PLOTLY_JS = FilePath(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -300,7 +300,7 @@ def delete_note_form(request: Request, run_id: RunIdPath, note_id: NoteId,
                      session: SessionDep) -> Response:
     """A note's "remove" button (an incident's "handled" undone)."""
     try:
-        delete_run_note(run_id, note_id, session)
+        delete_note(session, run_id, note_id)
     except NotFound as exc:
         return _not_found(request, exc)
     return RedirectResponse(f"/runs/{quote(run_id)}#findings", status_code=303)

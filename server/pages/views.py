@@ -15,24 +15,23 @@ from sqlalchemy.orm import Session
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.kinds import FindingKind, Section, kinds_in
 from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
-from ampwatch.server.analysis.queries import list_findings, list_incidents
-from ampwatch.server.api.bundles import public_bundle
-from ampwatch.server.api.notes import run_notes
-from ampwatch.server.bundles import list_bundles
+from ampwatch.server.findings.queries import list_findings, list_incidents
 from ampwatch.server.models import Run, RunRank
 from ampwatch.server.pages import figures, heatmaps, scale_chart, spikes, time_axis
 from ampwatch.server.pages.columns import LayerMatrix, StepColumns, by_rank
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.pages.plot import Figure
-from ampwatch.server.queries import (
+from ampwatch.server.services.bundles import list_bundles, public_bundle
+from ampwatch.server.services.notes import run_notes
+from ampwatch.server.services.ranks import overlaid_ranks, panel_rank_rows, ranks_panel
+from ampwatch.server.services.runs import get_run, lead_rank, list_runs, public_run
+from ampwatch.server.services.series import (
     layers_query,
     matrix_query,
     steps_query,
     with_elapsed,
     with_events,
 )
-from ampwatch.server.ranks import overlaid_ranks, panel_rank_rows, ranks_panel
-from ampwatch.server.runs import get_run, lead_rank, list_runs, public_run
 from ampwatch.server.settings import Settings
 from ampwatch.server.store.fp8_samples import cast_formats, has_fp8_layers
 from ampwatch.server.store.storage import layer_rows

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.db import StepPages, dialect_insert
 from ampwatch.server.fields import missing_entries
 from ampwatch.server.models import SpikeSample
-from ampwatch.server.schemas import SpikesIn, StepIn
+from ampwatch.server.schemas.batches import SpikesIn, StepIn
 from ampwatch.server.store.codec import decode_column, encode_array
 from ampwatch.wire import encode_float
 

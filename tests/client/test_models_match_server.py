@@ -11,27 +11,27 @@ import pytest
 from pydantic import BaseModel
 
 from ampwatch.client import models
-from ampwatch.server import schemas
 from ampwatch.server.alerts import schemas as alert_schemas
-from ampwatch.server.analysis import schemas as analysis_schemas
-from ampwatch.server.api import bundles as bundle_schemas
+from ampwatch.server.findings import schemas as analysis_schemas
+from ampwatch.server.schemas import batches, common, runs, series
+from ampwatch.server.schemas import bundles as bundle_schemas
 
 # client model -> the server schema of the JSON it is built from
 PAIRS: dict[type, type[BaseModel]] = {
-    models.Health: schemas.HealthPublic,
-    models.RankTotals: schemas.RankPublic,
-    models.Run: schemas.RunPublic,
-    models.Step: schemas.StepPublic,
-    models.LayerSummary: schemas.LayerSummary,
-    models.Layer: schemas.LayerPublic,
-    models.LayerPoint: schemas.LayerPointPublic,
-    models.LayerSeries: schemas.LayerSeriesPublic,
-    models.LayerMatrix: schemas.MatrixPublic,
+    models.Health: common.HealthPublic,
+    models.RankTotals: runs.RankPublic,
+    models.Run: runs.RunPublic,
+    models.Step: series.StepPublic,
+    models.LayerSummary: series.LayerSummary,
+    models.Layer: series.LayerPublic,
+    models.LayerPoint: series.LayerPointPublic,
+    models.LayerSeries: series.LayerSeriesPublic,
+    models.LayerMatrix: series.MatrixPublic,
     models.TimelineEntry: analysis_schemas.TimelineEntryPublic,
     models.Incident: analysis_schemas.IncidentPublic,
     models.Finding: analysis_schemas.FindingPublic,
     models.Spike: analysis_schemas.SpikePublic,
-    models.BatchAck: schemas.BatchAck,
+    models.BatchAck: batches.BatchAck,
     models.AlertTarget: alert_schemas.AlertTargetPublic,
     models.AlertRule: alert_schemas.AlertRulePublic,
     models.Alerts: alert_schemas.AlertsPublic,
@@ -63,5 +63,5 @@ def test_every_step_field_is_accepted_stored_and_returned():
     from ampwatch.server.store.series import SCALAR_FIELDS
 
     per_layer = {"layer_grad_norm", "layer_grad_zero_share", "activations", "fp8", "spikes"}
-    assert set(schemas.StepIn.model_fields) - per_layer == set(SCALAR_FIELDS)
-    assert set(schemas.StepPublic.model_fields) == {"rank", *SCALAR_FIELDS}
+    assert set(batches.StepIn.model_fields) - per_layer == set(SCALAR_FIELDS)
+    assert set(series.StepPublic.model_fields) == {"rank", *SCALAR_FIELDS}

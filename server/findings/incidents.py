@@ -20,7 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.incident_folds import (
+from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS, FindingKind
+from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.spikes import SPIKE_CAUSE, spike_story
+from ampwatch.server.findings.incident_folds import (
     WEIGHT_CAUSE,
     _first_step,
     _get,
@@ -29,10 +33,6 @@ from ampwatch.server.analysis.incident_folds import (
     fold_into_weight_jumps,
     may_follow,
 )
-from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS, FindingKind
-from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
-from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.analysis.spikes import SPIKE_CAUSE, spike_story
 
 # what a finding says happened, in the order a root cause plays out
 STAGES = {

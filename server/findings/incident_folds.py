@@ -1,4 +1,4 @@
-"""Folds of incidents (server/analysis/incidents.py) whose cause is not an overflow: a
+"""Folds of incidents (server/findings/incidents.py) whose cause is not an overflow: a
 layer's weight jump absorbs what follows it downstream, and the clip-before-unscale pitfall
 the optimizer states it starves; and the small accessors both modules share."""
 

@@ -1,4 +1,4 @@
-"""The analysis worker: drains the analysis queue (server/analysis_queue.py), judging each
+"""The analysis worker: drains the analysis queue (server/worker/queue.py), judging each
 stored batch with the detectors as the ingest request once did, off the request path.
 
 It runs as `ampwatch worker` processes (server/cli.py) beside any number of servers, and
@@ -25,18 +25,18 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ampwatch.server import analysis
 from ampwatch.server.analysis.window_cache import RankWindows
-from ampwatch.server.analysis_queue import (
+from ampwatch.server.db import make_engine, session_info, writing
+from ampwatch.server.faults import DatabaseHealth
+from ampwatch.server.models import AnalysisTask, Run
+from ampwatch.server.services.ranks import SHARDED, grad_layout
+from ampwatch.server.settings import Settings
+from ampwatch.server.store import combined
+from ampwatch.server.worker.queue import (
     ENQUEUED,
     claim,
     done,
     pending_batches,
 )
-from ampwatch.server.db import make_engine, session_info, writing
-from ampwatch.server.faults import DatabaseHealth
-from ampwatch.server.models import AnalysisTask, Run
-from ampwatch.server.ranks import SHARDED, grad_layout
-from ampwatch.server.settings import Settings
-from ampwatch.server.store import combined
 
 __all__ = ["AnalysisWorker", "pending_batches", "settle"]
 
