@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.context import RunContext, compute_dtype
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
 from ampwatch.server.analysis.kinds import FindingKind
@@ -33,7 +34,7 @@ KIND = FindingKind.NONFINITE
 MAX_LAYERS_LISTED = 20
 ABSORBED = len(CAUSES)  # a group of its own: forward inf/NaN that never reached the grads
 DIVERGED = ABSORBED + 1  # every non-finite step after the gradients ran away
-GROUPS = (*CAUSES, "absorbed_overflow", "divergence")
+GROUPS = (*CAUSES, Cause.ABSORBED_OVERFLOW, Cause.DIVERGENCE)
 
 
 def _what(group: int, layer: str | None, observed: bool, divergence: dict | None) -> str:

@@ -12,6 +12,7 @@ import numpy as np
 from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.kinds import FindingKind, Section, kinds_in
 from ampwatch.server.analysis.localize import DTYPE_MAX, dtype_word
@@ -44,8 +45,8 @@ MAX_FINDINGS = 200
 LAYER_FINDING_KINDS = kinds_in(Section.LAYERS)
 LAYERS_PER_PAGE = 200  # rows of the layers page's heatmaps and table
 # non-finite causes that name the offending layer, the forward pass's first
-FORWARD_CAUSES = ("forward_overflow", "absorbed_overflow")
-GRAD_CAUSES = ("grad_overflow",)
+FORWARD_CAUSES = (Cause.FORWARD_OVERFLOW, Cause.ABSORBED_OVERFLOW)
+GRAD_CAUSES = (Cause.GRAD_OVERFLOW,)
 
 
 @dataclass(frozen=True)
