@@ -64,7 +64,7 @@ class StepColumns:
         """From the rows of one rank of `with_events(steps_query(...))`."""
         steps = np.array([item["step"] for item in items], dtype=np.int64)
         columns = cls(label=label, steps=steps)
-        for name in (*cls.FIELDS, "elapsed_ms"):  # elapsed_ms: queries.with_elapsed
+        for name in (*cls.FIELDS, "elapsed_ms"):  # elapsed_ms: series.with_elapsed
             columns.values[name], columns.present[name] = decode_values(
                 [item.get(name) for item in items])
         columns.values["skipped"] = np.array([bool(item.get("skipped")) for item in items],

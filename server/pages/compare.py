@@ -28,7 +28,7 @@ def compare_twin(session: Session, settings: Settings, run_ids: list[str],
                  x_axis: time_axis.XAxis = "step") -> dict:
     """/compare: each run's lowest rank, downsampled; unknown ids listed apart. A run's
     `ranks` holds that lead rank only (one row, whatever the number of ranks). On a time
-    `x_axis`, each step also has its `elapsed_ms` (`queries.with_elapsed`)."""
+    `x_axis`, each step also has its `elapsed_ms` (`series.with_elapsed`)."""
     runs, steps, missing = [], {}, []
     for run_id in run_ids[:MAX_COMPARED]:
         run = session.get(Run, run_id)

@@ -109,7 +109,7 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
     MAX_OVERLAID_RANKS, else the ones `overlaid_ranks` picks), the ranks panel (at most
     PANEL_ROWS ranks, `panel_rank_rows`), its findings and its incidents (the findings
     grouped by root cause). Neither its reads nor the rows they fetch grow with ranks.
-    On a time `x_axis`, each step also has its `elapsed_ms` (`queries.with_elapsed`)."""
+    On a time `x_axis`, each step also has its `elapsed_ms` (`series.with_elapsed`)."""
     run = get_run(session, run_id)
     rank_rows = panel_rank_rows(session, run_id)  # every rank when there are few
     public = page_run(session, run_id, settings, rank_rows)
