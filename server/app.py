@@ -15,12 +15,12 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from sqlalchemy.orm import sessionmaker
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.middleware import Middleware
 from starlette.routing import Match, Route
 from starlette.types import Scope
 
 from ampwatch.server import __version__, metrics, pages
 from ampwatch.server.alerts import AlertService
-from ampwatch.server.analysis_worker import AnalysisWaitMiddleware, AnalysisWorker, embedded_worker
 from ampwatch.server.api import (
     alerts,
     batches,
@@ -40,6 +40,7 @@ from ampwatch.server.db import health_on_commit, make_engine, session_info, upgr
 from ampwatch.server.deps import token_dependencies
 from ampwatch.server.errors import AmpwatchServerError, short_errors
 from ampwatch.server.faults import DatabaseHealth, database_error
+from ampwatch.server.http.analysis_wait import AnalysisWaitMiddleware
 from ampwatch.server.http.backpressure import BacklogMiddleware
 from ampwatch.server.http.guards import (
     AdmissionMiddleware,
@@ -47,6 +48,7 @@ from ampwatch.server.http.guards import (
     SiteGuardMiddleware,
     trusted_hosts,
 )
+from ampwatch.server.http.metrics import MetricsMiddleware
 from ampwatch.server.http.middleware import (
     QueryTextMiddleware,
     RequestBodyMiddleware,
@@ -54,8 +56,13 @@ from ampwatch.server.http.middleware import (
     SecurityHeadersMiddleware,
 )
 from ampwatch.server.responses import WireJSONResponse
-from ampwatch.server.schemas import BatchIn, RunUpsert
+from ampwatch.server.schemas.batches import BatchIn
+from ampwatch.server.schemas.runs import RunUpsert
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker.analysis_worker import (
+    AnalysisWorker,
+    embedded_worker,
+)
 
 PARSER_THREADS = 2
 
@@ -102,6 +109,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         "The dashboard: [all runs](/).",
         default_response_class=WireJSONResponse,
         lifespan=lifespan,
+        middleware=middlewares(settings, maker, worker, server_metrics),
         # a route without its own operation_id is named after its function, not its path:
         # generated clients get methods like get_run, not get_one_run_api_v1_runs__run_id__get
         generate_unique_id_function=lambda route: route.name,
@@ -122,34 +130,34 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     # arena of its own (the server's resident memory grew with them). Not shut down with
     # the lifespan, which a test may run more than once: idle, its threads end with it.
     app.state.parser = ThreadPoolExecutor(PARSER_THREADS, thread_name_prefix="ampwatch-parse")
-    _add_middlewares(app, settings, maker, worker)
     _add_error_handlers(app)
     _add_routes(app, settings)
     return app
 
 
-def _add_middlewares(app: FastAPI, settings: Settings, maker: sessionmaker,
-                     worker: AnalysisWorker | None) -> None:
-    """The middlewares, outermost last."""
-    # The last added runs first: headers on every answer; Host and Origin; metrics; the
-    # token, before anything is held; batches refused while analysis is behind; bodies,
-    # under their budget; then a request slot.
-    app.add_middleware(RequestSlotMiddleware, max_requests=settings.max_concurrent_requests,
-                       wait_s=settings.slot_wait_s)
-    app.add_middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes,
-                       max_inflight_bytes=settings.max_inflight_body_bytes,
-                       body_timeout_s=settings.body_timeout_s)
-    app.add_middleware(BacklogMiddleware, maker=maker, limit=settings.max_pending_batches)
-    app.add_middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc"))
-    if settings.analysis_wait_s:
-        app.add_middleware(AnalysisWaitMiddleware, maker=maker, worker=worker,
-                           wait_s=settings.analysis_wait_s)
-    app.add_middleware(QueryTextMiddleware)
-    app.add_middleware(AdmissionMiddleware, token=settings.token,
-                       per_client=settings.max_requests_per_client)
-    app.add_middleware(metrics.MetricsMiddleware, metrics=app.state.metrics)
-    app.add_middleware(SiteGuardMiddleware, hosts=trusted_hosts(settings))
-    app.add_middleware(SecurityHeadersMiddleware)
+def middlewares(settings: Settings, maker: sessionmaker, worker: AnalysisWorker | None,
+                server_metrics: metrics.ServerMetrics) -> list[Middleware]:
+    """Every middleware of the app (all in server/http/), outermost first: headers on
+    every answer; Host and Origin; metrics; the token, before anything is held; the
+    query's text; reads waiting for analysis; the docs' same-origin policy; batches
+    refused while analysis is behind; bodies, under their budget; then a request slot."""
+    return [
+        Middleware(SecurityHeadersMiddleware),
+        Middleware(SiteGuardMiddleware, hosts=trusted_hosts(settings)),
+        Middleware(MetricsMiddleware, metrics=server_metrics),
+        Middleware(AdmissionMiddleware, token=settings.token,
+                   per_client=settings.max_requests_per_client),
+        Middleware(QueryTextMiddleware),
+        *([Middleware(AnalysisWaitMiddleware, maker=maker, worker=worker,
+                      wait_s=settings.analysis_wait_s)] if settings.analysis_wait_s else []),
+        Middleware(SameOriginPolicyMiddleware, paths=("/docs", "/redoc")),
+        Middleware(BacklogMiddleware, maker=maker, limit=settings.max_pending_batches),
+        Middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes,
+                   max_inflight_bytes=settings.max_inflight_body_bytes,
+                   body_timeout_s=settings.body_timeout_s),
+        Middleware(RequestSlotMiddleware, max_requests=settings.max_concurrent_requests,
+                   wait_s=settings.slot_wait_s),
+    ]
 
 
 def _add_error_handlers(app: FastAPI) -> None:

@@ -113,8 +113,8 @@ def _exit_when_orphaned(parent: int, poll_s: float = 1.0) -> None:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from ampwatch.server.analysis_worker import run_worker
     from ampwatch.server.db import make_engine, upgrade
+    from ampwatch.server.worker.analysis_worker import run_worker
 
     if args.poll <= 0 or (args.claim is not None and args.claim < 1):
         sys.exit("ampwatch: --poll must be above 0 and --claim at least 1")

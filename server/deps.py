@@ -1,11 +1,12 @@
-"""FastAPI dependencies as `Annotated` aliases: the session, the settings, auth."""
+"""FastAPI dependencies as `Annotated` aliases, for the API and the pages alike: the
+session, the settings, auth, and the path parameters every run route shares."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import Annotated
 
-from fastapi import Depends, HTTPException, Request, Security
+from fastapi import Depends, HTTPException, Path, Request, Security
 from fastapi.params import Depends as Dependency
 from fastapi.security import APIKeyCookie, HTTPBearer
 from sqlalchemy.orm import Session
@@ -13,6 +14,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.http.guards import token_scheme
 from ampwatch.server.http.middleware import UNSAFE_METHODS
 from ampwatch.server.settings import Settings
+from ampwatch.wire import RUN_ID_PATTERN
 
 
 def get_settings(request: Request) -> Settings:
@@ -26,6 +28,8 @@ def get_session(request: Request) -> Iterator[Session]:
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
+RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
+NoteId = Annotated[int, Path(ge=1, le=2**31 - 1)]
 
 
 def require_token(request: Request, settings: SettingsDep) -> None:

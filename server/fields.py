@@ -22,6 +22,20 @@ INT32_MAX = 2**31 - 1  # Integer columns (run_ranks counters, forward_index)
 JSON_INT_MAX = 2**53 - 1
 MAX_COUNT = INT32_MAX  # per-step counters are stored in float64 columns; any count fits
 
+# dtype names by their stored code (0 = none / missing; server/store/series.py codes them);
+# the order is the storage format, append only
+DTYPES: tuple[str, ...] = (
+    "",
+    "float16",
+    "bfloat16",
+    "float32",
+    "float64",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "int8",
+    "mixed",
+)
+
 
 def storable(text: str) -> str:
     """Text every backend can store: no NUL (Postgres text refuses it) and valid UTF-8

@@ -5,15 +5,13 @@ loss scale, steps and skipped steps (counters: `rate()` of their ratio is the re
 rate), the last step, seconds since data, open findings by severity. Read from the
 database by a custom collector at scrape time, so a finished run drops out by itself and
 every replica reports the same runs (no per-run gauges to forget); so are the analysis
-queue's depth and lag (server/analysis_queue.py). Server counters and
+queue's depth and lag (server/worker/queue.py). Server counters and
 latency histograms are per process, in a registry of the app's own (no global state).
 """
 
 from __future__ import annotations
 
 import hmac
-import re
-import time
 from collections.abc import Iterator
 from datetime import timedelta
 
@@ -30,27 +28,16 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from sqlalchemy import func, select
 from sqlalchemy.orm import sessionmaker
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis_queue import lag_seconds, pending_batches
 from ampwatch.server.deps import SettingsDep
 from ampwatch.server.models import AlertNotification, Finding, RunRank, as_utc, utcnow
-from ampwatch.server.runs import live_runs
-from ampwatch.server.schemas import BatchAck
+from ampwatch.server.schemas.batches import BatchAck
+from ampwatch.server.services.runs import live_runs
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker.queue import lag_seconds, pending_batches
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
-INGEST_PATH = re.compile(r"^/api/v1/runs/[^/]+/batches$")
-# dashboard pages by route, so the page label has a handful of values
-PAGES = (
-    ("runs", re.compile(r"^/$")),
-    ("run", re.compile(r"^/runs/[^/]+/?$")),
-    ("layers", re.compile(r"^/runs/[^/]+/layers/?$")),
-    ("compare", re.compile(r"^/compare/?$")),
-)
-
-
 class ServerMetrics:
     """This process's metrics: ingest counters and latencies, page latencies, and the
     run-health collector that reads the database at scrape time."""
@@ -180,56 +167,6 @@ class RunHealthCollector:
         yield GaugeMetricFamily("ampwatch_analysis_lag_seconds",
                                 "Seconds the oldest waiting batch has waited for the "
                                 "detectors (0: none waits)", value=lag)
-
-
-class MetricsMiddleware:
-    """Times batch POSTs (and counts their bytes as received) and dashboard pages.
-    Outermost, so the bytes are those on the wire and the time includes the body."""
-
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path, method = scope["path"], scope["method"]
-        if method == "POST" and INGEST_PATH.match(path):
-            await self._ingest(scope, receive, send)
-            return
-        page = next((name for name, pattern in PAGES if pattern.match(path)), None) \
-            if method == "GET" else None
-        if page is None:
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            self.metrics.page_seconds.labels(page).observe(time.perf_counter() - start)
-
-    async def _ingest(self, scope: Scope, receive: Receive, send: Send) -> None:
-        metrics = self.metrics
-        status = [500]
-
-        async def counting_receive() -> Message:
-            message = await receive()
-            if message["type"] == "http.request":
-                metrics.ingest_bytes.inc(len(message.get("body", b"")))
-            return message
-
-        async def status_send(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        start = time.perf_counter()
-        try:
-            await self.app(scope, counting_receive, status_send)
-        finally:
-            metrics.ingest_seconds.observe(time.perf_counter() - start)
-            metrics.ingest_requests.labels(str(status[0])).inc()
 
 
 def require_scrape_token(request: Request, settings: SettingsDep) -> None:

@@ -92,7 +92,8 @@ class RunRank(Base):
     """Running totals of one rank's stream, updated on every ingested batch."""
 
     __tablename__ = "run_ranks"
-    # ingest reads the run's lowest last steps from it (server/ingest.py: _all_ranks_through)
+    # ingest reads the run's lowest last steps from it
+    # (server/services/ingest.py: _all_ranks_through)
     __table_args__ = (Index("ix_run_ranks_last_step", "run_id", "last_step"),)
 
     run_id: Mapped[str] = mapped_column(
@@ -157,7 +158,7 @@ class Batch(Base):
     act_grad_zero: Mapped[bytes | None] = mapped_column(LargeBinary)
     events: Mapped[list[Any] | None] = mapped_column(JSON)
     # a restart sent steps from here on again (a later seq): this batch's copies of them
-    # are kept but no longer read (server/restarts.py)
+    # are kept but no longer read (server/store/restarts.py)
     superseded_from: Mapped[int | None] = mapped_column(BigInteger)
 
     __table_args__ = (Index("ix_batches_run_rank_steps", "run_id", "rank", "first_step"),)
@@ -353,7 +354,7 @@ class AlertAttempt(Base):
 
 class Bundle(Base):
     """A flight-recorder bundle of one bad step (docs/replay.md). The file lies in the
-    server's bundle folder (server/bundles.py), named by (run, rank, step); the row holds
+    server's bundle folder (server/services/bundles.py), named by (run, rank, step); the row holds
     what lists and pages show, `meta` the bundle's bundle.json, `bisect` the verdict
     `ampwatch replay --bisect` reported for it (None: none yet)."""
 
@@ -390,10 +391,10 @@ class RunNote(Base):
 
 
 class AnalysisTask(Base):
-    """A stored batch waiting for the detectors (server/analysis_worker.py), enqueued in the batch's
-    own transaction and deleted in the transaction that writes its findings. Carries what
-    ingest knew about the rank when it stored the batch, so the worker judges it as the
-    request would have."""
+    """A stored batch waiting for the detectors (server/worker/analysis_worker.py),
+    enqueued in the batch's own transaction and deleted in the transaction that writes
+    its findings. Carries what ingest knew about the rank when it stored the batch, so the
+    worker judges it as the request would have."""
 
     __tablename__ = "analysis_queue"
 

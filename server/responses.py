@@ -19,7 +19,7 @@ from ampwatch.wire import encode_float_array, encode_tree
 
 class WireJSONResponse(JSONResponse):
     """Compact JSON of `content`; pass `encoded=True` when every float in it is finite
-    or already a string (server/queries.py builds its answers that way)."""
+    or already a string (server/services/series.py builds its answers that way)."""
 
     def __init__(self, content: Any, status_code: int = 200, *, encoded: bool = False,
                  **kwargs: Any) -> None:

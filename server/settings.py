@@ -64,8 +64,8 @@ class Settings(BaseSettings):
     migrate_on_start: bool = True
     # detector thresholds; env vars like AMPWATCH_ANALYSIS__SKIP_STREAK_WARNING
     analysis: AnalysisSettings = Field(default_factory=AnalysisSettings)
-    # the detectors run off the request path (server/analysis_worker.py): a worker thread in this
-    # server drains the analysis queue unless this is off (then `ampwatch worker`
+    # the detectors run off the request path (server/worker/analysis_worker.py): a worker
+    # thread in this server drains the analysis queue unless this is off (then `ampwatch worker`
     # processes must run); safe beside other servers' threads and worker processes
     embedded_worker: bool = True
     # memory a worker keeps recent rank windows in (past it, windows are read again)

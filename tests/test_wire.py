@@ -64,7 +64,7 @@ def test_one_spool_dir_for_agent_and_sync(monkeypatch, tmp_path):
 
 
 def test_fp8_layout_matches_the_server_schema():
-    from ampwatch.server.schemas import Fp8In, Fp8TensorIn
+    from ampwatch.server.schemas.batches import Fp8In, Fp8TensorIn
 
     assert tuple(Fp8In.model_fields) == wire.FP8_ROLES
     assert tuple(Fp8TensorIn.model_fields) == wire.FP8_STATS
@@ -87,7 +87,8 @@ def test_every_step_field_consumer_follows_its_one_declaration():
     from ampwatch.client.models import Step
     from ampwatch.server.pages.columns import StepColumns
     from ampwatch.server.pages.views import overview_figures
-    from ampwatch.server.schemas import StepIn, StepPublic
+    from ampwatch.server.schemas.batches import StepIn
+    from ampwatch.server.schemas.series import StepPublic
     from ampwatch.server.store import series
     from ampwatch.wire.steps import STEP_FIELDS, Chart, doc_row, names
 
@@ -111,7 +112,7 @@ def test_every_step_field_consumer_follows_its_one_declaration():
 def test_spike_signals_are_one_contract_for_the_agent_and_the_server():
     """The `spikes` object's signal names live in wire/: the server's schema takes them in
     that order (its storage order), and every signal the agent writes is one of them."""
-    from ampwatch.server.schemas import SpikesIn
+    from ampwatch.server.schemas.batches import SpikesIn
 
     assert tuple(SpikesIn.model_fields) == wire.SPIKE_SIGNALS
     source = (ROOT / "agent" / "collectors" / "spikes.py").read_text()

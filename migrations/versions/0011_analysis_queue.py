@@ -1,4 +1,4 @@
-"""analysis queue: stored batches waiting for the detectors (server/analysis_worker.py)
+"""analysis queue: stored batches waiting for the detectors (server/worker/analysis_worker.py)
 
 Revision ID: 0011
 Revises: 0010

@@ -1,5 +1,5 @@
 """Alerts that follow incidents: a rule with `per = "incident"` (the default) notifies
-when an incident (the findings of one root cause, server/analysis/incidents.py) opens,
+when an incident (the findings of one root cause, server/findings/incidents.py) opens,
 escalates or resolves, not once per finding. The fp16 overflow of one layer raises a
 non-finite finding, a skip streak and a scale collapse: one incident, one notification.
 
@@ -18,10 +18,10 @@ from sqlalchemy import select
 from sqlalchemy.engine import Connection
 
 from ampwatch.server.alerts.settings import AlertRule
-from ampwatch.server.analysis.bisect_verdicts import with_verdicts
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.incidents import Incident, group_incidents, needs_layer_order
-from ampwatch.server.analysis.queries import bisected_bundles, layer_orders
+from ampwatch.server.findings.bisect_verdicts import with_verdicts
+from ampwatch.server.findings.incidents import Incident, group_incidents, needs_layer_order
+from ampwatch.server.findings.queries import bisected_bundles, layer_orders
 from ampwatch.server.models import AlertNotification, Finding
 
 OPEN = "open"

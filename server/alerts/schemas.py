@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from ampwatch.server.analysis.kinds import FindingKind
-from ampwatch.server.schemas import Severity
+from ampwatch.server.schemas.common import Severity
 
 NotificationStatus = Literal["pending", "delivered", "failed"]
 

@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field, SecretStr, field_validator, model_validat
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.analysis.kinds import FindingKind
-from ampwatch.server.schemas import Severity
+from ampwatch.server.schemas.common import Severity
 
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$"
 WEB_SCHEMES = ("http", "https")

@@ -4,7 +4,7 @@ to fix it), run incrementally on ingest. See docs/architecture.md,
 
 Detectors are pure functions `detect_*(window, settings) -> Detection` (window.py), each
 registered with its inputs and finding kinds in `registry` (kinds: `kinds`); `service`
-runs them on a recent window and `store` upserts `Finding` rows.
+runs them on a recent window and `server/findings/store.py` upserts `Finding` rows.
 """
 
 from ampwatch.server.analysis.context import LayerInfo, RunContext

@@ -13,6 +13,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
+from ampwatch.server.analysis.causes import Cause
+
 
 class FindingKind(StrEnum):
     """What a finding is about; `code` (when set) names the exact check within the kind."""
@@ -66,7 +68,7 @@ class KindSpec:
         incident (one fix for all of them).
     fix: what to do in general; each finding's message gives the fix for its case.
     follows: the causes its findings may follow from: an incident of one of them that
-        they follow (server/analysis/incident_folds.py says when) takes them in, and they
+        they follow (server/findings/incident_folds.py says when) takes them in, and they
         send no alert of their own. "weight_jump" (a layer's rescaled weights),
         "forward_overflow" (a layer overflowing fp16), "clip_before_unscale" (the pitfall).
     """
@@ -76,9 +78,9 @@ class KindSpec:
     scope: Scope
     section: Section
     fix: str
-    cause: str | None = None
+    cause: Cause | str | None = None  # a Cause, FROM_EVIDENCE or None
     per_layer: bool = True
-    follows: tuple[str, ...] = ()
+    follows: tuple[Cause, ...] = ()
 
 
 KINDS: dict[FindingKind, KindSpec] = {spec.kind: spec for spec in (
@@ -88,29 +90,29 @@ KINDS: dict[FindingKind, KindSpec] = {spec.kind: spec for spec in (
              "fix the cause the evidence names (a layer that overflows, a non-finite loss or "
              "input); lower the learning rate when the gradients grow",
              cause=FROM_EVIDENCE,
-             follows=("weight_jump",)),
+             follows=(Cause.WEIGHT_JUMP,)),
     KindSpec(FindingKind.NONFINITE,
              "inf/NaN on a step, localised to the first layer, the loss or the input",
              Scope.LAYER, Section.OVERVIEW,
              "run the named layer in fp32 or keep its output in range; check the data",
              cause=FROM_EVIDENCE,
-             follows=("weight_jump",)),
+             follows=(Cause.WEIGHT_JUMP,)),
     KindSpec(FindingKind.OVERFLOW_RISK,
              "fp16 forward outputs within a factor of fp16's maximum",
              Scope.LAYER, Section.OVERVIEW,
              "normalise or scale down what feeds the layer, run it in fp32, or train in bf16",
-             cause="forward_overflow",
-             follows=("weight_jump",)),
+             cause=Cause.FORWARD_OVERFLOW,
+             follows=(Cause.WEIGHT_JUMP,)),
     KindSpec(FindingKind.UNDERFLOW_RISK,
              "fp16 gradients mostly exactly zero, measured",
              Scope.LAYER, Section.OVERVIEW,
              "use a GradScaler with fp16, raise its init_scale, or train in bf16",
-             follows=("forward_overflow", "weight_jump")),
+             follows=(Cause.FORWARD_OVERFLOW, Cause.WEIGHT_JUMP)),
     KindSpec(FindingKind.MISALIGNED_LAYER,
              "a matmul dimension that is not a multiple of the tensor-core alignment",
              Scope.LAYER, Section.LAYERS,
              "pad the dimension to the size the finding names",
-             cause="misaligned", per_layer=False),
+             cause=Cause.MISALIGNED, per_layer=False),
     KindSpec(FindingKind.PRECISION_MAP,
              "a layer computed in an unexpected dtype under autocast",
              Scope.LAYER, Section.LAYERS,
@@ -127,17 +129,17 @@ KINDS: dict[FindingKind, KindSpec] = {spec.kind: spec for spec in (
              "elements of an FP8 cast flushed to zero",
              Scope.LAYER, Section.FP8,
              "scale per row, clip the outlier, or keep the layer in bf16",
-             follows=("weight_jump",)),
+             follows=(Cause.WEIGHT_JUMP,)),
     KindSpec(FindingKind.FP8_SATURATION,
              "elements of an FP8 cast clipped at the format's maximum",
              Scope.LAYER, Section.FP8,
              "shorten the amax history or switch to current scaling",
-             follows=("weight_jump",)),
+             follows=(Cause.WEIGHT_JUMP,)),
     KindSpec(FindingKind.FP8_STALE_SCALE,
              "an FP8 tensor outgrew what its delayed scale covers",
              Scope.LAYER, Section.FP8,
              "shorten the amax history or switch to current scaling",
-             follows=("weight_jump",)),
+             follows=(Cause.WEIGHT_JUMP,)),
     KindSpec(FindingKind.RANKS,
              "ranks that disagree: a scaler, the first non-finite rank, a straggler",
              Scope.RANK, Section.OVERVIEW,
@@ -151,19 +153,19 @@ KINDS: dict[FindingKind, KindSpec] = {spec.kind: spec for spec in (
              "the finding names the fix for its cause (qk-layernorm, z-loss, fp32 optimizer "
              "state, a smaller eps, clipping, or the batch)",
              cause=FROM_EVIDENCE,
-             follows=("forward_overflow", "weight_jump")),
+             follows=(Cause.FORWARD_OVERFLOW, Cause.WEIGHT_JUMP)),
     KindSpec(FindingKind.SPIKE_PRECURSOR,
              "a layer's attention logit or the output log-partition grew 10x over its level",
              Scope.LAYER, Section.OVERVIEW,
              "qk-layernorm or a lower learning rate (attention); z-loss (output)",
              cause=FROM_EVIDENCE,
-             follows=("forward_overflow", "weight_jump")),
+             follows=(Cause.FORWARD_OVERFLOW, Cause.WEIGHT_JUMP)),
     KindSpec(FindingKind.OPTIMIZER_STATE,
              "Adam's eps dominates, or its second moment underflowed, in a layer",
              Scope.LAYER, Section.OVERVIEW,
              "a smaller eps, fp32 optimizer state, or a larger loss scale",
              cause=FROM_EVIDENCE,
-             follows=("clip_before_unscale", "weight_jump")),
+             follows=(Cause.CLIP_BEFORE_UNSCALE, Cause.WEIGHT_JUMP)),
     # server/analysis/weights.py: the layer whose weights moved, a cause of its own
     KindSpec(FindingKind.WEIGHT_JUMP,
              "a layer's sampled weight norm jumped between samples or grew on every one",

@@ -9,13 +9,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.context import LayerTable, RunContext, step_rows
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.store.series import FIELD_INDEX, MISSING, StepSeries
 
 # Causes in the order they explain each other: a bad input makes the forward pass
 # non-finite, which makes the loss non-finite, which makes every gradient non-finite.
-CAUSES = ("nonfinite_input", "forward_overflow", "nonfinite_loss", "grad_overflow", "unknown")
+# a step's cause, stored as its index here
+CAUSES = (Cause.NONFINITE_INPUT, Cause.FORWARD_OVERFLOW, Cause.NONFINITE_LOSS,
+          Cause.GRAD_OVERFLOW, Cause.UNKNOWN)
 INPUT, FORWARD, LOSS, GRAD, UNKNOWN = range(len(CAUSES))
 NO_LAYER = -1
 
@@ -190,11 +193,11 @@ def fix_for_cause(cause: str | None, layer: str | None, dtype: str | None = None
     run's compute `dtype` (fp16 when unknown)."""
     where = f"layer {layer!r}" if layer else "a layer"
     word = dtype_word(dtype)
-    if cause == "divergence":
+    if cause == Cause.DIVERGENCE:
         return ("training diverged (the gradients exploded before any value overflowed): "
                 "lower the learning rate, add warmup, and clip gradients "
                 "(torch.nn.utils.clip_grad_norm_, after scaler.unscale_() with a GradScaler)")
-    if cause in ("forward_overflow", "absorbed_overflow"):
+    if cause in (Cause.FORWARD_OVERFLOW, Cause.ABSORBED_OVERFLOW):
         if dtype not in (None, "float16"):  # fp32's range: only a diverging run gets there
             return (f"{where} overflows {word} in the forward pass, whose range is fp32's: "
                     "its values ran away, lower the learning rate, add warmup, and clip "
@@ -202,15 +205,15 @@ def fix_for_cause(cause: str | None, layer: str | None, dtype: str | None = None
         return (f"{where} overflows fp16 in the forward pass, which no loss scale can fix: "
                 "run it in fp32 (torch.autocast(device_type, enabled=False) with a .float() "
                 "input), scale its output down, or train in bf16")
-    if cause == "grad_overflow":
+    if cause == Cause.GRAD_OVERFLOW:
         return (f"gradients of {where} are non-finite even after unscaling: lower the "
                 "learning rate or add warmup, clip gradients after scaler.unscale_(), and "
                 "check that layer for exploding weights")
-    if cause == "nonfinite_loss":
+    if cause == Cause.NONFINITE_LOSS:
         return ("the loss itself is inf/NaN: compute it in fp32 outside autocast "
                 "(loss_fn(logits.float(), target)) and use stable forms such as "
                 "F.cross_entropy or log-sum-exp instead of exp/log")
-    if cause == "nonfinite_input":
+    if cause == Cause.NONFINITE_INPUT:
         return ("the input batch holds inf/NaN: validate the data (torch.isfinite) before "
                 "the forward pass and fix the loader")
     if dtype not in (None, "float16"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.context import RunContext, compute_dtype
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
 from ampwatch.server.analysis.kinds import FindingKind
@@ -33,7 +34,7 @@ KIND = FindingKind.NONFINITE
 MAX_LAYERS_LISTED = 20
 ABSORBED = len(CAUSES)  # a group of its own: forward inf/NaN that never reached the grads
 DIVERGED = ABSORBED + 1  # every non-finite step after the gradients ran away
-GROUPS = (*CAUSES, "absorbed_overflow", "divergence")
+GROUPS = (*CAUSES, Cause.ABSORBED_OVERFLOW, Cause.DIVERGENCE)
 
 
 def _what(group: int, layer: str | None, observed: bool, divergence: dict | None) -> str:
@@ -75,6 +76,29 @@ def _severity(group: int, reached_weights: np.ndarray) -> str:
     if group in (FORWARD, LOSS, INPUT, ABSORBED, DIVERGED):
         return "warning"
     return "info"
+
+
+def _first_forward_layer(loc: Localization, rows: np.ndarray, run: RunContext) -> str | None:
+    """The first layer whose forward output went non-finite on the first of `rows` that
+    has one."""
+    first_forward = loc.forward_layer[rows]
+    first_forward = first_forward[first_forward != NO_LAYER]
+    return run.layer_name(int(first_forward[0])) if first_forward.size else None
+
+
+def _group_fix(fix: str, severity: str, left_out: int, reached_steps: np.ndarray) -> str:
+    """A group's fix, after what became of its steps: left out by the guard, skipped by
+    the scaler, or applied (`reached_steps`: those applied with inf/NaN gradients)."""
+    if left_out:
+        return (f"the ampwatch guard left out {left_out} of these steps, so their inf/NaN "
+                f"never reached the weights or the optimizer state; {fix}")
+    if severity == "info":
+        return (f"GradScaler skipped these steps, which is harmless when rare; if they "
+                f"recur, {fix}")
+    if severity == "critical":
+        return (f"step {int(reached_steps[0])} was applied with inf/NaN gradients, so they "
+                f"reached the weights and the optimizer state; {fix}")
+    return fix
 
 
 def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
@@ -124,20 +148,9 @@ def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
         name = None if layer_index == NO_LAYER else run.layer_name(layer_index)
         steps = series.steps[g_rows]
         severity = _severity(group, reached[g_rows])
-        fix = fix_for_cause(GROUPS[group], name, dtype)
         left_out = int((guarded[g_rows] > 0).sum())
-        if left_out:
-            fix = (f"the ampwatch guard left out {left_out} of these steps, so their inf/NaN "
-                   f"never reached the weights or the optimizer state; {fix}")
-        elif severity == "info":
-            fix = (f"GradScaler skipped these steps, which is harmless when rare; if they "
-                   f"recur, {fix}")
-        elif severity == "critical":
-            first_reached = int(series.steps[g_rows[reached[g_rows]][0]])
-            fix = (f"step {first_reached} was applied with inf/NaN gradients, so they reached "
-                   f"the weights and the optimizer state; {fix}")
-        first_forward = loc.forward_layer[g_rows]
-        first_forward = first_forward[first_forward != NO_LAYER]
+        fix = _group_fix(fix_for_cause(GROUPS[group], name, dtype), severity, left_out,
+                         series.steps[g_rows[reached[g_rows]]])
         drafts.append(FindingDraft(
             kind=KIND,
             key=f"{KIND}:{GROUPS[group]}:{name or '-'}",
@@ -153,8 +166,7 @@ def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
                 "cause": GROUPS[group],
                 "dtype": dtype,
                 **(divergence if group == DIVERGED and divergence else {}),
-                "first_nonfinite_layer": (run.layer_name(int(first_forward[0]))
-                                          if first_forward.size else None),
+                "first_nonfinite_layer": _first_forward_layer(loc, g_rows, run),
                 "grad_nonfinite_layers": _grad_layers(loc, g_rows, run, position),
                 "loss_nonfinite": bool(loc.loss_nonfinite[g_rows].any()),
                 "input_nonfinite": bool(loc.input_nonfinite[g_rows].any()),

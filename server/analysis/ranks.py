@@ -19,6 +19,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.localize import NO_LAYER
@@ -119,8 +120,8 @@ def _first_nonfinite_rank(peers: Mapping[int, Window], steps: np.ndarray,
         layer = None if layer_index == NO_LAYER else peers[rank].run.layer_name(layer_index)
         clean = [r for r in sorted(peers) if not bad_by_rank[r][first]]
         # the cause as the nonfinite finding names it: both group into one incident
-        cause = ("nonfinite_input" if input_by_rank[rank][first] else
-                 "forward_overflow" if layer else "nonfinite_loss")
+        cause = (Cause.NONFINITE_INPUT if input_by_rank[rank][first] else
+                 Cause.FORWARD_OVERFLOW if layer else Cause.NONFINITE_LOSS)
         where = (f"layer {layer!r} is the first whose output is inf/NaN" if layer else
                  "its input or loss is inf/NaN")
         drafts[rank] = [FindingDraft(

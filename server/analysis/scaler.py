@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.context import RunContext, compute_dtype, scale_column
 from ampwatch.server.analysis.draft import Detection, FindingDraft, recent_steps
 from ampwatch.server.analysis.kinds import FindingKind
@@ -87,7 +88,7 @@ def _why(series: StepSeries, loc: Localization, run: RunContext, rows: np.ndarra
     first = np.flatnonzero(loc.nonfinite)
     if first.size and not loc.input_nonfinite[first[0]] \
             and diverged_before(series, int(first[0]), dtype, settings) is not None:
-        why.update(cause="divergence", layer=None)
+        why.update(cause=Cause.DIVERGENCE, layer=None)
     return why
 
 

@@ -13,9 +13,9 @@ from ampwatch.server.analysis.context import LayerTable, RunContext
 from ampwatch.server.analysis.draft import Detection
 from ampwatch.server.analysis.registry import Inputs, run_detectors
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.analysis.store import apply_detections, refresh_run_health, update_run_health
 from ampwatch.server.analysis.window import Window
 from ampwatch.server.analysis.window_cache import RankWindows
+from ampwatch.server.findings.store import apply_detections, refresh_run_health, update_run_health
 from ampwatch.server.models import Batch, Run, RunRank
 from ampwatch.server.store.fp8_samples import load_fp8_window
 from ampwatch.server.store.series import StepSeries, concat

@@ -85,7 +85,7 @@ class Growth:
 
 
 @dataclass
-class Cause:
+class SpikeCause:
     label: str
     layer: int | None = None
     precursor_step: int | None = None
@@ -127,7 +127,7 @@ def _share_over(steps: np.ndarray, values: np.ndarray, threshold: float) -> Grow
 
 
 def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
-                settings: AnalysisSettings) -> Cause:
+                settings: AnalysisSettings) -> SpikeCause:
     """The cause of `spike`, from the samples in its lookback and the per-step loss,
     grad norm and learning rate of `series`."""
     # a level read in the run's first steps is the untrained model's: logits and weights
@@ -150,7 +150,7 @@ def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
     if lr is not None:
         jumped = [g for g in update_jumps if g.factor >= settings.spike_update_jump]
         lr["update_ratio_jumped"] = [len(jumped), len(update_jumps)]
-        return Cause("lr_change", precursor_step=lr["lr_step"], evidence={"seen": seen, **lr})
+        return SpikeCause("lr_change", precursor_step=lr["lr_step"], evidence={"seen": seen, **lr})
     weights = _weights_moved(spike, signals, settings, warm)
     if weights is not None and weights["shape"] == "weight_jump":  # sudden: nothing else is
         return _weight_cause(weights, seen)
@@ -180,7 +180,7 @@ def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
     jumped = [g for g in update_jumps if g.factor >= settings.spike_update_jump]
     if len(jumped) >= 2 and len(jumped) >= settings.spike_layers_share * len(update_jumps):
         first = min(int(g.first_step) for g in jumped if g.first_step is not None)
-        return Cause("update_ratio_all", precursor_step=first,
+        return SpikeCause("update_ratio_all", precursor_step=first,
                      evidence={"seen": seen, "layers_jumped": [len(jumped), len(update_jumps)],
                                "factors": [round(g.factor, 3) for g in jumped]})
     if jumped:
@@ -192,8 +192,8 @@ def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
         settled = spike.length == 1 or _settles(spike, loss_steps, series.column("loss"),
                                                 settings.spike_settle_share)
         if settled and grad_jump >= settings.spike_grad_jump:
-            return Cause("bad_batch", evidence={"seen": seen, "steps_over": spike.length})
-    return Cause("unknown", evidence={"seen": seen})
+            return SpikeCause("bad_batch", evidence={"seen": seen, "steps_over": spike.length})
+    return SpikeCause("unknown", evidence={"seen": seen})
 
 
 def jumps(steps: np.ndarray, values: np.ndarray) -> list[Growth]:
@@ -228,8 +228,8 @@ def _weights_moved(spike: Spike, signals: SpikeWindow, settings: AnalysisSetting
                default=None)
 
 
-def _weight_cause(weights: dict[str, Any], seen: dict[str, Any]) -> Cause:
-    return Cause("weight_jump", layer=int(weights["layer"]),
+def _weight_cause(weights: dict[str, Any], seen: dict[str, Any]) -> SpikeCause:
+    return SpikeCause("weight_jump", layer=int(weights["layer"]),
                  precursor_step=int(weights["step"]), evidence={"seen": seen, **weights})
 
 
@@ -280,6 +280,6 @@ def _describe(found: Growth) -> dict[str, Any]:
             "factor": found.factor, "first_step": found.first_step}
 
 
-def _cause(label: str, found: Growth, seen: dict[str, Any]) -> Cause:
-    return Cause(label, layer=found.layer, precursor_step=found.first_step,
+def _cause(label: str, found: Growth, seen: dict[str, Any]) -> SpikeCause:
+    return SpikeCause(label, layer=found.layer, precursor_step=found.first_step,
                  evidence={"seen": seen, "signal": _describe(found)})

@@ -16,16 +16,16 @@ from typing import Any
 
 import numpy as np
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.context import RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.analysis.spike_causes import FIXES, LEVEL_FLOOR, Cause, label_spike
+from ampwatch.server.analysis.spike_causes import FIXES, LEVEL_FLOOR, SpikeCause, label_spike
 from ampwatch.server.analysis.spike_finder import Spike, find_spikes
 from ampwatch.server.analysis.window import Window
 from ampwatch.server.store.spike_samples import SpikeWindow
 
-SPIKE_CAUSE = "loss_spike"  # evidence.cause of the findings of one spike (incidents.py)
 CAUSE_WORDS = {
     "weight_jump": "the layer's weights jumped (their sampled norm)",
     "lr_change": "the learning rate rose",
@@ -80,7 +80,7 @@ def cause_words(label: str, evidence: dict[str, Any]) -> str:
     return words
 
 
-def _spike_draft(spike: Spike, cause: Cause, run: RunContext, last: int,
+def _spike_draft(spike: Spike, cause: SpikeCause, run: RunContext, last: int,
                  settings: AnalysisSettings, guarded: np.ndarray) -> FindingDraft:
     layer = None if cause.layer is None else run.layer_name(cause.layer)
     lead = None if cause.precursor_step is None else spike.start - cause.precursor_step
@@ -100,7 +100,7 @@ def _spike_draft(spike: Spike, cause: Cause, run: RunContext, last: int,
         message += (f" The ampwatch guard left out step{'s' if len(left_out) > 1 else ''} "
                     f"{', '.join(map(str, left_out))}: their updates never reached the "
                     "weights or the optimizer state.")
-    evidence = {"cause": SPIKE_CAUSE, "label": cause.label, "spike_step": spike.start,
+    evidence = {"cause": Cause.LOSS_SPIKE, "label": cause.label, "spike_step": spike.start,
                 "end_step": spike.end,
                 "peak_step": spike.peak_step, "peak": spike.peak, "median": spike.median,
                 "spread": spike.spread, "size_spreads": spike.size, "ratio": spike.ratio,
@@ -108,7 +108,7 @@ def _spike_draft(spike: Spike, cause: Cause, run: RunContext, last: int,
                 "lead_steps": lead, "fix": FIXES[cause.label], "guarded_steps": len(left_out),
                 **cause.evidence}
     if cause.label == "weight_jump":  # one story with the layer's weight finding
-        evidence.update(cause="weight_jump", layer=layer)
+        evidence.update(cause=Cause.WEIGHT_JUMP, layer=layer)
     return FindingDraft(kind=FindingKind.LOSS_SPIKE, code=cause.label,
                         key=f"{FindingKind.LOSS_SPIKE}:{spike.start}",
                         severity="critical" if stuck else "warning", message=message,
@@ -117,7 +117,7 @@ def _spike_draft(spike: Spike, cause: Cause, run: RunContext, last: int,
                         active=spike.recovered_at is None)
 
 
-def _spike_after(labelled: list[tuple[Spike, Cause]], label: str, layer: int,
+def _spike_after(labelled: list[tuple[Spike, SpikeCause]], label: str, layer: int,
                  step: int) -> int | None:
     """The first spike at or after `step` labelled `label` in `layer`."""
     return next((spike.start for spike, cause in labelled if cause.label == label
@@ -125,7 +125,7 @@ def _spike_after(labelled: list[tuple[Spike, Cause]], label: str, layer: int,
 
 
 def _precursors(signals: SpikeWindow, run: RunContext, settings: AnalysisSettings,
-                labelled: list[tuple[Spike, Cause]]) -> list[FindingDraft]:
+                labelled: list[tuple[Spike, SpikeCause]]) -> list[FindingDraft]:
     """A layer's largest attention logit, or the output log-partition, at
     `precursor_factor` times its level (the median of the window's earliest third)."""
     drafts = []
@@ -147,7 +147,7 @@ def _precursors(signals: SpikeWindow, run: RunContext, settings: AnalysisSetting
 
 def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.ndarray,
                      over: np.ndarray, level: float, run: RunContext,
-                     labelled: list[tuple[Spike, Cause]]) -> FindingDraft:
+                     labelled: list[tuple[Spike, SpikeCause]]) -> FindingDraft:
     flagged = steps[over]
     layer_name = run.layer_name(layer)
     first = int(flagged[0])
@@ -163,7 +163,7 @@ def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.
                                 "peak": float(v.max()), "first_step": first,
                                 "steps": [int(s) for s in flagged[-20:]], "fix": FIXES[code]}
     if spike is not None:
-        evidence.update(cause=SPIKE_CAUSE, spike_step=spike)
+        evidence.update(cause=Cause.LOSS_SPIKE, spike_step=spike)
     return FindingDraft(kind=FindingKind.SPIKE_PRECURSOR, code=code,
                         key=f"spike_precursor:{code}:{layer_name}", severity="warning",
                         message=message, step=first, last_step=int(flagged[-1]),
@@ -172,7 +172,7 @@ def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.
 
 
 def _optimizer_states(signals: SpikeWindow, run: RunContext, settings: AnalysisSettings,
-                      labelled: list[tuple[Spike, Cause]]) -> list[FindingDraft]:
+                      labelled: list[tuple[Spike, SpikeCause]]) -> list[FindingDraft]:
     """Layers whose eps-dominated or zero second-moment share stayed at or over its
     threshold on `optimizer_state_samples` consecutive samples."""
     drafts = []
@@ -207,7 +207,7 @@ def _streak(over: np.ndarray, length: int) -> np.ndarray:
 
 def _state_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.ndarray,
                  streak: np.ndarray, threshold: float, run: RunContext,
-                 labelled: list[tuple[Spike, Cause]]) -> FindingDraft:
+                 labelled: list[tuple[Spike, SpikeCause]]) -> FindingDraft:
     flagged = steps[streak]
     layer_name = run.layer_name(layer)
     share = float(v[streak][-1])
@@ -224,7 +224,7 @@ def _state_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.ndar
                                 "steps": [int(s) for s in flagged[-20:]], "fix": FIXES[code]}
     spike = _spike_after(labelled, code, layer, int(flagged[0]))
     if spike is not None:
-        evidence.update(cause=SPIKE_CAUSE, spike_step=spike)
+        evidence.update(cause=Cause.LOSS_SPIKE, spike_step=spike)
     return FindingDraft(kind=FindingKind.OPTIMIZER_STATE, code=code,
                         key=f"optimizer_state:{code}:{layer_name}", severity="warning",
                         message=message, step=int(flagged[0]), last_step=int(flagged[-1]),

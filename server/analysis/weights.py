@@ -25,13 +25,13 @@ from typing import Any
 
 import numpy as np
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.window import Window
 from ampwatch.server.store.spike_samples import SpikeWindow
 
-CAUSE = "weight_jump"
 FIX = ("find what changed this layer's weights at that step (a loop or a load that "
        "rescales them, or one update: clip it or lower the learning rate); precision is "
        "not the cause, and the layers after it overflow only because of it")
@@ -65,7 +65,7 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
                 severity=severity,
                 message=f"Layer {name!r}: {message}. Fix: {fix}.", step=first,
                 last_step=int(steps[-1]), layer=name,
-                evidence={**evidence, "cause": CAUSE, "fix": fix},
+                evidence={**evidence, "cause": Cause.WEIGHT_JUMP, "fix": fix},
                 occurrences=steps[steps >= first], active=active))
     return Detection(drafts=drafts, covers=("weight_jump:",))
 

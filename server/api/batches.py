@@ -8,10 +8,9 @@ from fastapi import APIRouter, Depends, Path, Request
 
 from ampwatch.server.api.bodies import json_body_schema, parsed_off_the_loop
 from ampwatch.server.api.error_responses import CONFLICT, NOT_FOUND, WRITE
-from ampwatch.server.api.runs import RunIdPath
-from ampwatch.server.deps import SessionDep, SettingsDep
-from ampwatch.server.ingest import ingest_batch, note_reached_step
-from ampwatch.server.schemas import BatchAck, BatchIn, ReachedIn
+from ampwatch.server.deps import RunIdPath, SessionDep, SettingsDep
+from ampwatch.server.schemas.batches import BatchAck, BatchIn, ReachedIn
+from ampwatch.server.services.ingest import ingest_batch, note_reached_step
 
 router = APIRouter(prefix="/runs", tags=["ingest"])
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ampwatch.server.schemas import ErrorPublic
+from ampwatch.server.schemas.common import ErrorPublic
 
 DESCRIPTIONS = {
     400: "the body is not valid gzip",

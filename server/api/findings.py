@@ -4,26 +4,25 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Path, Query
+from fastapi import APIRouter, Query
 
 from ampwatch.server.analysis.kinds import kind_help
-from ampwatch.server.analysis.queries import list_findings, list_incidents
-from ampwatch.server.analysis.schemas import (
+from ampwatch.server.api.error_responses import NOT_FOUND, READ
+from ampwatch.server.api.waits import AnalysisWait
+from ampwatch.server.deps import RunIdPath, SessionDep
+from ampwatch.server.fields import NO_NUL
+from ampwatch.server.findings.queries import list_findings, list_incidents
+from ampwatch.server.findings.schemas import (
     FindingKind,
     FindingsPublic,
     FindingStatus,
     IncidentsPublic,
 )
-from ampwatch.server.api.error_responses import NOT_FOUND, READ
-from ampwatch.server.api.waits import AnalysisWait
-from ampwatch.server.deps import SessionDep
-from ampwatch.server.fields import NO_NUL
-from ampwatch.server.runs import get_run
-from ampwatch.server.schemas import MAX_PAGE_LIMIT, PAGE_LIMIT, Severity
+from ampwatch.server.schemas.common import MAX_PAGE_LIMIT, PAGE_LIMIT, Severity
+from ampwatch.server.services.runs import get_run
 from ampwatch.wire import RUN_ID_PATTERN
 
 router = APIRouter(tags=["findings"])
-RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
 Code = Annotated[str | None, Query(max_length=64, pattern=NO_NUL, description="pitfall code, e.g. "
                                    "clip_before_unscale")]
 Kind = Annotated[FindingKind | None, Query(description="only findings of this kind:\n"

@@ -15,7 +15,7 @@ from ampwatch.server.faults import (
 )
 from ampwatch.server.http.guards import token_scheme
 from ampwatch.server.responses import WireJSONResponse
-from ampwatch.server.schemas import HealthPublic
+from ampwatch.server.schemas.common import HealthPublic
 
 router = APIRouter(tags=["health"])
 DISK_FULL = "the database's disk is full (send the token for details)"

@@ -6,11 +6,10 @@ from fastapi import APIRouter, Request
 from pydantic import BaseModel
 
 from ampwatch.server.api.error_responses import CONFLICT, NOT_FOUND, WRITE, errors
-from ampwatch.server.api.runs import RunIdPath
-from ampwatch.server.deps import SessionDep, SettingsDep
-from ampwatch.server.retention import archive_run, compact
-from ampwatch.server.runs import public_run
-from ampwatch.server.schemas import RunPublic
+from ampwatch.server.deps import RunIdPath, SessionDep, SettingsDep
+from ampwatch.server.schemas.runs import RunPublic
+from ampwatch.server.services.retention import archive_run, compact
+from ampwatch.server.services.runs import public_run
 
 router = APIRouter(tags=["retention"])
 

@@ -4,27 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, Depends, Path, Query, Response
+from fastapi import APIRouter, Depends, Query, Response
 
 from ampwatch.server.api.bodies import json_body_schema, parsed_off_the_loop
 from ampwatch.server.api.error_responses import NOT_FOUND, READ, WRITE
 from ampwatch.server.api.waits import AnalysisWait
-from ampwatch.server.bundles import remove_bundle_files
-from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.deps import RunIdPath, SessionDep, SettingsDep
 from ampwatch.server.fields import NO_NUL
-from ampwatch.server.runs import delete_run, get_run, list_runs, public_run, upsert_run
-from ampwatch.server.schemas import (
-    MAX_PAGE_LIMIT,
-    PAGE_LIMIT,
-    Health,
-    RunPublic,
-    RunsPublic,
-    RunUpsert,
-)
-from ampwatch.wire import RUN_ID_PATTERN
+from ampwatch.server.schemas.common import MAX_PAGE_LIMIT, PAGE_LIMIT, Health
+from ampwatch.server.schemas.runs import RunPublic, RunsPublic, RunUpsert
+from ampwatch.server.services.bundles import remove_bundle_files
+from ampwatch.server.services.runs import delete_run, get_run, list_runs, public_run, upsert_run
 
 router = APIRouter(prefix="/runs", tags=["runs"])
-RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
 
 
 @router.put("/{run_id}", operation_id="register_run", response_model=RunPublic, responses=WRITE,

@@ -1,6 +1,6 @@
 """/api/v1/runs/{run_id}/steps and /layers: a run's data over a step range.
 
-These routes answer with JSON built by server/queries.py (columns encoded once, no
+These routes answer with JSON built by server/services/series.py (columns encoded once, no
 pydantic pass over thousands of points), so FastAPI does not check it against their
 `response_model`: tests/server/test_declared_models.py does. The large answers (steps,
 the layer table, the heatmap matrix) hold the read budget while built."""
@@ -12,12 +12,20 @@ from typing import Annotated, Literal
 from fastapi import APIRouter, Path, Query, Request
 
 from ampwatch.server.api.error_responses import NOT_FOUND, READ
-from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.budget import BYTES_PER_STEP_ROW, layers_estimate
-from ampwatch.server.deps import SessionDep
+from ampwatch.server.deps import RunIdPath, SessionDep
 from ampwatch.server.errors import InvalidInput
-from ampwatch.server.queries import layer_series_query, layers_query, matrix_query, steps_query
-from ampwatch.server.ranks import (
+from ampwatch.server.responses import WireJSONResponse
+from ampwatch.server.schemas.common import MAX_STEP
+from ampwatch.server.schemas.series import (
+    CombinedGradNormsPublic,
+    LayerSeriesPublic,
+    LayersPublic,
+    MatrixPublic,
+    RanksPublic,
+    StepsPublic,
+)
+from ampwatch.server.services.ranks import (
     MAX_COMBINED_STEPS,
     MAX_RANKS_PAGE,
     RANKS_PAGE,
@@ -28,16 +36,12 @@ from ampwatch.server.ranks import (
     rank_page,
     ranks_panel,
 )
-from ampwatch.server.responses import WireJSONResponse
-from ampwatch.server.runs import get_run
-from ampwatch.server.schemas import (
-    MAX_STEP,
-    CombinedGradNormsPublic,
-    LayerSeriesPublic,
-    LayersPublic,
-    MatrixPublic,
-    RanksPublic,
-    StepsPublic,
+from ampwatch.server.services.runs import get_run
+from ampwatch.server.services.series import (
+    layer_series_query,
+    layers_query,
+    matrix_query,
+    steps_query,
 )
 
 router = APIRouter(prefix="/runs", tags=["series"])

@@ -8,13 +8,12 @@ from fastapi import APIRouter, Query
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.kinds import FindingKind
-from ampwatch.server.analysis.queries import list_findings
-from ampwatch.server.analysis.schemas import FindingPublic, SpikePublic, SpikesPublic
 from ampwatch.server.api.error_responses import NOT_FOUND, READ
-from ampwatch.server.api.runs import RunIdPath
 from ampwatch.server.api.waits import AnalysisWait
-from ampwatch.server.deps import SessionDep
-from ampwatch.server.runs import get_run
+from ampwatch.server.deps import RunIdPath, SessionDep
+from ampwatch.server.findings.queries import list_findings
+from ampwatch.server.findings.schemas import FindingPublic, SpikePublic, SpikesPublic
+from ampwatch.server.services.runs import get_run
 
 router = APIRouter(prefix="/runs", tags=["findings"])
 MAX_SPIKES = 1000

@@ -10,7 +10,7 @@ from typing import Annotated
 import anyio
 from fastapi import Depends, Query, Request
 
-from ampwatch.server.analysis_worker import settle
+from ampwatch.server.worker.analysis_worker import settle
 
 # A waiting request holds one of the server's request slots (and a worker thread): bounded
 MAX_WAIT_S = 60.0

@@ -14,9 +14,9 @@ from sqlalchemy.orm import sessionmaker
 from starlette.concurrency import run_in_threadpool
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ampwatch.server.analysis_queue import pending_batches
 from ampwatch.server.faults import DATABASE_ERRORS
 from ampwatch.server.http.middleware import error_response
+from ampwatch.server.worker.queue import pending_batches
 
 BATCH_POST = re.compile(r"/api/v1/runs/[^/]+/batches")
 

@@ -7,9 +7,10 @@ from __future__ import annotations
 import re
 from urllib.parse import quote, urlencode
 
-from ampwatch.server.analysis.bisect_verdicts import incident_bundles
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.incidents import SYMPTOMS
+from ampwatch.server.findings.bisect_verdicts import incident_bundles
+from ampwatch.server.findings.incidents import SYMPTOMS
 
 LINK_WINDOW = 200  # steps a link to a step opens around it
 
@@ -70,7 +71,7 @@ def incident_panel(twin: dict) -> dict:
                 "title": card_title(incident, members, run),
                 "lead_step": lead_step(incident, members),
                 "href": (f"{path}/layers#misaligned"
-                         if incident["cause"] == "misaligned" else None),
+                         if incident["cause"] == Cause.MISALIGNED else None),
                 "bundle": bundles.get(incident["id"])}
         if incident["step"] is not None:
             card["step_href"] = step_href(path, incident["step"], incident["last_step"],

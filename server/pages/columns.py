@@ -1,4 +1,4 @@
-"""Wire-form query answers (server/queries.py) back into numpy columns for the figures.
+"""Wire-form query answers (server/services/series.py) back into numpy columns for the figures.
 
 The JSON twins carry non-finite floats as "NaN"/"Infinity" strings and missing values
 as null; a chart needs both told apart: a missing point is left out, a non-finite one
@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from ampwatch.server.queries import with_events
 from ampwatch.server.responses import FloatRows
+from ampwatch.server.services.series import with_events
 from ampwatch.wire import decode_float
 from ampwatch.wire import steps as step_fields
 
@@ -64,7 +64,7 @@ class StepColumns:
         """From the rows of one rank of `with_events(steps_query(...))`."""
         steps = np.array([item["step"] for item in items], dtype=np.int64)
         columns = cls(label=label, steps=steps)
-        for name in (*cls.FIELDS, "elapsed_ms"):  # elapsed_ms: queries.with_elapsed
+        for name in (*cls.FIELDS, "elapsed_ms"):  # elapsed_ms: series.with_elapsed
             columns.values[name], columns.present[name] = decode_values(
                 [item.get(name) for item in items])
         columns.values["skipped"] = np.array([bool(item.get("skipped")) for item in items],

@@ -15,6 +15,7 @@ import numpy as np
 
 from ampwatch.server.pages.columns import StepColumns
 from ampwatch.server.pages.plot import Figure
+from ampwatch.wire.steps import STEP_FIELDS
 
 # One meaning per colour, everywhere (server/pages/static/app.css uses the same values).
 CRITICAL = "#d93025"
@@ -25,10 +26,13 @@ GRID = "#eceff1"
 DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 LINE_COLOURS = ("#1a73e8", "#12a4af", "#9334e6", "#e8710a", "#3c4043", "#0b8043",
                 "#b0630b", "#6b5bd2")
-PHASE_COLOURS = {"t_forward_ms": "#1a73e8", "t_backward_ms": "#12a4af",
-                 "t_optimizer_ms": "#9334e6"}
-PHASE_NAMES = {"t_forward_ms": "forward", "t_backward_ms": "backward",
-               "t_optimizer_ms": "optimizer"}
+STEP_TOTAL = "t_step_ms"  # on the phases chart too: the whole step, not a stacked phase
+# the stacked phases, by field: whatever wire/steps.py charts as "phases" (one declaration),
+# named without its t_ and _ms ("forward"), coloured in storage order
+PHASE_NAMES = {f.name: f.name.removeprefix("t_").removesuffix("_ms") for f in STEP_FIELDS
+               if f.chart == "phases" and f.name != STEP_TOTAL}
+PHASE_COLOURS = {name: LINE_COLOURS[i % len(LINE_COLOURS)]
+                 for i, name in enumerate(PHASE_NAMES)}
 FONT = "system-ui, -apple-system, 'Segoe UI', Roboto, sans-serif"
 CHART_HEIGHT = 260
 
@@ -269,12 +273,12 @@ def lr_figure(lines: list[StepColumns]) -> Figure:
 
 def step_time(line: StepColumns) -> np.ndarray:
     """Step time in ms: `t_step_ms`, else the sum of the phases that were measured."""
-    total = line.values["t_step_ms"].copy()
+    total = line.values[STEP_TOTAL].copy()
     measured = [line.present[p] & line.finite(p) for p in PHASE_NAMES]
     phases = sum((np.where(m, line.values[p], 0.0) for m, p in zip(measured, PHASE_NAMES,
                                                                     strict=True)),
                  start=np.zeros(len(line)))
-    use = ~line.present["t_step_ms"] & np.logical_or.reduce(measured)
+    use = ~line.present[STEP_TOTAL] & np.logical_or.reduce(measured)
     total[use] = phases[use]
     return total
 
@@ -283,7 +287,7 @@ def phase_times_figure(lines: list[StepColumns]) -> Figure:
     """One run's forward, backward and optimizer times stacked; with several lines
     (ranks), each line's total step time."""
     fig = base_figure()
-    if not any(line.present[p].any() for line in lines for p in (*PHASE_NAMES, "t_step_ms")):
+    if not any(line.present[p].any() for line in lines for p in (*PHASE_NAMES, STEP_TOTAL)):
         return note(fig, "no step timings recorded")
     if len(lines) == 1 and any(lines[0].present[p].any() for p in PHASE_NAMES):
         line = lines[0]

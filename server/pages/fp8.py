@@ -8,11 +8,11 @@ import numpy as np
 from plotly.colors import get_colorscale
 from sqlalchemy.orm import Session
 
-from ampwatch.server.api.fp8 import fp8_twin
 from ampwatch.server.pages import views
 from ampwatch.server.pages.figures import base_figure, label, note
 from ampwatch.server.pages.heatmaps import heatmap_height
 from ampwatch.server.pages.plot import Figure
+from ampwatch.server.services.fp8 import fp8_twin
 from ampwatch.server.settings import Settings
 
 BUCKETS = 1000

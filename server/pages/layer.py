@@ -16,8 +16,8 @@ from ampwatch.server.pages.columns import LayerMatrix, decode_values
 from ampwatch.server.pages.heatmaps import layer_title
 from ampwatch.server.pages.plot import Figure
 from ampwatch.server.pages.views import MAX_POINTS, StepRange, findings_of, page_run
-from ampwatch.server.queries import layer_series_query, layers_query, matrix_query
-from ampwatch.server.runs import get_run
+from ampwatch.server.services.runs import get_run
+from ampwatch.server.services.series import layer_series_query, layers_query, matrix_query
 from ampwatch.server.settings import Settings
 from ampwatch.server.store.fp8_samples import fp8_report
 from ampwatch.server.store.storage import load_layers

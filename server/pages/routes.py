@@ -18,12 +18,10 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from plotly.io.json import to_json_plotly
 from pydantic import ValidationError
 
-from ampwatch.server.api.notes import NoteCreate, NoteId, add_note, delete_run_note
-from ampwatch.server.api.runs import RunIdPath
-from ampwatch.server.deps import SessionDep, SettingsDep
+from ampwatch.server.deps import NoteId, RunIdPath, SessionDep, SettingsDep
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.fields import NO_NUL
-from ampwatch.server.pages import auth, cards, config, fp8, layer, views
+from ampwatch.server.pages import auth, cards, compare, config, fp8, layer, views
 from ampwatch.server.pages.figures import (
     CHART_HEIGHT,
     DASHES,
@@ -35,8 +33,10 @@ from ampwatch.server.pages.figures import (
 from ampwatch.server.pages.rendering import render_fragment, render_page
 from ampwatch.server.pages.time_axis import XAxis
 from ampwatch.server.responses import WireJSONResponse
-from ampwatch.server.runs import RUN_SORTS
-from ampwatch.server.schemas import MAX_STEP, Health
+from ampwatch.server.schemas.common import MAX_STEP, Health
+from ampwatch.server.schemas.notes import NoteCreate
+from ampwatch.server.services.notes import add_note, delete_note
+from ampwatch.server.services.runs import RUN_SORTS
 
 STATIC = FilePath(__file__).parent / "static"
 PLOTLY_JS = FilePath(plotly.__file__).parent / "package_data" / "plotly.min.js"
@@ -300,7 +300,7 @@ def delete_note_form(request: Request, run_id: RunIdPath, note_id: NoteId,
                      session: SessionDep) -> Response:
     """A note's "remove" button (an incident's "handled" undone)."""
     try:
-        delete_run_note(run_id, note_id, session)
+        delete_note(session, run_id, note_id)
     except NotFound as exc:
         return _not_found(request, exc)
     return RedirectResponse(f"/runs/{quote(run_id)}#findings", status_code=303)
@@ -392,7 +392,7 @@ def compare_page(
     request: Request,
     session: SessionDep,
     settings: SettingsDep,
-    run: Annotated[list[str], Query(max_length=views.MAX_COMPARED,
+    run: Annotated[list[str], Query(max_length=compare.MAX_COMPARED,
                                     description="run ids, one per parameter")] = [],  # noqa: B006
     runs: Annotated[str | None, Query(max_length=4096, include_in_schema=False,
                                       description="old form: ids, comma-separated")] = None,
@@ -409,11 +409,11 @@ def compare_page(
                   if k not in ("run", "runs")]
         return RedirectResponse(f"/compare?{urlencode(query)}", status_code=308)
     run_ids = list(dict.fromkeys(r.strip() for r in run if r.strip()))
-    twin = views.compare_twin(session, settings, run_ids, x_axis)
+    twin = compare.compare_twin(session, settings, run_ids, x_axis)
     if output == "json":
         return WireJSONResponse(twin)
-    lines = views.compare_lines(twin)
-    figures = views.compare_figures(twin, lines, x_axis) if twin["runs"] else {}
+    lines = compare.compare_lines(twin)
+    figures = compare.compare_figures(twin, lines, x_axis) if twin["runs"] else {}
     poll = _soonest([poll_ms(r) for r in twin["runs"]])
     if output == "update":
         return _update(poll, figures, {})
@@ -421,7 +421,7 @@ def compare_page(
                              offset=0)["items"]
     n = len(twin["runs"])
     return render_page(request, "compare.html", twin=twin, run_ids=run_ids, recent=recent,
-                       notes=views.coinciding(lines), loss_log=views.wide_losses(lines),
+                       notes=compare.coinciding(lines), loss_log=compare.wide_losses(lines),
                        config_diff=config.config_diff(twin["runs"]),
                        dashes=[DASHES[i % len(DASHES)] for i in range(n)],
                        colours=[colour(i) for i in range(n)], x_axis=x_axis,

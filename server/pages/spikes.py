@@ -4,8 +4,8 @@ figures.py and heatmaps.py so the two pages only gain a call each."""
 
 from __future__ import annotations
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.kinds import FindingKind
-from ampwatch.server.analysis.spikes import SPIKE_CAUSE
 from ampwatch.server.pages import figures, heatmaps
 from ampwatch.server.pages.columns import LayerMatrix
 from ampwatch.server.pages.plot import Figure
@@ -29,7 +29,7 @@ def mark_spikes(fig: Figure, findings: dict, incidents: list[dict]) -> Figure:
     it names, in the label's hover); a spike
     that joined another cause's incident (a layer overflowing) is that cause's symptom,
     told on its card, and is not labelled with a cause of its own here."""
-    own = {i["id"] for i in incidents if i.get("cause") == SPIKE_CAUSE}
+    own = {i["id"] for i in incidents if i.get("cause") == Cause.LOSS_SPIKE}
     for spike in spike_findings(findings):
         if spike.get("incident") is not None and spike["incident"] not in own:
             continue

@@ -2,7 +2,7 @@
 
 No step carries a timestamp; each carries `t_step_ms`, the time from the end of the
 previous optimizer step to the end of its own, so a line's clock is the running sum of
-it (`queries.with_elapsed`): zero at the end of its first stored step, pauses between
+it (`series.with_elapsed`): zero at the end of its first stored step, pauses between
 steps (evals, checkpoints) included. Wall time puts that zero at the run's registration
 (`created_at`). Figures are built on steps and moved onto time afterwards (`retime`), so
 every builder stays a function of steps.

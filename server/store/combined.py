@@ -1,6 +1,6 @@
 """Combined grad norms of sharded runs, kept by the analysis worker: per step, the sum of
 the ranks' squared total grad norms, in buckets of BUCKET_STEPS step numbers, so that a
-read of a run's combined norms (server/ranks.py) reads a few bucket rows instead of every
+read of a run's combined norms (server/services/ranks.py) reads a few bucket rows instead of every
 rank's batches.
 
 A sum of squares cannot take a value out again exactly (inf - inf is NaN), so a rank is
@@ -23,7 +23,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import CombinedNorms, CombinedRank, RunRank
-from ampwatch.server.restarts import restart_from
+from ampwatch.server.store.restarts import restart_from
 from ampwatch.server.store.series import StepSeries
 
 BUCKET_STEPS = 1000

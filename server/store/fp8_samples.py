@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.db import StepPages, dialect_insert
 from ampwatch.server.fields import missing_entries
 from ampwatch.server.models import Fp8Sample, Layer
-from ampwatch.server.schemas import Fp8In, StepIn
+from ampwatch.server.schemas.batches import Fp8In, StepIn
 from ampwatch.server.store.codec import decode_column, encode_array
 from ampwatch.wire import FP8_ROLES, FP8_STATS
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from ampwatch.server.fields import DTYPES
 from ampwatch.wire import GUARD_REASONS
 from ampwatch.wire import steps as step_fields
 
@@ -26,18 +27,7 @@ FIELD_INDEX = {name: i for i, name in enumerate(SCALAR_FIELDS)}
 BOOL_FIELDS = frozenset(step_fields.names("bool"))
 INT_FIELDS = frozenset(step_fields.names("count", "step", "layer"))
 
-# dtype names <-> small integer codes (0 = none / missing).
-DTYPES: tuple[str, ...] = (
-    "",
-    "float16",
-    "bfloat16",
-    "float32",
-    "float64",
-    "float8_e4m3fn",
-    "float8_e5m2",
-    "int8",
-    "mixed",
-)
+# dtype names <-> small integer codes (0 = none / missing): `fields.DTYPES` by index
 DTYPE_CODE = {name: i for i, name in enumerate(DTYPES)}
 RAW_FORMAT = 1  # a batch row's packed columns as they are (`Batch.format`)
 COMPRESSED_FORMAT = 2  # the same, each compressed (server/store/codec.py): what is stored

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.db import StepPages, dialect_insert
 from ampwatch.server.fields import missing_entries
 from ampwatch.server.models import SpikeSample
-from ampwatch.server.schemas import SpikesIn, StepIn
+from ampwatch.server.schemas.batches import SpikesIn, StepIn
 from ampwatch.server.store.codec import decode_column, encode_array
 from ampwatch.wire import encode_float
 
@@ -129,7 +129,7 @@ def load_spike_window(session: Session, run_id: str, rank: int, n_layers: int, *
 def spike_matrix(session: Session, run_id: str, rank: int, signal: str, layers: list[int],
                  *, start: int | None, end: int | None, buckets: int) -> dict:
     """Layers x step buckets of one signal (the largest value per bucket; None where a
-    bucket has none), shaped like `queries.matrix_query`'s answer without the run fields.
+    bucket has none), shaped like `services.series.matrix_query`'s answer without the run fields.
     Reads READ_ROWS samples at a time; memory is layers x buckets."""
     bounds = [SpikeSample.run_id == run_id, SpikeSample.rank == rank]
     if start is not None:

@@ -21,7 +21,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.errors import InvalidInput
 from ampwatch.server.fields import MISSING_ENTRY, missing_entries
 from ampwatch.server.models import Batch, Layer
-from ampwatch.server.schemas import StepIn
+from ampwatch.server.schemas.batches import StepIn
 from ampwatch.server.store.codec import ITEMSIZE, decode_column
 from ampwatch.server.store.series import (
     COMPRESSED_FORMAT,

@@ -23,9 +23,9 @@ import numpy as np
 from sqlalchemy import bindparam, func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.downsample import always_kept
 from ampwatch.server.models import StepSummary
 from ampwatch.server.store.codec import decode_column, encode_array
+from ampwatch.server.store.downsample import always_kept
 from ampwatch.server.store.series import MISSING, SCALAR_FIELDS, StepSeries
 from ampwatch.server.store.storage import clip_steps
 

@@ -21,9 +21,9 @@ from ampwatch.client import (
     Step,
     Unauthorized,
 )
-from ampwatch.server.analysis_worker import AnalysisWorker
 from ampwatch.server.app import close_app, create_app
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker.analysis_worker import AnalysisWorker
 from tests.client.conftest import N_LAYERS, seed_diverging, seed_healthy
 from tests.conftest import free_port, judged_client
 from tests.utils import make_steps, post_batch, register_run

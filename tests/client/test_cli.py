@@ -162,8 +162,8 @@ def workerless_server(tmp_path: Path) -> Iterator[LiveServer]:
 
 
 def test_check_waits_for_the_runs_analysis(ampwatch, workerless_server) -> None:
-    from ampwatch.server.analysis_worker import run_worker
     from ampwatch.server.settings import Settings
+    from ampwatch.server.worker.analysis_worker import run_worker
 
     url = workerless_server.url
     with httpx.Client(base_url=url) as api:

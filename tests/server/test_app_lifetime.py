@@ -12,9 +12,10 @@ import threading
 import weakref
 
 from ampwatch.server.app import close_app
-from ampwatch.server.ingest import ingest_batch
-from ampwatch.server.runs import upsert_run
-from ampwatch.server.schemas import BatchIn, RunUpsert
+from ampwatch.server.schemas.batches import BatchIn
+from ampwatch.server.schemas.runs import RunUpsert
+from ampwatch.server.services.ingest import ingest_batch
+from ampwatch.server.services.runs import upsert_run
 from tests.utils import make_layers, make_steps
 
 _made: list[weakref.ref] = []

@@ -14,12 +14,12 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import event
 
-from ampwatch.server.analysis_queue import pending_batches
-from ampwatch.server.analysis_worker import AnalysisWorker
 from ampwatch.server.app import close_app, create_app
 from ampwatch.server.http.backpressure import BacklogMiddleware
 from ampwatch.server.models import AnalysisTask
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker.analysis_worker import AnalysisWorker
+from ampwatch.server.worker.queue import pending_batches
 from tests.conftest import LiveServer
 from tests.utils import make_layers, make_steps, post_batch, register_run
 

@@ -14,7 +14,7 @@ import torch
 
 from ampwatch import agent
 from ampwatch.client import Client
-from ampwatch.server.api.bundles import BundlePublic
+from ampwatch.server.schemas.bundles import BundlePublic
 from tests.replay.faults import FAULTS, train
 from tests.utils import register_run
 

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import zstandard
 
-from ampwatch.server.schemas import StepIn
+from ampwatch.server.schemas.batches import StepIn
 from ampwatch.server.store.codec import (
     ITEMSIZE,
     decode_column,

@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from ampwatch.server import ranks as ranks_module
+from ampwatch.server.services import ranks as ranks_module
 from tests.utils import make_steps, post_batch, register_run
 
 N_RANKS, N_LAYERS, PER_BATCH, BATCHES = 5, 3, 10, 4

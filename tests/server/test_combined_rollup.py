@@ -11,11 +11,11 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import delete
 
-from ampwatch.server import ranks as ranks_module
-from ampwatch.server.analysis_worker import AnalysisWorker
 from ampwatch.server.app import close_app, create_app
 from ampwatch.server.models import CombinedRank
+from ampwatch.server.services import ranks as ranks_module
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker.analysis_worker import AnalysisWorker
 from tests.conftest import judged_client
 from tests.utils import make_steps, register_run
 

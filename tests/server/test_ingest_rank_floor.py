@@ -1,6 +1,6 @@
 """Ingest's share of the rank comparison costs the same at any rank count: a batch reads
 the two lowest last steps from an index and counts the run's ranks only when its rank was
-below all the others, about once per round of batches (server/ingest.py:
+below all the others, about once per round of batches (server/services/ingest.py:
 _all_ranks_through). Truth is the test's own schedule: ranks send
 round by round, so the step every rank has sent through advances exactly once per round,
 on the round's last batch, to that round's last step."""

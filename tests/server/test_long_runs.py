@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from sqlalchemy import delete, func, select
 
-from ampwatch.server import queries
 from ampwatch.server.models import Batch, Run, StepSummary
+from ampwatch.server.services import series as queries
 from ampwatch.server.store.summaries import SUMMARY_STEPS, summarised_steps
 from tests.utils import make_layers, make_steps, post_batch, register_run
 

@@ -11,9 +11,10 @@ import pytest
 from sqlalchemy import event, text
 
 from ampwatch.server.app import close_app, create_app
-from ampwatch.server.ingest import ingest_batch
-from ampwatch.server.runs import upsert_run
-from ampwatch.server.schemas import BatchIn, RunUpsert
+from ampwatch.server.schemas.batches import BatchIn
+from ampwatch.server.schemas.runs import RunUpsert
+from ampwatch.server.services.ingest import ingest_batch
+from ampwatch.server.services.runs import upsert_run
 from ampwatch.server.settings import Settings
 from tests.conftest import fresh_database_url
 from tests.utils import make_layers, make_steps

@@ -25,7 +25,7 @@ from sqlalchemy import event, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import RankRollup
-from ampwatch.server.ranks import MAX_OVERLAID_RANKS, PANEL_ROWS
+from ampwatch.server.services.ranks import MAX_OVERLAID_RANKS, PANEL_ROWS
 from ampwatch.server.store.rollups import PANEL_STEPS
 from tests.utils import WAIT, make_steps, post_batch, register_run
 

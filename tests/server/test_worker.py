@@ -1,4 +1,4 @@
-"""The analysis queue and its worker (server/analysis_worker.py): ingest answers before the
+"""The analysis queue and its worker (server/worker/analysis_worker.py): ingest answers before the
 detectors run and hands them a durable task; a worker judges it exactly as the request
 once did, one run at a time, from rank windows it keeps in memory."""
 
@@ -12,12 +12,12 @@ from fastapi.testclient import TestClient
 from sqlalchemy import select
 
 from ampwatch.server.analysis.window_cache import RankWindows
-from ampwatch.server.analysis_queue import claim, pending_batches
-from ampwatch.server.analysis_worker import AnalysisWorker
 from ampwatch.server.app import close_app, create_app
 from ampwatch.server.models import Finding
 from ampwatch.server.settings import Settings
 from ampwatch.server.store.storage import load_batches
+from ampwatch.server.worker.analysis_worker import AnalysisWorker
+from ampwatch.server.worker.queue import claim, pending_batches
 from ampwatch.wire import FINISHED_EVENT, encode_tree
 from tests.server.analysis.factories import scaler_steps
 from tests.utils import post_batch, register_run

@@ -16,9 +16,9 @@ import pytest
 from sqlalchemy import create_engine, func, select
 from sqlalchemy.orm import sessionmaker
 
-from ampwatch.server.analysis_queue import LOCK_SEED, pending_batches
-from ampwatch.server.analysis_worker import AnalysisWorker
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker.analysis_worker import AnalysisWorker
+from ampwatch.server.worker.queue import LOCK_SEED, pending_batches
 from tests.conftest import LiveServer, agent_errors_fail, empty_postgres, postgres_copy
 from tests.server.test_worker import finding_rows
 

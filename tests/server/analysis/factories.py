@@ -11,7 +11,7 @@ from typing import Any
 from ampwatch.server.analysis import AnalysisSettings, RunContext
 from ampwatch.server.analysis.context import LayerInfo
 from ampwatch.server.analysis.window import Window
-from ampwatch.server.schemas import StepIn
+from ampwatch.server.schemas.batches import StepIn
 from ampwatch.server.store.fp8_samples import Fp8Window
 from ampwatch.server.store.series import StepSeries, concat
 from ampwatch.server.store.storage import new_batch_row, unpack_row

@@ -4,8 +4,8 @@ to only."""
 
 from __future__ import annotations
 
-from ampwatch.server.analysis.bisect_verdicts import with_verdicts
-from ampwatch.server.analysis.incidents import group_incidents
+from ampwatch.server.findings.bisect_verdicts import with_verdicts
+from ampwatch.server.findings.incidents import group_incidents
 from tests.server.analysis.test_incidents import finding, overflow_story
 
 RAN = {"trials": 2, "ran_at": "2026-11-29T10:00:00+00:00", "device": "cpu"}

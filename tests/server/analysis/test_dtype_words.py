@@ -13,10 +13,10 @@ import numpy as np
 import pytest
 
 from ampwatch.server.analysis.context import LayerInfo
-from ampwatch.server.analysis.incidents import group_incidents
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.registry import Inputs, run_detectors
 from ampwatch.server.analysis.window import Window
+from ampwatch.server.findings.incidents import group_incidents
 from ampwatch.server.store.fp8_samples import ROLES, STATS, Fp8Window
 from ampwatch.server.store.spike_samples import SIGNALS, SpikeWindow
 from tests.server.analysis.factories import (

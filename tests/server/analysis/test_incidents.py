@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import itertools
 
-from ampwatch.server.analysis.incidents import group_incidents, incident_of, root_cause
+from ampwatch.server.findings.incidents import group_incidents, incident_of, root_cause
 from tests.utils import make_steps, post_batch, register_run
 
 _ids = itertools.count(1)

@@ -7,10 +7,10 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from ampwatch.server.analysis.incidents import group_incidents
 from ampwatch.server.analysis.spike_finder import find_spikes
 from ampwatch.server.analysis.spikes import detect_spikes
 from ampwatch.server.analysis.window import Window
+from ampwatch.server.findings.incidents import group_incidents
 from ampwatch.server.store.spike_samples import SIGNALS, SpikeWindow
 from tests.server.analysis.factories import SETTINGS, context, series, step
 

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ampwatch.server.analysis.incident_folds import _get
-from ampwatch.server.analysis.incidents import Incident
+from ampwatch.server.findings.incident_folds import _get
+from ampwatch.server.findings.incidents import Incident
 from ampwatch.wire.bundles import BisectVerdict
 
 REPLAY = "ampwatch replay --bisect"

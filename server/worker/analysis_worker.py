@@ -1,4 +1,4 @@
-"""The analysis worker: drains the analysis queue (server/analysis_queue.py), judging each
+"""The analysis worker: drains the analysis queue (server/worker/queue.py), judging each
 stored batch with the detectors as the ingest request once did, off the request path.
 
 It runs as `ampwatch worker` processes (server/cli.py) beside any number of servers, and
@@ -17,26 +17,24 @@ import threading
 import time
 from collections.abc import Callable
 
-import anyio
 from sqlalchemy import event
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ampwatch.server import analysis
 from ampwatch.server.analysis.window_cache import RankWindows
-from ampwatch.server.analysis_queue import (
+from ampwatch.server.db import make_engine, session_info, writing
+from ampwatch.server.faults import DatabaseHealth
+from ampwatch.server.models import AnalysisTask, Run
+from ampwatch.server.services.ranks import SHARDED, grad_layout
+from ampwatch.server.settings import Settings
+from ampwatch.server.store import combined
+from ampwatch.server.worker.queue import (
     ENQUEUED,
     claim,
     done,
     pending_batches,
 )
-from ampwatch.server.db import make_engine, session_info, writing
-from ampwatch.server.faults import DatabaseHealth
-from ampwatch.server.models import AnalysisTask, Run
-from ampwatch.server.ranks import SHARDED, grad_layout
-from ampwatch.server.settings import Settings
-from ampwatch.server.store import combined
 
 __all__ = ["AnalysisWorker", "pending_batches", "settle"]
 
@@ -255,31 +253,6 @@ def embedded_worker(maker: sessionmaker, settings: Settings,
 
     event.listen(maker, "after_commit", woken)
     return worker
-
-
-class AnalysisWaitMiddleware:
-    """GET and HEAD requests (health and metrics excepted) first wait, up to `wait_s`, for
-    the analysis queue to be empty: a read right after ingest then sees the findings of
-    what was stored before it (the `analysis_wait_s` setting). Waits off the event loop;
-    costs one count of the queue when it is empty."""
-
-    exempt = ("/api/v1/health", "/metrics")
-
-    def __init__(self, app: ASGIApp, maker: sessionmaker, worker: AnalysisWorker | None,
-                 wait_s: float) -> None:
-        self.app = app
-        self.maker = maker
-        self.worker = worker
-        self.wait_s = wait_s
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if (scope["type"] == "http" and scope["method"] in ("GET", "HEAD")
-                and not scope["path"].startswith(self.exempt)):
-            await anyio.to_thread.run_sync(self._settle)
-        await self.app(scope, receive, send)
-
-    def _settle(self) -> None:
-        settle(self.maker, self.worker, self.wait_s)
 
 
 def settle(maker: sessionmaker, worker: AnalysisWorker | None, wait_s: float,

@@ -14,11 +14,11 @@ from types import SimpleNamespace
 import numpy as np
 from sqlalchemy.orm import Session
 
-from ampwatch.server.downsample import always_kept, bucket_matrix, keep_extremes
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.models import Run, RunRank
 from ampwatch.server.responses import FloatRows
-from ampwatch.server.runs import run_ranks
+from ampwatch.server.services.runs import run_ranks
+from ampwatch.server.store.downsample import always_kept, bucket_matrix, keep_extremes
 from ampwatch.server.store.rollups import (
     ACT_DTYPE,
     ACT_MAX,

@@ -1,9 +1,10 @@
 """The analysis queue: the durable hand-off from ingest to the detectors.
 
 Ingest adds one `AnalysisTask` in the batch's own transaction (a batch rolled back leaves
-no task); a worker (server/analysis_worker.py) claims the oldest tasks of one run, judges them in
-order and deletes them in the transaction that writes their findings, so a worker killed
-at any point leaves each task either undone (and claimable again) or done, never half.
+no task); a worker (server/worker/analysis_worker.py) claims the oldest tasks of one
+run, judges them in order and deletes them in the transaction that writes their
+findings, so a worker killed at any point leaves each task either undone (and claimable
+again) or done, never half.
 
 Partitioned by run: on Postgres a claim holds the run's transaction-scoped advisory lock
 (`pg_try_advisory_xact_lock`), and the rows `FOR UPDATE SKIP LOCKED`, so workers and

@@ -10,14 +10,14 @@ from sqlalchemy import Row, String, case, cast, delete, func, or_, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import analysis
-from ampwatch.server.analysis.incidents import Incident
-from ampwatch.server.analysis.queries import incidents_by_run
-from ampwatch.server.analysis_queue import pending_count
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import NotFound
+from ampwatch.server.findings.incidents import Incident
+from ampwatch.server.findings.queries import incidents_by_run
 from ampwatch.server.models import Batch, Layer, Run, RunRank, as_utc, utcnow
-from ampwatch.server.schemas import RankPublic, RunPublic, RunsPublic, RunUpsert
+from ampwatch.server.schemas.runs import RankPublic, RunPublic, RunsPublic, RunUpsert
 from ampwatch.server.settings import Settings
+from ampwatch.server.worker.queue import pending_count
 from ampwatch.wire import DELIVERY_EVENT, encode_tree
 
 MAX_OUTAGE_LINES = 10  # the newest; older ones are counted in one more line

@@ -8,14 +8,14 @@ from sqlalchemy import case, func, select
 from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.bisect_verdicts import with_verdicts
-from ampwatch.server.analysis.incidents import (
+from ampwatch.server.findings.bisect_verdicts import with_verdicts
+from ampwatch.server.findings.incidents import (
     Incident,
     group_incidents,
     incident_of,
     needs_layer_order,
 )
-from ampwatch.server.analysis.schemas import (
+from ampwatch.server.findings.schemas import (
     FindingPublic,
     FindingsPublic,
     IncidentPublic,

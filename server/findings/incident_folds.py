@@ -1,4 +1,4 @@
-"""Folds of incidents (server/analysis/incidents.py) whose cause is not an overflow: a
+"""Folds of incidents (server/findings/incidents.py) whose cause is not an overflow: a
 layer's weight jump absorbs what follows it downstream, and the clip-before-unscale pitfall
 the optimizer states it starves; and the small accessors both modules share."""
 
@@ -7,21 +7,19 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from ampwatch.server.analysis.kinds import KINDS
-from ampwatch.server.analysis.spikes import SPIKE_CAUSE
+from ampwatch.server.analysis.causes import Cause
+from ampwatch.server.analysis.kinds import KINDS, FindingKind
 
-OVERFLOW, GRAD_OVERFLOW = "forward_overflow", "grad_overflow"
-WEIGHT_CAUSE = "weight_jump"
 # the causes a layer's moved weights can set off at or after it (not a bad input)
-AFTER_WEIGHTS = (OVERFLOW, "absorbed_overflow", GRAD_OVERFLOW, "divergence", "nonfinite_loss",
-                 SPIKE_CAUSE)
+AFTER_WEIGHTS = (Cause.FORWARD_OVERFLOW, Cause.ABSORBED_OVERFLOW, Cause.GRAD_OVERFLOW,
+                 Cause.DIVERGENCE, Cause.NONFINITE_LOSS, Cause.LOSS_SPIKE)
 
 
 def _get(finding: Any, name: str) -> Any:
     return finding[name] if isinstance(finding, Mapping) else getattr(finding, name)
 
 
-def may_follow(members: list[Any], cause: str) -> bool:
+def may_follow(members: list[Any], cause: Cause) -> bool:
     """Whether every finding of a group is of a kind that declares it may follow from
     `cause` (kinds.py's `follows`)."""
     return all(cause in (spec.follows if (spec := KINDS.get(_get(f, "kind"))) else ())
@@ -51,7 +49,7 @@ def _moved(members: list[Any]) -> tuple[int, set[str] | None] | None:
     step-sized rescale explains everything after it). None without either."""
     for finding in members:
         evidence = _get(finding, "evidence") or {}
-        if _get(finding, "kind") != "weight_jump":
+        if _get(finding, "kind") != FindingKind.WEIGHT_JUMP:
             continue
         if _code(finding) == "weight_jump" and evidence.get("before_step") is not None:
             return evidence["before_step"] + 1, None
@@ -77,7 +75,7 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
     to cross a line), in that layer or one after it in forward order (or with no layer; or
     before it, for a gradient's FP8 cast); for a growth, only in that layer or one whose
     outputs grew with it. The larger weights explain them."""
-    jumps = [key for key in groups if key[0] != "finding" and key[2] == WEIGHT_CAUSE]
+    jumps = [key for key in groups if key[0] != "finding" and key[2] == Cause.WEIGHT_JUMP]
     for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
         if key not in groups:
             continue
@@ -91,7 +89,7 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
             lead = members[0]
             if (_get(lead, "run_id"), _get(lead, "rank")) != key[:2]:
                 continue
-            follows = may_follow(members, WEIGHT_CAUSE) and (
+            follows = may_follow(members, Cause.WEIGHT_JUMP) and (
                 other[0] == "finding" or other[2] in AFTER_WEIGHTS)
             layer = other[3] if other[0] != "finding" else _get(lead, "layer")
             if reach is None:
@@ -115,12 +113,12 @@ def fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
     is exactly what starves Adam's moments; one fix (unscale_ before clipping) for all."""
     pitfalls = [key for key, members in groups.items() if key[0] == "finding"
                 and _get(members[0], "kind") == "pitfall"
-                and _code(members[0]) == "clip_before_unscale"]
+                and _code(members[0]) == Cause.CLIP_BEFORE_UNSCALE]
     for key in pitfalls:
         run_id, began = _get(groups[key][0], "run_id"), _first_step(groups[key]) or 0
         for other in [k for k, members in groups.items() if k != key]:
             members = groups[other]
-            if may_follow(members, "clip_before_unscale") \
+            if may_follow(members, Cause.CLIP_BEFORE_UNSCALE) \
                     and _get(members[0], "run_id") == run_id \
                     and (_first_step(members) or 0) >= began:
                 groups[key] += groups.pop(other)

@@ -21,9 +21,9 @@ from ampwatch.server.models import (
     SpikeSample,
     utcnow,
 )
-from ampwatch.server.restarts import rebuild_summaries
-from ampwatch.server.runs import get_run, run_ranks
+from ampwatch.server.services.runs import get_run, run_ranks
 from ampwatch.server.store.codec import encode_columns
+from ampwatch.server.store.restarts import rebuild_summaries
 from ampwatch.server.store.storage import new_batch_row
 from ampwatch.server.store.summaries import summarised_steps
 

@@ -19,9 +19,13 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.analysis.incident_folds import (
-    WEIGHT_CAUSE,
+from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS, FindingKind
+from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
+from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.analysis.spikes import spike_story
+from ampwatch.server.findings.incident_folds import (
     _first_step,
     _get,
     _last_step,
@@ -29,10 +33,6 @@ from ampwatch.server.analysis.incident_folds import (
     fold_into_weight_jumps,
     may_follow,
 )
-from ampwatch.server.analysis.kinds import FROM_EVIDENCE, KINDS, FindingKind
-from ampwatch.server.analysis.localize import dtype_word, fix_for_cause
-from ampwatch.server.analysis.settings import AnalysisSettings
-from ampwatch.server.analysis.spikes import SPIKE_CAUSE, spike_story
 
 # what a finding says happened, in the order a root cause plays out
 STAGES = {
@@ -49,23 +49,21 @@ STAGES = {
 }
 # causes that are one cause seen at two stages: the layer's inf first absorbed by a later
 # op, then reaching the loss; grouped under the first name
-SAME_CAUSE = {"absorbed_overflow": "forward_overflow"}
-OVERFLOW = "forward_overflow"
-GRAD_OVERFLOW = "grad_overflow"
+SAME_CAUSE = {Cause.ABSORBED_OVERFLOW: Cause.FORWARD_OVERFLOW}
 # findings that are symptoms of an overflowing layer upstream (or of the layer itself)
 SYMPTOMS = (FindingKind.UNDERFLOW_RISK,)
 RISK = FindingKind.OVERFLOW_RISK
 # the steps before a spike that its detector searches for what grew (the setting's default)
 SPIKE_LOOKBACK = AnalysisSettings.model_fields["spike_lookback_steps"].default
 HEADLINES = {
-    "divergence": "Training diverged: the gradients ran away before any value overflowed",
-    "forward_overflow": "Layer {layer!r} overflows {dtype} in the forward pass",
-    "absorbed_overflow": "Layer {layer!r} overflows in the forward pass; a later op "
+    Cause.DIVERGENCE: "Training diverged: the gradients ran away before any value overflowed",
+    Cause.FORWARD_OVERFLOW: "Layer {layer!r} overflows {dtype} in the forward pass",
+    Cause.ABSORBED_OVERFLOW: "Layer {layer!r} overflows in the forward pass; a later op "
                          "silently clipped it",
-    "grad_overflow": "Gradients of layer {layer!r} are inf/NaN",
-    "nonfinite_loss": "The loss is inf/NaN",
-    "nonfinite_input": "The input batch holds inf/NaN",
-    "weight_jump": "Layer {layer!r}'s weights jumped at step {step}",
+    Cause.GRAD_OVERFLOW: "Gradients of layer {layer!r} are inf/NaN",
+    Cause.NONFINITE_LOSS: "The loss is inf/NaN",
+    Cause.NONFINITE_INPUT: "The input batch holds inf/NaN",
+    Cause.WEIGHT_JUMP: "Layer {layer!r}'s weights jumped at step {step}",
     "weight_growth": "Layer {layer!r}'s weights grew from step {step}",
 }
 
@@ -116,12 +114,13 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
     if spec.cause != FROM_EVIDENCE:
         return (spec.cause, layer) if layer else None
     evidence = _get(finding, "evidence") or {}
-    if evidence.get("cause") == SPIKE_CAUSE:  # one incident per spike, named by its step
-        return SPIKE_CAUSE, f"step {evidence.get('spike_step')}"
+    if evidence.get("cause") == Cause.LOSS_SPIKE:  # one incident per spike, named by its step
+        return Cause.LOSS_SPIKE, f"step {evidence.get('spike_step')}"
     if evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
-        if cause in ("forward_overflow", "absorbed_overflow", "grad_overflow") and not culprit:
+        if cause in (Cause.FORWARD_OVERFLOW, Cause.ABSORBED_OVERFLOW, Cause.GRAD_OVERFLOW) \
+                and not culprit:
             return None
         return cause, culprit or "-"
     return None
@@ -131,8 +130,8 @@ def needs_layer_order(findings: Iterable[Any]) -> bool:
     """Whether grouping `findings` can use the layer order (a query): only what may join
     an overflow or a weight jump upstream of it (zero gradients, overflow risks, gradient
     overflows, what follows a weight jump)."""
-    return any(_get(f, "kind") in (*SYMPTOMS, RISK, "weight_jump")
-               or (_get(f, "evidence") or {}).get("cause") == GRAD_OVERFLOW for f in findings)
+    return any(_get(f, "kind") in (*SYMPTOMS, RISK, FindingKind.WEIGHT_JUMP)
+               or (_get(f, "evidence") or {}).get("cause") == Cause.GRAD_OVERFLOW for f in findings)
 
 
 def _stage(finding: Any) -> tuple[int, str]:
@@ -197,7 +196,7 @@ def _overflow_upstream(groups: Mapping[tuple, list[Any]], order: Mapping[str, in
     position = order.get(layer)
     best, best_position = None, None
     for key, members in groups.items():
-        if key[:3] != (run_id, rank, OVERFLOW) or (before and key[3] == layer):
+        if key[:3] != (run_id, rank, Cause.FORWARD_OVERFLOW) or (before and key[3] == layer):
             continue
         if (before or went_nonfinite) and all(_get(f, "kind") == RISK for f in members):
             continue
@@ -214,7 +213,7 @@ def _fold_downstream_risks(groups: dict[tuple, list[Any]], order: Mapping[str, i
     """Move each overflow-risk-only group of a layer after an overflowing one, begun no
     earlier than it, into that layer's group."""
     risks = [key for key, members in groups.items()
-             if key[0] != "finding" and key[2] == OVERFLOW
+             if key[0] != "finding" and key[2] == Cause.FORWARD_OVERFLOW
              and all(_get(f, "kind") == RISK for f in members)]
     for key in risks:
         target = _overflow_upstream(groups, order, key[0], key[1], key[3], before=True)
@@ -230,7 +229,7 @@ def _fold_gradient_overflows(groups: dict[tuple, list[Any]],
     begun no later than that layer's last non-finite step, into that layer's group: the
     layer's growing outputs scale the gradients of the layers they feed, which outgrow
     the loss scale (and the scaler skips and falls) before the outputs outgrow fp16."""
-    grads = [key for key in groups if key[0] != "finding" and key[2] == GRAD_OVERFLOW]
+    grads = [key for key in groups if key[0] != "finding" and key[2] == Cause.GRAD_OVERFLOW]
     for key in grads:
         target = _overflow_upstream(groups, order, key[0], key[1], key[3], went_nonfinite=True)
         began = _first_step(groups[key])
@@ -243,7 +242,7 @@ def _fold_spikes_into_overflows(groups: dict[tuple, list[Any]]) -> None:
     non-finite at most SPIKE_LOOKBACK steps after the spike (the window the spike
     detector searches for what grew) or while it lasted: that layer's growing
     activations explain the loss, and the spike is their symptom."""
-    spikes = [key for key in groups if key[0] != "finding" and key[2] == SPIKE_CAUSE]
+    spikes = [key for key in groups if key[0] != "finding" and key[2] == Cause.LOSS_SPIKE]
     for key in spikes:
         spike_step = next((step for f in groups[key]
                            if (step := (_get(f, "evidence") or {}).get("spike_step"))
@@ -252,7 +251,7 @@ def _fold_spikes_into_overflows(groups: dict[tuple, list[Any]]) -> None:
             continue
         near = []
         for target, members in groups.items():
-            if target[:3] != (key[0], key[1], OVERFLOW) \
+            if target[:3] != (key[0], key[1], Cause.FORWARD_OVERFLOW) \
                     or all(_get(f, "kind") == RISK for f in members):
                 continue
             first, last = _first_step(members), _last_step(members)
@@ -269,7 +268,8 @@ def _fold_precursors_into_overflows(groups: dict[tuple, list[Any]],
     it began no earlier than the overflow's first sign: the overflowing layer's outputs
     pushed it up, and its fix (z-loss, qk-layernorm) would not help."""
     loose = [key for key, members in groups.items() if key[0] == "finding"
-             and _get(members[0], "kind") == "spike_precursor" and may_follow(members, OVERFLOW)]
+             and _get(members[0], "kind") == FindingKind.SPIKE_PRECURSOR
+             and may_follow(members, Cause.FORWARD_OVERFLOW)]
     for key in loose:
         lead = groups[key][0]
         target = _overflow_upstream(groups, order, _get(lead, "run_id"), _get(lead, "rank"),
@@ -317,17 +317,17 @@ def _incident(members: list[Any], key: tuple) -> Incident:
     timeline = [TimelineEntry(step=_get(f, "step"), what=_what(f, layer, cause and key[2]),
                               finding=_get(f, "id"),
                               severity=_get(f, "severity")) for f in members]
-    if cause is not None and cause[0] == "misaligned":
+    if cause is not None and cause[0] == Cause.MISALIGNED:
         layer, headline, fix, timeline = _misaligned(members)
-    elif cause is not None and cause[0] == WEIGHT_CAUSE:
-        weights = next(f for f in members if _get(f, "kind") == "weight_jump"
-                       or (_get(f, "evidence") or {}).get("cause") == WEIGHT_CAUSE)
+    elif cause is not None and cause[0] == Cause.WEIGHT_JUMP:
+        weights = next(f for f in members if _get(f, "kind") == FindingKind.WEIGHT_JUMP
+                       or (_get(f, "evidence") or {}).get("cause") == Cause.WEIGHT_JUMP)
         evidence = _get(weights, "evidence") or {}
         shape = "weight_growth" if "growth_step" in evidence else "weight_jump"
         headline = HEADLINES[shape].format(layer=layer, step=_get(weights, "step"))
         fix = str(evidence.get("fix", ""))
         fix = fix[0].upper() + fix[1:] + "." if fix else None
-    elif cause is not None and cause[0] == SPIKE_CAUSE:
+    elif cause is not None and cause[0] == Cause.LOSS_SPIKE:
         layer, headline, fix = spike_story([(_get(f, "kind"), _get(f, "layer"),
                                              _get(f, "evidence") or {}) for f in members])
     elif cause is not None:
@@ -365,8 +365,9 @@ def _cause_name(members: list[Any], grouped: str) -> str:
     """The cause an incident is told as: of causes grouped as one, the one that went
     furthest (an absorbed overflow that later reached the loss is a forward overflow)."""
     named = {(_get(f, "evidence") or {}).get("cause") for f in members}
-    if grouped == OVERFLOW and OVERFLOW not in named and "absorbed_overflow" in named:
-        return "absorbed_overflow"
+    if (grouped == Cause.FORWARD_OVERFLOW and Cause.FORWARD_OVERFLOW not in named
+            and Cause.ABSORBED_OVERFLOW in named):
+        return Cause.ABSORBED_OVERFLOW
     return grouped
 
 
@@ -376,8 +377,8 @@ def _what(finding: Any, layer: str | None, grouped: str | None) -> str:
     gradients', not its outputs' first inf/NaN."""
     what = _stage(finding)[1]
     other = _get(finding, "layer")
-    if grouped == OVERFLOW and _get(finding, "kind") == FindingKind.NONFINITE \
-            and (_get(finding, "evidence") or {}).get("cause") == GRAD_OVERFLOW:
+    if grouped == Cause.FORWARD_OVERFLOW and _get(finding, "kind") == FindingKind.NONFINITE \
+            and (_get(finding, "evidence") or {}).get("cause") == Cause.GRAD_OVERFLOW:
         return "gradients inf/NaN" + (f" in layer {other!r}" if other and other != layer
                                       else "")
     if _get(finding, "kind") in SYMPTOMS and other and other != layer:

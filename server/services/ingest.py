@@ -15,23 +15,23 @@ from sqlalchemy import bindparam, func, literal, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.store import refresh_run_health
 from ampwatch.server.analysis.window_cache import BatchKey
-from ampwatch.server.analysis_queue import enqueue
 from ampwatch.server.db import PerDialect, writing
 from ampwatch.server.errors import InvalidInput, NotFound, SeqConflict
+from ampwatch.server.findings.store import refresh_run_health
 from ampwatch.server.models import AnalysisTask, Batch, Run, RunRank, utcnow
-from ampwatch.server.restarts import (
+from ampwatch.server.schemas.batches import BatchAck, BatchIn
+from ampwatch.server.schemas.common import MAX_SEQ_GAP
+from ampwatch.server.settings import Settings
+from ampwatch.server.store.codec import ITEMSIZE, decode_column, encode_columns
+from ampwatch.server.store.fp8_samples import fp8_length_errors, store_fp8_samples
+from ampwatch.server.store.restarts import (
     forget_findings,
     rebuild_summaries,
     restart_from,
     stored_last_step,
     supersede,
 )
-from ampwatch.server.schemas import MAX_SEQ_GAP, BatchAck, BatchIn
-from ampwatch.server.settings import Settings
-from ampwatch.server.store.codec import ITEMSIZE, decode_column, encode_columns
-from ampwatch.server.store.fp8_samples import fp8_length_errors, store_fp8_samples
 from ampwatch.server.store.rollups import fold_rank_rollups
 from ampwatch.server.store.series import COMPRESSED_FORMAT, FIELD_INDEX, StepSeries, concat
 from ampwatch.server.store.spike_samples import spike_length_errors, store_spike_samples
@@ -42,6 +42,7 @@ from ampwatch.server.store.storage import (
     vector_length_errors,
 )
 from ampwatch.server.store.summaries import fold_batch
+from ampwatch.server.worker.queue import enqueue
 from ampwatch.wire import FINISHED_EVENT, encode_tree
 
 
@@ -256,8 +257,8 @@ def _fold_totals(session: Session, target: _Target, batch: BatchIn,
 def _analyse(session: Session, target: _Target, batch: BatchIn, stored: _Stored,
              folded: _Folded, settings: Settings) -> bool:
     """Hand the batch to the detectors: a task on the analysis queue, in this transaction
-    (server/analysis_worker.py judges it off the request path), with what the rank's judgement
-    depends on as this request saw it. False when there is nothing to judge."""
+    (server/worker/analysis_worker.py judges it off the request path), with what the
+    rank's judgement depends on as this request saw it. False when there is nothing to judge."""
     # a batch holding only the detach's "finished" event has nothing to analyse (an empty
     # window would look like every condition had ended)
     if not settings.analysis.enabled or (

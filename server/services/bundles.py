@@ -16,8 +16,9 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.db import writing
 from ampwatch.server.errors import AmpwatchServerError, InvalidInput, NotFound
-from ampwatch.server.models import Bundle
-from ampwatch.server.runs import get_run
+from ampwatch.server.models import Bundle, as_utc
+from ampwatch.server.schemas.bundles import BundlePublic
+from ampwatch.server.services.runs import get_run
 from ampwatch.server.settings import Settings
 from ampwatch.wire.bundles import META_NAME, bundle_name
 
@@ -121,3 +122,11 @@ def record_bisect(session: Session, settings: Settings, run_id: str, rank: int, 
 def remove_bundle_files(settings: Settings, run_id: str) -> None:
     """A deleted run's bundle files (its rows went with the run: ON DELETE CASCADE)."""
     shutil.rmtree(settings.bundle_folder / run_id, ignore_errors=True)
+
+
+def public_bundle(row: Bundle) -> BundlePublic:
+    return BundlePublic(run_id=row.run_id, rank=row.rank, step=row.step, trigger=row.trigger,
+                        first_nonfinite_layer=row.first_nonfinite_layer, exact=row.exact,
+                        bytes=row.bytes, created_at=as_utc(row.created_at),
+                        url=f"/api/v1/runs/{row.run_id}/bundles/{row.rank}/{row.step}",
+                        bisect=row.bisect)

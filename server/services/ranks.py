@@ -18,7 +18,7 @@ from sqlalchemy import case, func, or_, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import Batch, Finding, Run, RunRank
-from ampwatch.server.runs import lead_rank, run_ranks
+from ampwatch.server.services.runs import lead_rank, run_ranks
 from ampwatch.server.store import combined
 from ampwatch.server.store.rollups import step_ms_median
 from ampwatch.server.store.series import MISSING, StepSeries

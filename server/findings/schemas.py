@@ -8,7 +8,7 @@ from typing import Any, Literal
 from pydantic import BaseModel
 
 from ampwatch.server.analysis.kinds import FindingKind
-from ampwatch.server.schemas import Severity, WireNumber
+from ampwatch.server.schemas.common import Severity, WireNumber
 
 FindingStatus = Literal["open", "resolved"]
 

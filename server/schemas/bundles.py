@@ -1,0 +1,71 @@
+"""Flight-recorder bundles as answered, and the verdict `ampwatch replay --bisect`
+reports for one (docs/replay.md)."""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Self
+
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints, model_validator
+
+from ampwatch.wire.bundles import BisectVerdict
+
+ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=512)]
+MAX_MODULES = 10_000
+MAX_FIX_CHARS = 64_000  # the code bisect printed: a list of names and a helper
+
+
+class BisectVerdictCreate(BaseModel):
+    """What `ampwatch replay --bisect` found for the bundle's step. `verdict`: `fixed`
+    (keeping `modules` in float32 makes the step finite; those of them that are FP8
+    layers are also in `fp8_modules`, to keep out of FP8), `not_precision` (every module
+    in float32 still fails: the cause is not the precision), `input_nonfinite` (the input
+    holds inf/NaN), `not_reproduced` (the step is not bad when replayed). `fix`: the code
+    it printed; `reason`: why no upcast fixes the step; `trials`: runs of the step;
+    `device`: where they ran; `ran_at`: when the bisect ran."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    verdict: BisectVerdict
+    modules: list[ModuleName] = Field(default_factory=list, max_length=MAX_MODULES)
+    fp8_modules: list[ModuleName] = Field(default_factory=list, max_length=MAX_MODULES)
+    fix: str | None = Field(None, max_length=MAX_FIX_CHARS)
+    reason: str | None = Field(None, max_length=2000)
+    trials: int = Field(ge=1, le=1_000_000)
+    device: str = Field("cpu", min_length=1, max_length=64)
+    ran_at: AwareDatetime
+
+    @model_validator(mode="after")
+    def _modules_match_the_verdict(self) -> Self:
+        if (self.verdict == BisectVerdict.FIXED) != bool(self.modules):
+            raise ValueError("modules names the upcast that fixed the step: required with "
+                             "verdict 'fixed', empty with any other")
+        if not set(self.fp8_modules) <= set(self.modules):
+            raise ValueError("fp8_modules must be among modules")
+        return self
+
+
+class BisectVerdictPublic(BisectVerdictCreate):
+    """The verdict as stored, with when the server received it."""
+
+    recorded_at: datetime
+
+
+class BundlePublic(BaseModel):
+    """`bisect`: the latest verdict `ampwatch replay --bisect` reported for the bundle
+    (null: none yet; a re-sent bundle drops it)."""
+
+    run_id: str
+    rank: int
+    step: int
+    trigger: str
+    first_nonfinite_layer: str | None
+    exact: bool
+    bytes: int
+    created_at: datetime
+    url: str  # the download, relative to the server
+    bisect: BisectVerdictPublic | None = None
+
+
+class BundlesPublic(BaseModel):
+    items: list[BundlePublic]
