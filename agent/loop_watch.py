@@ -28,6 +28,7 @@ from ampwatch.agent.buffer import StepBuffer
 from ampwatch.agent.clock import CudaClock, HostClock
 from ampwatch.agent.collectors.base import EVENTS, Collector, overrides
 from ampwatch.agent.compiled import CompileCounter, is_compiled, is_compiled_wrapper, unwrap
+from ampwatch.agent.grad_norms import grad_norms, torchs_own
 from ampwatch.agent.layers import Layer
 from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.split_params import SplitParams
@@ -295,9 +296,11 @@ class LoopWatch:
         if divisor is None and self.scaler_enabled and self.optimizer is not None:
             grads = self._split.unscale(self.optimizer, present, grads, self.scaler._scale)
         norms = None
-        if grads and self.parallelism is None:  # float64: finite grads above ~1e19 too
-            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self.buffer.dtype))
-        self._norms = (present, norms, divisor)
+        if grads and self.parallelism is None:
+            norms = torch.stack(grad_norms(grads))
+        # a clip reuses them only where they are torch's own (then bitwise its result)
+        shared = norms if norms is not None and torchs_own(grads, norms) else None
+        self._norms = (present, shared, divisor)
         self.dispatch("on_grads", grads, present, divisor, norms)
         self._note_grad_versions(present)
 

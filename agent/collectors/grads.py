@@ -33,6 +33,7 @@ import torch
 
 from ampwatch.agent import distributed
 from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.grad_norms import grad_norms
 from ampwatch.wire import encode_float_array
 
 
@@ -160,11 +161,12 @@ class GradNormCollector(Collector):
             grads = [distributed.local(g) for g in grads]
         if self._counts_zeros():
             self._count_nonzero(grads, grad_idx, layer_idx, index.elements)
-        if norms is None:  # in float64: finite grads above ~1e19 have no fp32 norm
-            norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self._zeros.dtype))
+        if norms is None:
+            norms = torch.stack(grad_norms(grads))
         if self.session.host_reduce:  # the worker reduces them (the scale: as it is now)
             self._norms = (norms, None if divisor is None else divisor.detach().clone())
             return
+        norms = norms.to(self._zeros.dtype)  # summed in float64: no overflow of the squares
         if divisor is not None:
             norms = norms / divisor
         squares = norms.square()
@@ -179,7 +181,7 @@ class GradNormCollector(Collector):
                            divisor: torch.Tensor | None) -> None:
         if not self._taken or self.session.grad_layout == distributed.SHARDED:
             return  # sharded: this rank's part only; the clipped norm needs the whole
-        norms = torch.stack(torch._foreach_norm(grads, 2, dtype=self._zeros.dtype))
+        norms = torch.stack(grad_norms(grads)).to(self._zeros.dtype)
         if divisor is not None:
             norms = norms / divisor
         if self.session.host_reduce:
