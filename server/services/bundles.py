@@ -25,14 +25,6 @@ from ampwatch.wire.bundles import META_NAME, bundle_name
 MAX_META_BYTES = 1 << 20
 
 
-class BundleTooLarge(AmpwatchServerError):
-    status_code = 413
-
-
-class BundleTimeout(AmpwatchServerError):
-    status_code = 408
-
-
 class BundleSpaceFull(AmpwatchServerError):
     status_code = 507
 
