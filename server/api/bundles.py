@@ -14,6 +14,7 @@ from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
 from ampwatch.server.api.error_responses import NOT_FOUND, READ, WRITE
+from ampwatch.server.budget import BYTES_PER_BUNDLE
 from ampwatch.server.deps import RunIdPath, SessionDep, SettingsDep
 from ampwatch.server.errors import InvalidInput
 from ampwatch.server.http.bundle_upload import BUNDLE_TYPES, UPLOADED_BUNDLE
@@ -24,6 +25,7 @@ from ampwatch.server.schemas.bundles import (
     BundlesPublic,
 )
 from ampwatch.server.services.bundles import (
+    bundle_count,
     get_bundle,
     list_bundles,
     public_bundle,
@@ -68,9 +70,12 @@ async def put_bundle(run_id: RunIdPath, rank: Rank, step: Step, request: Request
 
 @router.get("/{run_id}/bundles", operation_id="list_bundles",
             response_model=BundlesPublic, responses=READ | NOT_FOUND)
-def get_bundles(run_id: RunIdPath, session: SessionDep) -> BundlesPublic:
-    """The run's bundles, by step: trigger, first non-finite layer, exactness, size."""
-    return BundlesPublic(items=[public_bundle(b) for b in list_bundles(session, run_id)])
+def get_bundles(run_id: RunIdPath, session: SessionDep, request: Request) -> BundlesPublic:
+    """The run's bundles, by step: trigger, first non-finite layer, exactness, size, the
+    bisect verdict; at most MAX_BUNDLES_PER_RUN."""
+    get_run(session, run_id)
+    with request.app.state.read_budget.hold(bundle_count(session, run_id) * BYTES_PER_BUNDLE):
+        return BundlesPublic(items=[public_bundle(b) for b in list_bundles(session, run_id)])
 
 
 @router.get("/{run_id}/bundles/{rank}/{step}", operation_id="download_bundle",
