@@ -50,3 +50,16 @@ def test_a_run_holds_at_most_its_limit_of_notes(api, monkeypatch) -> None:
     assert api.post("/api/v1/runs/many-notes/notes", json={"text": "x" * 4001}
                     ).status_code == 422
     assert len(api.get("/api/v1/runs/many-notes/notes").json()["items"]) == 3
+
+
+def test_the_note_forms_incident_is_an_ascii_integer(api) -> None:
+    """The run page's form: `²` and 5,000 digits passed isdigit() and broke int() (500);
+    now 422 and nothing stored."""
+    register_run(api, "form-notes")
+    for incident in ("²", "9" * 5000, "-1", "1 ", "0x1", "99999999999"):
+        answer = api.post("/runs/form-notes/notes", data={"text": "x", "incident": incident},
+                          follow_redirects=False)
+        assert answer.status_code == 422, (incident[:10], answer.status_code)
+    assert api.get("/api/v1/runs/form-notes/notes").json()["items"] == []
+    answer = api.post("/runs/form-notes/notes", data={"text": "kept"}, follow_redirects=False)
+    assert answer.status_code == 303
