@@ -99,16 +99,24 @@ def write(table: ExportTable, path: Path, fmt: Format) -> None:
 def _write_csv(table: ExportTable, path: Path) -> None:
     with path.open("w", newline="", encoding="utf-8") as out:
         writer = csv.writer(out)
-        writer.writerow(table.columns)
+        writer.writerow([_csv_cell(c) for c in table.columns])  # layer names among them
         for row in table.rows:
             writer.writerow([_csv_cell(row[c]) for c in table.columns])
 
 
+FORMULA_START = ("=", "+", "-", "@", "\t", "\r")
+
+
 def _csv_cell(value: Any) -> Any:
+    """A value as a spreadsheet should read it: text that starts like a formula gets a
+    leading ' (OWASP's CSV injection advice: a layer named =HYPERLINK(...) stays text);
+    numbers as they are, negative ones included."""
     if value is None:
         return ""
     if isinstance(value, float):
         return encode_float(value)
+    if isinstance(value, str) and value.startswith(FORMULA_START):
+        return "'" + value
     return value
 
 

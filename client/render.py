@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import sys
 import textwrap
@@ -11,6 +12,26 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 MIN_WRAP = 40  # narrower than this, the last column wraps under the row instead
+# C0 but tab and newline, DEL, C1, and the bidi overrides and isolates: what a terminal
+# obeys (ESC starts colours, cursor moves, OSC-8 links, title changes) or reorders
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+_LINE_BREAK = re.compile("[\t\n]")
+
+
+def printable(text: object, *, lines: bool = False) -> str:
+    """`text` safe to print to a terminal: every control character written out as its
+    escape (ESC as `\\x1b`), so a name, a bundle's field or a server's message cannot
+    colour, move, link or retitle anything. Tab and newline too unless `lines` (text of
+    several lines this program wrote itself, such as the printed fix)."""
+    text = str(text)
+    if not lines:
+        text = _LINE_BREAK.sub(_escape, text)
+    return _CONTROL.sub(_escape, text)
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
 
 
 def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
@@ -18,7 +39,8 @@ def table(headers: Sequence[str], rows: Sequence[Sequence[str]],
     """Rows as aligned text columns under upper-case headers; columns whose position is in
     `right` are right-aligned (numbers). Cells must already be strings. With `wrap_width`,
     the last column (free text) is wrapped so that lines fit in that many characters,
-    never cut; continuation lines are indented to its column."""
+    never cut; continuation lines are indented to its column. Cells are made `printable`."""
+    rows = [[printable(c) for c in row] for row in rows]
     last = len(headers) - 1
     widths = [max([len(h), *(len(row[i]) for row in rows)]) for i, h in enumerate(headers)]
     indent = sum(widths[:last]) + 2 * last

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from ampwatch.agent.fp8 import find_fp8_layers
@@ -79,9 +80,11 @@ def bisect(model: nn.Module, bundle: Bundle, trial: Trial) -> BisectResult:
 
 
 def fix_code(result: BisectResult, bundle: Bundle) -> str:
-    """The fix as Python to paste into the training script."""
+    """The fix as Python to paste into the training script. Nothing of the bundle goes
+    into it as source: the dtype is a name from a closed set (`Bundle.autocast_dtype`),
+    the device type and the module names (the model's own, which the trials ran) repr'd."""
     names = [n for n in result.modules if n not in result.fp8_modules]
-    dtype = (bundle.meta.get("autocast") or {}).get("dtype") or "float16"
+    dtype = str(bundle.autocast_dtype or torch.float16).removeprefix("torch.")
     parts: list[str] = []
     if names:
         parts.append(f'''import torch

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import re
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,6 +17,52 @@ from ampwatch.wire import decode_tree
 from ampwatch.wire.bundles import META_NAME, STATE_NAME
 
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+_DEVICE_TYPE = re.compile(r"[a-z][a-z0-9_]{0,31}")  # cpu, cuda, xpu, mps, privateuseone...
+
+
+class BundleError(ValueError):
+    """A bundle.json that is not what the agent writes: refused on load, before any of
+    its values reaches a run, the terminal or the printed fix."""
+
+
+def check_meta(meta: Any) -> dict[str, Any]:
+    """`meta` if the fields replay reads have the agent's types: the autocast dtype one of
+    float16, bfloat16, float32 (it is written into the printed fix), the device type a
+    plain name, numbers numbers, names strings. BundleError naming the field otherwise."""
+    if not isinstance(meta, dict):
+        raise BundleError("bundle.json is not an object")
+
+    def need(key: str, ok: bool, what: str) -> None:
+        if not ok:
+            raise BundleError(f"bundle.json: {key} must be {what}")
+
+    def number(value: Any) -> bool:
+        return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+    for key in ("step", "rank"):
+        value = meta.get(key, 0)
+        need(key, isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**63,
+             "a non-negative integer")
+    need("trigger", isinstance(meta.get("trigger"), str), "a string")
+    for key in ("run_id", "first_nonfinite_layer"):
+        need(key, meta.get(key) is None or isinstance(meta[key], str), "a string or null")
+    for key in ("loss", "loss_baseline", "loss_spike_factor"):
+        need(key, number(meta.get(key)), "a number or null")
+    autocast = meta.get("autocast") or {}
+    need("autocast", isinstance(autocast, dict), "an object")
+    dtype = autocast.get("dtype")
+    need("autocast.dtype", dtype is None or (isinstance(dtype, str) and dtype in _DTYPES),
+         f"one of {', '.join(_DTYPES)} or null (got {str(dtype)[:40]!r})")
+    device_type = autocast.get("device_type")
+    need("autocast.device_type",
+         device_type is None or (isinstance(device_type, str)
+                                 and _DEVICE_TYPE.fullmatch(device_type) is not None),
+         "a device type such as cpu or cuda")
+    scaler = meta.get("scaler") or {}
+    need("scaler", isinstance(scaler, dict), "an object")
+    need("scaler.scale", number(scaler.get("scale")), "a number or null")
+    need("params", isinstance(meta.get("params") or {}, dict), "an object")
+    return meta
 
 
 @dataclass
@@ -80,15 +127,16 @@ class Bundle:
 def read_meta(path: str | Path) -> dict[str, Any]:
     """bundle.json of a bundle file (no tensors are read)."""
     with zipfile.ZipFile(path) as archive:
-        return decode_tree(json.loads(archive.read(META_NAME)))
+        return check_meta(decode_tree(json.loads(archive.read(META_NAME))))
 
 
 def load(bundle: str | Path | bytes) -> Bundle:
     """Read a bundle file (or its bytes). Tensors are loaded with `weights_only=True`: a
-    bundle from elsewhere cannot run code on this machine."""
+    bundle from elsewhere cannot run code on this machine (a pickle is refused:
+    `pickle.UnpicklingError`). BundleError for a bundle.json `check_meta` refuses."""
     source = io.BytesIO(bundle) if isinstance(bundle, bytes) else bundle
     with zipfile.ZipFile(source) as archive:
-        meta = decode_tree(json.loads(archive.read(META_NAME)))
+        meta = check_meta(decode_tree(json.loads(archive.read(META_NAME))))
         state = torch.load(io.BytesIO(archive.read(STATE_NAME)), weights_only=True,
                            map_location="cpu")
     batches = [(tuple(args), dict(kwargs)) for args, kwargs in state["batches"]]

@@ -15,12 +15,14 @@ import importlib.util
 import json
 import math
 import os
+import pickle
 import sys
 import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ampwatch.client.render import printable
 from ampwatch.replay.remote import BundleOrigin, origin_of, pull, record_verdict
 
 
@@ -86,6 +88,10 @@ def build(factory: Any) -> tuple[Any, Any]:
     return (made[0], made[1]) if isinstance(made, tuple) else (made, None)
 
 
+def _say(line: str) -> None:
+    print(printable(line))
+
+
 def _number(value: Any) -> str:
     return "none" if value is None else (f"{value:.6g}" if math.isfinite(value) else str(value))
 
@@ -136,7 +142,19 @@ def _replay(args: argparse.Namespace) -> int:
     if (args.bundle is None) == (args.run is None) or (args.run is None) != (args.step is None):
         raise SystemExit("usage: ampwatch replay BUNDLE --model M:F  |  "
                          "ampwatch replay --run RUN --step STEP [--rank R] --model M:F")
+    from ampwatch.replay.bundle import BundleError
+
     factory = load_factory(args.model)
+    try:
+        return _replay_bundle(args, factory)
+    except BundleError as exc:
+        raise SystemExit(f"ampwatch replay: {printable(exc)}") from exc
+    except pickle.UnpicklingError as exc:  # weights_only refused what is not plain tensors
+        raise SystemExit("ampwatch replay: the bundle's state.pt holds more than tensors "
+                         "(refused unread: it could run code)") from exc
+
+
+def _replay_bundle(args: argparse.Namespace, factory: Any) -> int:
     if args.run is None:
         report = replay_report(args.bundle, factory, args.device, args.bisect)
         origin = origin_of(report, args.server, args.token)
@@ -152,25 +170,27 @@ def _replay(args: argparse.Namespace) -> int:
         print(json.dumps(report, default=str))
         return 0 if report["reproduced"] else 1
     recorded, replayed = report["recorded"], report["replayed"]
-    print(f"bundle: step {report['step']}, trigger {report['trigger']}; parameters "
-          f"{'exact' if report['exact'] else 'APPROXIMATE (taken after the step)'}")
-    print(f"recorded: loss {_number(recorded['loss'])}, first non-finite layer "
-          f"{recorded['first_nonfinite_layer'] or 'none'}")
-    print(f"replayed on {args.device}: loss {_number(replayed['loss'])}, first non-finite "
-          f"layer {replayed['first_nonfinite_layer'] or 'none'}, grads finite "
-          f"{replayed['grads_finite'] if replayed['grads_finite'] is not None else 'n/a'}")
-    print(f"reproduced: {'yes' if report['reproduced'] else 'no'}")
+
+    _say(f"bundle: step {report['step']}, trigger {report['trigger']}; parameters "
+        f"{'exact' if report['exact'] else 'APPROXIMATE (taken after the step)'}")
+    _say(f"recorded: loss {_number(recorded['loss'])}, first non-finite layer "
+        f"{recorded['first_nonfinite_layer'] or 'none'}")
+    _say(f"replayed on {args.device}: loss {_number(replayed['loss'])}, first non-finite "
+        f"layer {replayed['first_nonfinite_layer'] or 'none'}, grads finite "
+        f"{replayed['grads_finite'] if replayed['grads_finite'] is not None else 'n/a'}")
+    _say(f"reproduced: {'yes' if report['reproduced'] else 'no'}")
     for value in report["unsupported_inputs"]:
-        print(f"note: an input was not data and could not be kept: {value}")
+        _say(f"note: an input was not data and could not be kept: {value}")
     if "bisect" in report:
         result = report["bisect"]
         if result["fixed"]:
-            print(f"bisect: keeping {', '.join(result['modules'])} in float32 makes the step "
-                  f"finite ({result['trials']} trials). Fix:\n")
-            print(result["fix"])
+            _say(f"bisect: keeping {', '.join(result['modules'])} in float32 makes the step "
+                f"finite ({result['trials']} trials). Fix:")
+            print()
+            print(printable(result["fix"], lines=True))
         else:
-            print(f"bisect: {result['reason']} ({result['trials']} trials)")
+            _say(f"bisect: {result['reason']} ({result['trials']} trials)")
         if result.get("recorded"):
-            print(f"verdict recorded on the server with the bundle (run {origin.run_id}, "
-                  f"rank {origin.rank}, step {origin.step})")
+            _say(f"verdict recorded on the server with the bundle (run {origin.run_id}, "
+                f"rank {origin.rank}, step {origin.step})")
     return 0 if report["reproduced"] else 1

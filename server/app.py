@@ -6,6 +6,7 @@ import gc
 from collections.abc import AsyncIterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
+from functools import partial
 
 from fastapi import APIRouter, FastAPI, Request, Response
 from fastapi.exceptions import RequestValidationError
@@ -42,6 +43,7 @@ from ampwatch.server.errors import AmpwatchServerError, short_errors
 from ampwatch.server.faults import DatabaseHealth, database_error
 from ampwatch.server.http.analysis_wait import AnalysisWaitMiddleware
 from ampwatch.server.http.backpressure import BacklogMiddleware
+from ampwatch.server.http.bundle_upload import BundleUploadMiddleware
 from ampwatch.server.http.guards import (
     AdmissionMiddleware,
     RequestSlotMiddleware,
@@ -58,6 +60,7 @@ from ampwatch.server.http.middleware import (
 from ampwatch.server.responses import WireJSONResponse
 from ampwatch.server.schemas.batches import BatchIn
 from ampwatch.server.schemas.runs import RunUpsert
+from ampwatch.server.services.runs import run_exists
 from ampwatch.server.settings import Settings
 from ampwatch.server.worker.analysis_worker import (
     AnalysisWorker,
@@ -140,7 +143,8 @@ def middlewares(settings: Settings, maker: sessionmaker, worker: AnalysisWorker 
     """Every middleware of the app (all in server/http/), outermost first: headers on
     every answer; Host and Origin; metrics; the token, before anything is held; the
     query's text; reads waiting for analysis; the docs' same-origin policy; batches
-    refused while analysis is behind; bodies, under their budget; then a request slot."""
+    refused while analysis is behind; bodies, under their budget; a bundle's upload, to
+    a file under its deadline; then a request slot."""
     return [
         Middleware(SecurityHeadersMiddleware),
         Middleware(SiteGuardMiddleware, hosts=trusted_hosts(settings)),
@@ -155,6 +159,8 @@ def middlewares(settings: Settings, maker: sessionmaker, worker: AnalysisWorker 
         Middleware(RequestBodyMiddleware, max_bytes=settings.max_body_bytes,
                    max_inflight_bytes=settings.max_inflight_body_bytes,
                    body_timeout_s=settings.body_timeout_s),
+        Middleware(BundleUploadMiddleware, settings=settings,
+                   known_run=partial(run_exists, maker)),
         Middleware(RequestSlotMiddleware, max_requests=settings.max_concurrent_requests,
                    wait_s=settings.slot_wait_s),
     ]

@@ -16,6 +16,10 @@ from ampwatch.server.errors import Busy
 BYTES_PER_LAYER = 4096
 BYTES_PER_CELL = 16
 BYTES_PER_STEP_ROW = 1024
+# a listed note or bundle at its limits (schemas/notes.py, schemas/bundles.py): its
+# text, 4 bytes a character at most, and the row around it
+BYTES_PER_NOTE = 4 * 4000 + 1024
+BYTES_PER_BUNDLE = 4 * 64_000 + 2048
 
 
 class ReadBudget:

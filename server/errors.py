@@ -21,6 +21,12 @@ class InvalidInput(AmpwatchServerError):
     status_code = 422
 
 
+class TooMany(AmpwatchServerError):
+    """A write past a per-run count limit (notes, bundles): nothing stored."""
+
+    status_code = 413
+
+
 class Conflict(AmpwatchServerError):
     """A valid request that stored state or the configuration cannot serve."""
 

@@ -83,6 +83,9 @@ class Settings(BaseSettings):
     bundle_dir: Path | None = None
     bundle_max_bytes: int = Field(4 << 30, ge=1024)
     bundle_total_bytes: int = Field(100 << 30, ge=1024)
+    # a bundle's whole upload must arrive within this (408), however it trickles; it
+    # takes no request slot while it arrives
+    bundle_timeout_s: float = Field(600.0, gt=0)
 
     @field_validator("database_url")
     @classmethod

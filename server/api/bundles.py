@@ -1,16 +1,12 @@
 """/api/v1/runs/{run_id}/bundles: the flight recorder's bad steps (docs/replay.md).
 
-The upload streams to a file (a bundle holds a model: far over the JSON body limit), so
-RequestBodyMiddleware passes this one path through and the route enforces
-`bundle_max_bytes` itself.
+The upload streams to a file (a bundle holds a model: far over the JSON body limit):
+RequestBodyMiddleware passes this one path through and http/bundle_upload.py writes it to
+a file, under `bundle_max_bytes` and `bundle_timeout_s`, before the request takes a slot.
 """
 
 from __future__ import annotations
 
-import asyncio
-import os
-import tempfile
-from pathlib import Path as FilePath
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Path, Request
@@ -18,8 +14,10 @@ from fastapi.responses import FileResponse
 from starlette.concurrency import run_in_threadpool
 
 from ampwatch.server.api.error_responses import NOT_FOUND, READ, WRITE
+from ampwatch.server.budget import BYTES_PER_BUNDLE
 from ampwatch.server.deps import RunIdPath, SessionDep, SettingsDep
 from ampwatch.server.errors import InvalidInput
+from ampwatch.server.http.bundle_upload import BUNDLE_TYPES, UPLOADED_BUNDLE
 from ampwatch.server.models import utcnow
 from ampwatch.server.schemas.bundles import (
     BisectVerdictCreate,
@@ -27,8 +25,7 @@ from ampwatch.server.schemas.bundles import (
     BundlesPublic,
 )
 from ampwatch.server.services.bundles import (
-    BundleTimeout,
-    BundleTooLarge,
+    bundle_count,
     get_bundle,
     list_bundles,
     public_bundle,
@@ -38,7 +35,6 @@ from ampwatch.server.services.bundles import (
 from ampwatch.server.services.runs import get_run
 
 router = APIRouter(prefix="/runs", tags=["bundles"])
-BUNDLE_TYPES = ("application/zip", "application/octet-stream")
 Rank = Annotated[int, Path(ge=0, le=1_000_000)]
 Step = Annotated[int, Path(ge=0, le=2**62)]
 
@@ -54,61 +50,32 @@ async def put_bundle(run_id: RunIdPath, rank: Rank, step: Step, request: Request
                      settings: SettingsDep) -> Any:
     """Upload a bundle (the file's bytes, `Content-Type: application/zip`); a re-sent
     step replaces it. 404 for a run the server does not know (before reading the body),
-    413 over `bundle_max_bytes`, 507 past `bundle_total_bytes`."""
+    413 over `bundle_max_bytes`, 408 when the whole upload takes over `bundle_timeout_s`,
+    507 past `bundle_total_bytes`."""
     sessionmaker = request.app.state.sessionmaker
 
-    def known_run() -> None:
+    def store() -> BundlePublic:
         with sessionmaker() as session:
             get_run(session, run_id)
+            media = request.headers.get("content-type", "").split(";")[0].strip().lower()
+            if media not in BUNDLE_TYPES:
+                raise InvalidInput(f"Content-Type must be one of {', '.join(BUNDLE_TYPES)}")
+            upload = request.scope.get(UPLOADED_BUNDLE)
+            if upload is None:  # the run was created while its body was refused unread
+                raise InvalidInput("the bundle was not received: send it again")
+            return public_bundle(store_bundle(session, settings, run_id, rank, step, upload))
 
-    await run_in_threadpool(known_run)
-    media = request.headers.get("content-type", "").split(";")[0].strip().lower()
-    if media not in BUNDLE_TYPES:
-        raise InvalidInput(f"Content-Type must be one of {', '.join(BUNDLE_TYPES)}")
-    length = request.headers.get("content-length", "")
-    if length.isdigit() and int(length) > settings.bundle_max_bytes:
-        raise BundleTooLarge(_too_large(settings))
-    incoming = settings.bundle_folder / ".incoming"
-    await run_in_threadpool(incoming.mkdir, parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=incoming, suffix=".part")
-    upload = FilePath(name)
-    try:
-        size = 0
-        chunks = request.stream().__aiter__()
-        with os.fdopen(fd, "wb") as out:
-            while True:
-                try:  # each piece within the body timeout: a stalled upload ends (408)
-                    chunk = await asyncio.wait_for(anext(chunks), settings.body_timeout_s)
-                except StopAsyncIteration:
-                    break
-                except TimeoutError as exc:
-                    raise BundleTimeout(f"the bundle stopped arriving for "
-                                        f"{settings.body_timeout_s:g} s") from exc
-                size += len(chunk)
-                if size > settings.bundle_max_bytes:
-                    raise BundleTooLarge(_too_large(settings))
-                await run_in_threadpool(out.write, chunk)
-
-        def store() -> BundlePublic:
-            with sessionmaker() as session:
-                return public_bundle(store_bundle(session, settings, run_id, rank, step,
-                                                  upload))
-
-        return await run_in_threadpool(store)
-    finally:
-        upload.unlink(missing_ok=True)
-
-
-def _too_large(settings: Any) -> str:
-    return f"bundle over the limit of {settings.bundle_max_bytes} bytes " \
-           "(AMPWATCH_BUNDLE_MAX_BYTES)"
+    return await run_in_threadpool(store)
 
 
 @router.get("/{run_id}/bundles", operation_id="list_bundles",
             response_model=BundlesPublic, responses=READ | NOT_FOUND)
-def get_bundles(run_id: RunIdPath, session: SessionDep) -> BundlesPublic:
-    """The run's bundles, by step: trigger, first non-finite layer, exactness, size."""
-    return BundlesPublic(items=[public_bundle(b) for b in list_bundles(session, run_id)])
+def get_bundles(run_id: RunIdPath, session: SessionDep, request: Request) -> BundlesPublic:
+    """The run's bundles, by step: trigger, first non-finite layer, exactness, size, the
+    bisect verdict; at most MAX_BUNDLES_PER_RUN."""
+    get_run(session, run_id)
+    with request.app.state.read_budget.hold(bundle_count(session, run_id) * BYTES_PER_BUNDLE):
+        return BundlesPublic(items=[public_bundle(b) for b in list_bundles(session, run_id)])
 
 
 @router.get("/{run_id}/bundles/{rank}/{step}", operation_id="download_bundle",

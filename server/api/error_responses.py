@@ -19,9 +19,11 @@ DESCRIPTIONS = {
     401: "AMPWATCH_TOKEN is set and the request did not carry it",
     403: "a write from another site (its Origin), or authorised by the login cookie alone",
     404: "no such run, layer, notification or alert target",
-    408: "the body did not arrive within AMPWATCH_BODY_TIMEOUT_S",
+    408: "the body did not arrive within AMPWATCH_BODY_TIMEOUT_S (a bundle's upload: "
+         "AMPWATCH_BUNDLE_TIMEOUT_S)",
     409: "the request contradicts stored state",
-    413: "the body is over AMPWATCH_MAX_BODY_BYTES (after gzip decompression too)",
+    413: "the body is over AMPWATCH_MAX_BODY_BYTES (after gzip decompression too), or the "
+         "run holds the most notes or bundles a run may",
     415: "the body is not application/json, or its Content-Encoding is not gzip",
     422: "invalid parameters or body: `detail` lists the fields (at most 10), or says why",
     503: "behind (no request slot freed within AMPWATCH_SLOT_WAIT_S, the body bytes in "

@@ -5,6 +5,7 @@ panels that a live page swaps in without reloading)."""
 from __future__ import annotations
 
 import gzip
+import re
 from functools import cache, partial
 from pathlib import Path as FilePath
 from typing import Annotated, Literal
@@ -128,11 +129,11 @@ def wants_page(request: Request) -> bool:
             and "text/html" in request.headers.get("accept", ""))
 
 
-def invalid_page(request: Request, errors: list | str) -> HTMLResponse:
+def invalid_page(request: Request, errors: list | str, status_code: int = 400) -> HTMLResponse:
     """A page's query a person mistyped (?start=abc, ?page=0): said in words, with a way
-    back, rather than the API's JSON 422."""
+    back, rather than the API's JSON 422 (a form's fields: `status_code` 422)."""
     problems = errors if isinstance(errors, list) else [errors]
-    return render_page(request, "error.html", status_code=400, title="Not a valid address",
+    return render_page(request, "error.html", status_code=status_code, title="Not a valid address",
                        message="This address asks for something the page cannot show: "
                        + "; ".join(_error_words(p) for p in problems) + ".",
                        back=request.url.path)
@@ -277,21 +278,26 @@ def run_page(
                      **({"ranks-panel": "_ranks_panel.html"} if twin["ranks"] else {})})
 
 
+INCIDENT_ID = re.compile(r"[0-9]{1,10}")  # ASCII digits; NoteCreate bounds the value
+
+
 @pages.post("/runs/{run_id}/notes")
 async def note_form(request: Request, run_id: RunIdPath, session: SessionDep) -> Response:
     """The run page's note form (and each card's "handled" button): stored as the API's
     POST /api/v1/runs/{id}/notes would, then back to the run page."""
     fields = parse_qs((await request.body())[:auth.MAX_FORM_BYTES].decode("utf-8", "replace"))
     incident = fields.get("incident", [""])[0]
+    if incident and not INCIDENT_ID.fullmatch(incident):  # isdigit() took "²" and 5,000 digits
+        return invalid_page(request, "incident must be an incident's id", status_code=422)
     try:
         body = NoteCreate(text=fields.get("text", [""])[0],
-                          incident=int(incident) if incident.isdigit() else None,
+                          incident=int(incident) if incident else None,
                           handled=fields.get("handled", [""])[0] == "1")
         add_note(session, run_id, body)
     except NotFound as exc:
         return _not_found(request, exc)
     except (ValidationError, InvalidInput) as exc:
-        return invalid_page(request, str(exc).splitlines()[0])
+        return invalid_page(request, str(exc).splitlines()[0], status_code=422)
     return RedirectResponse(f"/runs/{quote(run_id)}#findings", status_code=303)
 
 

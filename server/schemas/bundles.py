@@ -11,8 +11,11 @@ from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstrai
 from ampwatch.wire.bundles import BisectVerdict
 
 ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=512)]
-MAX_MODULES = 10_000
+MAX_MODULES = 1_000
 MAX_FIX_CHARS = 64_000  # the code bisect printed: a list of names and a helper
+# a whole verdict: its names, fix and reason together (one was 10 MB: 10,000 names of
+# 512 characters twice); the bundles list answers at most this a bundle
+MAX_VERDICT_CHARS = 64_000
 
 
 class BisectVerdictCreate(BaseModel):
@@ -42,6 +45,10 @@ class BisectVerdictCreate(BaseModel):
                              "verdict 'fixed', empty with any other")
         if not set(self.fp8_modules) <= set(self.modules):
             raise ValueError("fp8_modules must be among modules")
+        chars = sum(map(len, self.modules)) + len(self.fix or "") + len(self.reason or "")
+        if chars > MAX_VERDICT_CHARS:
+            raise ValueError(f"the verdict's names, fix and reason hold {chars} characters, "
+                             f"over {MAX_VERDICT_CHARS}")
         return self
 
 

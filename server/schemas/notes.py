@@ -7,6 +7,7 @@ from datetime import datetime
 from pydantic import BaseModel, Field
 
 MAX_NOTE_CHARS = 4000
+MAX_NOTES_PER_RUN = 1_000  # a run's notes list answers at most 4 MB of text
 
 
 class NoteCreate(BaseModel):

@@ -15,7 +15,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.db import writing
-from ampwatch.server.errors import AmpwatchServerError, InvalidInput, NotFound
+from ampwatch.server.errors import AmpwatchServerError, InvalidInput, NotFound, TooMany
 from ampwatch.server.models import Bundle, as_utc
 from ampwatch.server.schemas.bundles import BundlePublic
 from ampwatch.server.services.runs import get_run
@@ -23,14 +23,7 @@ from ampwatch.server.settings import Settings
 from ampwatch.wire.bundles import META_NAME, bundle_name
 
 MAX_META_BYTES = 1 << 20
-
-
-class BundleTooLarge(AmpwatchServerError):
-    status_code = 413
-
-
-class BundleTimeout(AmpwatchServerError):
-    status_code = 408
+MAX_BUNDLES_PER_RUN = 1_000  # all ranks together; the agent keeps 5 a rank by default
 
 
 class BundleSpaceFull(AmpwatchServerError):
@@ -57,6 +50,10 @@ def read_meta(path: Path) -> dict[str, Any]:
     return meta
 
 
+def bundle_count(session: Session, run_id: str) -> int:
+    return int(session.scalar(select(func.count()).where(Bundle.run_id == run_id)) or 0)
+
+
 def total_bytes(session: Session) -> int:
     return int(session.scalar(select(func.coalesce(func.sum(Bundle.bytes), 0))) or 0)
 
@@ -72,6 +69,9 @@ def store_bundle(session: Session, settings: Settings, run_id: str, rank: int, s
                            f"not rank {rank} step {step}")
     with writing(session):
         old = session.get(Bundle, (run_id, rank, step))
+        if old is None and bundle_count(session, run_id) >= MAX_BUNDLES_PER_RUN:
+            raise TooMany(f"run {run_id!r} holds the most bundles a run may, "
+                          f"{MAX_BUNDLES_PER_RUN}: delete the run or keep fewer")
         if total_bytes(session) - (old.bytes if old else 0) + size > settings.bundle_total_bytes:
             raise BundleSpaceFull(f"the bundle folder holds its limit of "
                                   f"{settings.bundle_total_bytes} bytes "

@@ -4,13 +4,13 @@ here."""
 
 from __future__ import annotations
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.errors import InvalidInput, NotFound
+from ampwatch.server.errors import InvalidInput, NotFound, TooMany
 from ampwatch.server.findings.queries import list_incidents
 from ampwatch.server.models import RunNote, as_utc
-from ampwatch.server.schemas.notes import NoteCreate, NotePublic
+from ampwatch.server.schemas.notes import MAX_NOTES_PER_RUN, NoteCreate, NotePublic
 from ampwatch.server.services.runs import get_run
 
 
@@ -26,6 +26,10 @@ def run_notes(session: Session, run_id: str) -> list[NotePublic]:
     return [public_note(row) for row in rows]
 
 
+def note_count(session: Session, run_id: str) -> int:
+    return int(session.scalar(select(func.count()).where(RunNote.run_id == run_id)) or 0)
+
+
 def add_note(session: Session, run_id: str, body: NoteCreate) -> NotePublic:
     """Store a note; an incident it names must be one of the run's."""
     get_run(session, run_id)
@@ -37,6 +41,9 @@ def add_note(session: Session, run_id: str, body: NoteCreate) -> NotePublic:
     if body.incident is not None and body.incident not in {
             i.id for i in list_incidents(session, run_id).items}:
         raise NotFound(f"run {run_id!r} has no incident {body.incident}")
+    if note_count(session, run_id) >= MAX_NOTES_PER_RUN:
+        raise TooMany(f"run {run_id!r} holds the most notes a run may, {MAX_NOTES_PER_RUN}: "
+                      "delete some first")
     note = RunNote(run_id=run_id, incident=body.incident, handled=body.handled, text=text)
     session.add(note)
     session.commit()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from datetime import UTC, datetime
 from typing import Any
 
@@ -28,6 +29,12 @@ def get_run(session: Session, run_id: str) -> Run:
     if run is None:
         raise NotFound(f"no run with id {run_id!r}")
     return run
+
+
+def run_exists(maker: Callable[[], Session], run_id: str) -> bool:
+    """Whether the server knows the run, in a session of its own (middleware asks)."""
+    with maker() as session:
+        return session.get(Run, run_id) is not None
 
 
 def upsert_run(session: Session, run_id: str, body: RunUpsert, settings: Settings) -> Run:

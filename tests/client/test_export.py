@@ -149,3 +149,20 @@ def test_to_a_tracker_without_its_library_names_the_extra(tmp_path, target: str)
     assert done.returncode == 2
     assert "pip install 'ampwatch[trackers]'" in done.stderr, done.stderr
     assert not (tmp_path / "tb").exists()
+
+
+def test_csv_cells_that_start_like_a_formula_are_text(tmp_path: Path) -> None:
+    """A layer or field named like a formula is written with a leading ' (OWASP); numbers,
+    negative ones too, as they are."""
+    from ampwatch.client.export import ExportTable, _write_csv
+
+    table = ExportTable(columns=["step", "=HYPERLINK(\"https://evil.example\",\"x\")/grad"],
+                        rows=[{"step": -1, "=HYPERLINK(\"https://evil.example\",\"x\")/grad":
+                               "@SUM(A1)"},
+                              {"step": 2, "=HYPERLINK(\"https://evil.example\",\"x\")/grad":
+                               -1.5}])
+    path = tmp_path / "out.csv"
+    _write_csv(table, path)
+    rows = list(csv.reader(path.read_text().splitlines()))
+    assert rows == [["step", "'=HYPERLINK(\"https://evil.example\",\"x\")/grad"],
+                    ["-1", "'@SUM(A1)"], ["2", "-1.5"]]

@@ -144,3 +144,37 @@ def test_bisect_verdict_is_checked_then_kept_with_its_bundle(api, bundle: bytes)
     assert stored()["verdict"] == "not_precision"
     assert _upload(api, "run-v", 8, bundle).status_code == 200  # a re-sent file: unjudged
     assert stored() is None
+
+
+def _meta_only(step: int) -> bytes:
+    """A bundle as the server reads it: bundle.json alone (it never reads the tensors)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        archive.writestr("bundle.json", json.dumps({"step": step, "rank": 0,
+                                                    "trigger": "nonfinite"}))
+    return out.getvalue()
+
+
+def test_verdicts_and_bundles_are_bounded(api, monkeypatch) -> None:
+    """A verdict is at most 1,000 names and 64,000 characters in all (one was 10 MB:
+    10,000 names of 512 characters twice and a 64 KB fix), a run at most
+    MAX_BUNDLES_PER_RUN bundles: 422 and 413, nothing stored."""
+    register_run(api, "run-cap")
+    assert _upload(api, "run-cap", 1, _meta_only(1)).status_code == 200
+    names = [f"{i:04d}" + "m" * 508 for i in range(10_000)]
+    huge = {**NOT_PRECISION, "verdict": "fixed", "modules": names, "fp8_modules": names,
+            "reason": None, "fix": "x" * 64_000}
+    wide = {**huge, "modules": names[:1_000], "fp8_modules": [], "fix": None}
+    for bad in (huge, wide, {**wide, "modules": names[:130], "fix": "x" * 10}):
+        answer = api.put("/api/v1/runs/run-cap/bundles/0/1/bisect", json=bad)
+        assert answer.status_code == 422, answer.text[:200]
+        assert len(answer.content) < 4096
+    (listed,) = api.get("/api/v1/runs/run-cap/bundles").json()["items"]
+    assert listed["bisect"] is None
+
+    monkeypatch.setattr("ampwatch.server.services.bundles.MAX_BUNDLES_PER_RUN", 2)
+    assert _upload(api, "run-cap", 2, _meta_only(2)).status_code == 200
+    assert _upload(api, "run-cap", 3, _meta_only(3)).status_code == 413
+    assert _upload(api, "run-cap", 2, _meta_only(2)).status_code == 200  # a re-sent step
+    assert [b["step"] for b in api.get("/api/v1/runs/run-cap/bundles").json()["items"]] == [
+        1, 2]

@@ -5,6 +5,7 @@ time."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -20,7 +21,7 @@ import httpx
 import pytest
 
 from tests.conftest import LiveServer
-from tests.utils import make_layers, make_steps
+from tests.utils import make_layers, make_steps, register_run
 
 TOKEN = "hostile-s3cret"
 BEARER = {"Authorization": f"Bearer {TOKEN}"}
@@ -113,6 +114,45 @@ def test_bodies_still_arriving_take_no_slot(open_server):
           httpx.Client(base_url=server.url, timeout=10) as http):
         assert http.get("/api/v1/runs").status_code == 200
         http.put("/api/v1/runs/r2", json={"name": "r2"}).raise_for_status()
+
+
+BUNDLE_TIMEOUT_S = 3
+
+
+def test_trickled_bundle_uploads_take_no_slot_and_are_cut_at_the_deadline(tmp_path):
+    """Twice as many bundle uploads as slots, each sending `PK` and then a byte every
+    half second (no chunk is late, so a timeout per chunk never fires): the token's other
+    requests answer 200 promptly, and each upload is cut (408) at the whole body's
+    deadline. The route streamed the body inside its slot: every request got 503."""
+    server = start_server(tmp_path, AMPWATCH_TOKEN=TOKEN,
+                          AMPWATCH_BUNDLE_TIMEOUT_S=str(BUNDLE_TIMEOUT_S))
+    try:
+        with httpx.Client(base_url=server.url, headers=BEARER, timeout=10) as http:
+            register_run(http, "slow-bundles")
+            sockets = []
+            for _ in range(SLOTS * 2):
+                sock = socket.create_connection(("127.0.0.1", server.port))
+                sock.sendall(b"PUT /api/v1/runs/slow-bundles/bundles/0/8 HTTP/1.1\r\n"
+                             b"Host: 127.0.0.1\r\nContent-Type: application/zip\r\n"
+                             b"Content-Length: 100000\r\n"
+                             + f"Authorization: Bearer {TOKEN}\r\n\r\nPK".encode())
+                sockets.append(sock)
+            with held(sockets):
+                began = time.monotonic()
+                while time.monotonic() - began < BUNDLE_TIMEOUT_S + 2:
+                    for sock in sockets:
+                        with contextlib.suppress(OSError):  # cut off: the server closed it
+                            sock.sendall(b"\x00")
+                    asked = time.monotonic()
+                    assert http.get("/api/v1/runs").status_code == 200
+                    assert time.monotonic() - asked < 2, "an API request waited for a slot"
+                    time.sleep(0.5)
+                for sock in sockets:
+                    sock.settimeout(5)
+                    assert sock.recv(1024).startswith(b"HTTP/1.1 408"), "not cut at the deadline"
+            assert http.get("/api/v1/runs/slow-bundles/bundles").json()["items"] == []
+    finally:
+        server.stop()
 
 
 STEPS = "/api/v1/runs/long/steps?limit=100000"  # the whole run, in one write

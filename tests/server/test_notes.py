@@ -38,3 +38,28 @@ def test_notes_and_handled_incidents_are_kept(api) -> None:
     assert api.delete("/api/v1/runs/noted/notes/999").status_code == 404
     assert api.delete("/api/v1/runs/noted").status_code == 204
     assert api.get("/api/v1/runs/noted/notes").status_code == 404
+
+
+def test_a_run_holds_at_most_its_limit_of_notes(api, monkeypatch) -> None:
+    """Past MAX_NOTES_PER_RUN: 413 and nothing stored; a note over 4,000 characters 422."""
+    monkeypatch.setattr("ampwatch.server.services.notes.MAX_NOTES_PER_RUN", 3)
+    register_run(api, "many-notes")
+    for i in range(3):
+        assert api.post("/api/v1/runs/many-notes/notes", json={"text": f"n{i}"}).status_code == 201
+    assert api.post("/api/v1/runs/many-notes/notes", json={"text": "n3"}).status_code == 413
+    assert api.post("/api/v1/runs/many-notes/notes", json={"text": "x" * 4001}
+                    ).status_code == 422
+    assert len(api.get("/api/v1/runs/many-notes/notes").json()["items"]) == 3
+
+
+def test_the_note_forms_incident_is_an_ascii_integer(api) -> None:
+    """The run page's form: `²` and 5,000 digits passed isdigit() and broke int() (500);
+    now 422 and nothing stored."""
+    register_run(api, "form-notes")
+    for incident in ("²", "9" * 5000, "-1", "1 ", "0x1", "99999999999"):
+        answer = api.post("/runs/form-notes/notes", data={"text": "x", "incident": incident},
+                          follow_redirects=False)
+        assert answer.status_code == 422, (incident[:10], answer.status_code)
+    assert api.get("/api/v1/runs/form-notes/notes").json()["items"] == []
+    answer = api.post("/runs/form-notes/notes", data={"text": "kept"}, follow_redirects=False)
+    assert answer.status_code == 303

@@ -8,9 +8,22 @@
   // means fewer Tab stops before the tables.
   // A chart's own data as CSV (one row per point: trace, x, y), made in the browser
   // from what is drawn: nothing is fetched or sent.
+  // A cell as a spreadsheet reads it: text that starts like a formula (= + - @, tab,
+  // CR) gets a leading ' (OWASP's CSV injection advice), so a run or layer named
+  // =HYPERLINK(...) is shown, never run; numbers are written as they are.
   function csvCell(value) {
     var text = value === null || value === undefined ? "" : String(value);
-    return /[",\n]/.test(text) ? '"' + text.replace(/"/g, '""') + '"' : text;
+    if (typeof value === "string" && /^[=+\-@\t\r]/.test(text)) {
+      text = "'" + text;
+    }
+    return /[",\r\n]/.test(text) ? '"' + text.replace(/"/g, '""') + '"' : text;
+  }
+
+  // The plain name of a trace or a heatmap row: the figure builders escape names for
+  // Plotly's HTML-ish labels (figures.label: html.escape(quote=False)); this undoes it.
+  function plainName(name) {
+    return typeof name !== "string" ? name :
+      name.replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
   }
 
   function downloadCsv(el) {
@@ -21,7 +34,7 @@
       }
       for (var i = 0; i < trace.x.length; i++) {
         if (trace.x[i] !== null && trace.x[i] !== undefined) {
-          rows.push([trace.name, trace.x[i], trace.y[i]].map(csvCell).join(","));
+          rows.push([plainName(trace.name), trace.x[i], trace.y[i]].map(csvCell).join(","));
         }
       }
     });
@@ -30,7 +43,7 @@
         Array.prototype.forEach.call(trace.z, function (row, r) {
           Array.prototype.forEach.call(row, function (z, c) {
             var value = trace.meta === "log10" && z !== null ? Math.pow(10, z) : z;
-            rows.push([trace.y[r], trace.x[c], value].map(csvCell).join(","));
+            rows.push([plainName(trace.y[r]), trace.x[c], value].map(csvCell).join(","));
           });
         });
       }

@@ -5,9 +5,15 @@ keyboard user reaches the content through a skip link."""
 
 from __future__ import annotations
 
+import csv
 from pathlib import Path
 
+import httpx
 import pytest
+
+from tests.conftest import LiveServer
+from tests.server.pages.conftest import open_browser
+from tests.utils import make_steps, post_batch, register_run
 
 pytestmark = pytest.mark.browser
 PAGES = {
@@ -67,3 +73,31 @@ def test_a_charts_data_downloads_as_csv_made_in_the_browser(field_browser, field
     fallen = [line for line in lines[1:] if line.startswith("scale below 2^-24,")]
     assert len(scale) + len(fallen) == field_runs.steps  # the rest: on the row under the axis
     browser.assert_clean()
+
+
+FORMULA = '=HYPERLINK("https://evil.example","x")'
+MARKUP = "<img src=x onerror=alert(1)>"
+
+
+def test_a_csv_holds_plain_names_and_no_formula(chromium, tmp_path):
+    """Runs named like a formula and like markup, compared and downloaded as CSV: each
+    name is its plain text (not `&lt;img`), and the formula is text to a spreadsheet."""
+    server = LiveServer(f"sqlite:///{tmp_path / 'csv.db'}", tmp_path / "server.log")
+    server.start()
+    try:
+        with httpx.Client(base_url=server.url, timeout=10) as api:
+            for run_id, name in (("formula", FORMULA), ("markup", MARKUP)):
+                register_run(api, run_id, name=name)
+                assert post_batch(api, run_id, 0, make_steps(0, 5, 4)).status_code == 200
+        browser = open_browser(chromium, server.url, tmp_path)
+        browser.goto("/compare?run=formula&run=markup")
+        browser.wait_for_plots("loss")
+        with browser.page.expect_download() as download:
+            browser.page.locator("#fig-loss .modebar-btn[data-title='Download data as CSV']"
+                                 ).click()
+        rows = list(csv.reader(Path(download.value.path()).read_text().splitlines()))
+        names = {row[0] for row in rows[1:]}
+        assert names == {"'" + FORMULA, MARKUP}, names
+        browser.page.context.close()
+    finally:
+        server.stop()
