@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.findings.queries import list_incidents
+from ampwatch.server.findings.store import refresh_run_health
 from ampwatch.server.models import RunNote, as_utc
 from ampwatch.server.schemas.notes import NoteCreate, NotePublic
 from ampwatch.server.services.runs import get_run
@@ -27,7 +28,8 @@ def run_notes(session: Session, run_id: str) -> list[NotePublic]:
 
 
 def add_note(session: Session, run_id: str, body: NoteCreate) -> NotePublic:
-    """Store a note; an incident it names must be one of the run's."""
+    """Store a note; an incident it names must be one of the run's. A `handled` note
+    recounts the run's health: the incident no longer counts as open."""
     get_run(session, run_id)
     text = body.text.strip()
     if body.handled and body.incident is None:
@@ -39,6 +41,9 @@ def add_note(session: Session, run_id: str, body: NoteCreate) -> NotePublic:
         raise NotFound(f"run {run_id!r} has no incident {body.incident}")
     note = RunNote(run_id=run_id, incident=body.incident, handled=body.handled, text=text)
     session.add(note)
+    if body.handled:
+        session.flush()
+        refresh_run_health(session, get_run(session, run_id))
     session.commit()
     return public_note(note)
 
@@ -49,4 +54,7 @@ def delete_note(session: Session, run_id: str, note_id: int) -> None:
     if note is None or note.run_id != run_id:
         raise NotFound(f"run {run_id!r} has no note {note_id}")
     session.delete(note)
+    if note.handled:
+        session.flush()
+        refresh_run_health(session, get_run(session, run_id))
     session.commit()
