@@ -9,7 +9,6 @@ from pathlib import Path
 
 import httpx
 import pytest
-import torch
 
 from tests.conftest import LiveServer
 from tests.server.pages.conftest import open_browser
