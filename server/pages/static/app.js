@@ -218,7 +218,10 @@
       });
     }
     if (indices.length) {
-      Plotly.restyle(el, { y: ys }, indices);
+      // a restyle of y re-guesses the types of the traces' axes: the x axis keeps the one
+      // the server chose (a date on ?x=wall, not epoch milliseconds as numbers)
+      Plotly.update(el, { y: ys }, { "xaxis.type": el.layout.xaxis.type || "linear" },
+        indices);
     }
     var log = tools.querySelector(".log-axis").checked ? "log" : "linear";
     if (el.layout.yaxis.type !== log) {
