@@ -13,6 +13,13 @@
     return /[",\n]/.test(text) ? '"' + text.replace(/"/g, '""') + '"' : text;
   }
 
+  // the loss chart draws each line twice, raw and smoothed, under one legend name: the
+  // CSV names them apart so that no series holds two rows a step
+  function seriesName(trace) {
+    var suffix = { "loss-raw": " (raw)", "loss-smooth": " (smoothed)" }[trace.meta];
+    return suffix ? trace.name + suffix : trace.name;
+  }
+
   function downloadCsv(el) {
     var rows = ["trace,x,y"];
     (el._fullData || []).forEach(function (trace) {
@@ -21,7 +28,7 @@
       }
       for (var i = 0; i < trace.x.length; i++) {
         if (trace.x[i] !== null && trace.x[i] !== undefined) {
-          rows.push([trace.name, trace.x[i], trace.y[i]].map(csvCell).join(","));
+          rows.push([seriesName(trace), trace.x[i], trace.y[i]].map(csvCell).join(","));
         }
       }
     });

@@ -67,3 +67,24 @@ def test_a_charts_data_downloads_as_csv_made_in_the_browser(field_browser, field
     fallen = [line for line in lines[1:] if line.startswith("scale below 2^-24,")]
     assert len(scale) + len(fallen) == field_runs.steps  # the rest: on the row under the axis
     browser.assert_clean()
+
+
+def test_the_loss_csv_names_raw_and_smoothed_apart(field_browser, field_runs):
+    """Issue #59 point 2: one row per step and series; raw and smoothed are two series."""
+    browser = field_browser
+    browser.goto("/runs/sgd-bf16")
+    browser.wait_for_plots("loss")
+    browser.page.locator("#fig-loss").hover()
+    with browser.page.expect_download() as download:
+        browser.page.locator("#fig-loss .modebar-btn[data-title='Download data as CSV']"
+                             ).click()
+    rows = [line.split(",") for line in
+            Path(download.value.path()).read_text().splitlines()[1:]]
+    by_series: dict[str, list[str]] = {}
+    for name, x, _ in rows:
+        by_series.setdefault(name, []).append(x)
+    assert {"rank 0 (raw)", "rank 0 (smoothed)"} <= set(by_series), set(by_series)
+    for name, xs in by_series.items():
+        assert len(xs) == len(set(xs)), f"{name}: two rows at one step"
+    assert by_series["rank 0 (raw)"] == by_series["rank 0 (smoothed)"]
+    browser.assert_clean()
