@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import quote
@@ -184,17 +185,20 @@ class Client:
         return Run.from_json(self._request("PUT", f"/runs/{_segment(run_id)}", json=body))
 
     def send_batch(self, run_id: str, body: dict[str, Any] | bytes, *,
-                   gzipped: bool = False) -> BatchAck:
+                   gzipped: bool = False, made_at: datetime | None = None) -> BatchAck:
         """POST one batch (wire form, or its JSON bytes, gzip-compressed when `gzipped`).
-        A batch the server already has is acknowledged with `duplicate=True`."""
+        A batch the server already has is acknowledged with `duplicate=True`. `made_at`:
+        when its data was made, for a batch sent late (the run's last seen time becomes
+        it, not the upload's)."""
+        params = {} if made_at is None else {"made_at": made_at.isoformat()}
+        path = f"/runs/{_segment(run_id)}/batches"
         if isinstance(body, bytes):
             headers = {"Content-Type": "application/json"}
             if gzipped:
                 headers["Content-Encoding"] = "gzip"
-            data = self._request("POST", f"/runs/{_segment(run_id)}/batches", content=body,
-                                 headers=headers)
+            data = self._request("POST", path, content=body, headers=headers, params=params)
         else:
-            data = self._request("POST", f"/runs/{_segment(run_id)}/batches", json=body)
+            data = self._request("POST", path, json=body, params=params)
         return BatchAck.from_json(data)
 
     def wait_for_step(self, run_id: str, step: int, timeout: float = 60.0, *,

@@ -109,6 +109,8 @@ class Run(Model):
     environment: dict[str, Any] = dataclasses.field(default_factory=dict)
     live: bool = False
     finished: bool = False  # every rank's agent detached
+    # the server's one word for it: waiting, live, stopped (reporting) or finished
+    reporting: str = "waiting"
     open_findings: int = 0
     open_problems: int = 0  # open incidents at warning or critical
     open_notes: int = 0  # open info incidents
@@ -124,6 +126,7 @@ class Run(Model):
     dropped_steps: int = 0
     missing_steps: int = 0
     reached_step: int | None = None  # the highest of its ranks'
+    steps_lost: int = 0  # trained, never stored: missing ones and those past the last
     last_seen_at: datetime | None = None
     archived_at: datetime | None = None  # per-step data dropped, summaries kept
     n_ranks: int = 0  # every rank that sent anything (`ranks` lists them all here)

@@ -14,6 +14,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -156,7 +157,9 @@ def _upload(client: Client, path: Path, registered: dict[str, Any],
         client.register_run(run_id, entry["run"])
         registered[run_id] = entry["run"]
     body = gzip.compress(json.dumps(batch, allow_nan=False).encode(), compresslevel=5)
-    ack = client.send_batch(run_id, body, gzipped=True)
+    # the agent wrote the file when it made the batch: the run was last seen then, not now
+    made_at = datetime.fromtimestamp(path.stat().st_mtime, UTC)
+    ack = client.send_batch(run_id, body, gzipped=True, made_at=made_at)
     path.unlink()  # only now: the server has committed (or already had) it
     report.runs.add(run_id)
     if ack.duplicate:

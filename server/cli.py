@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import errno
 import os
 import signal
 import sys
@@ -76,9 +77,17 @@ def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from ampwatch.server.app import create_app
-    from ampwatch.server.serving import limit_malloc_arenas, uvicorn_options
+    from ampwatch.server.serving import bind_listener, limit_malloc_arenas, uvicorn_options
 
     settings = _settings(args)
+    # the port first: one in use is told before anything starts or a database is made
+    try:
+        listener = bind_listener(settings.host, settings.port)
+    except OSError as exc:
+        why = ("is in use (is another server running? choose one with --port)"
+               if exc.errno == errno.EADDRINUSE else f"cannot be bound: {exc.strerror}")
+        print(f"ampwatch: port {settings.port} on {settings.host} {why}", file=sys.stderr)
+        return 1
     limit_malloc_arenas()  # before any thread allocates
     with _clear_database_errors(settings):
         app = create_app(settings)
@@ -95,8 +104,9 @@ def _serve(args: argparse.Namespace) -> int:
                               max_connections=settings.max_concurrent_requests * 8 + 64)
     if args.exit_with_parent:
         _exit_when_orphaned(os.getppid())
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=args.log_level,
-                **options)
+    config = uvicorn.Config(app, host=settings.host, port=settings.port,
+                            log_level=args.log_level, **options)
+    uvicorn.Server(config).run(sockets=[listener])
     return 0
 
 

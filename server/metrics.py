@@ -11,6 +11,7 @@ latency histograms are per process, in a registry of the app's own (no global st
 
 from __future__ import annotations
 
+import collections
 import hmac
 from collections.abc import Iterator
 from datetime import timedelta
@@ -31,7 +32,8 @@ from sqlalchemy.orm import sessionmaker
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.deps import SettingsDep
-from ampwatch.server.models import AlertNotification, Finding, RunRank, as_utc, utcnow
+from ampwatch.server.findings.queries import open_severities_by_run
+from ampwatch.server.models import AlertNotification, RunRank, as_utc, utcnow
 from ampwatch.server.schemas.batches import BatchAck
 from ampwatch.server.services.runs import live_runs
 from ampwatch.server.settings import Settings
@@ -127,10 +129,10 @@ class RunHealthCollector:
                        func.sum(RunRank.skipped).label("skipped"),
                        func.max(RunRank.last_step).label("last_step"))
                 .where(RunRank.run_id.in_(ids)).group_by(RunRank.run_id))} if ids else {}
-            open_counts = {(r, s): n for r, s, n in session.execute(
-                select(Finding.run_id, Finding.severity, func.count())
-                .where(Finding.run_id.in_(ids), Finding.status == "open")
-                .group_by(Finding.run_id, Finding.severity))} if ids else {}
+            # open as everywhere: incidents marked handled left out
+            open_counts = collections.Counter((run_id, severity) for run_id, found
+                                  in open_severities_by_run(session, ids).items()
+                                  for severity in found)
             pending = session.scalar(select(func.count()).select_from(AlertNotification)
                                      .where(AlertNotification.status == "pending"))
             backlog, lag = pending_batches(session), lag_seconds(session)

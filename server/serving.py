@@ -168,3 +168,21 @@ def uvicorn_options(header_timeout_s: float, send_timeout_s: float, max_connecti
         "h11_max_incomplete_event_size": MAX_HEADER_BYTES,
         "limit_concurrency": max_connections,
     }
+
+
+def bind_listener(host: str, port: int) -> socket.socket:
+    """A listening socket on (host, port), bound before anything else starts, so that a
+    port in use is told at once and nothing (no database file) is made. OSError as
+    `socket.bind` raises it (errno EADDRINUSE: the port is in use)."""
+    family, kind, proto, _, address = socket.getaddrinfo(
+        host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    listener = socket.socket(family, kind, proto)
+    try:
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+        listener.bind(address)
+        listener.listen(2048)
+    except OSError:
+        listener.close()
+        raise
+    listener.set_inheritable(True)
+    return listener

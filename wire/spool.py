@@ -152,8 +152,13 @@ def recover_crash_window(directory: Path) -> int:
         batch = {"rank": rank, "seq": next_seq,
                  "dropped_batches": int(state.get("dropped_batches", 0)),
                  "dropped_steps": dropped, "steps": [], "events": []}
-        atomic_write(batch_path(directory, next_seq),
-                     encode_entry(directory.parent.name, rank, next_seq, None, batch))
+        tally = batch_path(directory, next_seq)
+        atomic_write(tally, encode_entry(directory.parent.name, rank, next_seq, None, batch))
+        # dated when the agent last decoded a step: `ampwatch sync` tells the server the
+        # run was last seen then, not at the upload
+        with contextlib.suppress(OSError):
+            decoded_at = (directory / PROGRESS).stat().st_mtime
+            os.utime(tally, (decoded_at, decoded_at))
         write_state(directory, {**state, "next_seq": next_seq + 1, "dropped_steps": dropped,
                                 "batch_dropped_steps": dropped, "last_step": seen})
     with contextlib.suppress(FileNotFoundError):

@@ -48,8 +48,10 @@ def list_runs(args: argparse.Namespace) -> int:
 
 
 def state(run: Run) -> str:
-    """' (live)' while a batch arrived recently, ' (finished)' once every rank detached."""
-    return " (live)" if run.live else " (finished)" if run.finished else ""
+    """' (live)' while a batch arrived recently, ' (finished)' once every rank detached,
+    ' (stopped reporting)' when it went quiet without detaching: the server's word."""
+    return {"live": " (live)", "finished": " (finished)",
+            "stopped": " (stopped reporting)"}.get(run.reporting, "")
 
 
 def problems(run: Run) -> str:
@@ -159,7 +161,7 @@ def summary(run: Run) -> str:
     if run.analysis_pending:
         fields.append(("analysis", f"{to_judge(run)}: findings may still come"))
     losses = [("lost batches", run.lost_batches), ("dropped batches", run.dropped_batches),
-              ("dropped steps", run.dropped_steps)]
+              ("steps lost", run.steps_lost)]
     fields += [(label, str(count)) for label, count in losses if count]
     width = max(len(label) for label, _ in fields)
     lines = [f"{label + ':':<{width + 1}} {value}" for label, value in fields]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
@@ -22,15 +23,22 @@ router = APIRouter(prefix="/runs", tags=["ingest"])
     openapi_extra=json_body_schema(BatchIn),
 )
 def post_batch(run_id: RunIdPath, batch: Annotated[BatchIn, Depends(parsed_off_the_loop(BatchIn))],
-               session: SessionDep, settings: SettingsDep, request: Request) -> BatchAck:
+               session: SessionDep, settings: SettingsDep, request: Request,
+               made_at: datetime | None = None) -> BatchAck:
     """Store one batch of steps from one rank (gzip bodies welcome).
 
     Committed whole or not at all; a repeated (run, rank, seq) is acknowledged with
-    `duplicate: true` and ignored; a gap in seq is counted as lost batches.
+    `duplicate: true` and ignored; a gap in seq is counted as lost batches. `made_at`:
+    when the batch's data was made, for a batch sent late (`ampwatch sync` sends the
+    spool file's time): the rank's last seen time becomes it, not the upload's, so a
+    late upload never makes a run that stopped reporting live again.
     """
     metrics, worker = request.app.state.metrics, request.app.state.analysis_worker
+    if made_at is not None and made_at.tzinfo is None:
+        made_at = made_at.replace(tzinfo=UTC)
     ack = ingest_batch(session, run_id, batch, settings,
-                       hand_over=None if worker is None else worker.windows.offer)
+                       hand_over=None if worker is None else worker.windows.offer,
+                       made_at=made_at)
     metrics.batch_acknowledged(ack)
     return ack
 

@@ -17,6 +17,7 @@ from ampwatch.server.findings.schemas import (
     FindingsPublic,
     FindingStatus,
     IncidentsPublic,
+    IncidentStatus,
 )
 from ampwatch.server.schemas.common import MAX_PAGE_LIMIT, PAGE_LIMIT, Severity
 from ampwatch.server.services.runs import get_run
@@ -56,12 +57,13 @@ def get_run_findings(
 def get_run_incidents(
     run_id: RunIdPath,
     session: SessionDep,
-    status: FindingStatus | None = None,
+    status: IncidentStatus | None = None,
     severity: Severity | None = None,
 ) -> IncidentsPublic:
     """A run's findings grouped by root cause (same rank, cause and layer): one incident
-    with a headline, the first step, the fix and a timeline; open first, most severe
-    first. Each finding's `incident` field names its incident. 404 for an unknown run."""
+    with a headline, the first step, the fix and a timeline; open first, then handled
+    (marked handled, quiet since: open nowhere), most severe first. Each finding's
+    `incident` field names its incident. 404 for an unknown run."""
     get_run(session, run_id)
     return list_incidents(session, run_id, status=status, severity=severity)
 

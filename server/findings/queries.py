@@ -9,6 +9,7 @@ from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from ampwatch.server.findings.bisect_verdicts import with_verdicts
+from ampwatch.server.findings.handled import apply_marks, handled_marks, open_severities
 from ampwatch.server.findings.incidents import (
     Incident,
     group_incidents,
@@ -73,23 +74,49 @@ def list_findings(
 
 def incidents_by_run(session: Session, run_ids: Iterable[str], *,
                      open_only: bool = False) -> dict[str, list[Incident]]:
-    """The incidents of each run, from all its findings (or only its open ones): one
-    query; findings per run are few (one per key and episode)."""
+    """The incidents of each run, from all its findings: open, then handled (marked
+    handled and quiet since: server/findings/handled.py), then resolved; `open_only`
+    leaves the resolved ones out. One query of findings (per run they are few: one per
+    key and episode), one of the handled marks."""
     run_ids = list(run_ids)
     if not run_ids:
         return {}
     query = select(Finding).where(Finding.run_id.in_(run_ids)).order_by(Finding.id)
-    if open_only:
-        query = query.where(Finding.status == "open")
     by_run: dict[str, list[Finding]] = {run_id: [] for run_id in run_ids}
     for finding in session.scalars(query):
         by_run[finding.run_id].append(finding)
     orders = layer_orders(session, [run_id for run_id, found in by_run.items()
                                     if needs_layer_order(found)])
     verdicts = bisected_bundles(session, run_ids)
-    return {run_id: with_verdicts(group_incidents(found, orders.get(run_id)),
+    marks = handled_marks(session, run_ids)
+    found_by_run = {}
+    for run_id, found in by_run.items():
+        incidents = with_verdicts(group_incidents(found, orders.get(run_id)),
                                   verdicts.get(run_id, ()))
-            for run_id, found in by_run.items()}
+        if run_id in marks:
+            incidents = apply_marks(incidents, marks[run_id],
+                                    {f.id: as_utc(f.updated_at) for f in found})
+        found_by_run[run_id] = [i for i in incidents
+                                if not open_only or i.status != "resolved"]
+    return found_by_run
+
+
+def open_severities_by_run(session: Session, run_ids: Iterable[str]) -> dict[str, list[str]]:
+    """Per run, the severities of its open findings, less those of incidents marked
+    handled (server/findings/handled.py): what the run's status, its counts and
+    /metrics count. One query; the incidents are grouped only for runs with a mark."""
+    run_ids = list(run_ids)
+    severity_of: dict[str, dict[int, str]] = {run_id: {} for run_id in run_ids}
+    if run_ids:
+        for run_id, finding_id, severity in session.execute(
+                select(Finding.run_id, Finding.id, Finding.severity)
+                .where(Finding.run_id.in_(run_ids), Finding.status == "open")):
+            severity_of[run_id][finding_id] = severity
+    marked = [run_id for run_id in handled_marks(session, run_ids) if severity_of[run_id]]
+    incidents = incidents_by_run(session, marked, open_only=True)
+    return {run_id: (open_severities(incidents[run_id], found) if run_id in incidents
+                     else list(found.values()))
+            for run_id, found in severity_of.items()}
 
 
 def bisected_bundles(session: Session | Connection,

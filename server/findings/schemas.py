@@ -11,6 +11,8 @@ from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.schemas.common import Severity, WireNumber
 
 FindingStatus = Literal["open", "resolved"]
+# handled: open, but marked handled and quiet since (server/findings/handled.py)
+IncidentStatus = Literal["open", "handled", "resolved"]
 
 
 class FindingPublic(BaseModel):
@@ -52,7 +54,9 @@ class IncidentPublic(BaseModel):
     """Findings that share one root cause (the same rank, cause and layer), told once:
     `headline` and `fix` say what went wrong and what to do (None for an incident of one
     finding without a known cause: its finding's message says it), `timeline` how it
-    played out. `problem`: open and at least a warning."""
+    played out. `problem`: open (not handled) and at least a warning. `status`
+    "handled": open, but a person marked it handled and its signal has not returned
+    since; it counts as open nowhere."""
 
     id: int
     run_id: str
@@ -60,7 +64,7 @@ class IncidentPublic(BaseModel):
     cause: str | None
     layer: str | None
     severity: Severity
-    status: FindingStatus
+    status: IncidentStatus
     problem: bool
     step: int | None
     last_step: int | None

@@ -15,11 +15,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import Select, bindparam, func, or_, select
+from sqlalchemy import Select, bindparam, or_, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.analysis.draft import SEVERITY_RANK, Detection, FindingDraft
+from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.settings import AnalysisSettings
+from ampwatch.server.findings.handled import has_marks, worst_status
+from ampwatch.server.findings.queries import open_severities_by_run
 from ampwatch.server.models import Finding, Run, utcnow
 
 OPEN, RESOLVED = "open", "resolved"
@@ -151,9 +153,10 @@ def apply_detections(session: Session, run_id: str, rank: int,
 
 
 def update_run_health(session: Session, run: Run, change: HealthChange) -> None:
-    """Apply `change` to the run: a full recount when a warning or critical finding moved,
-    else just the open count (info findings do not change the status)."""
-    if change.severe:
+    """Apply `change` to the run: a full recount when a warning or critical finding moved
+    or the run has incidents marked handled (a finding that changed may reopen one), else
+    just the open count (info findings do not change the status)."""
+    if change.severe or has_marks(session, run.id):
         refresh_run_health(session, run)
     elif change.open_delta:
         run.open_findings = max((run.open_findings or 0) + change.open_delta, 0)
@@ -161,12 +164,8 @@ def update_run_health(session: Session, run: Run, change: HealthChange) -> None:
 
 def refresh_run_health(session: Session, run: Run) -> None:
     """Set `run.status` from its worst open finding (info counts as healthy) and
-    `run.open_findings` to their number."""
-    counts = dict(session.execute(
-        select(Finding.severity, func.count())
-        .where(Finding.run_id == run.id, Finding.status == OPEN)
-        .group_by(Finding.severity)
-    ).all())
-    worst = max(counts, key=SEVERITY_RANK.__getitem__, default="info")
-    run.status = worst if SEVERITY_RANK[worst] > SEVERITY_RANK["info"] else "healthy"
-    run.open_findings = sum(counts.values())
+    `run.open_findings` to their number; findings of incidents marked handled are not
+    open (server/findings/handled.py)."""
+    severities = open_severities_by_run(session, [run.id])[run.id]
+    run.status = worst_status(severities)
+    run.open_findings = len(severities)

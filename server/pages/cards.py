@@ -48,7 +48,8 @@ LEADING_STEP = re.compile(r"^Step [\d,]+: ")
 
 def incident_panel(twin: dict) -> dict:
     """The overview's findings panel: one card per incident (root cause), split into
-    problems (open, warning or critical), notes (open, info) and resolved ones, each
+    problems (open, warning or critical), handled ones (marked handled, quiet since:
+    shown struck through under the problems), notes (open, info) and resolved ones, each
     ordered by severity, then cards of symptoms alone last, then by the first step of
     its leading signal. Each card
     carries its findings (for their messages), a title that names its first step, and
@@ -60,7 +61,7 @@ def incident_panel(twin: dict) -> dict:
     run_id, run_last = run["id"], run.get("last_step")
     path = f"/runs/{quote(run_id)}"
     layer_index = twin.get("layer_index", {})
-    cards: dict[str, list[dict]] = {"problems": [], "notes": [], "resolved": []}
+    cards: dict[str, list[dict]] = {"problems": [], "handled": [], "notes": [], "resolved": []}
     bundles = incident_bundles(twin["incidents"], twin.get("bundles") or [])
     for incident in twin["incidents"]:
         members = [findings[i] for i in incident["findings"] if i in findings]
@@ -86,7 +87,8 @@ def incident_panel(twin: dict) -> dict:
                                             rank=incident["rank"])
                                   if incident["step"] is not None else
                                   f"{path}/layers/{index}?rank={incident['rank']}")
-        group = ("resolved" if incident["status"] != "open" else
+        group = ("handled" if incident["status"] == "handled" else
+                 "resolved" if incident["status"] != "open" else
                  "problems" if incident["problem"] else "notes")
         cards[group].append(card)
     for group in cards.values():

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from datetime import datetime
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -34,6 +34,8 @@ from ampwatch.server.schemas.common import (
     WireNumber,
     bounded_json,
 )
+
+Reporting = Literal["waiting", "live", "stopped", "finished"]
 
 
 class ScalerConfig(BaseModel):
@@ -124,6 +126,9 @@ class RunPublic(BaseModel):
     environment: dict[str, Any]
     status: Health
     live: bool  # a batch arrived within `live_seconds` and not every rank has finished
+    # one word for all of the above (services/runs.run_state): waiting (no batch yet),
+    # live, stopped (quiet past `live_seconds` without detaching) or finished
+    reporting: Reporting = "waiting"
     finished: bool = False  # every rank's agent detached (and sent no step since)
     open_findings: int
     # open incidents (findings grouped by root cause): warning or critical ones, info ones
@@ -143,6 +148,9 @@ class RunPublic(BaseModel):
     dropped_steps: int
     missing_steps: int
     reached_step: int | None = None  # the highest of its ranks' (RankPublic.reached_step)
+    # steps trained but never stored: missing ones (dropped, holes) and those past the
+    # last stored step that the process had reached (its heartbeat)
+    steps_lost: int = 0
     created_at: datetime
     updated_at: datetime
     last_seen_at: datetime | None

@@ -7,11 +7,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from types import SimpleNamespace
 
 import numpy as np
-from sqlalchemy import bindparam, func, literal, select, update
+from sqlalchemy import bindparam, case, func, literal, select, update
 from sqlalchemy.exc import SQLAlchemyError
 from sqlalchemy.orm import Session
 
@@ -47,8 +47,8 @@ from ampwatch.wire import FINISHED_EVENT, encode_tree
 
 
 def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settings,
-                 hand_over: Callable[[str, int, BatchKey, StepSeries, int], None] | None = None
-                 ) -> BatchAck:
+                 hand_over: Callable[[str, int, BatchKey, StepSeries, int], None] | None = None,
+                 made_at: datetime | None = None) -> BatchAck:
     """Store `batch` in one transaction; a repeated (run, rank, seq) changes nothing.
 
     A repeat must carry the same steps (a replay); a different batch under a used seq
@@ -61,11 +61,14 @@ def ingest_batch(session: Session, run_id: str, batch: BatchIn, settings: Settin
     only adds to the transaction; this function alone commits or rolls it back (on a
     duplicate, and on any error). hand_over: given the batch's steps, unpacked, once they
     are committed for analysis, with the first step its judgement reads (an embedded
-    worker's `RankWindows.offer`).
+    worker's `RankWindows.offer`). made_at: when the batch's data was made, for a batch
+    sent late (`ampwatch sync` replaying a spool): the rank's `last_seen_at` becomes it
+    (never later than now, never earlier than it was), so a late upload of a dead run's
+    steps does not make it live again.
     """
     with writing(session):
         try:
-            target = _validate(session, run_id, batch)
+            target = _validate(session, run_id, batch, made_at)
             stored = _store(session, target, batch)
             if stored.duplicate:
                 _check_replay(session, target, batch, stored.row)
@@ -126,14 +129,16 @@ class _Folded:
     rank_last_step: int | None  # the rank's last step before this batch (a restart's: before it)
 
 
-def _validate(session: Session, run_id: str, batch: BatchIn) -> _Target:
+def _validate(session: Session, run_id: str, batch: BatchIn,
+              made_at: datetime | None = None) -> _Target:
     """The run exists, the batch's vectors fit its layer table, and its seq is not far
     past the rank's next one. Touches and locks the rank's own row (made on the rank's
     first batch), never the run's: ranks of one run commit concurrently on Postgres."""
     # The first statement is a write (on the rank's row), so a writer from another process
     # queues on SQLite's busy timeout instead of failing on a read-to-write lock upgrade.
     now = utcnow()
-    if not _touch_rank(session, run_id, batch.rank, now):
+    seen = now if made_at is None else min(now, made_at.astimezone(UTC))
+    if not _touch_rank(session, run_id, batch.rank, seen):
         raise NotFound(f"no run with id {run_id!r}: register it with PUT /api/v1/runs/{run_id}")
     run = session.execute(select(Run.n_layers, Run.archived_at).where(Run.id == run_id)).one()
     if run.archived_at is not None and batch.steps:
@@ -156,7 +161,8 @@ def _validate(session: Session, run_id: str, batch: BatchIn) -> _Target:
 
 
 def _touch_rank(session: Session, run_id: str, rank: int, now: datetime) -> bool:
-    """Set the rank's `last_seen_at`, making its row (empty totals) on its first batch;
+    """Move the rank's `last_seen_at` up to `now` (never back: a late upload of older data
+    leaves it), making its row (empty totals) on its first batch;
     the row stays locked to the transaction. False when the run does not exist. Run-level
     `last_seen_at` is the newest of its ranks' (`runs.run_public`, `runs.live_runs`)."""
     return session.execute(_TOUCH_RANK(session), {"run_id": run_id, "rank": rank,
@@ -170,12 +176,15 @@ _RANK_KEYS = ("run_id", "rank", "last_seen_at")
 
 def _touch_rank_statement(insert):
     columns = RunRank.__table__.c
+    seen = bindparam("last_seen_at", type_=columns["last_seen_at"].type)
     values = select(*(bindparam(k, type_=columns[k].type).label(k) for k in _RANK_KEYS),
                     *(literal(v, columns[k].type).label(k) for k, v in _EMPTY_RANK.items())
                     ).where(select(Run.id).where(Run.id == bindparam("run_id")).exists())
     return (insert(RunRank.__table__).from_select([*_RANK_KEYS, *_EMPTY_RANK], values)
             .on_conflict_do_update(index_elements=[RunRank.run_id, RunRank.rank],
-                                   set_={"last_seen_at": bindparam("last_seen_at")})
+                                   set_={"last_seen_at": case(
+                                       (columns["last_seen_at"] > seen,
+                                        columns["last_seen_at"]), else_=seen)})
             .returning(RunRank.rank))  # rowcount is -1 for INSERT .. SELECT on psycopg
 
 

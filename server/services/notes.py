@@ -9,6 +9,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.errors import InvalidInput, NotFound, TooMany
 from ampwatch.server.findings.queries import list_incidents
+from ampwatch.server.findings.store import refresh_run_health
 from ampwatch.server.models import RunNote, as_utc
 from ampwatch.server.schemas.notes import MAX_NOTES_PER_RUN, NoteCreate, NotePublic
 from ampwatch.server.services.runs import get_run
@@ -31,7 +32,8 @@ def note_count(session: Session, run_id: str) -> int:
 
 
 def add_note(session: Session, run_id: str, body: NoteCreate) -> NotePublic:
-    """Store a note; an incident it names must be one of the run's."""
+    """Store a note; an incident it names must be one of the run's. A `handled` note
+    recounts the run's health: the incident no longer counts as open."""
     get_run(session, run_id)
     text = body.text.strip()
     if body.handled and body.incident is None:
@@ -46,6 +48,9 @@ def add_note(session: Session, run_id: str, body: NoteCreate) -> NotePublic:
                       "delete some first")
     note = RunNote(run_id=run_id, incident=body.incident, handled=body.handled, text=text)
     session.add(note)
+    if body.handled:
+        session.flush()
+        refresh_run_health(session, get_run(session, run_id))
     session.commit()
     return public_note(note)
 
@@ -56,4 +61,7 @@ def delete_note(session: Session, run_id: str, note_id: int) -> None:
     if note is None or note.run_id != run_id:
         raise NotFound(f"run {run_id!r} has no note {note_id}")
     session.delete(note)
+    if note.handled:
+        session.flush()
+        refresh_run_health(session, get_run(session, run_id))
     session.commit()

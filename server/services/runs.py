@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any
 
@@ -16,7 +17,13 @@ from ampwatch.server.errors import NotFound
 from ampwatch.server.findings.incidents import Incident
 from ampwatch.server.findings.queries import incidents_by_run
 from ampwatch.server.models import Batch, Layer, Run, RunRank, as_utc, utcnow
-from ampwatch.server.schemas.runs import RankPublic, RunPublic, RunsPublic, RunUpsert
+from ampwatch.server.schemas.runs import (
+    RankPublic,
+    Reporting,
+    RunPublic,
+    RunsPublic,
+    RunUpsert,
+)
 from ampwatch.server.settings import Settings
 from ampwatch.server.worker.queue import pending_count
 from ampwatch.wire import DELIVERY_EVENT, encode_tree
@@ -284,6 +291,41 @@ def _moment(value: Any) -> datetime | None:
     return (moment if moment.tzinfo else moment.replace(tzinfo=UTC)).astimezone(UTC)
 
 
+@dataclass(frozen=True)
+class RunState:
+    """Where a run stands, told the same by the page, the API, `ampwatch show` and
+    `sync`, the trackers and /metrics: `reporting` (waiting, live, stopped, finished),
+    when it was last seen (the time of its newest data: a late upload by `ampwatch sync`
+    keeps it, see `ingest_batch`'s made_at) and the steps it lost."""
+
+    reporting: Reporting
+    last_seen_at: datetime | None
+    steps_lost: int
+
+
+def run_state(totals: Row | None, live_seconds: float,
+              now: datetime | None = None) -> RunState:
+    """The state of a run from its ranks' totals (`rank_totals`; None: no rank yet).
+    Steps lost: the missing ones (dropped, holes up to the last stored step) or, when
+    more, those past the last stored step that the process reached (its heartbeat) and
+    never sent; `ampwatch sync` counts that tail as dropped, so it is not added twice."""
+    if totals is None:
+        return RunState("waiting", None, 0)
+    last_seen = as_utc(totals.last_seen_at)
+    unsent = 0
+    if totals.reached_step is not None:
+        unsent = max(0, totals.reached_step - (-1 if totals.last_step is None
+                                                else totals.last_step))
+    # a sync's tally counts the killed tail as dropped too: the larger, not the sum
+    lost = max(int(totals.missing_steps or 0), unsent)
+    if totals.n_ranks and totals.finished == totals.n_ranks:
+        return RunState("finished", last_seen, lost)
+    if last_seen is None:
+        return RunState("waiting", None, lost)
+    quiet = ((now or utcnow()) - last_seen).total_seconds()
+    return RunState("live" if quiet <= live_seconds else "stopped", last_seen, lost)
+
+
 def run_public(run: Run, ranks: list[RunRank], settings: Settings,
                open_incidents: list[Incident], totals: Row | None,
                analysis_pending: int) -> RunPublic:
@@ -295,11 +337,7 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
     # Postgres sums BIGINT to NUMERIC
     steps = int(totals.steps or 0) if totals else 0
     skipped = int(totals.skipped or 0) if totals else 0
-    last_seen = as_utc(totals.last_seen_at) if totals else None
-    finished = n_ranks > 0 and totals.finished == n_ranks
-    live = not finished and last_seen is not None and (
-        (utcnow() - last_seen).total_seconds() <= settings.live_seconds
-    )
+    state = run_state(totals, settings.live_seconds)
     lead = min(ranks, key=lambda r: r.rank) if ranks else None
     return RunPublic(
         id=run.id,
@@ -309,11 +347,13 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
         config=run.config,
         environment=run.environment,
         status=run.status if steps else "no_data",  # a run with no data is never healthy
-        live=live,
-        finished=finished,
+        live=state.reporting == "live",
+        finished=state.reporting == "finished",
+        reporting=state.reporting,
+        steps_lost=state.steps_lost,
         open_findings=run.open_findings,
         open_problems=sum(i.problem for i in open_incidents),
-        open_notes=sum(not i.problem for i in open_incidents),
+        open_notes=sum(i.status == "open" and not i.problem for i in open_incidents),
         analysis_pending=analysis_pending,
         n_layers=run.n_layers,
         steps=steps,
@@ -328,7 +368,7 @@ def run_public(run: Run, ranks: list[RunRank], settings: Settings,
         reached_step=totals.reached_step if totals else None,
         created_at=as_utc(run.created_at),
         updated_at=as_utc(run.updated_at),
-        last_seen_at=last_seen,
+        last_seen_at=state.last_seen_at,
         archived_at=as_utc(run.archived_at),
         n_ranks=n_ranks,
         ranks=[

@@ -26,6 +26,13 @@
       name.replace(/&lt;/g, "<").replace(/&gt;/g, ">").replace(/&amp;/g, "&");
   }
 
+  // the loss chart draws each line twice, raw and smoothed, under one legend name: the
+  // CSV names them apart so that no series holds two rows a step
+  function seriesName(trace) {
+    var suffix = { "loss-raw": " (raw)", "loss-smooth": " (smoothed)" }[trace.meta];
+    return suffix ? trace.name + suffix : trace.name;
+  }
+
   function downloadCsv(el) {
     var rows = ["trace,x,y"];
     (el._fullData || []).forEach(function (trace) {
@@ -34,7 +41,8 @@
       }
       for (var i = 0; i < trace.x.length; i++) {
         if (trace.x[i] !== null && trace.x[i] !== undefined) {
-          rows.push([plainName(trace.name), trace.x[i], trace.y[i]].map(csvCell).join(","));
+          rows.push([plainName(seriesName(trace)), trace.x[i], trace.y[i]].map(csvCell)
+            .join(","));
         }
       }
     });
@@ -231,7 +239,10 @@
       });
     }
     if (indices.length) {
-      Plotly.restyle(el, { y: ys }, indices);
+      // a restyle of y re-guesses the types of the traces' axes: the x axis keeps the one
+      // the server chose (a date on ?x=wall, not epoch milliseconds as numbers)
+      Plotly.update(el, { y: ys }, { "xaxis.type": el.layout.xaxis.type || "linear" },
+        indices);
     }
     var log = tools.querySelector(".log-axis").checked ? "log" : "linear";
     if (el.layout.yaxis.type !== log) {

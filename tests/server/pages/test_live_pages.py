@@ -12,6 +12,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from datetime import datetime
 from pathlib import Path
 
 import httpx
@@ -155,13 +156,39 @@ def test_a_killed_training_process_is_told_apart_from_a_finished_run(
     assert browser.page.locator(".run-title .finished").count() == 0
     notice = browser.page.locator("#stopped-reporting").inner_text()
     assert f"at step {run['last_step']:,}" in notice and "killed" in notice
-    lost = reached - stored
+    # one count of the steps lost (services/runs.run_state), the same on the page,
+    # the API and `ampwatch show`
+    run = api_run(quick_server, "killed-run")
+    lost = max(reached - stored, run["missing_steps"])
+    assert (run["reporting"], run["steps_lost"]) == ("stopped", lost)
+    assert browser.page.locator("#steps-lost").inner_text() == (
+        f"{lost:,} step{'' if lost == 1 else 's'} lost")
     assert browser.page.locator("#steps-in-memory").inner_text() == (
-        f"Last step stored {stored:,}; the process had reached step {reached:,}: "
-        f"{lost:,} step{'' if lost == 1 else 's'} ({stored + 1:,}\u2013{reached:,}) were in "
-        "its memory or spool and never arrived.")
+        f": the process had reached step {reached:,}, and steps {stored + 1:,}\u2013"
+        f"{reached:,} were in its memory or spool and never arrived")
     assert browser.page.locator("#stat-last-step").inner_text() == f"{run['last_step']:,}"
     browser.shoot("killed-run")
+    env = {**os.environ, "AMPWATCH_SERVER": quick_server.url, "PYTHONPATH": str(ROOT)}
+    show = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "show", "killed-run"],
+                          capture_output=True, text=True, env=env, check=True).stdout
+    assert "stopped reporting" in show and "steps lost:" in show
+    assert f" {lost}\n" in show.split("steps lost:")[1][:40] + "\n"
+
+    # `ampwatch sync` of what the killed child left in its spool: the run stays stopped,
+    # last seen is still the time of its data, not of the upload
+    spool = tmp_path / "spool"
+    synced_at = time.time()
+    if spool.exists():
+        subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "sync", str(spool)],
+                       capture_output=True, text=True, env=env, timeout=60)
+    synced = api_run(quick_server, "killed-run")
+    assert (synced["live"], synced["reporting"]) == (False, "stopped")
+    last_seen = datetime.fromisoformat(synced["last_seen_at"]).timestamp()
+    assert last_seen < synced_at - LIVE_SECONDS  # the time of its data, not the sync's
+    assert synced["steps_lost"] >= lost
+    show = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "show", "killed-run"],
+                          capture_output=True, text=True, env=env, check=True).stdout
+    assert "stopped reporting" in show
 
     browser.goto("/")
     row = browser.page.locator("tr[data-run-id='killed-run']")

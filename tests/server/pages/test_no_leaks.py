@@ -96,8 +96,30 @@ def test_a_csv_holds_plain_names_and_no_formula(chromium, tmp_path):
             browser.page.locator("#fig-loss .modebar-btn[data-title='Download data as CSV']"
                                  ).click()
         rows = list(csv.reader(Path(download.value.path()).read_text().splitlines()))
-        names = {row[0] for row in rows[1:]}
-        assert names == {"'" + FORMULA, MARKUP}, names
+        names = {row[0] for row in rows[1:]}  # the loss: each run raw and smoothed
+        assert names == {f"{name} ({line})" for name in ("'" + FORMULA, MARKUP)
+                         for line in ("raw", "smoothed")}, names
         browser.page.context.close()
     finally:
         server.stop()
+
+
+def test_the_loss_csv_names_raw_and_smoothed_apart(field_browser, field_runs):
+    """One row per step and series: the loss chart's raw and smoothed lines are two series."""
+    browser = field_browser
+    browser.goto("/runs/sgd-bf16")
+    browser.wait_for_plots("loss")
+    browser.page.locator("#fig-loss").hover()
+    with browser.page.expect_download() as download:
+        browser.page.locator("#fig-loss .modebar-btn[data-title='Download data as CSV']"
+                             ).click()
+    rows = [line.split(",") for line in
+            Path(download.value.path()).read_text().splitlines()[1:]]
+    by_series: dict[str, list[str]] = {}
+    for name, x, _ in rows:
+        by_series.setdefault(name, []).append(x)
+    assert {"rank 0 (raw)", "rank 0 (smoothed)"} <= set(by_series), set(by_series)
+    for name, xs in by_series.items():
+        assert len(xs) == len(set(xs)), f"{name}: two rows at one step"
+    assert by_series["rank 0 (raw)"] == by_series["rank 0 (smoothed)"]
+    browser.assert_clean()
