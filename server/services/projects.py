@@ -4,6 +4,9 @@ What the project page and `GET /api/v1/projects/{project}/health` both answer.""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -25,8 +28,26 @@ from ampwatch.server.worker.queue import pending_count
 ENVIRONMENT_PREFIX = "env."  # environment keys, apart from config keys of the same name
 
 
+@dataclass(frozen=True)
+class ProjectView:
+    """A project's health and each run's settings as ranked (flattened keys), which the
+    page's charts draw against the outcomes."""
+
+    health: ProjectHealthPublic
+    settings: dict[str, dict[str, Any]]  # run id -> its flattened config and environment
+
+    def values(self, key: str) -> list[Any]:
+        """`key`'s value in each run of `health.runs` (None: not set)."""
+        return [self.settings.get(run.id, {}).get(key) for run in self.health.runs]
+
+
 def project_health(session: Session, project: str, *,
                    tag: str | None = None) -> ProjectHealthPublic:
+    """`read_project`'s health alone: the API's answer."""
+    return read_project(session, project, tag=tag).health
+
+
+def read_project(session: Session, project: str, *, tag: str | None = None) -> ProjectView:
     """Every run of `project` (those tagged `tag` when given), newest first, with its
     outcome: the worst of its open problems (incidents at warning or worse, as the runs
     list counts them), and its settings ranked (`rank_factors`; runs without data are
@@ -46,7 +67,7 @@ def project_health(session: Session, project: str, *,
     totals = rank_totals(session, ids)
     incidents = incidents_by_run(session, ids, open_only=True)
     kinds = _kinds(session, ids)
-    runs, ranked = [], []
+    runs, ranked, settings = [], [], {}
     for row in rows:
         steps = int(totals[row.id].steps or 0) if row.id in totals else 0
         problems = [i for i in incidents[row.id] if i.problem]
@@ -55,15 +76,17 @@ def project_health(session: Session, project: str, *,
             id=row.id, name=row.name, tags=row.tags or [], outcome=outcome, steps=steps,
             first_bad_step=min((i.step for i in problems if i.step is not None), default=None),
             kinds=sorted({kinds[f] for i in problems for f in i.findings if f in kinds})))
+        settings[row.id] = (flatten(row.config)
+                            | flatten(row.environment, ENVIRONMENT_PREFIX))
         if steps:
-            ranked.append(RunSettings(row.id, outcome, flatten(row.config)
-                                      | flatten(row.environment, ENVIRONMENT_PREFIX)))
+            ranked.append(RunSettings(row.id, outcome, settings[row.id]))
     unhealthy = sum(run.outcome in ("warning", "critical") for run in runs)
-    return ProjectHealthPublic(
+    health = ProjectHealthPublic(
         project=project, tag=tag or None, runs=runs, unhealthy=unhealthy,
         healthy=sum(run.outcome == "healthy" for run in runs),
         analysis_pending=sum(row.pending for row in rows),
         factors=[factor_public(f) for f in rank_factors(ranked)])
+    return ProjectView(health, settings)
 
 
 def _outcome(problems: list[Incident]) -> str:
@@ -89,3 +112,9 @@ def factor_public(factor: Factor) -> FactorPublic:
         summary=factor.summary, score=factor.score, chance=factor.chance,
         separates=factor.separates, credited=factor.credited,
         confounded_with=factor.confounded_with, verdict=factor.verdict)
+
+
+def project_tags(session: Session, project: str) -> list[str]:
+    """Every tag of the project's runs, sorted: what its page filters by. One query."""
+    return sorted({str(t) for tags in session.scalars(
+        select(Run.tags).where(Run.project == project)) for t in tags or []})

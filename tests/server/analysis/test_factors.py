@@ -110,3 +110,13 @@ def test_the_ranking_is_the_same_on_every_read():
 def test_flatten_dots_nested_keys_and_keeps_lists_as_values():
     assert flatten({"optimizer": {"lr": 0.1, "betas": [0.9, 0.99]}, "seed": 1, "none": None},
                    "") == {"optimizer.lr": 0.1, "optimizer.betas": "[0.9,0.99]", "seed": 1}
+
+
+def test_at_equal_scores_one_threshold_ranks_before_many_values():
+    """Each host ran one lr and seed, twice: hosts separate as exactly as lr does, with
+    twelve sides."""
+    runs = [RunSettings(f"{r.id}-{i}", r.outcome, {**r.settings, "host": r.id})
+            for i, r in enumerate(sweep() * 2)]
+    found = rank_factors(runs)
+    assert [f.key for f in found][:2] == ["lr", "host"]
+    assert found[1].separates and found[1].confounded_with == []
