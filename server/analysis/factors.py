@@ -242,7 +242,7 @@ def _numeric(key: str, values: list[Any], present: np.ndarray, labels: np.ndarra
     if not present.all():
         sides.append(_side(f"{key} {NOT_SET}", bad & ~present, critical & ~present,
                            int((~present).sum())))
-    return Factor(key, "numeric", sides, float(scores[0, best]),
+    return Factor(key, "numeric", sides, round(float(scores[0, best]), 9),
                   _chance(scores.max(axis=1), total_bad, n), threshold=threshold)
 
 
@@ -264,7 +264,8 @@ def _categorical(key: str, text: list[str], partition: np.ndarray, labels: np.nd
         sides.append(_side(label, labels[0].astype(bool) & mine, critical & mine, int(runs[code])))
     sides.sort(key=lambda s: (-s.unhealthy / s.runs, -s.runs, s.label))
     values = [s.label.split(" = ", 1)[1] for s in sides if " = " in s.label]
-    return Factor(key, "categorical", sides, float(scores[0]), _chance(scores, total_bad, n),
+    return Factor(key, "categorical", sides, round(float(scores[0]), 9),
+                  _chance(scores, total_bad, n),
                   values=values)
 
 

@@ -66,16 +66,26 @@ def factor_figure(factor: dict, runs: list[dict], values: list[Any]) -> Figure:
         if present and min(present) > 0 and max(present) / min(present) >= LOG_SPAN:
             fig.update_xaxes(type="log")
         if factor["threshold"] is not None:
-            at = factor["threshold"]
-            fig.add_vline(math.log10(at) if fig.layout["xaxis"].get("type") == "log" and at > 0
-                          else at, line={"color": MUTED, "dash": "dash", "width": 1},
-                          annotation={"text": label(f"{key} >= {at:g}"),
-                                      "font": {"color": MUTED, "size": 11}},
-                          annotation_position="top")
+            _threshold_line(fig, key, factor["threshold"], present)
     else:
         order = [*factor["values"], *(["not set"] if any(v is None for _, v in shown) else [])]
         fig.update_xaxes(type="category", categoryorder="array", categoryarray=order)
     return fig
+
+
+def _threshold_line(fig: Figure, key: str, at: float, present: list[float]) -> None:
+    """A dashed line between the split's sides (midway to the largest value below the
+    threshold; geometric on a log axis), labelled with the split."""
+    log = fig.layout["xaxis"].get("type") == "log"
+    below = max((v for v in present if v < at), default=at)
+    x = math.sqrt(at * below) if log else (at + below) / 2
+    fig.layout.setdefault("shapes", []).append(
+        {"type": "line", "x0": x, "x1": x, "xref": "x", "y0": 0, "y1": 1, "yref": "y domain",
+         "line": {"color": MUTED, "dash": "dash", "width": 1}})
+    # an annotation on a log axis is placed by the log of its x; a shape by x itself
+    fig.add_annotation(x=math.log10(x) if log else x, xref="x", y=1, yref="y domain",
+                       yanchor="bottom", showarrow=False, text=label(f"{key} >= {at:g}"),
+                       font={"color": MUTED, "size": 11})
 
 
 def _category(value: Any) -> str:
