@@ -30,6 +30,7 @@ from ampwatch.client.models import (
     Layer,
     LayerMatrix,
     LayerSeries,
+    ProjectHealth,
     Records,
     Run,
     Spike,
@@ -337,6 +338,17 @@ class Client:
                              params={"status": status, "severity": severity,
                                      **waiting.pop("params", {})}, **waiting)
         return Records((Incident.from_json(item) for item in body["items"]), of=Incident)
+
+    def project_health(self, project: str, *, tag: str | None = None,
+                       wait: float | None = None) -> ProjectHealth:
+        """Every run of `project` (tagged `tag`) with its outcome, and each config and
+        environment key ranked by how well it alone separates the unhealthy runs
+        (docs/projects.md); NotFound for a project without runs. `wait` as in
+        `findings` (every run's analysis)."""
+        waiting = self._waiting(wait)
+        return ProjectHealth.from_json(self._request(
+            "GET", f"/projects/{_segment(project)}/health",
+            params={"tag": tag, **waiting.pop("params", {})}, **waiting))
 
     # alerts
 

@@ -261,6 +261,66 @@ class Incident(Model):
 
 
 @dataclasses.dataclass(frozen=True)
+class ProjectRun(Model):
+    """A run of a project with its outcome: the worst of its open problems (healthy
+    without one; no_data before its first step), the first step of its first problem
+    and their finding kinds."""
+
+    id: str
+    name: str
+    outcome: str
+    first_bad_step: int | None = None
+    kinds: list[str] = dataclasses.field(default_factory=list)
+    tags: list[str] = dataclasses.field(default_factory=list)
+    steps: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class FactorSide(Model):
+    """The runs on one side of a setting's split ("lr >= 0.3") and how many went bad."""
+
+    label: str
+    runs: int
+    unhealthy: int
+    warning: int = 0
+    critical: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Factor(Model):
+    """A config or environment key (env.<key>) and how well it alone separates a
+    project's unhealthy runs: its split (`threshold`: key >= threshold; or `values`),
+    `score` (information gain over the outcomes' entropy, 0 to 1), `chance` (share of
+    shuffled outcomes split as well) and the keys it is confounded with."""
+
+    key: str
+    kind: str
+    summary: str
+    score: float
+    verdict: str
+    separates: bool = False
+    credited: bool = True
+    chance: float | None = None
+    threshold: float | None = None
+    values: list[Any] = dataclasses.field(default_factory=list)
+    sides: list[FactorSide] = dataclasses.field(default_factory=list)
+    confounded_with: list[str] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
+class ProjectHealth(Model):
+    """A project's runs with their outcomes, and its settings ranked best first."""
+
+    project: str
+    tag: str | None = None
+    runs: list[ProjectRun] = dataclasses.field(default_factory=list)
+    healthy: int = 0
+    unhealthy: int = 0
+    analysis_pending: int = 0
+    factors: list[Factor] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass(frozen=True)
 class Finding(Model):
     """Something the analysis flagged in a run: `severity` info/warning/critical,
     `status` open or resolved, steps `step..last_step`, `layer` when one is to blame."""

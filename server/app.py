@@ -30,6 +30,7 @@ from ampwatch.server.api import (
     fp8,
     health,
     notes,
+    projects,
     retention,
     runs,
     series,
@@ -202,7 +203,7 @@ def _add_routes(app: FastAPI, settings: Settings) -> None:
     protected = APIRouter(dependencies=token_dependencies(settings),
                           responses=PROTECTED if settings.token is not None else {})
     for module in (runs, batches, series, findings, fp8, spikes, retention, alerts,
-                   bundles, notes):
+                   bundles, notes, projects):
         protected.include_router(module.router)
     api.include_router(protected)
     app.include_router(api)

@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.http.guards import token_scheme
 from ampwatch.server.http.middleware import UNSAFE_METHODS
 from ampwatch.server.settings import Settings
-from ampwatch.wire import RUN_ID_PATTERN
+from ampwatch.wire import LABEL_MAX_CHARS, LABEL_PATTERN, RUN_ID_PATTERN
 
 
 def get_settings(request: Request) -> Settings:
@@ -30,6 +30,8 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 SessionDep = Annotated[Session, Depends(get_session)]
 RunIdPath = Annotated[str, Path(pattern=RUN_ID_PATTERN, description="the run's id")]
 NoteId = Annotated[int, Path(ge=1, le=2**31 - 1)]
+ProjectPath = Annotated[str, Path(min_length=1, max_length=LABEL_MAX_CHARS,
+                                  pattern=LABEL_PATTERN, description="the project's name")]
 
 
 def require_token(request: Request, settings: SettingsDep) -> None:

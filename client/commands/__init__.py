@@ -21,13 +21,21 @@ class BadUsage(Exception):
 
 
 def register(commands: argparse._SubParsersAction) -> None:
-    """Add runs, show, findings, check, export, sync, alerts and bundles to the `ampwatch`
-    parser."""
+    """Add runs, show, project, findings, check, export, sync, alerts and bundles to the
+    `ampwatch` parser."""
     # imported here: those modules import this package's helpers below
-    from ampwatch.client.commands import alerts, bundles, export, findings, runs, sync
+    from ampwatch.client.commands import (
+        alerts,
+        bundles,
+        export,
+        findings,
+        projects,
+        runs,
+        sync,
+    )
 
     common = common_options()
-    for module in (runs, findings, export, sync, alerts, bundles):
+    for module in (runs, projects, findings, export, sync, alerts, bundles):
         module.register(commands, common)
 
 

@@ -19,10 +19,10 @@ from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Resp
 from plotly.io.json import to_json_plotly
 from pydantic import ValidationError
 
-from ampwatch.server.deps import NoteId, RunIdPath, SessionDep, SettingsDep
+from ampwatch.server.deps import NoteId, ProjectPath, RunIdPath, SessionDep, SettingsDep
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.fields import NO_NUL
-from ampwatch.server.pages import auth, cards, compare, config, fp8, layer, views
+from ampwatch.server.pages import auth, cards, compare, config, fp8, layer, projects, views
 from ampwatch.server.pages.figures import (
     CHART_HEIGHT,
     DASHES,
@@ -433,6 +433,29 @@ def compare_page(
                        colours=[colour(i) for i in range(n)], x_axis=x_axis,
                        figures=figures, live_url=_live_url(request) if poll else None,
                        poll_ms=poll)
+
+
+@pages.get("/projects/{project:path}", response_class=HTMLResponse)
+def project_page(
+    request: Request,
+    project: ProjectPath,
+    session: SessionDep,
+    tag: Annotated[str | None, Query(max_length=256, pattern=NO_NUL)] = None,
+    output: Format = "html",
+) -> Response:
+    """Every run of a project with its outcome, the settings that separate the runs that
+    went bad, and each top setting charted against the outcomes."""
+    try:
+        twin = projects.project_twin(session, project, tag=tag or None)
+    except NotFound as exc:
+        return _not_found(request, exc)
+    if output == "json":
+        return WireJSONResponse(twin)
+    figures = projects.project_figures(twin)
+    if output == "update":
+        return _update(None, figures, {})
+    return render_page(request, "project.html", twin=twin, figures=figures,
+                       tag=tag or "")
 
 
 router.include_router(pages)

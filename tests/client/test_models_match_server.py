@@ -21,6 +21,7 @@ from ampwatch.server.alerts import schemas as alert_schemas
 from ampwatch.server.findings import schemas as analysis_schemas
 from ampwatch.server.schemas import batches, common, runs, series
 from ampwatch.server.schemas import bundles as bundle_schemas
+from ampwatch.server.schemas import projects as project_schemas
 
 # client model -> the server schema of the JSON it is built from
 PAIRS: dict[type, type[BaseModel]] = {
@@ -45,6 +46,10 @@ PAIRS: dict[type, type[BaseModel]] = {
     models.Delivery: alert_schemas.DeliveryPublic,
     models.BundleInfo: bundle_schemas.BundlePublic,
     models.BisectVerdict: bundle_schemas.BisectVerdictPublic,
+    models.ProjectRun: project_schemas.ProjectRunPublic,
+    models.FactorSide: project_schemas.FactorSidePublic,
+    models.Factor: project_schemas.FactorPublic,
+    models.ProjectHealth: project_schemas.ProjectHealthPublic,
 }
 
 

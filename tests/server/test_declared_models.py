@@ -109,7 +109,8 @@ def test_every_route_returns_its_declared_model(api, run_with_data):
     checked = 0
     for method, path, component in routes:
         model = classes[component]
-        url = path.replace("{run_id}", run_with_data).replace("{index}", "1")
+        url = (path.replace("{run_id}", run_with_data).replace("{index}", "1")
+               .replace("{project}", "tests"))
         if "{notification_id}" in path:
             deliveries = api.get("/api/v1/alerts/deliveries").json()["items"]
             if not deliveries:

@@ -107,6 +107,10 @@ def test_names_a_client_sent_are_shown_as_text(browser):
     browser.goto("/runs/xss-run")
     browser.wait_for_plots("loss_scale")
     assert browser.page.locator("h1").inner_text() == XSS
+    with browser.page.expect_navigation():
+        browser.page.locator(".run-head a.project-link").click()
+    assert browser.page.locator("h1").inner_text() == f"Project {XSS_PROJECT}"
+    assert browser.page.locator("#project-runs tbody tr td.run-name > a").inner_text() == XSS
     browser.goto("/runs/xss-run/layers")
     browser.wait_for_plots("grad_heatmap")
     assert XSS_LAYER in browser.page.locator("#precision").inner_text()

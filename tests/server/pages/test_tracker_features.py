@@ -95,6 +95,6 @@ def test_runs_filtered_by_tag_and_sorted_by_a_column(field_browser, field_runs):
     assert ids() == ["sgd-bf16"] and "sort=last_step" in browser.page.url
     with browser.page.expect_navigation():
         browser.page.locator("tr[data-run-id='sgd-bf16'] a.project-link").click()
-    assert browser.page.url.endswith("/?project=pages")  # the project's page: all its runs
+    assert browser.page.url.endswith("/projects/pages")  # the project's page: all its runs
     assert {"growing-fp16", "sgd-bf16"} <= set(ids())
     browser.assert_clean()
