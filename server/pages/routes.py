@@ -22,7 +22,7 @@ from pydantic import ValidationError
 from ampwatch.server.deps import NoteId, RunIdPath, SessionDep, SettingsDep
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.fields import NO_NUL
-from ampwatch.server.pages import auth, cards, compare, config, fp8, layer, views
+from ampwatch.server.pages import api_docs, auth, cards, compare, config, fp8, layer, views
 from ampwatch.server.pages.figures import (
     CHART_HEIGHT,
     DASHES,
@@ -435,4 +435,5 @@ def compare_page(
                        poll_ms=poll)
 
 
+pages.include_router(api_docs.router)
 router.include_router(pages)

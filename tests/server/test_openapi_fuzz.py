@@ -71,7 +71,8 @@ BUNDLE_CONTENT_CHECK = {
 def fuzz_schema(fuzz_app):
     config = SchemathesisConfig.from_dict({"operations": [BATCH_STATE_CHECK,
                                                           BUNDLE_CONTENT_CHECK]})
-    return schemathesis.openapi.from_asgi("/openapi.json", fuzz_app, config=config)
+    return schemathesis.openapi.from_asgi("/openapi.json", fuzz_app, config=config,
+                                          headers=auth_headers(fuzz_app))
 
 
 def auth_headers(app) -> dict[str, str]:
