@@ -377,7 +377,8 @@ class BisectVerdict(Model):
     `verdict` fixed (keeping `modules` in float32 makes the step finite; `fp8_modules`
     of them out of FP8), not_precision (every module in float32 still fails),
     input_nonfinite or not_reproduced; `fix` the code it printed, `reason` why no upcast
-    helps; `ran_at` when it ran, `recorded_at` when the server got it."""
+    helps; `ran_at` when it ran, `recorded_at` when the server got it; `reported_by` who
+    sent it (`source`, its own word, and `token`, a short hash of the token it held)."""
 
     verdict: str
     trials: int
@@ -388,6 +389,9 @@ class BisectVerdict(Model):
     fix: str | None = None
     reason: str | None = None
     device: str = "cpu"
+    source: str | None = None
+    token: str | None = None
+    reported_by: str = ""
 
 
 @dataclasses.dataclass(frozen=True)

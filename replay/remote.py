@@ -6,8 +6,10 @@ incident gives the fix the replay found. Through the client; imports no torch.
 from __future__ import annotations
 
 import os
+import socket
 import sys
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -46,11 +48,17 @@ def origin_of(report: dict[str, Any], server: str | None,
     return BundleOrigin(server, token, str(report["run_id"]), report["rank"], report["step"])
 
 
+def replay_source() -> str:
+    """Who ran the bisect, as the server shows it with the verdict ("reported by ..."):
+    the sender's own word, which only the server's token vouches for."""
+    return f"ampwatch replay {metadata.version('ampwatch')} on {socket.gethostname()}"[:256]
+
+
 def record_verdict(origin: BundleOrigin, bisect: dict[str, Any], timeout: float) -> str | None:
     """Send a report's bisect verdict to the bundle's server; returns why it was not
     recorded (also said on stderr), None when it was. A replay's own result never
     depends on it. May block `timeout` seconds."""
-    body = {key: bisect[key] for key in VERDICT_KEYS}
+    body = {key: bisect[key] for key in VERDICT_KEYS} | {"source": replay_source()}
     with Client(origin.server, token=origin.token, timeout=timeout) as client:
         try:
             client.record_bisect(origin.run_id, origin.step, body, rank=origin.rank)

@@ -101,9 +101,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     if settings.migrate_on_start:
         upgrade(engine)
 
-    # /docs and /redoc from assets installed with fastapi-offline, not a CDN: teams run
-    # the server air-gapped; no validator badge (it would call validator.swagger.io)
+    # the assets of /docs and /redoc installed with fastapi-offline, not a CDN: teams run
+    # the server air-gapped; the pages themselves are behind the login (pages/api_docs.py);
+    # no validator badge (it would call validator.swagger.io)
     app = FastAPIOffline(
+        docs_url=None,
+        redoc_url=None,
         swagger_ui_parameters={"validatorUrl": None},
         title="ampwatch",
         version=__version__,

@@ -11,7 +11,8 @@ from ampwatch.server.api.bodies import json_body_schema, parsed_off_the_loop
 from ampwatch.server.api.error_responses import CONFLICT, NOT_FOUND, WRITE
 from ampwatch.server.deps import RunIdPath, SessionDep, SettingsDep
 from ampwatch.server.schemas.batches import BatchAck, BatchIn, ReachedIn
-from ampwatch.server.services.ingest import ingest_batch, note_reached_step
+from ampwatch.server.services.heartbeats import note_reached_step
+from ampwatch.server.services.ingest import ingest_batch
 
 router = APIRouter(prefix="/runs", tags=["ingest"])
 
@@ -48,5 +49,6 @@ def post_batch(run_id: RunIdPath, batch: Annotated[BatchIn, Depends(parsed_off_t
 def post_reached_step(run_id: RunIdPath, rank: Annotated[int, Path(ge=0, le=1_000_000)],
                       body: ReachedIn, session: SessionDep) -> None:
     """The last step a rank's training loop closed, sent between batches: after a kill,
-    the steps past the last stored one are told as lost (never stored as steps)."""
+    the steps past the last stored one are told as lost (never stored as steps). 422,
+    nothing stored, for a step the rank cannot have reached by now (docs/security.md)."""
     note_reached_step(session, run_id, rank, body.reached_step)

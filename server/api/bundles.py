@@ -31,6 +31,7 @@ from ampwatch.server.services.bundles import (
     public_bundle,
     record_bisect,
     store_bundle,
+    token_identity,
 )
 from ampwatch.server.services.runs import get_run
 
@@ -101,6 +102,9 @@ def put_bisect(run_id: RunIdPath, rank: Rank, step: Step, body: BisectVerdictCre
     itself for a bundle of this server); a later verdict replaces it. The run's incident
     that the bundle belongs to then gives the fix the bisect found. 404 for a bundle the
     server does not hold; 422 for a verdict that contradicts itself (modules with a
-    verdict other than `fixed`), nothing stored."""
-    verdict = {**body.model_dump(mode="json"), "recorded_at": utcnow().isoformat()}
+    verdict other than `fixed`), nothing stored. The verdict keeps who sent it: its
+    `source` and the token it came with (`reported_by`)."""
+    token = settings.token and token_identity(settings.token)  # the require_token passed
+    verdict = {**body.model_dump(mode="json"), "recorded_at": utcnow().isoformat(),
+               "token": token}
     return public_bundle(record_bisect(session, settings, run_id, rank, step, verdict))

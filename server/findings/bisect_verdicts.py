@@ -21,6 +21,15 @@ from ampwatch.wire.bundles import BisectVerdict
 REPLAY = "ampwatch replay --bisect"
 
 
+def reported_by(verdict: Mapping[str, Any]) -> str:
+    """Who sent a verdict, for people: the sender's own `source` and the token it held
+    (its short hash), or that it held none, so nothing vouches for it."""
+    source = verdict.get("source") or "an unnamed sender"
+    token = verdict.get("token")
+    held = f"with the server's token {token}" if token else "without a token, unverified"
+    return f"{source} {held}"
+
+
 def incident_bundles(incidents: Iterable[Any], bundles: Iterable[Mapping[str, Any]]
                      ) -> dict[int, Mapping[str, Any]]:
     """Incident id -> its bundle (the first by step when several are its own); incidents
@@ -51,17 +60,18 @@ def with_verdicts(incidents: list[Incident], bundles: Iterable[Mapping[str, Any]
 
 
 def bisect_fix(verdict: Mapping[str, Any], step: int, layer: str | None) -> str | None:
-    """The fix a bisect verdict of step `step` calls for, on the incident's `layer`; None
-    when the replay could not judge (the step did not fail again)."""
+    """The fix a bisect verdict of step `step` calls for, on the incident's `layer`, and who
+    reported it; None when the replay could not judge (the step did not fail again)."""
     found = verdict.get("verdict")
+    told = f"{REPLAY}, reported by {reported_by(verdict)}"
     if found == BisectVerdict.NOT_PRECISION:
         weights = f"the weights of layer {layer!r}" if layer else "the weights"
-        return (f"Replaying step {step} with every layer in fp32 still fails ({REPLAY}): "
+        return (f"Replaying step {step} with every layer in fp32 still fails ({told}): "
                 f"the cause is not the precision; check {weights} and the learning rate, "
                 "then the data.")
     if found == BisectVerdict.INPUT_NONFINITE:
         return (f"Replaying step {step} fails in any precision: its input holds inf/NaN "
-                f"({REPLAY}); validate the data (torch.isfinite) before the forward pass "
+                f"({told}); validate the data (torch.isfinite) before the forward pass "
                 "and fix the loader.")
     if found != BisectVerdict.FIXED:
         return None
@@ -71,9 +81,9 @@ def bisect_fix(verdict: Mapping[str, Any], step: int, layer: str | None) -> str 
     if fp8:
         keep.append(f"keep {_names(fp8)} out of FP8 (convert_to_float8_training's "
                     "module_filter_fn)")
-    told = " and ".join(keep)
-    return (f"{told[0].upper()}{told[1:]}: replaying step {step} so makes it finite "
-            f"({REPLAY} prints the code to paste).")
+    upcast = " and ".join(keep)
+    return (f"{upcast[0].upper()}{upcast[1:]}: replaying step {step} so makes it finite "
+            f"({told}; it prints the code to paste).")
 
 
 def _names(modules: list[str]) -> str:

@@ -27,6 +27,8 @@ LOGIN_COOKIE = "ampwatch_token"
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 # answered without the token, so they never take a request slot
 ANONYMOUS_PATHS = ("/static/", "/login", "/logout")
+# answered 401 without the token (pages, /docs and /redoc among them, send it to /login)
+TOKEN_PATHS = ("/api/", "/openapi.json")
 ANONYMOUS = "ampwatch.anonymous"  # scope key: set by AdmissionMiddleware
 MISSING_TOKEN = "missing or wrong token: send 'Authorization: Bearer <AMPWATCH_TOKEN>'"
 
@@ -128,7 +130,7 @@ class AdmissionMiddleware:
             headers = Headers(scope=scope)
             cookies = cookie_parser(headers.get("cookie", ""))
             anonymous = token_scheme(headers, cookies, self.token) is None
-            if anonymous and path.startswith("/api/"):
+            if anonymous and path.startswith(TOKEN_PATHS):
                 await error_response(send, 401, MISSING_TOKEN,
                                      extra=[(b"www-authenticate", b"Bearer")])
                 return

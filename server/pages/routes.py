@@ -22,7 +22,17 @@ from pydantic import ValidationError
 from ampwatch.server.deps import NoteId, ProjectPath, RunIdPath, SessionDep, SettingsDep
 from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.fields import NO_NUL
-from ampwatch.server.pages import auth, cards, compare, config, fp8, layer, projects, views
+from ampwatch.server.pages import (
+    api_docs,
+    auth,
+    cards,
+    compare,
+    config,
+    fp8,
+    layer,
+    projects,
+    views,
+)
 from ampwatch.server.pages.figures import (
     CHART_HEIGHT,
     DASHES,
@@ -458,4 +468,5 @@ def project_page(
                        tag=tag or "")
 
 
+pages.include_router(api_docs.router)
 router.include_router(pages)

@@ -8,6 +8,7 @@ from typing import Annotated, Self
 
 from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StringConstraints, model_validator
 
+from ampwatch.server.fields import name_text
 from ampwatch.wire.bundles import BisectVerdict
 
 ModuleName = Annotated[str, StringConstraints(min_length=1, max_length=512)]
@@ -25,7 +26,8 @@ class BisectVerdictCreate(BaseModel):
     in float32 still fails: the cause is not the precision), `input_nonfinite` (the input
     holds inf/NaN), `not_reproduced` (the step is not bad when replayed). `fix`: the code
     it printed; `reason`: why no upcast fixes the step; `trials`: runs of the step;
-    `device`: where they ran; `ran_at`: when the bisect ran."""
+    `device`: where they ran; `ran_at`: when the bisect ran; `source`: who ran it, in the
+    sender's own words (`ampwatch replay` sends "ampwatch replay VERSION on HOST")."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -37,6 +39,7 @@ class BisectVerdictCreate(BaseModel):
     trials: int = Field(ge=1, le=1_000_000)
     device: str = Field("cpu", min_length=1, max_length=64)
     ran_at: AwareDatetime
+    source: name_text(max_length=256) | None = None
 
     @model_validator(mode="after")
     def _modules_match_the_verdict(self) -> Self:
@@ -53,9 +56,13 @@ class BisectVerdictCreate(BaseModel):
 
 
 class BisectVerdictPublic(BisectVerdictCreate):
-    """The verdict as stored, with when the server received it."""
+    """The verdict as stored, with when the server received it. The server runs no replay:
+    `token` is the token the sender held (a short hash of it; null: the server has none,
+    so nothing vouches for the sender), `reported_by` says both for people."""
 
     recorded_at: datetime
+    token: str | None = None
+    reported_by: str
 
 
 class BundlePublic(BaseModel):

@@ -4,6 +4,7 @@ its tensors (it has no torch)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -11,11 +12,13 @@ import zipfile
 from pathlib import Path
 from typing import Any
 
+from pydantic import SecretStr
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.db import writing
 from ampwatch.server.errors import AmpwatchServerError, InvalidInput, NotFound, TooMany
+from ampwatch.server.findings.bisect_verdicts import reported_by
 from ampwatch.server.models import Bundle, as_utc
 from ampwatch.server.schemas.bundles import BundlePublic
 from ampwatch.server.services.runs import get_run
@@ -119,6 +122,11 @@ def record_bisect(session: Session, settings: Settings, run_id: str, rank: int, 
     return row
 
 
+def token_identity(token: SecretStr) -> str:
+    """A token named without giving it away: the first 8 hex digits of its SHA-256."""
+    return hashlib.sha256(token.get_secret_value().encode()).hexdigest()[:8]
+
+
 def remove_bundle_files(settings: Settings, run_id: str) -> None:
     """A deleted run's bundle files (its rows went with the run: ON DELETE CASCADE)."""
     shutil.rmtree(settings.bundle_folder / run_id, ignore_errors=True)
@@ -129,4 +137,5 @@ def public_bundle(row: Bundle) -> BundlePublic:
                         first_nonfinite_layer=row.first_nonfinite_layer, exact=row.exact,
                         bytes=row.bytes, created_at=as_utc(row.created_at),
                         url=f"/api/v1/runs/{row.run_id}/bundles/{row.rank}/{row.step}",
-                        bisect=row.bisect)
+                        bisect=row.bisect and {**row.bisect,
+                                               "reported_by": reported_by(row.bisect)})

@@ -411,18 +411,3 @@ def _last_finite(series, name: str) -> float | None:
     ok = series.present[:, i] & np.isfinite(col)
     return float(col[ok][-1]) if ok.any() else None
 
-
-def note_reached_step(session: Session, run_id: str, rank: int, reached_step: int) -> None:
-    """Keep the highest step a rank's training loop says it reached (the agent's
-    heartbeat between batches), so a kill tells the steps that never arrived. NotFound
-    before the rank's first batch. Touches neither `last_seen_at` nor the steps."""
-    with writing(session):
-        raised = session.execute(
-            update(RunRank)
-            .where(RunRank.run_id == run_id, RunRank.rank == rank,
-                   (RunRank.reached_step.is_(None)) | (RunRank.reached_step < reached_step))
-            .values(reached_step=reached_step))
-        if not raised.rowcount and session.get(RunRank, (run_id, rank)) is None:
-            session.rollback()
-            raise NotFound(f"run {run_id!r} has no rank {rank} yet: send a batch first")
-        session.commit()

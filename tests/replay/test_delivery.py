@@ -4,6 +4,8 @@ it back, and `ampwatch replay` runs the pulled file."""
 
 from __future__ import annotations
 
+import socket
+from importlib import metadata
 from pathlib import Path
 
 import httpx
@@ -59,7 +61,10 @@ def test_bundle_reaches_the_server_and_comes_back(live_server, tmp_path: Path,
     assert "verdict recorded on the server with the bundle (run flight-1, rank 0, step 8)" \
         in capsys.readouterr().out
     with Client(live_server.url) as client:
-        assert client.bundles("flight-1")[0].bisect.verdict == "input_nonfinite"
+        verdict = client.bundles("flight-1")[0].bisect
+        assert verdict.verdict == "input_nonfinite"
+        assert verdict.reported_by == (f"ampwatch replay {metadata.version('ampwatch')} on "
+                                       f"{socket.gethostname()} without a token, unverified")
         (incident,) = [i for i in client.incidents("flight-1") if i.step == 8]
     assert incident.fix.startswith("Replaying step 8 fails in any precision: its input "
                                    "holds inf/NaN")

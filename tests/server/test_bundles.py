@@ -3,6 +3,7 @@ limits, and gone with their run. The bundle is a real one, from real CPU trainin
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import zipfile
@@ -11,10 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from pydantic import SecretStr
 
 from ampwatch import agent
 from ampwatch.client import Client
+from ampwatch.server.app import close_app, create_app
 from ampwatch.server.schemas.bundles import BundlePublic
+from tests.conftest import judged_client
 from tests.replay.faults import FAULTS, train
 from tests.utils import register_run
 
@@ -178,3 +182,30 @@ def test_verdicts_and_bundles_are_bounded(api, monkeypatch) -> None:
     assert _upload(api, "run-cap", 2, _meta_only(2)).status_code == 200  # a re-sent step
     assert [b["step"] for b in api.get("/api/v1/runs/run-cap/bundles").json()["items"]] == [
         1, 2]
+
+
+def test_a_verdict_says_who_reported_it(api, settings, tmp_path) -> None:
+    """The server runs no replay: a verdict is what a sender reported. It names the
+    sender's own `source` and how it got in (which token, by a short hash, or none)."""
+    register_run(api, "run-who")
+    assert _upload(api, "run-who", 1, _meta_only(1)).status_code == 200
+    claimed = {**NOT_PRECISION, "source": "ampwatch replay 0.1.0 on gpu-box"}
+    answer = api.put("/api/v1/runs/run-who/bundles/0/1/bisect", json=claimed)
+    assert answer.json()["bisect"]["reported_by"] == (
+        "ampwatch replay 0.1.0 on gpu-box without a token, unverified")
+    answer = api.put("/api/v1/runs/run-who/bundles/0/1/bisect", json=NOT_PRECISION)
+    assert answer.json()["bisect"]["reported_by"] == (
+        "an unnamed sender without a token, unverified")
+    assert api.put("/api/v1/runs/run-who/bundles/0/1/bisect", json={
+        **NOT_PRECISION, "source": "replay\u202egpu"}).status_code == 422
+
+    token = create_app(settings.model_copy(update={"token": SecretStr("s3cret"),
+                                                   "bundle_folder": tmp_path / "b"}))
+    with judged_client(token, headers={"Authorization": "Bearer s3cret"}) as holder:
+        register_run(holder, "run-who")
+        assert _upload(holder, "run-who", 1, _meta_only(1)).status_code == 200
+        answer = holder.put("/api/v1/runs/run-who/bundles/0/1/bisect", json=claimed)
+        assert answer.json()["bisect"]["reported_by"] == (
+            "ampwatch replay 0.1.0 on gpu-box with the server's token "
+            f"{hashlib.sha256(b's3cret').hexdigest()[:8]}")
+    close_app(token)

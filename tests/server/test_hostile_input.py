@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 
 import pytest
 from sqlalchemy import func, select
@@ -252,3 +253,35 @@ def test_a_different_batch_under_a_used_seq_is_409_not_a_replay(api, app, run_wi
                     json={"rank": 0, "seq": 0, "steps": other})
     items = api.get("/api/v1/runs/r1/steps").json()["items"]
     assert items[7]["loss"] == make_steps(0, 10, 4)[7]["loss"]
+
+
+def _reached(app, run_id: str) -> int | None:
+    with app.state.sessionmaker() as session:
+        return session.get(RunRank, (run_id, 0)).reached_step
+
+
+def _received(app, run_id: str, seq: int, seconds_ago: float) -> None:
+    with app.state.sessionmaker() as session:
+        session.get(Batch, (run_id, 0, seq)).received_at = (
+            datetime.now(UTC) - timedelta(seconds=seconds_ago))
+        session.commit()
+
+
+def test_a_heartbeat_beyond_any_plausible_step_is_422(api, app, run_with_data):
+    """A forged heartbeat would record 9e15 lost steps for good (reached_step only rises)."""
+    url = "/api/v1/runs/r1/ranks/0/reached"
+    assert_rejected(api, app, "POST", url, json={"reached_step": 9 * 10**15})
+    assert _reached(app, "r1") is None
+    assert api.post(url, json={"reached_step": 5_000}).status_code == 204  # a young run
+    assert _reached(app, "r1") == 5_000
+
+
+def test_a_heartbeat_is_bounded_by_the_ranks_observed_step_rate(api, app, run_with_data):
+    # 100,000 steps between two batches 90 s apart (1,111 steps/s), the last 10 s ago
+    assert post_batch(api, "r1", 1, make_steps(100_000, 10, 4)).status_code == 200
+    _received(app, "r1", 0, 100)
+    _received(app, "r1", 1, 10)
+    url = "/api/v1/runs/r1/ranks/0/reached"
+    assert_rejected(api, app, "POST", url, json={"reached_step": 1_000_000})
+    assert api.post(url, json={"reached_step": 200_000}).status_code == 204
+    assert _reached(app, "r1") == 200_000

@@ -28,19 +28,21 @@ def test_a_verdict_that_the_precision_is_not_the_cause_replaces_the_upcast():
         "verdict": "not_precision", **RAN}}])
     assert _fix(incidents, "forward_overflow") == (
         "Replaying step 150 with every layer in fp32 still fails (ampwatch replay "
-        "--bisect): the cause is not the precision; check the weights of layer 'boom' "
-        "and the learning rate, then the data.")
+        "--bisect, reported by an unnamed sender without a token, unverified): the cause "
+        "is not the precision; check the weights of layer 'boom' and the learning rate, "
+        "then the data.")
     assert _fix(incidents, None) is None  # the note's own words stay
 
 
 def test_a_verdict_that_names_the_upcast_says_exactly_that_upcast():
     incidents = with_verdicts(_story(), [{"rank": 0, "step": 145, "bisect": {
         "verdict": "fixed", "modules": ["blocks.3.attn", "inp"], "fp8_modules": ["inp"],
-        **RAN}}])
+        "source": "ampwatch replay 0.1.0 on gpu-box", "token": "1a2b3c4d", **RAN}}])
     assert _fix(incidents, "forward_overflow") == (
         "Keep 'blocks.3.attn' in fp32 and keep 'inp' out of FP8 "
         "(convert_to_float8_training's module_filter_fn): replaying step 145 so makes it "
-        "finite (ampwatch replay --bisect prints the code to paste).")
+        "finite (ampwatch replay --bisect, reported by ampwatch replay 0.1.0 on gpu-box "
+        "with the server's token 1a2b3c4d; it prints the code to paste).")
 
 
 def test_a_verdict_the_incident_does_not_own_changes_nothing():

@@ -152,7 +152,8 @@ def test_the_api_filters_by_tag_and_is_in_openapi(sweeps):
         "ProjectHealthPublic")
 
 
-def test_the_cli_prints_the_ranking_as_a_table(sweeps):
+def test_the_cli_prints_the_ranking_as_a_table(sweeps, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")  # a wide terminal: each factor on one line
     with Client(sweeps.server.url) as client:
         assert client.project_health(SWEEP).factors[0].key == "lr"
     out = StringIO()
