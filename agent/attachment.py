@@ -12,7 +12,7 @@ from typing import Any
 
 from torch import nn
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.agent.collectors import default_collectors
 from ampwatch.agent.collectors.fp8 import Fp8Collector
 from ampwatch.agent.collectors.spikes import SpikeCollector
@@ -40,7 +40,6 @@ from ampwatch.wire import (
 )
 
 _live: weakref.WeakSet[Attachment] = weakref.WeakSet()
-_errors = guard  # inside attach(), `guard` is its step-guard parameter
 
 
 class Attachment:
@@ -74,7 +73,7 @@ class Attachment:
         try:
             return weights_finite(session.params, session.optimizer)
         except Exception as exc:  # noqa: BLE001
-            guard.report("attachment.healthy", exc)
+            errors.report("attachment.healthy", exc)
             return True
 
     def _guard_stopping(self) -> str | None:
@@ -133,7 +132,7 @@ class Attachment:
             bundled = self._flush_bundles(deadline)
             return self._worker.flush(_left(deadline)) and bundled
         except Exception as exc:  # noqa: BLE001
-            guard.report("attachment.flush", exc)
+            errors.report("attachment.flush", exc)
             return False
 
     def detach(self, timeout: float = 5.0) -> bool:
@@ -161,8 +160,8 @@ class Attachment:
             if worker.mirror is not None:
                 worker.mirror.close(_left(deadline))
         except Exception as exc:  # noqa: BLE001
-            guard.report("attachment.detach", exc)
-        guard.remove_listener(self._on_error)
+            errors.report("attachment.detach", exc)
+        errors.remove_listener(self._on_error)
         _live.discard(self)
         return delivered
 
@@ -199,7 +198,7 @@ class Attachment:
         try:
             detail = measure_speedup(session, example_batch, loss_fn, steps, dtype)
         except Exception as exc:  # noqa: BLE001
-            guard.report("attachment.check_speedup", exc)
+            errors.report("attachment.check_speedup", exc)
             return None
         finally:
             session.suspended = False
@@ -335,7 +334,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             run_id_generated=generated or None, token=token, check_outputs=check_outputs,
             hold_mb=hold_mb)
     except Exception as exc:  # noqa: BLE001
-        _errors.report("attach", exc)
+        errors.report("attach", exc)
         return Attachment(run)
     refuse_reused_run(settings)  # the caller's mistake, not the agent's: it raises
     try:
@@ -366,7 +365,7 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             step_guard.on_stop = attachment._guard_stopping
             step_guard.step_number = lambda n: (n if worker.explicit_steps
                                                 else n + worker.step_offset)
-        session.on_run_change = _errors.guarded("attachment.run_change")(attachment._run_changed)
+        session.on_run_change = errors.guarded("attachment.run_change")(attachment._run_changed)
         session.on_event = attachment.event
         if step is not None:
             worker.explicit_steps = True
@@ -375,9 +374,9 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         session.install()
         worker.start(body, attachment._decode, lambda: session.dropped_steps)
     except Exception as exc:  # noqa: BLE001
-        _errors.report("attach", exc)
+        errors.report("attach", exc)
         return Attachment(run)
-    _errors.add_listener(attachment._on_error)
+    errors.add_listener(attachment._on_error)
     _live.add(attachment)
     if step is not None and settings.resume:
         # a checkpoint restart: the server lets these steps supersede its stored copies

@@ -21,7 +21,7 @@ import torch.optim.optimizer as optim_hooks
 from torch import nn
 from torch.amp.grad_scaler import OptState
 
-from ampwatch.agent import distributed, guard, patches
+from ampwatch.agent import distributed, errors, patches
 from ampwatch.agent.attribution import BackwardOwner
 from ampwatch.agent.buffer import StepBuffer
 from ampwatch.agent.clock import CudaClock, HostClock
@@ -135,8 +135,8 @@ class LoopWatch:
         # per event, the bound handlers of the collectors that implement it
         self._listeners = {e: [(getattr(c, e), f"{c.name}.{e}") for c in collectors
                                if overrides(c, e)] for e in EVENTS}
-        self._take_grads_guarded = guard.guarded("session.grad_snapshot")(self._take_grads)
-        self._step_end_guarded = guard.guarded("session.step_end")(self._step_end)
+        self._take_grads_guarded = errors.guarded("session.grad_snapshot")(self._take_grads)
+        self._step_end_guarded = errors.guarded("session.step_end")(self._step_end)
         self.on_run_change: Callable[[], None] = lambda: None
         self.on_event: Callable[[str, dict[str, Any]], Any] = lambda kind, detail: None
         # the step guard's stop check (agent/step_guard.py): it may raise, on purpose
@@ -247,7 +247,7 @@ class LoopWatch:
             try:
                 handler(*args)
             except Exception as exc:  # noqa: BLE001
-                guard.report(site, exc)
+                errors.report(site, exc)
 
     @property
     def live(self) -> bool:
@@ -353,7 +353,7 @@ class LoopWatch:
             try:
                 sealed[collector.name] = collector.seal()
             except Exception as exc:  # noqa: BLE001
-                guard.report(f"{collector.name}.seal", exc)
+                errors.report(f"{collector.name}.seal", exc)
         self._pending = (step, stepped, sealed)
         self.step = step + 1
         self._grads_taken = False
@@ -363,7 +363,7 @@ class LoopWatch:
             self.close_pending()
         self.dispatch("on_next_step", self.step)
 
-    @guard.guarded("session.close")
+    @errors.guarded("session.close")
     def close_pending(self) -> None:
         """Write the sealed step into the buffer, copy it to the host, hand it over."""
         if self._pending is None:
@@ -375,7 +375,7 @@ class LoopWatch:
             try:
                 meta[collector.name] = collector.close(sealed.get(collector.name))
             except Exception as exc:  # noqa: BLE001
-                guard.report(f"{collector.name}.close", exc)
+                errors.report(f"{collector.name}.close", exc)
                 meta[collector.name] = CLOSE_FAILED
         snap = self.buffer.snapshot()
         if snap is None or not self.sink(StepItem(step, snap[0], snap[1], meta)):
@@ -549,7 +549,7 @@ class LoopWatch:
                 return args, {**kwargs, "closure": self._closure_then_grads(kwargs["closure"])}
             self._grads_at_step()
         except Exception as exc:  # noqa: BLE001
-            guard.report("session.optimizer_pre", exc)
+            errors.report("session.optimizer_pre", exc)
         return None
 
     def _closure_then_grads(self, closure: Callable) -> Callable:
@@ -582,7 +582,7 @@ class LoopWatch:
             else:
                 self._step_end(stepped=True)
         except Exception as exc:  # noqa: BLE001
-            guard.report("session.optimizer_post", exc)
+            errors.report("session.optimizer_post", exc)
             return
         if self.after_step is not None and self.live and optimizer is self.optimizer:
             self.after_step()
@@ -597,7 +597,7 @@ class LoopWatch:
             try:
                 self._owner.scaled.note(outputs, scaled)
             except Exception as exc:  # noqa: BLE001
-                guard.report("session.scale", exc)
+                errors.report("session.scale", exc)
             return scaled
         return scale
 
@@ -612,7 +612,7 @@ class LoopWatch:
                         self._take_grads()  # no backward seen: the grads are final now
                     self._note_grad_versions()  # unscaling rewrote them, as expected
                 except Exception as exc:  # noqa: BLE001
-                    guard.report("session.unscale_", exc)
+                    errors.report("session.unscale_", exc)
         return unscale_
 
     def _wrap_step(self, original: Callable) -> Callable:
@@ -626,7 +626,7 @@ class LoopWatch:
                     elif getattr(optimizer, "_step_supports_amp_scaling", False):
                         self._grads_at_step(divisor=self.scaler._scale)  # fused: stay scaled
             except Exception as exc:  # noqa: BLE001
-                guard.report("session.step", exc)
+                errors.report("session.step", exc)
                 ours = False
             if not ours:
                 return original(optimizer, *args, **kwargs)

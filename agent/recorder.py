@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.agent.bundle import BundleWriter, to_host
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.agent.collectors.forward_search import rng_states
@@ -298,7 +298,7 @@ class Recorder(Collector):
             if not self.writer.submit(meta, state):
                 self._written(meta, None, "too many bundles waiting to be written")
         except Exception as exc:  # noqa: BLE001
-            guard.report("recorder.capture", exc)
+            errors.report("recorder.capture", exc)
 
     def _written(self, meta: dict[str, Any], path: Path | None, reason: str | None) -> None:
         """Writer thread: tell the server (an event) what was kept or why not."""

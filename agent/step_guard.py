@@ -1,6 +1,6 @@
 """The step guard (`attach(..., guard=True)`): leaves a bad optimizer step out, exactly.
 
-Not to be confused with `agent/guard.py`, the error guard that keeps the agent's own
+Not to be confused with `agent/errors.py`, the error boundary that keeps the agent's own
 exceptions out of training. This one acts on training itself, and only when asked.
 
 Without an enabled GradScaler (bf16, fp32), a step whose loss or gradients are not finite
@@ -33,7 +33,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ampwatch.agent import guard as errors
+from ampwatch.agent import errors
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.wire import GUARD_REASONS
 

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.agent.collectors import flagged_checks
 from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.collectors.finite_checks import (
@@ -255,7 +255,7 @@ class ActivationCollector(Collector):
         except Exception as exc:  # noqa: BLE001 (a Triton that cannot compile for this GPU)
             self._checks = None  # from the next step on every output is checked as made
             self._hold = self._holding = False
-            guard.report("activations.flagged_checks", exc)
+            errors.report("activations.flagged_checks", exc)
 
     def _search_held(self, held: list[HeldForward]) -> None:
         """Replay the step's held forwards, in order, up to the first with a bad output."""
@@ -343,7 +343,7 @@ class ActivationCollector(Collector):
     def _register_post_hooks(self) -> list[Any]:
         return [module.register_forward_hook(post) for module, post in self._post_by_layer]
 
-    # the layer hooks run once or twice per layer per step: the guard is inlined, not a
+    # the layer hooks run once or twice per layer per step: the error boundary is inlined, not a
     # wrapper, and they do as little as possible (the rest happens at close or on the worker)
     def _pre(self, index: int) -> Any:
         session = self.session
@@ -362,7 +362,7 @@ class ActivationCollector(Collector):
                     if counts_tokens and args and isinstance(args[0], torch.Tensor):
                         tokens[index] = args[0].numel() // in_features
             except Exception as exc:  # noqa: BLE001
-                guard.report("activations.pre", exc)
+                errors.report("activations.pre", exc)
         return hook
 
     def _post(self, index: int) -> Any:
@@ -415,7 +415,7 @@ class ActivationCollector(Collector):
                     self._calls.append((index, tensor.dtype, aminmax(tensor.detach()),
                                         start, end))
             except Exception as exc:  # noqa: BLE001
-                guard.report("activations.post", exc)
+                errors.report("activations.post", exc)
         return hook
 
     def _within_budget(self, index: int, tensor: torch.Tensor) -> bool:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.fp8 import N_STATS, ROLES, STATS, Fp8Layer, cast_stats
 from ampwatch.wire import encode_float_array
@@ -116,7 +116,7 @@ class Fp8Collector(Collector):
                     weight = weight.t()  # cast transposed: its per-row scales run along in
                 self._measure(position, "weight", weight)
             except Exception as exc:  # noqa: BLE001
-                guard.report("fp8.pre", exc)
+                errors.report("fp8.pre", exc)
         return hook
 
     def _post(self, position: int) -> Any:
@@ -127,7 +127,7 @@ class Fp8Collector(Collector):
             try:
                 self._measure(position, "grad", grad)
             except Exception as exc:  # noqa: BLE001
-                guard.report("fp8.grad", exc)
+                errors.report("fp8.grad", exc)
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             if torch.compiler.is_compiling():
@@ -138,7 +138,7 @@ class Fp8Collector(Collector):
                         and self._casting(position)):
                     output.register_hook(on_grad)
             except Exception as exc:  # noqa: BLE001
-                guard.report("fp8.post", exc)
+                errors.report("fp8.post", exc)
         return hook
 
     def seal(self) -> Any:

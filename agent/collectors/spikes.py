@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ampwatch.agent import distributed, guard, patches
+from ampwatch.agent import distributed, errors, patches
 from ampwatch.agent.attention_calls import SDPA, interface_patch
 from ampwatch.agent.attention_logits import mha_max_logit, output_stats, sdpa_max_logit
 from ampwatch.agent.collectors.activations import first_float_tensor
@@ -170,7 +170,7 @@ class SpikeCollector(Collector):
                 with torch.no_grad():
                     self._note_logit(index, mha_max_logit(module, args, kwargs))
             except Exception as exc:  # noqa: BLE001
-                guard.report("spikes.mha", exc)
+                errors.report("spikes.mha", exc)
         return hook
 
     def _pick_interface(self, original: Any, args: tuple, kwargs: dict) -> Any:
@@ -190,7 +190,7 @@ class SpikeCollector(Collector):
                     with torch.no_grad():
                         self._note_logit(index, sdpa_max_logit(query, key, kw.get("scaling")))
                 except Exception as exc:  # noqa: BLE001
-                    guard.report("spikes.attention", exc)
+                    errors.report("spikes.attention", exc)
             self._in_interface += 1
             try:
                 return function(module, query, key, *rest, **kw)
@@ -221,7 +221,7 @@ class SpikeCollector(Collector):
                 if stats is not None:
                     self._head = (index, stats)
             except Exception as exc:  # noqa: BLE001
-                guard.report("spikes.output", exc)
+                errors.report("spikes.output", exc)
         return hook
 
     # ------------------------------------------------------------------ the update
