@@ -21,9 +21,9 @@ from ampwatch.agent import errors
 from ampwatch.agent.mirror.incidents import IncidentWatch
 from ampwatch.agent.mirror.lanes import Lane
 from ampwatch.agent.mirror.trackers import tracker_for
-from ampwatch.wire.incident_notes import IncidentNote
-from ampwatch.wire.mirror import step_scalars
-from ampwatch.wire.trackers import Row, Tracker
+from ampwatch.trackers.adapters import Row, Tracker
+from ampwatch.trackers.incident_notes import IncidentNote
+from ampwatch.trackers.scalars import step_scalars
 
 logger = logging.getLogger("ampwatch.agent.mirror")
 ENV = "AMPWATCH_MIRROR"
