@@ -49,15 +49,15 @@ class Attachment:
     attachment (`enabled=False`) does nothing.
     """
 
-    def __init__(self, run_id: str | None, session: LoopWatch | None = None,
+    def __init__(self, run_id: str | None, watch: LoopWatch | None = None,
                  worker: Worker | None = None, describe: dict[str, Any] | None = None,
                  recorder: Recorder | None = None) -> None:
         self._run_id = run_id
         self._recorder = recorder
-        self._session = session
+        self._watch = watch
         self._worker = worker
         self._describe = describe or {}
-        self._detached = session is None
+        self._detached = watch is None
         self._lock = threading.Lock()
         self.step_guard: StepGuard | None = None
 
@@ -67,11 +67,11 @@ class Attachment:
         the model and every floating tensor of its optimizer's state is finite. Reads one
         flag from the device (a sync): ask at checkpoint time, not per step. True when
         detached or disabled (nothing watched to judge)."""
-        session = self._session
-        if self._detached or session is None:
+        watch = self._watch
+        if self._detached or watch is None:
             return True
         try:
-            return weights_finite(session.params, session.optimizer)
+            return weights_finite(watch.params, watch.optimizer)
         except Exception as exc:  # noqa: BLE001
             errors.report("attachment.healthy", exc)
             return True
@@ -95,7 +95,7 @@ class Attachment:
     @property
     def step(self) -> int:
         """Index of the next optimizer step the agent will record."""
-        return self._session.step if self._session is not None else 0
+        return self._watch.step if self._watch is not None else 0
 
     @step.setter
     def step(self, value: int) -> None:
@@ -104,19 +104,19 @@ class Attachment:
         resumed run is not offset, and steps sent again supersede the stored ones."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"step must be a non-negative int, got {value!r}")
-        if self._detached or self._session is None:
+        if self._detached or self._watch is None:
             return
         if self._worker is not None:
             self._worker.explicit_steps = True
-        self._session.set_step(value)
+        self._watch.set_step(value)
 
     def log_loss(self, loss: Any) -> None:
         """Name the loss of the next step yourself: `loss` (a one-element tensor, or a
         number) is stored as that step's loss, summed with the others logged before the
         step (micro-batches), in place of the losses the agent saw backpropagated into the
         model. Keeps a reference to the tensor; does not synchronise the device."""
-        if not self._detached and self._session is not None:
-            self._session.log_loss(loss)
+        if not self._detached and self._watch is not None:
+            self._watch.log_loss(loss)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Hand over the last step, spool everything and try to deliver it.
@@ -124,11 +124,11 @@ class Attachment:
         Blocks the caller up to `timeout` seconds (it waits for the worker); True when
         nothing is left undelivered (offline: when everything is in the spool).
         """
-        if self._detached or self._session is None or self._worker is None:
+        if self._detached or self._watch is None or self._worker is None:
             return True
         deadline = time.monotonic() + timeout
         try:
-            self._session.close_pending()
+            self._watch.close_pending()
             bundled = self._flush_bundles(deadline)
             return self._worker.flush(_left(deadline)) and bundled
         except Exception as exc:  # noqa: BLE001
@@ -144,13 +144,13 @@ class Attachment:
             if self._detached:
                 return True
             self._detached = True
-        session, worker = self._session, self._worker
-        assert session is not None and worker is not None
+        watch, worker = self._watch, self._worker
+        assert watch is not None and worker is not None
         delivered = False
         deadline = time.monotonic() + timeout
         try:
-            session.close_pending()
-            session.uninstall()
+            watch.close_pending()
+            watch.uninstall()
             bundled = self._flush_bundles(deadline)
             # the server then shows the run finished at once, not after `live_seconds`
             worker.submit(EventMessage({"step": None, "kind": FINISHED_EVENT, "detail": {}}))
@@ -189,27 +189,27 @@ class Attachment:
         steps plus warm-up on the training thread and synchronises the device: call it
         once, outside the training loop.
         """
-        if self._detached or self._session is None:
+        if self._detached or self._watch is None:
             return None
         from ampwatch.agent.speed import measure_speedup
 
-        session = self._session
-        session.suspended = True
+        watch = self._watch
+        watch.suspended = True
         try:
-            detail = measure_speedup(session, example_batch, loss_fn, steps, dtype)
+            detail = measure_speedup(watch, example_batch, loss_fn, steps, dtype)
         except Exception as exc:  # noqa: BLE001
             errors.report("attachment.check_speedup", exc)
             return None
         finally:
-            session.suspended = False
+            watch.suspended = False
         self.event(SPEED_CHECK_EVENT, detail)
         return detail["speedup"]
 
     def event(self, kind: str, detail: dict[str, Any]) -> bool:
         """Queue an event for the next batch; never blocks."""
-        if self._detached or self._worker is None or self._session is None:
+        if self._detached or self._worker is None or self._watch is None:
             return False
-        return self._worker.submit(EventMessage({"step": self._session.step, "kind": kind,
+        return self._worker.submit(EventMessage({"step": self._watch.step, "kind": kind,
                                                  "detail": encode_tree(detail)}))
 
     # ------------------------------------------------------------------ internals
@@ -221,35 +221,35 @@ class Attachment:
             self._worker.submit(RunMessage(self._body()))
 
     def _body(self) -> dict[str, Any]:
-        session = self._session
-        assert session is not None
-        env = environment(session.device, session.scaler, session.training_autocast,
-                          session.settings.world_size)
-        env["parallelism"] = session.parallelism
-        env["grad_layout"] = session.grad_layout
-        return run_body(env=env, layers=session.layers, **self._describe)
+        watch = self._watch
+        assert watch is not None
+        env = environment(watch.device, watch.scaler, watch.training_autocast,
+                          watch.settings.world_size)
+        env["parallelism"] = watch.parallelism
+        env["grad_layout"] = watch.grad_layout
+        return run_body(env=env, layers=watch.layers, **self._describe)
 
     def _decode(self, item: StepItem) -> dict | None:
         """Worker thread: the host copy of a closed step as a wire-format record."""
-        session = self._session
-        assert session is not None
+        watch = self._watch
+        assert watch is not None
         if item.ready is not None:
             item.ready.synchronize()
         host = item.host.numpy()
         record: dict[str, Any] = {"step": item.step}
         try:
-            for collector in session.collectors:
+            for collector in watch.collectors:
                 meta = item.meta.get(collector.name, CLOSE_FAILED)
                 if meta is CLOSE_FAILED:
                     continue
                 collector.read(host[collector.offset: collector.offset + collector.slots],
                                meta, record)
         finally:
-            session.buffer.release(item.host)
+            watch.buffer.release(item.host)
         if record.get("skipped") or record.get("forward_nonfinite") or any(
                 isinstance(record.get(k), float) and not math.isfinite(record[k])
                 for k in ("grad_norm", "loss")):
-            session.note_anomaly(item.step)
+            watch.note_anomaly(item.step)
         # collectors encode their arrays (wire.encode_float_array); the rest are scalars
         for key, value in record.items():
             if type(value) is float and not math.isfinite(value):
@@ -351,12 +351,12 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
         recorder = make_recorder(record_settings, settings)
         if recorder is not None:
             collectors.append(recorder)  # last: its worker-side read sees the whole record
-        # in order: the worker, the session that hands it steps, the handle over both
+        # in order: the worker, the loop watch that hands it steps, the handle over both
         worker = Worker(settings)
         worker.mirror = make_mirror(mirror, settings)
-        session = LoopWatch(model, scaler, optimizer, layers, collectors, sink=worker.submit,
+        watch = LoopWatch(model, scaler, optimizer, layers, collectors, sink=worker.submit,
                             settings=settings)
-        attachment = Attachment(settings.run_id, session, worker,
+        attachment = Attachment(settings.run_id, watch, worker,
                                 describe_run(name, project, tags, config), recorder)
         if recorder is not None:
             recorder.connect(worker)
@@ -365,14 +365,14 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
             step_guard.on_stop = attachment._guard_stopping
             step_guard.step_number = lambda n: (n if worker.explicit_steps
                                                 else n + worker.step_offset)
-        session.on_run_change = errors.guarded("attachment.run_change")(attachment._run_changed)
-        session.on_event = attachment.event
+        watch.on_run_change = errors.guarded("attachment.run_change")(attachment._run_changed)
+        watch.on_event = attachment.event
         if step is not None:
             worker.explicit_steps = True
-            session.step = step
+            watch.step = step
         body = attachment._body()  # the run as attach() found it, before any hook ran
-        session.install()
-        worker.start(body, attachment._decode, lambda: session.dropped_steps)
+        watch.install()
+        worker.start(body, attachment._decode, lambda: watch.dropped_steps)
     except Exception as exc:  # noqa: BLE001
         errors.report("attach", exc)
         return Attachment(run)
@@ -399,19 +399,19 @@ def _detach_all_at_exit() -> None:
     """atexit: flush every live attachment within its exit timeout (5 s by default)."""
     deadline = None
     for attachment in list(_live):
-        session = attachment._session
-        if session is None:
+        watch = attachment._watch
+        if watch is None:
             continue
         if deadline is None:
-            deadline = time.monotonic() + session.settings.exit_timeout_s
+            deadline = time.monotonic() + watch.settings.exit_timeout_s
         attachment.detach(timeout=max(0.1, deadline - time.monotonic()))
 
 
 def _after_fork_in_child() -> None:
     for attachment in list(_live):
         attachment._detached = True
-        if attachment._session is not None:
-            attachment._session.active = False
+        if attachment._watch is not None:
+            attachment._watch.active = False
         if attachment._worker is not None:
             attachment._worker.forked()
     _live.clear()

@@ -47,8 +47,8 @@ def _unwrap_scaler_method(scaler: Any, name: str, wrapper: Callable) -> None:
     """Put back what `wrapper` wrapped, skipping the wrappers of attachments detached
     since (two runs sharing one scaler, detached in either order)."""
     previous = wrapper.__ampwatch_previous__  # type: ignore[attr-defined]
-    while previous is not None and getattr(previous, "__ampwatch_session__", None) is not None \
-            and not previous.__ampwatch_session__.active:
+    while previous is not None and getattr(previous, "__ampwatch_watch__", None) is not None \
+            and not previous.__ampwatch_watch__.active:
         previous = previous.__ampwatch_previous__
     if previous is None:
         scaler.__dict__.pop(name, None)
@@ -135,8 +135,8 @@ class LoopWatch:
         # per event, the bound handlers of the collectors that implement it
         self._listeners = {e: [(getattr(c, e), f"{c.name}.{e}") for c in collectors
                                if overrides(c, e)] for e in EVENTS}
-        self._take_grads_guarded = errors.guarded("session.grad_snapshot")(self._take_grads)
-        self._step_end_guarded = errors.guarded("session.step_end")(self._step_end)
+        self._take_grads_guarded = errors.guarded("watch.grad_snapshot")(self._take_grads)
+        self._step_end_guarded = errors.guarded("watch.step_end")(self._step_end)
         self.on_run_change: Callable[[], None] = lambda: None
         self.on_event: Callable[[str, dict[str, Any]], Any] = lambda kind, detail: None
         # the step guard's stop check (agent/step_guard.py): it may raise, on purpose
@@ -144,7 +144,7 @@ class LoopWatch:
 
     def __deepcopy__(self, memo: dict) -> LoopWatch:
         """A deep copy of the watched model (an EMA copy, `AveragedModel`) copies its hooks,
-        bound to this session: they get an inactive twin, so the copy trains and
+        bound to this watch: they get an inactive twin, so the copy trains and
         evaluates unwatched and the copy needs no thread lock copied."""
         twin = copy.copy(self)
         twin.active = False
@@ -177,7 +177,7 @@ class LoopWatch:
             for name in _SCALER_METHODS:
                 wrapper = getattr(self, f"_wrap_{name.rstrip('_')}")(getattr(self.scaler, name))
                 wrapper.__ampwatch_previous__ = self.scaler.__dict__.get(name)  # type: ignore[attr-defined]
-                wrapper.__ampwatch_session__ = self  # type: ignore[attr-defined]
+                wrapper.__ampwatch_watch__ = self  # type: ignore[attr-defined]
                 setattr(self.scaler, name, wrapper)
                 self._scaler_wrapped.append((name, wrapper))
         self.active = True
@@ -363,7 +363,7 @@ class LoopWatch:
             self.close_pending()
         self.dispatch("on_next_step", self.step)
 
-    @errors.guarded("session.close")
+    @errors.guarded("watch.close")
     def close_pending(self) -> None:
         """Write the sealed step into the buffer, copy it to the host, hand it over."""
         if self._pending is None:
@@ -549,7 +549,7 @@ class LoopWatch:
                 return args, {**kwargs, "closure": self._closure_then_grads(kwargs["closure"])}
             self._grads_at_step()
         except Exception as exc:  # noqa: BLE001
-            errors.report("session.optimizer_pre", exc)
+            errors.report("watch.optimizer_pre", exc)
         return None
 
     def _closure_then_grads(self, closure: Callable) -> Callable:
@@ -582,7 +582,7 @@ class LoopWatch:
             else:
                 self._step_end(stepped=True)
         except Exception as exc:  # noqa: BLE001
-            errors.report("session.optimizer_post", exc)
+            errors.report("watch.optimizer_post", exc)
             return
         if self.after_step is not None and self.live and optimizer is self.optimizer:
             self.after_step()
@@ -597,7 +597,7 @@ class LoopWatch:
             try:
                 self._owner.scaled.note(outputs, scaled)
             except Exception as exc:  # noqa: BLE001
-                errors.report("session.scale", exc)
+                errors.report("watch.scale", exc)
             return scaled
         return scale
 
@@ -612,7 +612,7 @@ class LoopWatch:
                         self._take_grads()  # no backward seen: the grads are final now
                     self._note_grad_versions()  # unscaling rewrote them, as expected
                 except Exception as exc:  # noqa: BLE001
-                    errors.report("session.unscale_", exc)
+                    errors.report("watch.unscale_", exc)
         return unscale_
 
     def _wrap_step(self, original: Callable) -> Callable:
@@ -626,7 +626,7 @@ class LoopWatch:
                     elif getattr(optimizer, "_step_supports_amp_scaling", False):
                         self._grads_at_step(divisor=self.scaler._scale)  # fused: stay scaled
             except Exception as exc:  # noqa: BLE001
-                errors.report("session.step", exc)
+                errors.report("watch.step", exc)
                 ours = False
             if not ours:
                 return original(optimizer, *args, **kwargs)

@@ -128,10 +128,10 @@ class Recorder(Collector):
         self._losses: list[torch.Tensor] = []
         self._pre: HostCopy | None = None
 
-    def bind(self, session: Any) -> None:
-        super().bind(session)
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
         self._bound = True
-        if session.parallelism in SHARDED_PARALLELISMS:
+        if watch.parallelism in SHARDED_PARALLELISMS:
             # a bundle needs the whole weights, which a sharded model's rank has only
             # through an all-gather: started by the one rank that saw the bad step, it
             # would leave every other rank waiting in a collective (a deadlock)
@@ -149,40 +149,40 @@ class Recorder(Collector):
         if self.off and not self._said_off:
             # said at the first forward, once the run is registered (not during attach)
             self._said_off = True
-            self.session.note_unsupported("flight_recorder", [])
+            self.watch.note_unsupported("flight_recorder", [])
         if not training or self.off:
             return
         if self._rng is None:
-            self._rng = rng_states(self.session.device)
+            self._rng = rng_states(self.watch.device)
             self._applied_at_begin = self._applied
         self._batches.append((args, dict(kwargs)))
-        self._entries.append(self.session.forward_entry)
+        self._entries.append(self.watch.forward_entry)
 
     def _take(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.numel() == 1 and tensor.is_floating_point():
             self._losses.append(tensor.detach())
 
     def on_scale(self, outputs: Any) -> None:
-        if self.session.scaler_enabled:
+        if self.watch.scaler_enabled:
             self._take(outputs)
 
     def on_backward_begin(self, tensor: torch.Tensor) -> None:
-        if not self.session.scaler_enabled:
+        if not self.watch.scaler_enabled:
             self._take(tensor)
 
     def on_step_begin(self, step: int) -> None:
         """CPU only (no device to wait for): copy the parameters while they are still as
         the suspect step began, before an update changes them."""
         self._serve()
-        session = self.session
-        if (self.off or not session.host_reduce
+        watch = self.watch
+        if (self.off or not watch.host_reduce
                 or self.triggers.started >= self.settings.max_bundles):
             return
         last = self._last_held
         if last is not None and last.skipped and not last.judged and last.pre is None:
             # skipped and not yet judged: this step's update would end exactness
             last.pre = self._state_dict()
-        if session.scaler_enabled or not self._losses or self._rng is None:
+        if watch.scaler_enabled or not self._losses or self._rng is None:
             return
         # no scaler: this update applies whatever the step did, so judge the loss now
         loss = sum(float(t) for t in self._losses)  # host tensors: reading waits for nothing
@@ -209,7 +209,7 @@ class Recorder(Collector):
     def _state_dict(self) -> HostCopy:
         """The model's parameters and buffers, being copied to the host (incidents only;
         does not wait for the device)."""
-        return HostCopy({k: v for k, v in self.session.inner.state_dict(keep_vars=True).items()
+        return HostCopy({k: v for k, v in self.watch.inner.state_dict(keep_vars=True).items()
                          if isinstance(v, torch.Tensor)})
 
     def _serve(self) -> None:
@@ -237,18 +237,18 @@ class Recorder(Collector):
             self._serve()
 
     def _describe(self, record: dict[str, Any], trigger: str) -> dict[str, Any]:
-        session = self.session
+        watch = self.watch
         first = record.get("first_nonfinite_layer")
-        optimizer = session.optimizer
-        scaler = scaler_config(session.scaler)
+        optimizer = watch.optimizer
+        scaler = scaler_config(watch.scaler)
         if scaler is not None:
             scaler["scale"] = record.get("loss_scale")  # host value: no get_scale() sync
         activations = record.get("activations") or {}
         dtypes = activations.get("dtype") if isinstance(activations, dict) else None
         return {
-            "format": BUNDLE_FORMAT, "run_id": session.settings.run_id, "rank": session.rank,
+            "format": BUNDLE_FORMAT, "run_id": watch.settings.run_id, "rank": watch.rank,
             "step": self.step_number(record["step"]), "trigger": trigger,
-            "first_nonfinite_layer": (session.layers[first].name
+            "first_nonfinite_layer": (watch.layers[first].name
                                       if isinstance(first, int) else None),
             "loss": record.get("loss"), "skipped": record.get("skipped"),
             "grad_norm": record.get("grad_norm"),
@@ -256,7 +256,7 @@ class Recorder(Collector):
                               if self.triggers.losses else None),
             "loss_spike_factor": self.settings.loss_spike,
             "input_nonfinite": record.get("input_nonfinite"),
-            "autocast": {"device_type": session.device_type,
+            "autocast": {"device_type": watch.device_type,
                          "dtype": record.get("autocast_dtype")},
             "scaler": scaler,
             "optimizer": None if optimizer is None else {
@@ -264,11 +264,11 @@ class Recorder(Collector):
                 "param_groups": [{k: _plain(v) for k, v in g.items() if k != "params"}
                                  for g in optimizer.param_groups]},
             "environment": {
-                "torch_version": torch.__version__, "device": str(session.device),
+                "torch_version": torch.__version__, "device": str(watch.device),
                 "param_dtypes": sorted({str(p.dtype).removeprefix("torch.")
-                                        for p in session.params}),
+                                        for p in watch.params}),
                 "layer_dtypes": (None if dtypes is None else {
-                    layer.name: dtypes[layer.index] for layer in session.layers
+                    layer.name: dtypes[layer.index] for layer in watch.layers
                     if layer.index < len(dtypes) and dtypes[layer.index] is not None})},
         }
 

@@ -120,9 +120,9 @@ class StepGuard(Collector):
         self._hosts: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ set-up
-    def bind(self, session: Any) -> None:
-        super().bind(session)
-        dev = session.device
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
+        dev = watch.device
         self._slot = self.slot(0)
         self._code = torch.zeros((), dtype=torch.int64, device=dev)
         self._found_inf = torch.zeros((), dtype=torch.float32, device=dev)
@@ -132,20 +132,20 @@ class StepGuard(Collector):
         self._zero = torch.zeros((), device=dev)
         self._found = torch.zeros(1, device=dev)  # GradScaler's found_inf form
         self._one = torch.ones(1, device=dev)
-        session.after_step = self._after_step
+        watch.after_step = self._after_step
 
     def unbind(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._hooked = None
-        if self.session is not None:
-            self.session.after_step = None
+        if self.watch is not None:
+            self.watch.after_step = None
 
     @property
     def active(self) -> bool:
         """The guard leaves the skipping to an enabled GradScaler when there is one."""
-        return self.session is not None and not self.session.scaler_enabled
+        return self.watch is not None and not self.watch.scaler_enabled
 
     # ------------------------------------------------------------------ events
     def on_backward_begin(self, loss: torch.Tensor | None) -> None:
@@ -167,9 +167,9 @@ class StepGuard(Collector):
                 self._apply(self._hooked)
 
     def on_step_begin(self, step: int) -> None:
-        optimizer = self.session.optimizer
+        optimizer = self.watch.optimizer
         if optimizer is not None and optimizer is not self._hooked and self.active:
-            # the optimizer's own hooks run after the session's global pre-hook (which
+            # the optimizer's own hooks run after the loop watch's global pre-hook (which
             # took the grads) and before its global post-hook (which ends the step)
             for handle in self._handles:
                 handle.remove()
@@ -204,8 +204,8 @@ class StepGuard(Collector):
             self._loss = loss
         else:
             self._loss = None
-        session = self.session
-        if session.world_size > 1 and dist.is_available() and dist.is_initialized():
+        watch = self.watch
+        if watch.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(code, op=dist.ReduceOp.MAX)  # every rank leaves out the same step
         self._code.copy_(code)
 
@@ -236,7 +236,7 @@ class StepGuard(Collector):
         if mode == "auto":
             if getattr(optimizer, "_step_supports_amp_scaling", False):
                 return "found_inf"
-            return "sync" if self.session.host_reduce else "select"
+            return "sync" if self.watch.host_reduce else "select"
         if mode == "found_inf" and not getattr(optimizer, "_step_supports_amp_scaling", False):
             return "select"
         if mode == "select" and any(not isinstance(v, torch.Tensor)
@@ -256,7 +256,7 @@ class StepGuard(Collector):
             errors.report("step_guard.arm", exc)
 
     def _arm_step(self, optimizer: Any) -> None:
-        if not self.active or self.session is None or not self.session.live:
+        if not self.active or self.watch is None or not self.watch.live:
             return
         self._code.zero_()
         self._decided = False
@@ -327,7 +327,7 @@ class StepGuard(Collector):
 
     def _queue_streak(self) -> None:
         """The streak a step left, copied to the host without waiting (read once done)."""
-        step = self.session.step
+        step = self.watch.step
         if self._streak.device.type == "cuda":
             host = (self._hosts.pop() if self._hosts
                     else torch.empty((), dtype=torch.int64, pin_memory=True))
@@ -339,7 +339,7 @@ class StepGuard(Collector):
         self._pending.append((step, host, event))
 
     def _after_step(self) -> None:
-        """After the session ended a step: stop the run once `max_skips` is reached.
+        """After the loop watch ended a step: stop the run once `max_skips` is reached.
         The one exception the agent raises into training on purpose."""
         limit = self.settings.max_skips
         while self._pending and (self._pending[0][2] is None or self._pending[0][2].query()):
@@ -378,7 +378,7 @@ class StepGuard(Collector):
         self.skipped_steps += 1
         first = record.get("first_nonfinite_layer")
         if self.first_layer is None and isinstance(first, int):
-            self.first_layer = self.session.layers[first].name
+            self.first_layer = self.watch.layers[first].name
 
 
 def weights_finite(params: list[torch.Tensor], optimizer: Any) -> bool:

@@ -1,7 +1,7 @@
 """Per-layer forward statistics: a non-finite flag, and on sampled steps the abs-max,
 dtype and time of each layer's output; the layers' forward execution order.
 
-On the CPU (`session.host_reduce`, one rank, `check_outputs="flagged"`, the default) an
+On the CPU (`watch.host_reduce`, one rank, `check_outputs="flagged"`, the default) an
 unsampled step registers no layer hook and reads no output: its training forwards'
 inputs are held and, when the loss comes back inf/NaN, replayed to name the first layer
 whose output held inf/NaN (forward_search.py; docs/agent.md, "Cheap by design"). On an
@@ -17,11 +17,11 @@ one device op, `aminmax` of the layer's output (NaN and inf propagate; on the CP
 to a list. At close, every step: the position
 of the first call whose output held inf/NaN (in execution order, so the first offender
 of that exact step) is reduced into one slot with a few device ops. On a sampled step
-(every `sample_every` steps, and every step through `session.anomaly_until`) the layers
+(every `sample_every` steps, and every step through `watch.anomaly_until`) the layers
 also get a pre hook (time, token count) and the abs-max of every layer is reduced into
 the buffer with about a dozen device ops whatever the number of layers or calls (grouped
 by output dtype, a layer called several times keeps its largest value). On the CPU
-(`session.host_reduce`) both reductions are left to the worker, which reads the (min,
+(`watch.host_reduce`) both reductions are left to the worker, which reads the (min,
 max) pairs themselves, and on unsampled steps a bf16 or float32 output is checked by its
 sum instead, read in the hook, and only outputs that held inf/NaN are recorded (see
 finite_checks.py: which outputs need no sum of their own). The dtype each layer computed
@@ -172,31 +172,31 @@ class ActivationCollector(Collector):
         self._last_tokens: dict[int, int] = {}  # what close() saw last: unchanged is skipped
         self._last_pattern: tuple[tuple[int, torch.dtype | None], ...] | None = None
 
-    def bind(self, session: Any) -> None:
-        super().bind(session)
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
         self._absmax_slots = self.view.narrow(0, 0, self.n_layers)
         self._first_slot = self.view.narrow(0, self.n_layers, 1)
-        self._pre_by_layer = [(layer.module, self._pre(layer.index)) for layer in session.layers]
+        self._pre_by_layer = [(layer.module, self._pre(layer.index)) for layer in watch.layers]
         self._post_by_layer = [(layer.module, self._post(layer.index))
-                               for layer in session.layers]
-        self._layer_modules = [(layer.index, layer.module) for layer in session.layers]
+                               for layer in watch.layers]
+        self._layer_modules = [(layer.index, layer.module) for layer in watch.layers]
         # not over several ranks: replaying one rank's forward alone could enter a collective
         # (DDP's buffer broadcast, FSDP's all-gather) the other ranks never join. On an
         # accelerator the replay's flag is a GradScaler's skip (a host fact once its step()
         # has run); without one, the outputs are held and checked by flagged_checks.py
-        flagged = getattr(session.settings, "check_outputs", "flagged") == "flagged"
-        self._flagged = (session.parallelism is None
-                         and (session.host_reduce or session.scaler_enabled) and flagged)
+        flagged = getattr(watch.settings, "check_outputs", "flagged") == "flagged"
+        self._flagged = (watch.parallelism is None
+                         and (watch.host_reduce or watch.scaler_enabled) and flagged)
         # flagged: the post hooks too exist on sampled steps only (a healthy step runs none)
         self._post_hooks = SampledHooks(self._register_post_hooks)
         if not self._flagged:
             self._hooks = self._register_post_hooks()
-            if flagged and not session.host_reduce:
+            if flagged and not watch.host_reduce:
                 self._use_flagged_checks()
-        self._fuse = not session.host_reduce
+        self._fuse = not watch.host_reduce
         if self._fuse:  # what held outputs may keep alive that autograd does not
-            hold_mb = getattr(session.settings, "hold_mb", None)
-            self._budget = (flagged_checks.default_budget(session.device) if hold_mb is None
+            hold_mb = getattr(watch.settings, "hold_mb", None)
+            self._budget = (flagged_checks.default_budget(watch.device) if hold_mb is None
                             else int(hold_mb * (1 << 20)))
 
     def unbind(self) -> None:
@@ -212,8 +212,8 @@ class ActivationCollector(Collector):
         return self._sampled
 
     def on_next_step(self, step: int) -> None:
-        sample = self.session.samples(step)
-        self._host_checks = self.session.host_reduce and not sample and not self._flagged
+        sample = self.watch.samples(step)
+        self._host_checks = self.watch.host_reduce and not sample and not self._flagged
         self._search = self._flagged and not sample
         self._hold = self._checks is not None and not sample
         if sample != self._sampled:
@@ -230,11 +230,11 @@ class ActivationCollector(Collector):
         self._holding = self._hold and torch.is_grad_enabled()
         self._fusing = self._sampled and self._fuse
         if self._search and training:
-            self._held.append(hold(self._replayable(), args, kwargs, self.session.device))
+            self._held.append(hold(self._replayable(), args, kwargs, self.watch.device))
 
     def on_backward_begin(self, loss: torch.Tensor | None) -> None:
         # the CPU's flag: the loss, a host value (an accelerator's would need a sync)
-        if self.session.host_reduce:
+        if self.watch.host_reduce:
             held, self._held = self._held, []
             if held and loss_is_bad(loss):
                 self._search_held(held)
@@ -243,8 +243,8 @@ class ActivationCollector(Collector):
 
     def _replayable(self) -> torch.nn.Module:
         """The module this forward entered by (a compiled one's eager module)."""
-        owner = self.session.forward_owner
-        return self.session.inner if owner is None else unwrap(owner)
+        owner = self.watch.forward_owner
+        return self.watch.inner if owner is None else unwrap(owner)
 
     def _check_held_outputs(self, loss: torch.Tensor | None) -> None:
         """Launch the flagged check of each output held since the last backward (no read:
@@ -260,17 +260,17 @@ class ActivationCollector(Collector):
     def _search_held(self, held: list[HeldForward]) -> None:
         """Replay the step's held forwards, in order, up to the first with a bad output."""
         self._searched = True
-        session = self.session
-        suspended, session.suspended = session.suspended, True  # the replay is no forward
+        watch = self.watch
+        suspended, watch.suspended = watch.suspended, True  # the replay is no forward
         try:
             for forward in held:
                 call = first_bad_output(forward.module, forward, self._layer_modules,
-                                        on_device=not session.host_reduce)
+                                        on_device=not watch.host_reduce)
                 if call is not None:
                     self._calls.append(call)
                     break
         finally:
-            session.suspended = suspended
+            watch.suspended = suspended
 
     def on_forward_end(self, training: bool, output: Any) -> None:
         self._host.end_forward()
@@ -315,13 +315,13 @@ class ActivationCollector(Collector):
         # takes found_inf on the device and always "steps": no host fact, so its outputs
         # are checked every step from here on
         held, self._held = self._held, []
-        if held and not self.session.host_reduce:
-            if getattr(self.session.optimizer, "_step_supports_amp_scaling", False):
+        if held and not self.watch.host_reduce:
+            if getattr(self.watch.optimizer, "_step_supports_amp_scaling", False):
                 self._unflag()
             elif not stepped:
                 self._search_held(held)
         if not stepped:
-            self.session.note_anomaly(step)
+            self.watch.note_anomaly(step)
 
     def _unflag(self) -> None:
         """No skip to go by: hold the outputs for the flagged checks, or where the kernel
@@ -333,7 +333,7 @@ class ActivationCollector(Collector):
         self._use_flagged_checks()
 
     def _use_flagged_checks(self) -> None:
-        device = self.session.device
+        device = self.watch.device
         if self._checks is None and flagged_checks.available(device):
             self._checks = flagged_checks.FlaggedChecks(device, NO_CALL)
 
@@ -346,18 +346,18 @@ class ActivationCollector(Collector):
     # the layer hooks run once or twice per layer per step: the error boundary is inlined, not a
     # wrapper, and they do as little as possible (the rest happens at close or on the worker)
     def _pre(self, index: int) -> Any:
-        session = self.session
-        mark = session.clock.mark
+        watch = self.watch
+        mark = watch.clock.mark
         starts, tokens = self._starts, self._tokens
         # a Linear-like layer's GEMM has one row per token: input.numel() / in_features
-        in_features = session.layers[index].attrs.get("in_features")
+        in_features = watch.layers[index].attrs.get("in_features")
         counts_tokens = isinstance(in_features, int) and in_features > 0
 
         def hook(module: torch.nn.Module, args: tuple) -> None:
             if compiling():
                 return
             try:
-                if session.in_training_forward:
+                if watch.in_training_forward:
                     starts[index] = mark()
                     if counts_tokens and args and isinstance(args[0], torch.Tensor):
                         tokens[index] = args[0].numel() // in_features
@@ -366,17 +366,17 @@ class ActivationCollector(Collector):
         return hook
 
     def _post(self, index: int) -> Any:
-        session = self.session
-        mark = session.clock.mark
+        watch = self.watch
+        mark = watch.clock.mark
         starts = self._starts
         aminmax = torch.aminmax
-        preserves_finite = type(session.layers[index].module) in FINITE_PRESERVING
+        preserves_finite = type(watch.layers[index].module) in FINITE_PRESERVING
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             if compiling():
                 return
             try:
-                if not session.in_training_forward:
+                if not watch.in_training_forward:
                     return
                 tensor = output if type(output) is torch.Tensor else first_float_tensor(output)
                 if self._host_checks and tensor is not None:
@@ -451,7 +451,7 @@ class ActivationCollector(Collector):
         sampled, calls, tokens, observed, searched = sealed
         if not calls and not observed:
             return None
-        host_reduce = self.session.host_reduce or searched  # a search's stats are host values
+        host_reduce = self.watch.host_reduce or searched  # a search's stats are host values
         if host_reduce and not sampled:  # the worker reads the calls; nothing to plan
             return sampled, calls, host_reduce
         # each call's layer and the dtype its statistics have (None: it has none)
@@ -462,7 +462,7 @@ class ActivationCollector(Collector):
             plan = self._plans.get(pattern)
             if plan is None:
                 plan = self._plans[pattern] = AbsMaxPlan(pattern, self.n_layers,
-                                                         self.session.device)
+                                                         self.watch.device)
             pairs = plan.stack(calls) if not plan.empty else []
             plan.first_nonfinite(pairs, self._first_slot)
             if self._checks is not None:
@@ -476,16 +476,16 @@ class ActivationCollector(Collector):
         changed = tokens != self._last_tokens and self._note_tokens(tokens)
         if pattern != self._last_pattern:  # the layers ran in another order or dtype
             self._last_pattern = pattern
-            self.session.fp16_outputs = any(dtype is torch.float16 for _, dtype in pattern)
+            self.watch.fp16_outputs = any(dtype is torch.float16 for _, dtype in pattern)
             seen = list(dict.fromkeys(call[0] for call in calls))
             if seen and seen != self.order[: len(seen)] or len(seen) > len(self.order):
                 self.order = seen
-                for layer in self.session.layers:
+                for layer in self.watch.layers:
                     layer.forward_index = (seen.index(layer.index) if layer.index in seen
                                            else None)
                 changed = True
         if changed:
-            self.session.on_run_change()
+            self.watch.on_run_change()
 
     def _note_tokens(self, tokens: dict[int, int]) -> bool:
         """Put token counts in the layer table: the first seen, replaced only by one that
@@ -494,7 +494,7 @@ class ActivationCollector(Collector):
         self._last_tokens = tokens
         changed = False
         for index, count in tokens.items():
-            attrs = self.session.layers[index].attrs
+            attrs = self.watch.layers[index].attrs
             kept = attrs.get("token_count")
             if kept is None or (count != kept and count % 8 and not kept % 8):
                 attrs["token_count"] = count
@@ -521,7 +521,7 @@ class ActivationCollector(Collector):
         if not sampled:
             return
         n = self.n_layers
-        elapsed = self.session.clock.elapsed_ms
+        elapsed = self.watch.clock.elapsed_ms
         ran = np.zeros(n, dtype=bool)
         dtypes: list[str | None] = [None] * n
         times: list[float | None] = [None] * n
