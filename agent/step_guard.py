@@ -132,15 +132,12 @@ class StepGuard(Collector):
         self._zero = torch.zeros((), device=dev)
         self._found = torch.zeros(1, device=dev)  # GradScaler's found_inf form
         self._one = torch.ones(1, device=dev)
-        watch.after_step = self._after_step
 
     def unbind(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._hooked = None
-        if self.watch is not None:
-            self.watch.after_step = None
 
     @property
     def active(self) -> bool:
@@ -338,7 +335,7 @@ class StepGuard(Collector):
             host, event = self._streak.clone(), None
         self._pending.append((step, host, event))
 
-    def _after_step(self) -> None:
+    def after_step(self) -> None:
         """After the loop watch ended a step: stop the run once `max_skips` is reached.
         The one exception the agent raises into training on purpose."""
         limit = self.settings.max_skips

@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from ampwatch import agent  # noqa: E402
 
-SESSION_WORK = ("_step_end", "_take_grads", "close_pending")
+WATCH_WORK = (("", "_step_end"), ("", "close_pending"), ("grads", "take"))
 
 
 def labelled(fn: Callable, label: str) -> Callable:
@@ -46,9 +46,10 @@ def label_agent(watch: Any) -> None:
     for event, handlers in watch._listeners.items():
         watch._listeners[event] = [(labelled(handler, f"aw.{site}"), site)
                                      for handler, site in handlers]
-    for name in SESSION_WORK:
-        if hasattr(watch, name):
-            setattr(watch, name, labelled(getattr(watch, name), f"aw.watch.{name}"))
+    for part, name in WATCH_WORK:
+        owner = getattr(watch, part) if part else watch
+        label = ".".join(filter(None, ("aw.watch", part, name)))
+        setattr(owner, name, labelled(getattr(owner, name), label))
 
 
 def kernels(prof: Any) -> list[Any]:
