@@ -252,9 +252,9 @@ def allow_search_syncs(monkeypatch: Any, device: torch.device) -> list[int]:
     its replay of that step's forward reads every layer's (min, max) at once (one host
     read, after the scaler's own; agent/collectors/forward_search.py), made here with the
     mode off. Returns the list each search appends its answer to (a layer index, or -1)."""
-    from ampwatch.agent.collectors import activations
+    from ampwatch.agent.collectors import forward_search
 
-    original = activations.first_bad_output
+    original = forward_search.first_bad_output
     searched: list[int] = []
 
     def search(*args: Any, **kwargs: Any) -> Any:
@@ -266,7 +266,7 @@ def allow_search_syncs(monkeypatch: Any, device: torch.device) -> list[int]:
         searched.append(-1 if call is None else call[0])
         return call
 
-    monkeypatch.setattr(activations, "first_bad_output", search)
+    monkeypatch.setattr(forward_search, "first_bad_output", search)
     return searched
 
 
