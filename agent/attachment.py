@@ -13,22 +13,16 @@ from typing import Any
 from torch import nn
 
 from ampwatch.agent import errors
-from ampwatch.agent.collectors import default_collectors
-from ampwatch.agent.collectors.fp8 import Fp8Collector
-from ampwatch.agent.collectors.spikes import SpikeCollector
-from ampwatch.agent.collectors.weights import WeightNormCollector
-from ampwatch.agent.distributed import shared_run_id
-from ampwatch.agent.environment import describe_run, distributed_rank, environment, run_body
-from ampwatch.agent.fp8 import find_fp8_layers
+from ampwatch.agent.collectors import attached_collectors
+from ampwatch.agent.environment import describe_run, environment, run_body
 from ampwatch.agent.layers import discover_layers
 from ampwatch.agent.loop_watch import CLOSE_FAILED, LoopWatch, StepItem
 from ampwatch.agent.mirror import Mirror, resolve_trackers
 from ampwatch.agent.mirror.incidents import IncidentWatch
-from ampwatch.agent.record_triggers import RecordSettings
 from ampwatch.agent.recorder import Recorder, make_recorder
-from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
-from ampwatch.agent.settings import CHECK_OUTPUTS, AgentSettings, check_hold_mb, make_run_id
-from ampwatch.agent.step_guard import GuardSettings, StepGuard, weights_finite
+from ampwatch.agent.run_identity import refuse_reused_run
+from ampwatch.agent.settings import AgentSettings
+from ampwatch.agent.step_guard import StepGuard, weights_finite
 from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
 from ampwatch.wire import (
@@ -38,6 +32,7 @@ from ampwatch.wire import (
     encode_float,
     encode_tree,
 )
+from ampwatch.wire.bundles import BUNDLE_EVENT
 
 _live: weakref.WeakSet[Attachment] = weakref.WeakSet()
 
@@ -49,17 +44,81 @@ class Attachment:
     attachment (`enabled=False`) does nothing.
     """
 
-    def __init__(self, run_id: str | None, watch: LoopWatch | None = None,
-                 worker: Worker | None = None, describe: dict[str, Any] | None = None,
-                 recorder: Recorder | None = None) -> None:
+    def __init__(self, run_id: str | None, model: nn.Module | None = None, scaler: Any = None,
+                 optimizer: Any = None, settings: AgentSettings | None = None) -> None:
+        """A disabled handle without `settings`; else the worker, the collectors and the
+        loop watch over `model`, built complete and not yet started (`start`)."""
         self._run_id = run_id
-        self._recorder = recorder
-        self._watch = watch
-        self._worker = worker
-        self._describe = describe or {}
-        self._detached = watch is None
         self._lock = threading.Lock()
+        self._detached = settings is None
+        self._watch: LoopWatch | None = None
+        self._worker: Worker | None = None
+        self._recorder: Recorder | None = None
         self.step_guard: StepGuard | None = None
+        self._describe: dict[str, Any] = {}
+        if settings is None or model is None:
+            return
+        self._describe = describe_run(settings.name, settings.project, settings.tags,
+                                      settings.config)
+        self._worker = Worker(settings)
+        self._worker.mirror = make_mirror(settings.mirror, settings)  # Worker takes no mirror
+        self._recorder = make_recorder(settings.record, settings, self._run_step,
+                                       self._emit_bundle)
+        if settings.guard is not None:
+            self.step_guard = StepGuard(settings.guard, on_stop=self._guard_stopping,
+                                        step_number=self._run_step)
+        layers = discover_layers(model)
+        self._watch = LoopWatch(
+            model, scaler, optimizer, layers,
+            attached_collectors(layers, self.step_guard, self._recorder),
+            sink=self._worker.submit, settings=settings, on_event=self.event,
+            on_run_change=errors.guarded("attachment.run_change")(self._run_changed))
+
+    @classmethod
+    def start(cls, model: nn.Module, scaler: Any, optimizer: Any,
+              settings: AgentSettings) -> Attachment:
+        """Build and start watching (`attach()`'s work once its settings are resolved).
+        ValueError for a reused run id without `resume`; any other failure is the
+        agent's own: logged, counted, and a disabled handle returned."""
+        if not settings.enabled:
+            return cls(settings.run_id or None)
+        refuse_reused_run(settings)  # the caller's mistake, not the agent's: it raises
+        try:
+            attachment = cls(settings.run_id, model, scaler, optimizer, settings)
+            attachment._install()
+        except Exception as exc:  # noqa: BLE001
+            errors.report("attach", exc)
+            return cls(None if settings.run_id_generated else settings.run_id)
+        errors.add_listener(attachment._on_error)
+        _live.add(attachment)
+        if settings.first_step is not None and settings.resume:
+            # a checkpoint restart: the server lets these steps supersede its stored copies
+            attachment.event(RESTART_EVENT, {})
+        return attachment
+
+    def _install(self) -> None:
+        """Hooks on, worker started: from here on the loop is watched."""
+        watch, worker = self._watch, self._worker
+        assert watch is not None and worker is not None
+        if watch.settings.first_step is not None:
+            worker.explicit_steps = True  # the loop numbers its steps: no resume offset
+        body = self._body()  # the run as attach() found it, before any hook ran
+        watch.install()
+        worker.start(body, self._decode, lambda: watch.dropped_steps)
+
+    def _run_step(self, step: int) -> int:
+        """A process step as the run numbers it (the worker's numbering: on from a resumed
+        run's last step, unless the loop numbers its steps itself)."""
+        worker = self._worker
+        assert worker is not None
+        return step if worker.explicit_steps else step + worker.step_offset
+
+    def _emit_bundle(self, detail: dict[str, Any]) -> bool:
+        """Send a flight-recorder `bundle` event (also during detach, after `event` stopped
+        taking events)."""
+        assert self._worker is not None
+        return self._worker.submit(EventMessage({"step": None, "kind": BUNDLE_EVENT,
+                                                 "detail": detail}))
 
     @property
     def healthy(self) -> bool:
@@ -268,120 +327,69 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            step: int | None = None, record: Any = True, guard: Any = False,
            mirror: Any = None, check_outputs: str | None = None,
            hold_mb: float | None = None) -> Attachment:
-    """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
+    """Watch the numerical health of `model`'s optimizer steps and deliver it to a server.
 
-    The optimizer is found at its first step when not given (the first whose parameters
-    include the model's). `run` (default `AMPWATCH_RUN_ID`, else a new id) must be new for
-    this rank unless `resume` (default `AMPWATCH_RESUME`) is true. Costs a few host-side
-    hooks per step and a handful of small device kernels; does not synchronise the device;
-    a chosen run id without `resume` costs one request to the server here. Raises
-    ValueError for a run id, name, project or tag the server would refuse, for a reused
-    run id without `resume`, and for a `step` that is not a non-negative int; never raises
-    because of the agent's own failures: it logs them and returns a disabled attachment.
-    `token` (default `AMPWATCH_TOKEN`) is sent to the server as a bearer token.
+    Example::
 
-    `step`: the number of the first step recorded (the trainer's step; set it per step with
-    `attachment.step = n`). Without it steps count from 0, or, for a resumed run, on from
-    the last step stored.
+        scaler = torch.amp.GradScaler("cuda")
+        with agent.attach(model, scaler, project="gpt", tags=["fp16"]) as run:
+            for x, y in loader:                      # the loop itself is unchanged
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = criterion(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
 
-    `record`: the flight recorder (docs/replay.md). On by default: when a step goes bad it
-    writes a bundle (the batch, RNG states, the model's state as the step began, scaler
-    and autocast settings) off the training thread, within 2 GiB per run and rank, and
-    delivers it like batches; "local" keeps bundles on this machine, False turns it off,
-    a `RecordSettings` sets triggers and budget. Costs a reference to each step's batch
-    held one step longer and a copy of the RNG state per step.
+    Args (an `AMPWATCH_*` variable applies where a keyword is left at None; docs/agent.md):
+        model (nn.Module): the model to watch; a `torch.compile` wrapper too.
+        scaler (GradScaler, optional): `torch.amp.GradScaler`, or None (bf16, fp32). Default: None.
+        optimizer (optional): Default: the first whose parameters include the model's, at its step.
+        run (str, optional): the run id, new for this rank unless `resume`.
+            Default: `AMPWATCH_RUN_ID`, else `<name or script>-<utc time>-<random>`.
+        project, name (str, optional), tags (list[str], optional): the run's labels. Default: None.
+        config (dict, optional): what JSON cannot hold is sent as text. Default: None.
+        server (str, optional): Default: `AMPWATCH_SERVER`, else "http://127.0.0.1:8000".
+        token (str, optional): sent as a bearer token. Default: `AMPWATCH_TOKEN`.
+        enabled (bool): False returns a handle that does nothing. Default: True.
+        sample_every (int): steps between sampled steps (0: none). Default: 10.
+        sample_after_anomaly (int): every step sampled this long after a bad one. Default: 20.
+        spool_dir (path, optional): Default: `AMPWATCH_SPOOL_DIR`, else ~/.cache/ampwatch/spool.
+        offline (bool, optional): spool only. Default: `AMPWATCH_MODE=offline`, else False.
+        flush_interval (float, optional): seconds. Default: `AMPWATCH_FLUSH_INTERVAL`, else 2.
+        max_batch_steps (int, optional): steps per batch at most. Default: 200.
+        resume (bool, optional): continue a run id's steps. Default: `AMPWATCH_RESUME`, else False.
+        step (int, optional): the first step's number (the trainer's; `attachment.step = n`
+            per step). Default: 0, or on from a resumed run's last stored step.
+        record (bool, "local" or RecordSettings): the flight recorder (docs/replay.md).
+            Default: True, or `AMPWATCH_RECORD`.
+        guard (bool or dict): the step guard (docs/guard.md), e.g.
+            `{"skip_spikes": 5, "max_skips": 20}`. Default: False.
+        mirror: trackers that also get the signals and incidents (docs/trackers.md): a
+            SummaryWriter, a wandb run, "wandb", "mlflow", "tensorboard:<dir>", or a list.
+            Default: `AMPWATCH_MIRROR`, else none.
+        check_outputs (str, optional): "flagged" (layer outputs searched only on a bad step)
+            or "every_step". Default: `AMPWATCH_CHECK_OUTPUTS`, else "flagged".
+        hold_mb (float, optional): the most memory outputs held for their check may keep alive.
+            Default: `AMPWATCH_HOLD_MB`, else 1% of the device's memory.
 
-    `guard`: the step guard (docs/guard.md), off by default. True, or a dict such as
-    `{"skip_spikes": 5, "max_skips": 20}`: without an enabled GradScaler, an optimizer
-    step whose loss or grads are not finite (or whose loss spikes) is left out exactly,
-    as GradScaler leaves one out; `max_skips` in a row raise `GuardStop`.
-    `mirror` (default `AMPWATCH_MIRROR`, comma separated): trackers that also get the
-    per-step signals under `ampwatch/` and the run's incidents (docs/trackers.md): a
-    `SummaryWriter`, a wandb run or "wandb" (the active one), "mlflow" (the active run),
-    "tensorboard:<dir>", or a list. Written from the agent's threads, never the training
-    thread; a tracker that fails, hangs or is not installed is logged once and left out.
-    `check_outputs` (default `AMPWATCH_CHECK_OUTPUTS`, else "flagged"): on the CPU, an
-    unsampled step's layer outputs are searched for the first inf/NaN only when its loss
-    is inf/NaN, by replaying its forward (docs/agent.md, "Cheap by design");
-    "every_step" checks every output of every step, which also sees an overflow a later
-    op absorbed, at ~13% more elements read per step. On an accelerator the flag is a
-    GradScaler's skip, and without one the outputs are held until their backward begins
-    and checked there only when the loss is inf/NaN (without a sync).
-    `hold_mb` (default `AMPWATCH_HOLD_MB`, else 1% of the device's memory): the most
-    memory those held outputs may keep alive that autograd does not keep anyway; beyond
-    it an output is checked as it is produced (read every step).
+    Raises ValueError for a run id, name, project, tag, `step`, `record`, `guard`,
+    `check_outputs` or `hold_mb` the agent cannot take, and for a reused run id without
+    `resume`; never because of the agent's own failures: they are logged and counted, and
+    the handle returned is disabled.
+
+    .. note:: No host-device sync per step: hooks only launch small device kernels into a
+        preallocated buffer, read on the agent's worker thread a step later. A chosen run id
+        without `resume` costs one request to the server here (up to 2 s).
     """
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    run, resume = resolve_run(run, resume)
-    check_labels(name, project, tags)
-    record_settings = RecordSettings.parse(record)  # a caller's mistake raises
-    guard_settings = GuardSettings.parse(guard)
-    if check_outputs not in (None, *CHECK_OUTPUTS):
-        raise ValueError(f"check_outputs must be one of {CHECK_OUTPUTS}, got {check_outputs!r}")
-    check_hold_mb(hold_mb)
-    if not enabled:
-        return Attachment(run)
-    try:
-        rank, world_size = distributed_rank()
-        generated = run is None
-        if generated and world_size > 1:  # one run, one stream per rank
-            run = shared_run_id(make_run_id(name), rank, world_size)
-        settings = AgentSettings.build(
-            run, name, server, rank=rank, world_size=world_size, sample_every=sample_every,
-            sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
-            flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
-            run_id_generated=generated or None, token=token, check_outputs=check_outputs,
-            hold_mb=hold_mb)
-    except Exception as exc:  # noqa: BLE001
-        errors.report("attach", exc)
-        return Attachment(run)
-    refuse_reused_run(settings)  # the caller's mistake, not the agent's: it raises
-    try:
-        layers = discover_layers(model)
-        collectors = default_collectors(len(layers))
-        fp8_layers = find_fp8_layers(layers)
-        if fp8_layers:
-            collectors.append(Fp8Collector(fp8_layers, layers))
-        collectors.append(SpikeCollector(layers))
-        collectors.append(WeightNormCollector(layers))  # after it: adds to its `spikes`
-        step_guard = None if guard_settings is None else StepGuard(guard_settings)
-        if step_guard is not None:
-            collectors.append(step_guard)  # after the others: its read marks the step skipped
-        recorder = make_recorder(record_settings, settings)
-        if recorder is not None:
-            collectors.append(recorder)  # last: its worker-side read sees the whole record
-        # in order: the worker, the loop watch that hands it steps, the handle over both
-        worker = Worker(settings)
-        worker.mirror = make_mirror(mirror, settings)
-        watch = LoopWatch(model, scaler, optimizer, layers, collectors, sink=worker.submit,
-                            settings=settings)
-        attachment = Attachment(settings.run_id, watch, worker,
-                                describe_run(name, project, tags, config), recorder)
-        if recorder is not None:
-            recorder.connect(worker)
-        attachment.step_guard = step_guard
-        if step_guard is not None:
-            step_guard.on_stop = attachment._guard_stopping
-            step_guard.step_number = lambda n: (n if worker.explicit_steps
-                                                else n + worker.step_offset)
-        watch.on_run_change = errors.guarded("attachment.run_change")(attachment._run_changed)
-        watch.on_event = attachment.event
-        if step is not None:
-            worker.explicit_steps = True
-            watch.step = step
-        body = attachment._body()  # the run as attach() found it, before any hook ran
-        watch.install()
-        worker.start(body, attachment._decode, lambda: watch.dropped_steps)
-    except Exception as exc:  # noqa: BLE001
-        errors.report("attach", exc)
-        return Attachment(run)
-    errors.add_listener(attachment._on_error)
-    _live.add(attachment)
-    if step is not None and settings.resume:
-        # a checkpoint restart: the server lets these steps supersede its stored copies
-        attachment.event(RESTART_EVENT, {})
-    return attachment
+    settings = AgentSettings.from_attach(
+        run=run, project=project, name=name, tags=tags, config=config, server=server,
+        token=token, enabled=enabled, sample_every=sample_every,
+        sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
+        flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
+        step=step, record=record, guard=guard, mirror=mirror, check_outputs=check_outputs,
+        hold_mb=hold_mb)
+    return Attachment.start(model, scaler, optimizer, settings)
 
 
 def make_mirror(mirror: Any, settings: AgentSettings) -> Mirror | None:

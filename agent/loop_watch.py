@@ -99,7 +99,7 @@ class LoopWatch:
         self.buffer = StepBuffer(self.device)
         self.clock: HostClock | CudaClock = (
             CudaClock() if self.device_type == "cuda" else HostClock())
-        self.step = 0
+        self.step = settings.first_step if settings.first_step is not None else 0
         self.active = False
         self.suspended = False  # set during check_speedup's private runs
         self.in_training_forward = False

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,9 +34,8 @@ from ampwatch.agent.collectors.forward_search import rng_states
 from ampwatch.agent.distributed import SHARDED_PARALLELISMS
 from ampwatch.agent.environment import scaler_config
 from ampwatch.agent.record_triggers import RecordSettings, Triggers
-from ampwatch.agent.transport.worker import EventMessage
 from ampwatch.wire import encode_tree
-from ampwatch.wire.bundles import BUNDLE_EVENT, BUNDLE_FOLDER, BUNDLE_FORMAT
+from ampwatch.wire.bundles import BUNDLE_FOLDER, BUNDLE_FORMAT
 
 
 class HostCopy:
@@ -99,14 +99,19 @@ class Recorder(Collector):
     # loop of small steps has many in flight); past it a step is not kept
     MAX_HELD = 64
 
-    def __init__(self, settings: RecordSettings, folder: Path) -> None:
+    def __init__(self, settings: RecordSettings, folder: Path,
+                 step_number: Callable[[int], int] = lambda step: step,
+                 emit: Callable[[dict[str, Any]], Any] = lambda detail: False) -> None:
+        """`step_number`: a process step as the run numbers it (as the worker does);
+        `emit(detail)` sends a `bundle` event (also during detach, after the attachment
+        stopped taking events)."""
         super().__init__()
         self.settings = settings
         self.folder = folder
         self.triggers = Triggers(settings)
         self.writer = BundleWriter(folder, settings.max_bytes, self._written)
-        self.step_number = lambda step: step  # process step -> the run's step (`connect`)
-        self.emit = lambda detail: False  # sends a `bundle` event (`connect`)
+        self.step_number = step_number
+        self.emit = emit
         self.captured: list[dict[str, Any]] = []  # metadata of each bundle attempted
         self._requests: deque[tuple[Held, dict[str, Any]]] = deque()
         self._host_losses: deque[float] = deque(maxlen=max(1, settings.loss_window))
@@ -311,14 +316,6 @@ class Recorder(Collector):
         meta["dropped"] = reason
         self.emit(encode_tree(detail))
 
-    def connect(self, worker: Any) -> None:
-        """Number bundles as the worker numbers steps; send `bundle` events through it
-        (also during detach, after the attachment stopped taking events)."""
-        self.step_number = lambda step: (step if worker.explicit_steps
-                                         else step + worker.step_offset)
-        self.emit = lambda detail: worker.submit(
-            EventMessage({"step": None, "kind": BUNDLE_EVENT, "detail": detail}))
-
     def flush(self, timeout: float) -> bool:
         """Capture what the worker asked for (the caller's thread: the training thread, at
         `flush()` or `detach()`), then wait up to `timeout` for the bundles to be on disk."""
@@ -326,7 +323,9 @@ class Recorder(Collector):
         return self.writer.flush(timeout)
 
 
-def make_recorder(parsed: RecordSettings | None, settings: Any) -> Recorder | None:
+def make_recorder(parsed: RecordSettings | None, settings: Any,
+                  step_number: Callable[[int], int],
+                  emit: Callable[[dict[str, Any]], Any]) -> Recorder | None:
     """The recorder of `attach(record=...)` (None: off). Bundles go to
     `RecordSettings.folder`; by default delivered ones to `bundles/` in the run's spool
     directory (the sender uploads them from there), local ones to
@@ -342,4 +341,4 @@ def make_recorder(parsed: RecordSettings | None, settings: Any) -> Recorder | No
         folder = run_dir(spool.parent / "bundles", settings.run_id, settings.rank)
     else:
         folder = run_dir(spool, settings.run_id, settings.rank) / BUNDLE_FOLDER
-    return Recorder(parsed, folder)
+    return Recorder(parsed, folder, step_number, emit)

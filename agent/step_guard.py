@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -100,13 +101,17 @@ class StepGuard(Collector):
     name = "step_guard"
     slots = 1
 
-    def __init__(self, settings: GuardSettings) -> None:
+    def __init__(self, settings: GuardSettings,
+                 on_stop: Callable[[], str | None] = lambda: None,
+                 step_number: Callable[[int], int] = lambda step: step) -> None:
+        """`on_stop()`: before `GuardStop` is raised, deliver what the run has and name the
+        newest flight-recorder bundle; `step_number`: a process step as the run numbers it."""
         super().__init__()
         self.settings = settings
         self.skipped_steps = 0  # guarded steps seen by the worker (host count)
         self.first_layer: str | None = None  # first non-finite layer of the current streak
-        self.on_stop: Any = None  # attach(): flushes, returns the newest bundle's path
-        self.step_number: Any = lambda step: step  # process step -> the run's (attach())
+        self.on_stop = on_stop
+        self.step_number = step_number
         self._losses: list[Any] = []
         self._named: list[Any] = []
         self._grads: list[torch.Tensor] | None = None
@@ -346,7 +351,7 @@ class StepGuard(Collector):
                 self._hosts.append(host)  # pinned buffers are reused, not allocated a step
             if limit is not None and streak >= limit:
                 self._pending.clear()
-                bundle = self.on_stop() if self.on_stop is not None else None
+                bundle = self.on_stop()
                 reason = REASONS.get(int(self._code)) if streak else None
                 raise GuardStop(self.step_number(step), streak, self.first_layer, bundle,
                                 reason)
