@@ -341,7 +341,9 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
                 scaler.update()
                 optimizer.zero_grad()
 
-    Args (an `AMPWATCH_*` variable applies where a keyword is left at None; docs/agent.md):
+    Keywords left at None take their `AMPWATCH_*` variable; docs/agent.md says more of each.
+
+    Args:
         model (nn.Module): the model to watch; a `torch.compile` wrapper too.
         scaler (GradScaler, optional): `torch.amp.GradScaler`, or None (bf16, fp32). Default: None.
         optimizer (optional): Default: the first whose parameters include the model's, at its step.

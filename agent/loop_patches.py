@@ -78,7 +78,8 @@ class PatchListeners:
         if not watch.live or watch.param_ids.isdisjoint(map(id, kwargs["parameters"])):
             return None
         unscaled = watch.grads_unscaled()
-        if unscaled and not watch.grads.taken:  # no backward seen: before the clip, at least
+        # no backward seen: the grads before the clip, at least
+        if unscaled and not watch.grad_snapshot.taken:
             watch.take_grads_guarded()
         watch.dispatch("on_clip_begin", unscaled)
         return unscaled
@@ -86,7 +87,7 @@ class PatchListeners:
     def _clip_after(self, result: Any, args: tuple, kwargs: dict, unscaled: Any) -> None:
         watch = self.watch
         if unscaled is not None and watch.live:
-            watch.grads.note_versions()  # a clip seen: its norm is derived, not re-read
+            watch.grad_snapshot.note_versions()  # a clip seen: its norm is derived, not re-read
             total = kwargs.get("total_norm", result)
             watch.dispatch("on_clip_end", total, kwargs["max_norm"], unscaled)
 

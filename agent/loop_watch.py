@@ -51,7 +51,7 @@ class LoopWatch:
 
     What it owns, each in its module: the forward entry hooks and torch.compile handling
     (`forward`, forward_entries.py), the listeners on global torch functions (loop_patches.py),
-    the GradScaler's wrappers (scaler_wrappers.py) and the gradient snapshot (`grads`,
+    the GradScaler's wrappers (scaler_wrappers.py) and the gradient snapshot (`grad_snapshot`,
     grad_snapshot.py); the collectors get its events through `dispatch`.
 
     `host_reduce`: the model's device is the host (CPU), so statistics tensors are already
@@ -111,7 +111,7 @@ class LoopWatch:
         self._pending: tuple[int, bool, dict[str, Any]] | None = None
         self._handles: list[Any] = []
         self.forward = ForwardEntries(self)
-        self.grads = GradSnapshot(self)
+        self.grad_snapshot = GradSnapshot(self)
         self._patches = PatchListeners(self)
         self._scaler_wrappers = ScalerWrappers(self)
         # per event, the bound handlers of the collectors that implement it
@@ -119,7 +119,7 @@ class LoopWatch:
                                if overrides(c, e)] for e in EVENTS}
         # the step guard's stop check (agent/step_guard.py): it may raise, on purpose
         self._after_step = [c.after_step for c in collectors if overrides(c, "after_step")]
-        self.take_grads_guarded = errors.guarded("watch.grad_snapshot")(self.grads.take)
+        self.take_grads_guarded = errors.guarded("watch.grad_snapshot")(self.grad_snapshot.take)
         self.step_end_guarded = errors.guarded("watch.step_end")(self._step_end)
 
     def __deepcopy__(self, memo: dict) -> LoopWatch:
@@ -240,7 +240,7 @@ class LoopWatch:
                 errors.report(f"{collector.name}.seal", exc)
         self._pending = (step, stepped, sealed)
         self.step = step + 1
-        self.grads.step_ended()
+        self.grad_snapshot.step_ended()
         self.backward_owner.step_ended()
         if not self.scaler_enabled:
             self.close_pending()
@@ -315,7 +315,7 @@ class LoopWatch:
                 return (*args[:own], wrapped, *args[own + 1:]), kwargs
             if callable(kwargs.get("closure")):
                 return args, {**kwargs, "closure": self._closure_then_grads(kwargs["closure"])}
-            self.grads.at_step()
+            self.grad_snapshot.at_step()
         except Exception as exc:  # noqa: BLE001
             errors.report("watch.optimizer_pre", exc)
         return None

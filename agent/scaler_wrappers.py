@@ -87,8 +87,8 @@ class ScalerWrappers:
                     if not watch.adopt(optimizer):
                         watch.split_params.unscaled_by(optimizer)
                     elif self.in_step:
-                        watch.grads.take()  # no backward seen: the grads are final now
-                    watch.grads.note_versions()  # unscaling rewrote them, as expected
+                        watch.grad_snapshot.take()  # no backward seen: the grads are final now
+                    watch.grad_snapshot.note_versions()  # unscaling rewrote them, as expected
                 except Exception as exc:  # noqa: BLE001
                     errors.report("watch.unscale_", exc)
         return unscale_
@@ -102,9 +102,10 @@ class ScalerWrappers:
                 if ours:
                     watch.step_begin()
                     if watch.grads_unscaled():
-                        watch.grads.at_step()
+                        watch.grad_snapshot.at_step()
                     elif getattr(optimizer, "_step_supports_amp_scaling", False):
-                        watch.grads.at_step(divisor=watch.scaler._scale)  # fused: stay scaled
+                        # fused: the grads stay scaled
+                        watch.grad_snapshot.at_step(divisor=watch.scaler._scale)
             except Exception as exc:  # noqa: BLE001
                 errors.report("watch.step", exc)
                 ours = False

@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from ampwatch import agent  # noqa: E402
 
-WATCH_WORK = (("", "_step_end"), ("", "close_pending"), ("grads", "take"))
+WATCH_WORK = (("", "_step_end"), ("", "close_pending"), ("grad_snapshot", "take"))
 
 
 def labelled(fn: Callable, label: str) -> Callable:
