@@ -12,23 +12,17 @@ from typing import Any
 
 from torch import nn
 
-from ampwatch.agent import guard
-from ampwatch.agent.collectors import default_collectors
-from ampwatch.agent.collectors.fp8 import Fp8Collector
-from ampwatch.agent.collectors.spikes import SpikeCollector
-from ampwatch.agent.collectors.weights import WeightNormCollector
-from ampwatch.agent.distributed import shared_run_id
-from ampwatch.agent.environment import describe_run, distributed_rank, environment, run_body
-from ampwatch.agent.fp8 import find_fp8_layers
+from ampwatch.agent import errors
+from ampwatch.agent.collectors import attached_collectors
+from ampwatch.agent.environment import describe_run, environment, run_body
 from ampwatch.agent.layers import discover_layers
 from ampwatch.agent.loop_watch import CLOSE_FAILED, LoopWatch, StepItem
 from ampwatch.agent.mirror import Mirror, resolve_trackers
 from ampwatch.agent.mirror.incidents import IncidentWatch
-from ampwatch.agent.record_triggers import RecordSettings
 from ampwatch.agent.recorder import Recorder, make_recorder
-from ampwatch.agent.run_identity import check_labels, refuse_reused_run, resolve_run
-from ampwatch.agent.settings import CHECK_OUTPUTS, AgentSettings, check_hold_mb, make_run_id
-from ampwatch.agent.step_guard import GuardSettings, StepGuard, weights_finite
+from ampwatch.agent.run_identity import refuse_reused_run
+from ampwatch.agent.settings import AgentSettings
+from ampwatch.agent.step_guard import StepGuard, weights_finite
 from ampwatch.agent.transport.outage import check_server_url
 from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
@@ -39,9 +33,9 @@ from ampwatch.wire import (
     encode_float,
     encode_tree,
 )
+from ampwatch.wire.bundles import BUNDLE_EVENT
 
 _live: weakref.WeakSet[Attachment] = weakref.WeakSet()
-_errors = guard  # inside attach(), `guard` is its step-guard parameter
 
 
 class Attachment:
@@ -51,17 +45,85 @@ class Attachment:
     attachment (`enabled=False`) does nothing.
     """
 
-    def __init__(self, run_id: str | None, session: LoopWatch | None = None,
-                 worker: Worker | None = None, describe: dict[str, Any] | None = None,
-                 recorder: Recorder | None = None) -> None:
+    def __init__(self, run_id: str | None, model: nn.Module | None = None, scaler: Any = None,
+                 optimizer: Any = None, settings: AgentSettings | None = None) -> None:
+        """A disabled handle without `settings`; else the worker, the collectors and the
+        loop watch over `model`, built complete and not yet started (`start`)."""
         self._run_id = run_id
-        self._recorder = recorder
-        self._session = session
-        self._worker = worker
-        self._describe = describe or {}
-        self._detached = session is None
         self._lock = threading.Lock()
+        self._detached = settings is None
+        self._watch: LoopWatch | None = None
+        self._worker: Worker | None = None
+        self._recorder: Recorder | None = None
         self.step_guard: StepGuard | None = None
+        self._describe: dict[str, Any] = {}
+        if settings is None or model is None:
+            return
+        self._describe = describe_run(settings.name, settings.project, settings.tags,
+                                      settings.config)
+        self._worker = Worker(settings)
+        self._worker.mirror = make_mirror(settings.mirror, settings)  # Worker takes no mirror
+        self._recorder = make_recorder(settings.record, settings, self._run_step,
+                                       self._emit_bundle)
+        if settings.guard is not None:
+            self.step_guard = StepGuard(settings.guard, on_stop=self._guard_stopping,
+                                        step_number=self._run_step)
+        layers = discover_layers(model)
+        self._watch = LoopWatch(
+            model, scaler, optimizer, layers,
+            attached_collectors(layers, self.step_guard, self._recorder),
+            sink=self._worker.submit, settings=settings, on_event=self.event,
+            on_run_change=errors.guarded("attachment.run_change")(self._run_changed))
+
+    @classmethod
+    def start(cls, model: nn.Module, scaler: Any, optimizer: Any,
+              settings: AgentSettings) -> Attachment:
+        """Build and start watching (`attach()`'s work once its settings are resolved).
+        ValueError for a reused run id without `resume`; any other failure is the
+        agent's own: logged, counted, and a disabled handle returned."""
+        if not settings.enabled:
+            return cls(settings.run_id or None)
+        try:
+            check_server_url(settings)  # a malformed URL is said here; the run only spools
+        except Exception as exc:  # noqa: BLE001
+            errors.report("attach", exc)
+        refuse_reused_run(settings)  # the caller's mistake, not the agent's: it raises
+        try:
+            attachment = cls(settings.run_id, model, scaler, optimizer, settings)
+            attachment._install()
+        except Exception as exc:  # noqa: BLE001
+            errors.report("attach", exc)
+            return cls(None if settings.run_id_generated else settings.run_id)
+        errors.add_listener(attachment._on_error)
+        _live.add(attachment)
+        if settings.first_step is not None and settings.resume:
+            # a checkpoint restart: the server lets these steps supersede its stored copies
+            attachment.event(RESTART_EVENT, {})
+        return attachment
+
+    def _install(self) -> None:
+        """Hooks on, worker started: from here on the loop is watched."""
+        watch, worker = self._watch, self._worker
+        assert watch is not None and worker is not None
+        if watch.settings.first_step is not None:
+            worker.explicit_steps = True  # the loop numbers its steps: no resume offset
+        body = self._body()  # the run as attach() found it, before any hook ran
+        watch.install()
+        worker.start(body, self._decode, lambda: watch.dropped_steps)
+
+    def _run_step(self, step: int) -> int:
+        """A process step as the run numbers it (the worker's numbering: on from a resumed
+        run's last step, unless the loop numbers its steps itself)."""
+        worker = self._worker
+        assert worker is not None
+        return step if worker.explicit_steps else step + worker.step_offset
+
+    def _emit_bundle(self, detail: dict[str, Any]) -> bool:
+        """Send a flight-recorder `bundle` event (also during detach, after `event` stopped
+        taking events)."""
+        assert self._worker is not None
+        return self._worker.submit(EventMessage({"step": None, "kind": BUNDLE_EVENT,
+                                                 "detail": detail}))
 
     @property
     def healthy(self) -> bool:
@@ -69,13 +131,13 @@ class Attachment:
         the model and every floating tensor of its optimizer's state is finite. Reads one
         flag from the device (a sync): ask at checkpoint time, not per step. True when
         detached or disabled (nothing watched to judge)."""
-        session = self._session
-        if self._detached or session is None:
+        watch = self._watch
+        if self._detached or watch is None:
             return True
         try:
-            return weights_finite(session.params, session.optimizer)
+            return weights_finite(watch.params, watch.optimizer)
         except Exception as exc:  # noqa: BLE001
-            guard.report("attachment.healthy", exc)
+            errors.report("attachment.healthy", exc)
             return True
 
     def _guard_stopping(self) -> str | None:
@@ -97,7 +159,7 @@ class Attachment:
     @property
     def step(self) -> int:
         """Index of the next optimizer step the agent will record."""
-        return self._session.step if self._session is not None else 0
+        return self._watch.step if self._watch is not None else 0
 
     @step.setter
     def step(self, value: int) -> None:
@@ -106,19 +168,19 @@ class Attachment:
         resumed run is not offset, and steps sent again supersede the stored ones."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"step must be a non-negative int, got {value!r}")
-        if self._detached or self._session is None:
+        if self._detached or self._watch is None:
             return
         if self._worker is not None:
             self._worker.explicit_steps = True
-        self._session.set_step(value)
+        self._watch.set_step(value)
 
     def log_loss(self, loss: Any) -> None:
         """Name the loss of the next step yourself: `loss` (a one-element tensor, or a
         number) is stored as that step's loss, summed with the others logged before the
         step (micro-batches), in place of the losses the agent saw backpropagated into the
         model. Keeps a reference to the tensor; does not synchronise the device."""
-        if not self._detached and self._session is not None:
-            self._session.log_loss(loss)
+        if not self._detached and self._watch is not None:
+            self._watch.log_loss(loss)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Hand over the last step, spool everything and try to deliver it.
@@ -126,15 +188,15 @@ class Attachment:
         Blocks the caller up to `timeout` seconds (it waits for the worker); True when
         nothing is left undelivered (offline: when everything is in the spool).
         """
-        if self._detached or self._session is None or self._worker is None:
+        if self._detached or self._watch is None or self._worker is None:
             return True
         deadline = time.monotonic() + timeout
         try:
-            self._session.close_pending()
+            self._watch.close_pending()
             bundled = self._flush_bundles(deadline)
             return self._worker.flush(_left(deadline)) and bundled
         except Exception as exc:  # noqa: BLE001
-            guard.report("attachment.flush", exc)
+            errors.report("attachment.flush", exc)
             return False
 
     def detach(self, timeout: float = 5.0) -> bool:
@@ -146,13 +208,13 @@ class Attachment:
             if self._detached:
                 return True
             self._detached = True
-        session, worker = self._session, self._worker
-        assert session is not None and worker is not None
+        watch, worker = self._watch, self._worker
+        assert watch is not None and worker is not None
         delivered = False
         deadline = time.monotonic() + timeout
         try:
-            session.close_pending()
-            session.uninstall()
+            watch.close_pending()
+            watch.uninstall()
             bundled = self._flush_bundles(deadline)
             # the server then shows the run finished at once, not after `live_seconds`
             worker.submit(EventMessage({"step": None, "kind": FINISHED_EVENT, "detail": {}}))
@@ -162,8 +224,8 @@ class Attachment:
             if worker.mirror is not None:
                 worker.mirror.close(_left(deadline))
         except Exception as exc:  # noqa: BLE001
-            guard.report("attachment.detach", exc)
-        guard.remove_listener(self._on_error)
+            errors.report("attachment.detach", exc)
+        errors.remove_listener(self._on_error)
         _live.discard(self)
         return delivered
 
@@ -191,27 +253,27 @@ class Attachment:
         steps plus warm-up on the training thread and synchronises the device: call it
         once, outside the training loop.
         """
-        if self._detached or self._session is None:
+        if self._detached or self._watch is None:
             return None
         from ampwatch.agent.speed import measure_speedup
 
-        session = self._session
-        session.suspended = True
+        watch = self._watch
+        watch.suspended = True
         try:
-            detail = measure_speedup(session, example_batch, loss_fn, steps, dtype)
+            detail = measure_speedup(watch, example_batch, loss_fn, steps, dtype)
         except Exception as exc:  # noqa: BLE001
-            guard.report("attachment.check_speedup", exc)
+            errors.report("attachment.check_speedup", exc)
             return None
         finally:
-            session.suspended = False
+            watch.suspended = False
         self.event(SPEED_CHECK_EVENT, detail)
         return detail["speedup"]
 
     def event(self, kind: str, detail: dict[str, Any]) -> bool:
         """Queue an event for the next batch; never blocks."""
-        if self._detached or self._worker is None or self._session is None:
+        if self._detached or self._worker is None or self._watch is None:
             return False
-        return self._worker.submit(EventMessage({"step": self._session.step, "kind": kind,
+        return self._worker.submit(EventMessage({"step": self._watch.step, "kind": kind,
                                                  "detail": encode_tree(detail)}))
 
     # ------------------------------------------------------------------ internals
@@ -223,35 +285,35 @@ class Attachment:
             self._worker.submit(RunMessage(self._body()))
 
     def _body(self) -> dict[str, Any]:
-        session = self._session
-        assert session is not None
-        env = environment(session.device, session.scaler, session.training_autocast,
-                          session.settings.world_size)
-        env["parallelism"] = session.parallelism
-        env["grad_layout"] = session.grad_layout
-        return run_body(env=env, layers=session.layers, **self._describe)
+        watch = self._watch
+        assert watch is not None
+        env = environment(watch.device, watch.scaler, watch.training_autocast,
+                          watch.settings.world_size)
+        env["parallelism"] = watch.parallelism
+        env["grad_layout"] = watch.grad_layout
+        return run_body(env=env, layers=watch.layers, **self._describe)
 
     def _decode(self, item: StepItem) -> dict | None:
         """Worker thread: the host copy of a closed step as a wire-format record."""
-        session = self._session
-        assert session is not None
+        watch = self._watch
+        assert watch is not None
         if item.ready is not None:
             item.ready.synchronize()
         host = item.host.numpy()
         record: dict[str, Any] = {"step": item.step}
         try:
-            for collector in session.collectors:
+            for collector in watch.collectors:
                 meta = item.meta.get(collector.name, CLOSE_FAILED)
                 if meta is CLOSE_FAILED:
                     continue
                 collector.read(host[collector.offset: collector.offset + collector.slots],
                                meta, record)
         finally:
-            session.buffer.release(item.host)
+            watch.buffer.release(item.host)
         if record.get("skipped") or record.get("forward_nonfinite") or any(
                 isinstance(record.get(k), float) and not math.isfinite(record[k])
                 for k in ("grad_norm", "loss")):
-            session.note_anomaly(item.step)
+            watch.note_anomaly(item.step)
         # collectors encode their arrays (wire.encode_float_array); the rest are scalars
         for key, value in record.items():
             if type(value) is float and not math.isfinite(value):
@@ -270,121 +332,71 @@ def attach(model: nn.Module, scaler: Any = None, *, optimizer: Any = None,
            step: int | None = None, record: Any = True, guard: Any = False,
            mirror: Any = None, check_outputs: str | None = None,
            hold_mb: float | None = None) -> Attachment:
-    """Start watching `model` (and `scaler`, a `torch.amp.GradScaler` or None).
+    """Watch the numerical health of `model`'s optimizer steps and deliver it to a server.
 
-    The optimizer is found at its first step when not given (the first whose parameters
-    include the model's). `run` (default `AMPWATCH_RUN_ID`, else a new id) must be new for
-    this rank unless `resume` (default `AMPWATCH_RESUME`) is true. Costs a few host-side
-    hooks per step and a handful of small device kernels; does not synchronise the device;
-    a chosen run id without `resume` costs one request to the server here. Raises
-    ValueError for a run id, name, project or tag the server would refuse, for a reused
-    run id without `resume`, and for a `step` that is not a non-negative int; never raises
-    because of the agent's own failures: it logs them and returns a disabled attachment.
-    `token` (default `AMPWATCH_TOKEN`) is sent to the server as a bearer token.
+    Example::
 
-    `step`: the number of the first step recorded (the trainer's step; set it per step with
-    `attachment.step = n`). Without it steps count from 0, or, for a resumed run, on from
-    the last step stored.
+        scaler = torch.amp.GradScaler("cuda")
+        with agent.attach(model, scaler, project="gpt", tags=["fp16"]) as run:
+            for x, y in loader:                      # the loop itself is unchanged
+                with torch.autocast("cuda", dtype=torch.float16):
+                    loss = criterion(model(x), y)
+                scaler.scale(loss).backward()
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad()
 
-    `record`: the flight recorder (docs/replay.md). On by default: when a step goes bad it
-    writes a bundle (the batch, RNG states, the model's state as the step began, scaler
-    and autocast settings) off the training thread, within 2 GiB per run and rank, and
-    delivers it like batches; "local" keeps bundles on this machine, False turns it off,
-    a `RecordSettings` sets triggers and budget. Costs a reference to each step's batch
-    held one step longer and a copy of the RNG state per step.
+    Keywords left at None take their `AMPWATCH_*` variable; docs/agent.md says more of each.
 
-    `guard`: the step guard (docs/guard.md), off by default. True, or a dict such as
-    `{"skip_spikes": 5, "max_skips": 20}`: without an enabled GradScaler, an optimizer
-    step whose loss or grads are not finite (or whose loss spikes) is left out exactly,
-    as GradScaler leaves one out; `max_skips` in a row raise `GuardStop`.
-    `mirror` (default `AMPWATCH_MIRROR`, comma separated): trackers that also get the
-    per-step signals under `ampwatch/` and the run's incidents (docs/trackers.md): a
-    `SummaryWriter`, a wandb run or "wandb" (the active one), "mlflow" (the active run),
-    "tensorboard:<dir>", or a list. Written from the agent's threads, never the training
-    thread; a tracker that fails, hangs or is not installed is logged once and left out.
-    `check_outputs` (default `AMPWATCH_CHECK_OUTPUTS`, else "flagged"): on the CPU, an
-    unsampled step's layer outputs are searched for the first inf/NaN only when its loss
-    is inf/NaN, by replaying its forward (docs/agent.md, "Cheap by design");
-    "every_step" checks every output of every step, which also sees an overflow a later
-    op absorbed, at ~13% more elements read per step. On an accelerator the flag is a
-    GradScaler's skip, and without one the outputs are held until their backward begins
-    and checked there only when the loss is inf/NaN (without a sync).
-    `hold_mb` (default `AMPWATCH_HOLD_MB`, else 1% of the device's memory): the most
-    memory those held outputs may keep alive that autograd does not keep anyway; beyond
-    it an output is checked as it is produced (read every step).
+    Args:
+        model (nn.Module): the model to watch; a `torch.compile` wrapper too.
+        scaler (GradScaler, optional): `torch.amp.GradScaler`, or None (bf16, fp32). Default: None.
+        optimizer (optional): Default: the first whose parameters include the model's, at its step.
+        run (str, optional): the run id, new for this rank unless `resume`.
+            Default: `AMPWATCH_RUN_ID`, else `<name or script>-<utc time>-<random>`.
+        project, name (str, optional), tags (list[str], optional): the run's labels. Default: None.
+        config (dict, optional): what JSON cannot hold is sent as text. Default: None.
+        server (str, optional): Default: `AMPWATCH_SERVER`, else "http://127.0.0.1:8000".
+        token (str, optional): sent as a bearer token. Default: `AMPWATCH_TOKEN`.
+        enabled (bool): False returns a handle that does nothing. Default: True.
+        sample_every (int): steps between sampled steps (0: none). Default: 10.
+        sample_after_anomaly (int): every step sampled this long after a bad one. Default: 20.
+        spool_dir (path, optional): Default: `AMPWATCH_SPOOL_DIR`, else ~/.cache/ampwatch/spool.
+        offline (bool, optional): spool only. Default: `AMPWATCH_MODE=offline`, else False.
+        flush_interval (float, optional): seconds. Default: `AMPWATCH_FLUSH_INTERVAL`, else 2.
+        max_batch_steps (int, optional): steps per batch at most. Default: 200.
+        resume (bool, optional): continue a run id's steps. Default: `AMPWATCH_RESUME`, else False.
+        step (int, optional): the first step's number (the trainer's; `attachment.step = n`
+            per step). Default: 0, or on from a resumed run's last stored step.
+        record (bool, "local" or RecordSettings): the flight recorder (docs/replay.md).
+            Default: True, or `AMPWATCH_RECORD`.
+        guard (bool or dict): the step guard (docs/guard.md), e.g.
+            `{"skip_spikes": 5, "max_skips": 20}`. Default: False.
+        mirror: trackers that also get the signals and incidents (docs/trackers.md): a
+            SummaryWriter, a wandb run, "wandb", "mlflow", "tensorboard:<dir>", or a list.
+            Default: `AMPWATCH_MIRROR`, else none.
+        check_outputs (str, optional): "flagged" (layer outputs searched only on a bad step)
+            or "every_step". Default: `AMPWATCH_CHECK_OUTPUTS`, else "flagged".
+        hold_mb (float, optional): the most memory outputs held for their check may keep alive.
+            Default: `AMPWATCH_HOLD_MB`, else 1% of the device's memory.
+
+    Raises ValueError for a run id, name, project, tag, `step`, `record`, `guard`,
+    `check_outputs` or `hold_mb` the agent cannot take, and for a reused run id without
+    `resume`; never because of the agent's own failures: they are logged and counted, and
+    the handle returned is disabled.
+
+    .. note:: No host-device sync per step: hooks only launch small device kernels into a
+        preallocated buffer, read on the agent's worker thread a step later. A chosen run id
+        without `resume` costs one request to the server here (up to 2 s).
     """
-    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
-        raise ValueError(f"step must be a non-negative int, got {step!r}")
-    run, resume = resolve_run(run, resume)
-    check_labels(name, project, tags)
-    record_settings = RecordSettings.parse(record)  # a caller's mistake raises
-    guard_settings = GuardSettings.parse(guard)
-    if check_outputs not in (None, *CHECK_OUTPUTS):
-        raise ValueError(f"check_outputs must be one of {CHECK_OUTPUTS}, got {check_outputs!r}")
-    check_hold_mb(hold_mb)
-    if not enabled:
-        return Attachment(run)
-    try:
-        rank, world_size = distributed_rank()
-        generated = run is None
-        if generated and world_size > 1:  # one run, one stream per rank
-            run = shared_run_id(make_run_id(name), rank, world_size)
-        settings = AgentSettings.build(
-            run, name, server, rank=rank, world_size=world_size, sample_every=sample_every,
-            sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
-            flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
-            run_id_generated=generated or None, token=token, check_outputs=check_outputs,
-            hold_mb=hold_mb)
-        check_server_url(settings)  # a malformed URL is said here; the run is only spooled
-    except Exception as exc:  # noqa: BLE001
-        _errors.report("attach", exc)
-        return Attachment(run)
-    refuse_reused_run(settings)  # the caller's mistake, not the agent's: it raises
-    try:
-        layers = discover_layers(model)
-        collectors = default_collectors(len(layers))
-        fp8_layers = find_fp8_layers(layers)
-        if fp8_layers:
-            collectors.append(Fp8Collector(fp8_layers, layers))
-        collectors.append(SpikeCollector(layers))
-        collectors.append(WeightNormCollector(layers))  # after it: adds to its `spikes`
-        step_guard = None if guard_settings is None else StepGuard(guard_settings)
-        if step_guard is not None:
-            collectors.append(step_guard)  # after the others: its read marks the step skipped
-        recorder = make_recorder(record_settings, settings)
-        if recorder is not None:
-            collectors.append(recorder)  # last: its worker-side read sees the whole record
-        # in order: the worker, the session that hands it steps, the handle over both
-        worker = Worker(settings)
-        worker.mirror = make_mirror(mirror, settings)
-        session = LoopWatch(model, scaler, optimizer, layers, collectors, sink=worker.submit,
-                            settings=settings)
-        attachment = Attachment(settings.run_id, session, worker,
-                                describe_run(name, project, tags, config), recorder)
-        if recorder is not None:
-            recorder.connect(worker)
-        attachment.step_guard = step_guard
-        if step_guard is not None:
-            step_guard.on_stop = attachment._guard_stopping
-            step_guard.step_number = lambda n: (n if worker.explicit_steps
-                                                else n + worker.step_offset)
-        session.on_run_change = _errors.guarded("attachment.run_change")(attachment._run_changed)
-        session.on_event = attachment.event
-        if step is not None:
-            worker.explicit_steps = True
-            session.step = step
-        body = attachment._body()  # the run as attach() found it, before any hook ran
-        session.install()
-        worker.start(body, attachment._decode, lambda: session.dropped_steps)
-    except Exception as exc:  # noqa: BLE001
-        _errors.report("attach", exc)
-        return Attachment(run)
-    _errors.add_listener(attachment._on_error)
-    _live.add(attachment)
-    if step is not None and settings.resume:
-        # a checkpoint restart: the server lets these steps supersede its stored copies
-        attachment.event(RESTART_EVENT, {})
-    return attachment
+    settings = AgentSettings.from_attach(
+        run=run, project=project, name=name, tags=tags, config=config, server=server,
+        token=token, enabled=enabled, sample_every=sample_every,
+        sample_after_anomaly=sample_after_anomaly, spool_dir=spool_dir, offline=offline,
+        flush_interval_s=flush_interval, max_batch_steps=max_batch_steps, resume=resume,
+        step=step, record=record, guard=guard, mirror=mirror, check_outputs=check_outputs,
+        hold_mb=hold_mb)
+    return Attachment.start(model, scaler, optimizer, settings)
 
 
 def make_mirror(mirror: Any, settings: AgentSettings) -> Mirror | None:
@@ -402,19 +414,19 @@ def _detach_all_at_exit() -> None:
     """atexit: flush every live attachment within its exit timeout (5 s by default)."""
     deadline = None
     for attachment in list(_live):
-        session = attachment._session
-        if session is None:
+        watch = attachment._watch
+        if watch is None:
             continue
         if deadline is None:
-            deadline = time.monotonic() + session.settings.exit_timeout_s
+            deadline = time.monotonic() + watch.settings.exit_timeout_s
         attachment.detach(timeout=max(0.1, deadline - time.monotonic()))
 
 
 def _after_fork_in_child() -> None:
     for attachment in list(_live):
         attachment._detached = True
-        if attachment._session is not None:
-            attachment._session.active = False
+        if attachment._watch is not None:
+            attachment._watch.active = False
         if attachment._worker is not None:
             attachment._worker.forked()
     _live.clear()

@@ -80,7 +80,7 @@ class ScaledLosses:
 
 
 class BackwardOwner:
-    """One session's view: is the backward about to run the model's own, and with which
+    """One loop watch's view: is the backward about to run the model's own, and with which
     loss. Training thread only; no device work."""
 
     # parameters autograd never accumulates into (the all-gathered copies are): every

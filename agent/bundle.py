@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.wire import encode_tree
 from ampwatch.wire.bundles import META_NAME, STATE_NAME, SUFFIX, bundle_name
 
@@ -109,7 +109,7 @@ class BundleWriter:
             self._wake.clear()
             while self._items:
                 meta, state = self._items.popleft()
-                guard.guarded("recorder.write")(self._write)(meta, state)
+                errors.guarded("recorder.write")(self._write)(meta, state)
                 with self._done:
                     self._finished += 1
                     self._done.notify_all()

@@ -3,8 +3,9 @@
 `clip_grad_norm_`, `clip_grads_with_norm_`, `Tensor.backward`, `zero_grad` (of optimizers
 and modules), LR schedulers' `step`, `torch.compile` and `Module.compile` have no hook API,
 so one wrapper per function is installed while at least one listener is registered and
-removed with the last one. Listeners run under the guard; the wrapped call itself is untouched
-(its exceptions and return value pass through). A wrapper costs one Python call.
+removed with the last one. Listeners run inside the error boundary (errors.py); the wrapped
+call itself is untouched (its exceptions and return value pass through). A wrapper costs
+one Python call.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch.nn.utils
 import torch.nn.utils.clip_grad
 import torch.optim.lr_scheduler as lr_scheduler
 
-from ampwatch.agent import grad_clip, guard
+from ampwatch.agent import errors, grad_clip
 
 Before = Callable[[tuple, dict], Any]
 After = Callable[[Any, tuple, dict, Any], None]
@@ -124,7 +125,7 @@ def _safe(site: str, fn: Callable, *args: Any) -> Any:
     try:
         return fn(*args)
     except Exception as exc:  # noqa: BLE001
-        guard.report(site, exc)
+        errors.report(site, exc)
         return None
 
 

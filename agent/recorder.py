@@ -20,22 +20,22 @@ from __future__ import annotations
 import math
 import statistics
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.agent.bundle import BundleWriter, to_host
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.agent.collectors.forward_search import rng_states
 from ampwatch.agent.distributed import SHARDED_PARALLELISMS
 from ampwatch.agent.environment import scaler_config
 from ampwatch.agent.record_triggers import RecordSettings, Triggers
-from ampwatch.agent.transport.worker import EventMessage
 from ampwatch.wire import encode_tree
-from ampwatch.wire.bundles import BUNDLE_EVENT, BUNDLE_FOLDER, BUNDLE_FORMAT
+from ampwatch.wire.bundles import BUNDLE_FOLDER, BUNDLE_FORMAT
 
 
 class HostCopy:
@@ -99,14 +99,19 @@ class Recorder(Collector):
     # loop of small steps has many in flight); past it a step is not kept
     MAX_HELD = 64
 
-    def __init__(self, settings: RecordSettings, folder: Path) -> None:
+    def __init__(self, settings: RecordSettings, folder: Path,
+                 step_number: Callable[[int], int] = lambda step: step,
+                 emit: Callable[[dict[str, Any]], Any] = lambda detail: False) -> None:
+        """`step_number`: a process step as the run numbers it (as the worker does);
+        `emit(detail)` sends a `bundle` event (also during detach, after the attachment
+        stopped taking events)."""
         super().__init__()
         self.settings = settings
         self.folder = folder
         self.triggers = Triggers(settings)
         self.writer = BundleWriter(folder, settings.max_bytes, self._written)
-        self.step_number = lambda step: step  # process step -> the run's step (`connect`)
-        self.emit = lambda detail: False  # sends a `bundle` event (`connect`)
+        self.step_number = step_number
+        self.emit = emit
         self.captured: list[dict[str, Any]] = []  # metadata of each bundle attempted
         self._requests: deque[tuple[Held, dict[str, Any]]] = deque()
         self._host_losses: deque[float] = deque(maxlen=max(1, settings.loss_window))
@@ -128,10 +133,10 @@ class Recorder(Collector):
         self._losses: list[torch.Tensor] = []
         self._pre: HostCopy | None = None
 
-    def bind(self, session: Any) -> None:
-        super().bind(session)
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
         self._bound = True
-        if session.parallelism in SHARDED_PARALLELISMS:
+        if watch.parallelism in SHARDED_PARALLELISMS:
             # a bundle needs the whole weights, which a sharded model's rank has only
             # through an all-gather: started by the one rank that saw the bad step, it
             # would leave every other rank waiting in a collective (a deadlock)
@@ -149,40 +154,40 @@ class Recorder(Collector):
         if self.off and not self._said_off:
             # said at the first forward, once the run is registered (not during attach)
             self._said_off = True
-            self.session.note_unsupported("flight_recorder", [])
+            self.watch.note_unsupported("flight_recorder", [])
         if not training or self.off:
             return
         if self._rng is None:
-            self._rng = rng_states(self.session.device)
+            self._rng = rng_states(self.watch.device)
             self._applied_at_begin = self._applied
         self._batches.append((args, dict(kwargs)))
-        self._entries.append(self.session.forward_entry)
+        self._entries.append(self.watch.forward_entry)
 
     def _take(self, tensor: Any) -> None:
         if isinstance(tensor, torch.Tensor) and tensor.numel() == 1 and tensor.is_floating_point():
             self._losses.append(tensor.detach())
 
     def on_scale(self, outputs: Any) -> None:
-        if self.session.scaler_enabled:
+        if self.watch.scaler_enabled:
             self._take(outputs)
 
     def on_backward_begin(self, tensor: torch.Tensor) -> None:
-        if not self.session.scaler_enabled:
+        if not self.watch.scaler_enabled:
             self._take(tensor)
 
     def on_step_begin(self, step: int) -> None:
         """CPU only (no device to wait for): copy the parameters while they are still as
         the suspect step began, before an update changes them."""
         self._serve()
-        session = self.session
-        if (self.off or not session.host_reduce
+        watch = self.watch
+        if (self.off or not watch.host_reduce
                 or self.triggers.started >= self.settings.max_bundles):
             return
         last = self._last_held
         if last is not None and last.skipped and not last.judged and last.pre is None:
             # skipped and not yet judged: this step's update would end exactness
             last.pre = self._state_dict()
-        if session.scaler_enabled or not self._losses or self._rng is None:
+        if watch.scaler_enabled or not self._losses or self._rng is None:
             return
         # no scaler: this update applies whatever the step did, so judge the loss now
         loss = sum(float(t) for t in self._losses)  # host tensors: reading waits for nothing
@@ -209,7 +214,7 @@ class Recorder(Collector):
     def _state_dict(self) -> HostCopy:
         """The model's parameters and buffers, being copied to the host (incidents only;
         does not wait for the device)."""
-        return HostCopy({k: v for k, v in self.session.inner.state_dict(keep_vars=True).items()
+        return HostCopy({k: v for k, v in self.watch.inner.state_dict(keep_vars=True).items()
                          if isinstance(v, torch.Tensor)})
 
     def _serve(self) -> None:
@@ -237,18 +242,18 @@ class Recorder(Collector):
             self._serve()
 
     def _describe(self, record: dict[str, Any], trigger: str) -> dict[str, Any]:
-        session = self.session
+        watch = self.watch
         first = record.get("first_nonfinite_layer")
-        optimizer = session.optimizer
-        scaler = scaler_config(session.scaler)
+        optimizer = watch.optimizer
+        scaler = scaler_config(watch.scaler)
         if scaler is not None:
             scaler["scale"] = record.get("loss_scale")  # host value: no get_scale() sync
         activations = record.get("activations") or {}
         dtypes = activations.get("dtype") if isinstance(activations, dict) else None
         return {
-            "format": BUNDLE_FORMAT, "run_id": session.settings.run_id, "rank": session.rank,
+            "format": BUNDLE_FORMAT, "run_id": watch.settings.run_id, "rank": watch.rank,
             "step": self.step_number(record["step"]), "trigger": trigger,
-            "first_nonfinite_layer": (session.layers[first].name
+            "first_nonfinite_layer": (watch.layers[first].name
                                       if isinstance(first, int) else None),
             "loss": record.get("loss"), "skipped": record.get("skipped"),
             "grad_norm": record.get("grad_norm"),
@@ -256,7 +261,7 @@ class Recorder(Collector):
                               if self.triggers.losses else None),
             "loss_spike_factor": self.settings.loss_spike,
             "input_nonfinite": record.get("input_nonfinite"),
-            "autocast": {"device_type": session.device_type,
+            "autocast": {"device_type": watch.device_type,
                          "dtype": record.get("autocast_dtype")},
             "scaler": scaler,
             "optimizer": None if optimizer is None else {
@@ -264,11 +269,11 @@ class Recorder(Collector):
                 "param_groups": [{k: _plain(v) for k, v in g.items() if k != "params"}
                                  for g in optimizer.param_groups]},
             "environment": {
-                "torch_version": torch.__version__, "device": str(session.device),
+                "torch_version": torch.__version__, "device": str(watch.device),
                 "param_dtypes": sorted({str(p.dtype).removeprefix("torch.")
-                                        for p in session.params}),
+                                        for p in watch.params}),
                 "layer_dtypes": (None if dtypes is None else {
-                    layer.name: dtypes[layer.index] for layer in session.layers
+                    layer.name: dtypes[layer.index] for layer in watch.layers
                     if layer.index < len(dtypes) and dtypes[layer.index] is not None})},
         }
 
@@ -298,7 +303,7 @@ class Recorder(Collector):
             if not self.writer.submit(meta, state):
                 self._written(meta, None, "too many bundles waiting to be written")
         except Exception as exc:  # noqa: BLE001
-            guard.report("recorder.capture", exc)
+            errors.report("recorder.capture", exc)
 
     def _written(self, meta: dict[str, Any], path: Path | None, reason: str | None) -> None:
         """Writer thread: tell the server (an event) what was kept or why not."""
@@ -311,14 +316,6 @@ class Recorder(Collector):
         meta["dropped"] = reason
         self.emit(encode_tree(detail))
 
-    def connect(self, worker: Any) -> None:
-        """Number bundles as the worker numbers steps; send `bundle` events through it
-        (also during detach, after the attachment stopped taking events)."""
-        self.step_number = lambda step: (step if worker.explicit_steps
-                                         else step + worker.step_offset)
-        self.emit = lambda detail: worker.submit(
-            EventMessage({"step": None, "kind": BUNDLE_EVENT, "detail": detail}))
-
     def flush(self, timeout: float) -> bool:
         """Capture what the worker asked for (the caller's thread: the training thread, at
         `flush()` or `detach()`), then wait up to `timeout` for the bundles to be on disk."""
@@ -326,7 +323,9 @@ class Recorder(Collector):
         return self.writer.flush(timeout)
 
 
-def make_recorder(parsed: RecordSettings | None, settings: Any) -> Recorder | None:
+def make_recorder(parsed: RecordSettings | None, settings: Any,
+                  step_number: Callable[[int], int],
+                  emit: Callable[[dict[str, Any]], Any]) -> Recorder | None:
     """The recorder of `attach(record=...)` (None: off). Bundles go to
     `RecordSettings.folder`; by default delivered ones to `bundles/` in the run's spool
     directory (the sender uploads them from there), local ones to
@@ -342,4 +341,4 @@ def make_recorder(parsed: RecordSettings | None, settings: Any) -> Recorder | No
         folder = run_dir(spool.parent / "bundles", settings.run_id, settings.rank)
     else:
         folder = run_dir(spool, settings.run_id, settings.rank) / BUNDLE_FOLDER
-    return Recorder(parsed, folder)
+    return Recorder(parsed, folder, step_number, emit)

@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
-from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.transport.spool import spooled_last_step
 from ampwatch.wire import check_label, check_run_id
+
+if TYPE_CHECKING:
+    from ampwatch.agent.settings import AgentSettings
 
 TRUE_WORDS = {"1", "true", "yes", "on"}
 FALSE_WORDS = {"", "0", "false", "no", "off"}

@@ -1,4 +1,5 @@
-"""Agent settings: keyword arguments of `attach()` over environment variables over defaults."""
+"""Agent settings: keyword arguments of `attach()` over environment variables over defaults,
+resolved once into one `AgentSettings` that attach() passes down."""
 
 from __future__ import annotations
 
@@ -11,6 +12,12 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from ampwatch.agent import errors
+from ampwatch.agent.distributed import shared_run_id
+from ampwatch.agent.environment import distributed_rank
+from ampwatch.agent.record_triggers import RecordSettings
+from ampwatch.agent.run_identity import check_labels, resolve_run
+from ampwatch.agent.step_guard import GuardSettings
 from ampwatch.wire import DEFAULT_SERVER
 from ampwatch.wire.spool import default_spool_dir
 
@@ -29,10 +36,13 @@ def make_run_id(name: str | None) -> str:
 
 @dataclass
 class AgentSettings:
-    """Everything the agent's transport and sampling need; built once by `attach()`."""
+    """Everything `attach()` was told, resolved once (`from_attach`): what the transport,
+    the sampling, the collectors and the run's description need. docs/agent.md's API
+    section says what each option does."""
 
     run_id: str
     run_id_generated: bool
+    enabled: bool = True  # False: attach() returns a handle that does nothing
     resume: bool = False  # continue a run id that already has steps (see run_identity)
     server: str = DEFAULT_SERVER
     token: str = field(default="", repr=False)  # never printed with the settings
@@ -56,6 +66,52 @@ class AgentSettings:
     device_path: bool = False
     rank: int = 0
     world_size: int = 1
+    # the run as the server is told it (labels checked; `config` as given)
+    name: str | None = None
+    project: str | None = None
+    tags: list[str] | None = None
+    config: Any = None
+    first_step: int | None = None  # attach(step=): the loop numbers its steps from this
+    record: RecordSettings | None = None  # the flight recorder (None: off)
+    guard: GuardSettings | None = None  # the step guard (None: off)
+    mirror: Any = None  # the trackers `mirror=` names (agent/mirror resolves them)
+
+    @classmethod
+    def from_attach(cls, *, run: str | None, resume: bool | None, step: int | None,
+                    name: str | None, project: str | None, tags: list[str] | None,
+                    record: Any, guard: Any, check_outputs: str | None,
+                    hold_mb: float | None, enabled: bool, server: str | None,
+                    **options: Any) -> AgentSettings:
+        """`attach()`'s keywords (`options`: the rest, as `build` names them). A caller's
+        mistake raises ValueError here, before anything is written. Then the environment
+        and torch.distributed fill in the rest; when that fails (the agent's own failure:
+        logged and counted, never raised), or `enabled` is False, the settings are
+        disabled. Host only."""
+        if step is not None and (isinstance(step, bool) or not isinstance(step, int)
+                                 or step < 0):
+            raise ValueError(f"step must be a non-negative int, got {step!r}")
+        run, resume = resolve_run(run, resume)
+        check_labels(name, project, tags)
+        described = {"project": project, "tags": tags, "first_step": step,
+                     "record": RecordSettings.parse(record),  # a caller's mistake raises
+                     "guard": GuardSettings.parse(guard)}
+        if check_outputs not in (None, *CHECK_OUTPUTS):
+            raise ValueError(f"check_outputs must be one of {CHECK_OUTPUTS}, "
+                             f"got {check_outputs!r}")
+        check_hold_mb(hold_mb)
+        if enabled:
+            try:
+                rank, world_size = distributed_rank()
+                generated = run is None
+                if generated and world_size > 1:  # one run, one stream per rank
+                    run = shared_run_id(make_run_id(name), rank, world_size)
+                return cls.build(run, name, server, rank=rank, world_size=world_size,
+                                 resume=resume, run_id_generated=generated or None,
+                                 check_outputs=check_outputs, hold_mb=hold_mb,
+                                 **described, **options)
+            except Exception as exc:  # noqa: BLE001
+                errors.report("attach", exc)
+        return cls(run_id=run or "", run_id_generated=run is None, enabled=False)
 
     @classmethod
     def build(cls, run: str | None, name: str | None, server: str | None,
@@ -64,6 +120,7 @@ class AgentSettings:
         values: dict[str, Any] = {
             "run_id": run or make_run_id(name),
             "run_id_generated": run is None,
+            "name": name,
             "server": (server or env.get("AMPWATCH_SERVER") or DEFAULT_SERVER).rstrip("/"),
             "offline": env.get("AMPWATCH_MODE", "").lower() == "offline",
             "token": env.get("AMPWATCH_TOKEN", ""),

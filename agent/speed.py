@@ -18,15 +18,15 @@ _FORWARD_HOOK_DICTS = ("_forward_hooks", "_forward_pre_hooks", "_forward_hooks_w
                        "_forward_hooks_always_called", "_forward_pre_hooks_with_kwargs")
 
 
-def _private_copy(session: Any) -> torch.nn.Module:
+def _private_copy(watch: Any) -> torch.nn.Module:
     """A deep copy of the model without forward hooks (the agent's would record it)."""
     memo: dict[int, Any] = {}
-    for module in session.model.modules():
+    for module in watch.model.modules():
         for attr in _FORWARD_HOOK_DICTS:
             hooks = getattr(module, attr, None)
             if hooks is not None:
                 memo[id(hooks)] = type(hooks)()
-    return copy.deepcopy(session.model, memo)
+    return copy.deepcopy(watch.model, memo)
 
 
 def _sync(device: torch.device) -> None:
@@ -51,15 +51,15 @@ def _time_steps(model: torch.nn.Module, batch: Any, loss_fn: Any, steps: int,
     return statistics.median(times)
 
 
-def measure_speedup(session: Any, batch: Any, loss_fn: Any, steps: int,
+def measure_speedup(watch: Any, batch: Any, loss_fn: Any, steps: int,
                     dtype: torch.dtype | None) -> dict[str, Any]:
     """Median forward+backward milliseconds in fp32 and under autocast; synchronises."""
-    device = session.device
+    device = watch.device
     if dtype is None:
-        chosen = session.training_autocast
+        chosen = watch.training_autocast
         dtype = (getattr(torch, chosen) if chosen and chosen != "mixed" else
                  torch.float16 if device.type == "cuda" else torch.bfloat16)
-    twin = _private_copy(session)
+    twin = _private_copy(watch)
     twin.train()
     fp32_ms = _time_steps(twin, batch, loss_fn, steps, device, None)
     amp_ms = _time_steps(twin, batch, loss_fn, steps, device, dtype)

@@ -1,6 +1,6 @@
 """The step guard (`attach(..., guard=True)`): leaves a bad optimizer step out, exactly.
 
-Not to be confused with `agent/guard.py`, the error guard that keeps the agent's own
+Not to be confused with `agent/errors.py`, the error boundary that keeps the agent's own
 exceptions out of training. This one acts on training itself, and only when asked.
 
 Without an enabled GradScaler (bf16, fp32), a step whose loss or gradients are not finite
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,7 +34,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ampwatch.agent import guard as errors
+from ampwatch.agent import errors
 from ampwatch.agent.collectors.base import Collector
 from ampwatch.wire import GUARD_REASONS
 
@@ -100,13 +101,17 @@ class StepGuard(Collector):
     name = "step_guard"
     slots = 1
 
-    def __init__(self, settings: GuardSettings) -> None:
+    def __init__(self, settings: GuardSettings,
+                 on_stop: Callable[[], str | None] = lambda: None,
+                 step_number: Callable[[int], int] = lambda step: step) -> None:
+        """`on_stop()`: before `GuardStop` is raised, deliver what the run has and name the
+        newest flight-recorder bundle; `step_number`: a process step as the run numbers it."""
         super().__init__()
         self.settings = settings
         self.skipped_steps = 0  # guarded steps seen by the worker (host count)
         self.first_layer: str | None = None  # first non-finite layer of the current streak
-        self.on_stop: Any = None  # attach(): flushes, returns the newest bundle's path
-        self.step_number: Any = lambda step: step  # process step -> the run's (attach())
+        self.on_stop = on_stop
+        self.step_number = step_number
         self._losses: list[Any] = []
         self._named: list[Any] = []
         self._grads: list[torch.Tensor] | None = None
@@ -120,9 +125,9 @@ class StepGuard(Collector):
         self._hosts: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ set-up
-    def bind(self, session: Any) -> None:
-        super().bind(session)
-        dev = session.device
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
+        dev = watch.device
         self._slot = self.slot(0)
         self._code = torch.zeros((), dtype=torch.int64, device=dev)
         self._found_inf = torch.zeros((), dtype=torch.float32, device=dev)
@@ -132,20 +137,17 @@ class StepGuard(Collector):
         self._zero = torch.zeros((), device=dev)
         self._found = torch.zeros(1, device=dev)  # GradScaler's found_inf form
         self._one = torch.ones(1, device=dev)
-        session.after_step = self._after_step
 
     def unbind(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles = []
         self._hooked = None
-        if self.session is not None:
-            self.session.after_step = None
 
     @property
     def active(self) -> bool:
         """The guard leaves the skipping to an enabled GradScaler when there is one."""
-        return self.session is not None and not self.session.scaler_enabled
+        return self.watch is not None and not self.watch.scaler_enabled
 
     # ------------------------------------------------------------------ events
     def on_backward_begin(self, loss: torch.Tensor | None) -> None:
@@ -167,9 +169,9 @@ class StepGuard(Collector):
                 self._apply(self._hooked)
 
     def on_step_begin(self, step: int) -> None:
-        optimizer = self.session.optimizer
+        optimizer = self.watch.optimizer
         if optimizer is not None and optimizer is not self._hooked and self.active:
-            # the optimizer's own hooks run after the session's global pre-hook (which
+            # the optimizer's own hooks run after the loop watch's global pre-hook (which
             # took the grads) and before its global post-hook (which ends the step)
             for handle in self._handles:
                 handle.remove()
@@ -204,8 +206,8 @@ class StepGuard(Collector):
             self._loss = loss
         else:
             self._loss = None
-        session = self.session
-        if session.world_size > 1 and dist.is_available() and dist.is_initialized():
+        watch = self.watch
+        if watch.world_size > 1 and dist.is_available() and dist.is_initialized():
             dist.all_reduce(code, op=dist.ReduceOp.MAX)  # every rank leaves out the same step
         self._code.copy_(code)
 
@@ -236,7 +238,7 @@ class StepGuard(Collector):
         if mode == "auto":
             if getattr(optimizer, "_step_supports_amp_scaling", False):
                 return "found_inf"
-            return "sync" if self.session.host_reduce else "select"
+            return "sync" if self.watch.host_reduce else "select"
         if mode == "found_inf" and not getattr(optimizer, "_step_supports_amp_scaling", False):
             return "select"
         if mode == "select" and any(not isinstance(v, torch.Tensor)
@@ -256,7 +258,7 @@ class StepGuard(Collector):
             errors.report("step_guard.arm", exc)
 
     def _arm_step(self, optimizer: Any) -> None:
-        if not self.active or self.session is None or not self.session.live:
+        if not self.active or self.watch is None or not self.watch.live:
             return
         self._code.zero_()
         self._decided = False
@@ -327,7 +329,7 @@ class StepGuard(Collector):
 
     def _queue_streak(self) -> None:
         """The streak a step left, copied to the host without waiting (read once done)."""
-        step = self.session.step
+        step = self.watch.step
         if self._streak.device.type == "cuda":
             host = (self._hosts.pop() if self._hosts
                     else torch.empty((), dtype=torch.int64, pin_memory=True))
@@ -338,8 +340,8 @@ class StepGuard(Collector):
             host, event = self._streak.clone(), None
         self._pending.append((step, host, event))
 
-    def _after_step(self) -> None:
-        """After the session ended a step: stop the run once `max_skips` is reached.
+    def after_step(self) -> None:
+        """After the loop watch ended a step: stop the run once `max_skips` is reached.
         The one exception the agent raises into training on purpose."""
         limit = self.settings.max_skips
         while self._pending and (self._pending[0][2] is None or self._pending[0][2].query()):
@@ -349,7 +351,7 @@ class StepGuard(Collector):
                 self._hosts.append(host)  # pinned buffers are reused, not allocated a step
             if limit is not None and streak >= limit:
                 self._pending.clear()
-                bundle = self.on_stop() if self.on_stop is not None else None
+                bundle = self.on_stop()
                 reason = REASONS.get(int(self._code)) if streak else None
                 raise GuardStop(self.step_number(step), streak, self.first_layer, bundle,
                                 reason)
@@ -378,7 +380,7 @@ class StepGuard(Collector):
         self.skipped_steps += 1
         first = record.get("first_nonfinite_layer")
         if self.first_layer is None and isinstance(first, int):
-            self.first_layer = self.session.layers[first].name
+            self.first_layer = self.watch.layers[first].name
 
 
 def weights_finite(params: list[torch.Tensor], optimizer: Any) -> bool:

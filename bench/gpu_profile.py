@@ -1,6 +1,6 @@
 """Where the agent's cost on a GPU step goes: GPT-2 small, a plain and a watched copy, each
 profiled with torch.profiler over the same steps; every collector's event handler and the
-session's step work is labelled with `record_function`, so the table says which handler
+watch's step work is labelled with `record_function`, so the table says which handler
 launched which device time.
 
     python bench/gpu_profile.py --out DIR [--precision bf16] [--steps 10] [--batch 32]
@@ -30,7 +30,7 @@ from torch.profiler import ProfilerActivity, profile, record_function  # noqa: E
 
 from ampwatch import agent  # noqa: E402
 
-SESSION_WORK = ("_step_end", "_take_grads", "close_pending")
+WATCH_WORK = (("", "_step_end"), ("", "close_pending"), ("grad_snapshot", "take"))
 
 
 def labelled(fn: Callable, label: str) -> Callable:
@@ -41,14 +41,15 @@ def labelled(fn: Callable, label: str) -> Callable:
     return run
 
 
-def label_agent(session: Any) -> None:
-    """Wrap every collector handler and the session's step work in a profiler range."""
-    for event, handlers in session._listeners.items():
-        session._listeners[event] = [(labelled(handler, f"aw.{site}"), site)
+def label_agent(watch: Any) -> None:
+    """Wrap every collector handler and the loop watch's step work in a profiler range."""
+    for event, handlers in watch._listeners.items():
+        watch._listeners[event] = [(labelled(handler, f"aw.{site}"), site)
                                      for handler, site in handlers]
-    for name in SESSION_WORK:
-        if hasattr(session, name):
-            setattr(session, name, labelled(getattr(session, name), f"aw.session.{name}"))
+    for part, name in WATCH_WORK:
+        owner = getattr(watch, part) if part else watch
+        label = ".".join(filter(None, ("aw.watch", part, name)))
+        setattr(owner, name, labelled(getattr(owner, name), label))
 
 
 def kernels(prof: Any) -> list[Any]:
@@ -81,7 +82,7 @@ def main() -> int:
     attachment = agent.attach(watched.loop.call, watched.loop.scaler, offline=True,
                               spool_dir=str(out / "spool"), sample_every=args.sample_every,
                               name="gpu-profile")
-    label_agent(attachment._session)
+    label_agent(attachment._watch)
     for _ in range(5):
         plain.step()
         watched.step()

@@ -35,7 +35,7 @@ from bench.agent_overhead import Trainer, alternate  # noqa: E402
 
 
 def recorder_of(attachment):
-    return next(c for c in attachment._session.collectors if c.name == "recorder")
+    return next(c for c in attachment._watch.collectors if c.name == "recorder")
 
 
 def steady_state(steps: int, warmup: int) -> None:

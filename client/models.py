@@ -2,65 +2,20 @@
 
 Non-finite floats arrive as "NaN"/"Infinity"/"-Infinity" and become real floats
 (wire/floats.py); `None` always means missing. Fields the server adds later are ignored,
-so an older client keeps working against a newer server.
+so an older client keeps working against a newer server. What every result type shares
+(JSON in and out, `Records` and its pandas view) is in model_base.py.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
-from collections.abc import Iterable
 from datetime import datetime
-from functools import cache
-from typing import Any, Self, TypeVar
+from typing import Any
 
-from ampwatch.wire import decode_float, decode_tree, encode_tree
+from ampwatch.client.model_base import Model, Records, import_pandas
 from ampwatch.wire.steps import STEP_FIELDS
 
-T = TypeVar("T")
 SEVERITIES = ("info", "warning", "critical")
-
-
-class Model:
-    """Mixin of every result type: construction from JSON and back."""
-
-    @classmethod
-    def from_json(cls, data: dict[str, Any]) -> Self:
-        """Build from one API v1 JSON object (unknown keys are ignored)."""
-        hints = _hints(cls)
-        kwargs = {f.name: _convert(hints[f.name], data[f.name])
-                  for f in dataclasses.fields(cls) if f.name in data}  # type: ignore[arg-type]
-        return cls(**kwargs)
-
-    def to_json(self) -> dict[str, Any]:
-        """As API v1 JSON: non-finite floats as strings, times in ISO 8601."""
-        return to_json(self)
-
-
-class Records(list[T]):
-    """A list of results with a `to_pandas()` view (one row per item); `of` is the item
-    type, which gives an empty list its columns."""
-
-    def __init__(self, items: Iterable[T] = (), of: type | None = None) -> None:
-        super().__init__(items)
-        self.of = of
-
-    def to_pandas(self) -> Any:
-        """A pandas DataFrame with one column per field, typed by the field's hint:
-        floats as float64 (missing becomes NaN, as pandas has no other), optional ints
-        and bools as pandas' nullable Int64 and boolean; nested lists and dicts stay
-        Python objects. Needs pandas (`pip install pandas`)."""
-        pandas = _import_pandas()
-        kind = self.of or (type(self[0]) if self else None)
-        if kind is None or not dataclasses.is_dataclass(kind):
-            return pandas.DataFrame.from_records(list(self))
-        frame = pandas.DataFrame.from_records([dataclasses.asdict(item) for item in self],
-                                              columns=[f.name for f in dataclasses.fields(kind)])
-        for name, hint in _hints(kind).items():
-            if (dtype := _pandas_dtype(hint)) is not None:
-                frame[name] = frame[name].astype(dtype)
-        return frame
 
 
 @dataclasses.dataclass(frozen=True)
@@ -221,7 +176,7 @@ class LayerMatrix(Model):
 
     def to_pandas(self) -> Any:
         """A DataFrame with one row per layer and one column per bucket's first step."""
-        pandas = _import_pandas()
+        pandas = import_pandas()
         return pandas.DataFrame(
             [[float("nan") if v is None else v for v in row] for row in self.values],
             index=pandas.Index(self.layers, name="layer"),
@@ -484,63 +439,3 @@ class Delivery(Model):
     last_error: str | None = None
     history: list[AlertAttempt] = dataclasses.field(default_factory=list)
     payload: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-def to_json(value: Any) -> Any:
-    """A result (or list of results) as JSON-ready data in the API v1 encoding."""
-    if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}
-    if isinstance(value, dict):
-        return {k: to_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [to_json(v) for v in value]
-    if isinstance(value, datetime):
-        return value.isoformat()
-    return encode_tree(value)
-
-
-@cache
-def _hints(cls: type) -> dict[str, Any]:
-    return typing.get_type_hints(cls)
-
-
-def _convert(hint: Any, value: Any) -> Any:
-    """`value` from JSON as the type `hint` names (dataclasses, lists, optionals,
-    datetimes, floats in the wire encoding); anything else is decoded as a tree."""
-    if value is None:
-        return None
-    origin, args = typing.get_origin(hint), typing.get_args(hint)
-    if origin in (types.UnionType, typing.Union):
-        inner = [a for a in args if a is not type(None)]
-        return _convert(inner[0], value) if len(inner) == 1 else decode_tree(value)
-    if origin in (list, Records):
-        items = [_convert(args[0], v) for v in value]
-        return Records(items, of=args[0]) if origin is Records else items
-    if isinstance(hint, type) and issubclass(hint, Model):
-        return hint.from_json(value)
-    if hint is datetime:
-        return datetime.fromisoformat(value)
-    if hint is float:
-        return decode_float(value)
-    return decode_tree(value)
-
-
-def _pandas_dtype(hint: Any) -> str | None:
-    args = typing.get_args(hint)
-    optional = type(None) in args
-    base = next((a for a in args if a is not type(None)), hint) if args else hint
-    if base is float:
-        return "float64"
-    if base is bool:
-        return "boolean" if optional else "bool"
-    if base is int:
-        return "Int64" if optional else "int64"
-    return None
-
-
-def _import_pandas() -> Any:
-    try:
-        import pandas
-    except ImportError:
-        raise ImportError("to_pandas() needs pandas: pip install pandas") from None
-    return pandas

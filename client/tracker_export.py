@@ -1,6 +1,6 @@
 """`ampwatch export RUN --to tensorboard DIR | mlflow`: a finished run's per-step signals
 and incidents, written into a tracker as the agent's mirror would have written them live
-(the same scalars, wire/mirror.py; the same notes and trackers, wire/trackers.py).
+(the same scalars, trackers/scalars.py; the same notes and trackers, trackers/adapters.py).
 
 Reads the run through the API: its steps page by page, one request per layer for the
 activations, and two per sampled step for the attention and output logits."""
@@ -16,9 +16,9 @@ from typing import Any
 
 from ampwatch.client.api import Client
 from ampwatch.client.errors import AmpwatchError
-from ampwatch.wire.incident_notes import IncidentNote, bundle_for
-from ampwatch.wire.mirror import step_scalars
-from ampwatch.wire.trackers import MlflowTracker, Row, TensorBoardTracker, Tracker
+from ampwatch.trackers.adapters import MlflowTracker, Row, TensorBoardTracker, Tracker
+from ampwatch.trackers.incident_notes import IncidentNote, bundle_for
+from ampwatch.trackers.scalars import step_scalars
 
 TARGETS = ("tensorboard", "mlflow")
 NEEDS = {"tensorboard": "tensorboard", "mlflow": "mlflow"}

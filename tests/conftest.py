@@ -282,16 +282,16 @@ def module_server(tmp_path_factory: pytest.TempPathFactory, name: str) -> Iterat
 
 @contextmanager
 def agent_errors_fail() -> Iterator[list[tuple[str, BaseException]]]:
-    """What the agent's guard swallowed inside the block (it never raises into training);
+    """What the agent's error boundary swallowed inside the block (it never raises into training);
     the first one fails the test."""
-    from ampwatch.agent import guard  # imports torch: only the tests that train call this
+    from ampwatch.agent import errors  # imports torch: only the tests that train call this
 
     swallowed: list[tuple[str, BaseException]] = []
-    guard.set_error_handler(lambda site, exc: swallowed.append((site, exc)))
+    errors.set_error_handler(lambda site, exc: swallowed.append((site, exc)))
     try:
         yield swallowed
     finally:
-        guard.set_error_handler(None)
+        errors.set_error_handler(None)
     if swallowed:
         site, exc = swallowed[0]
         raise AssertionError(f"agent swallowed an error in {site}") from exc

@@ -106,5 +106,5 @@ def test_profile_names_the_agents_handlers(tmp_path: Path) -> None:
     assert done.returncode == 0, done.stderr[-2000:]
     report = (tmp_path / "gpu_profile.md").read_text()
     assert "| plain |" in report and "| watched |" in report
-    for handler in ("aw.session._step_end", "aw.grads.on_grads", "aw.timing.on_step_end"):
+    for handler in ("aw.watch._step_end", "aw.grads.on_grads", "aw.timing.on_step_end"):
         assert f"| {handler} |" in report, handler

@@ -32,8 +32,12 @@ IMPORT_ALL = textwrap.dedent("""
 # package -> what it must never import (directly or through anything it imports)
 WALLS = {
     "wire": ("torch", "ampwatch.agent", "ampwatch.server", "ampwatch.client",
-             "ampwatch.demo"),
-    "server": ("torch", "ampwatch.agent", "ampwatch.client", "ampwatch.demo"),
+             "ampwatch.demo", "ampwatch.trackers"),
+    # the tracker adapters: wire and the standard library; their libraries only when used
+    "trackers": ("torch", "ampwatch.agent", "ampwatch.server", "ampwatch.client",
+                 "ampwatch.demo", "tensorboard", "mlflow", "wandb"),
+    "server": ("torch", "ampwatch.agent", "ampwatch.client", "ampwatch.demo",
+               "ampwatch.trackers"),
     "client": ("torch", "ampwatch.agent", "ampwatch.server", "ampwatch.demo"),
     "agent": ("ampwatch.server", "ampwatch.client", "ampwatch.demo"),
     # replay pulls bundles and records its verdicts through the client, never the server

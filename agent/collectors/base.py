@@ -36,15 +36,15 @@ class Collector:
 
     def __init__(self) -> None:
         self.offset = 0
-        self.session: LoopWatch | None = None
+        self.watch: LoopWatch | None = None
 
     # set-up (training thread, at attach and detach)
     def reserve(self, buffer: StepBuffer) -> None:
         self.offset = buffer.reserve(self.slots)
 
-    def bind(self, session: LoopWatch) -> None:
-        self.session = session
-        self._view = session.buffer.view(self.offset, self.slots)  # one narrow, not per step
+    def bind(self, watch: LoopWatch) -> None:
+        self.watch = watch
+        self._view = watch.buffer.view(self.offset, self.slots)  # one narrow, not per step
 
     def slot(self, index: int) -> torch.Tensor:
         """Slot `index` as a 1-element view (copy_ of a 0-d or 1-element tensor fills it)."""
@@ -55,7 +55,7 @@ class Collector:
 
     @property
     def view(self) -> torch.Tensor:
-        assert self.session is not None
+        assert self.watch is not None
         return self._view
 
     # per step (training thread): seal() hands over this step's host state at step end;
@@ -97,6 +97,9 @@ class Collector:
     def on_update_begin(self) -> None: ...
     def on_update_end(self, closing: bool) -> None: ...
     def on_next_step(self, step: int) -> None: ...
+    # after the watch ended an optimizer step, outside the error boundary: it may raise
+    # into the loop on purpose (only the step guard's GuardStop does)
+    def after_step(self) -> None: ...
 
 
 def overrides(collector: Collector, event: str) -> bool:
@@ -104,7 +107,7 @@ def overrides(collector: Collector, event: str) -> bool:
 
 
 class SampledHooks:
-    """Hooks that exist only on sampled steps: `want()` as each step is set up (the session's
+    """Hooks that exist only on sampled steps: `want()` as each step is set up (the loop watch's
     `on_next_step`), `ensure()` as each forward begins. They go on as a sampled step's first
     forward begins and come off as the next unsampled step is set up, so all their cost
     falls on the sampled step itself, not on the step before it."""

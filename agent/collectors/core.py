@@ -24,7 +24,7 @@ class StepCollector(Collector):
         self._lr: Any = None
 
     def on_step_begin(self, step: int) -> None:
-        optimizer = self.session.optimizer if self.session else None
+        optimizer = self.watch.optimizer if self.watch else None
         lr = optimizer.param_groups[0].get("lr") if optimizer is not None else None
         if isinstance(lr, torch.Tensor):
             self.view[0].copy_(lr.detach().reshape(()))

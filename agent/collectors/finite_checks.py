@@ -1,4 +1,5 @@
-"""Between samples on the CPU: whether each layer output held inf/NaN, on every step.
+"""Between samples on the CPU: whether each layer output held inf/NaN, on every step
+(`EveryOutputOnHost`, one way of first_bad_layer.py).
 
 Each output is checked by its sum, read at once (2-5x cheaper than `aminmax`; an inf/NaN
 sum is confirmed by `aminmax`, since finite values can overflow a sum), in the hook, while
@@ -13,13 +14,15 @@ Reads values of host tensors only: nothing here waits for a device.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
-# one hooked call: (layer index, output dtype or None, statistics or None, start, end)
-Call = tuple[int, torch.dtype | None, Any, Any, Any]
+from ampwatch.agent.collectors.first_bad_layer import Call, FirstBadLayer, record_minmax
+
+if TYPE_CHECKING:
+    from ampwatch.agent.loop_watch import LoopWatch
 
 # fp16 sums overflow too often to gain (aminmax is used for float16 outputs)
 SUM_CHECKED = frozenset({torch.bfloat16, torch.float32})
@@ -102,3 +105,38 @@ class HostChecks:
     def end_forward(self) -> None:
         """At the end of each training forward: no output is kept alive through backward."""
         self.seen = None
+
+
+class EveryOutputOnHost(FirstBadLayer):
+    """The CPU's way when no replay can serve (`check_outputs="every_step"`, several
+    ranks): every unsampled output is judged on the host as it is produced (`HostChecks`);
+    one whose dtype or tensor the sum cannot judge gets an `aminmax` call instead."""
+
+    def __init__(self, watch: LoopWatch) -> None:
+        super().__init__(watch)
+        self.host = HostChecks()
+
+    def output(self, index: int, args: tuple, tensor: torch.Tensor | None,
+               preserves_finite: bool, calls: list[Call]) -> None:
+        if tensor is not None:
+            dtype = tensor.dtype  # SUM_CHECKED holds floating dtypes only
+            # finite_check reads a value: CPU tensors only, so no device to wait for
+            if dtype in SUM_CHECKED and tensor.is_cpu:
+                try:
+                    version = tensor._version
+                except RuntimeError:  # an inference tensor: no version counter
+                    version = None
+                if version is not None:
+                    self.host.check(index, args, tensor, version, dtype, preserves_finite,
+                                    calls)
+                    return
+        record_minmax(calls, index, tensor)
+
+    def forward_end(self) -> None:
+        self.host.end_forward()
+
+    def seal(self) -> tuple[bool, bool]:
+        host = self.host
+        host.end_forward()
+        observed, host.observed = host.observed, False
+        return observed, False

@@ -54,7 +54,7 @@ class ForwardCollector(Collector):
         self._eval_no_autocast = 0
 
     def _autocast(self) -> str | None:
-        device_type = self.session.device_type
+        device_type = self.watch.device_type
         return (dtype_name(torch.get_autocast_dtype(device_type))
                 if torch.is_autocast_enabled(device_type) else None)
 
@@ -68,9 +68,9 @@ class ForwardCollector(Collector):
             self._probe = None
 
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:
-        session = self.session
+        watch = self.watch
         self._current = self._autocast()
-        if self._current is None and not session.compiled:
+        if self._current is None and not watch.compiled:
             self._probe = register_module_forward_pre_hook(self._look_inside)
         if not training:
             return
@@ -78,25 +78,25 @@ class ForwardCollector(Collector):
         for tensor in _float_tensors(args, kwargs):
             if tensor.numel():
                 self._input_maxes.extend(torch.aminmax(tensor.detach()))
-        self._compiles = session.compiles.count
-        self._start = session.clock.mark()
+        self._compiles = watch.compiles.count
+        self._start = watch.clock.mark()
 
     def on_forward_end(self, training: bool, output: Any) -> None:
         self._remove_probe()
         autocast = self._current
         if not training:
             self._eval += 1
-            if autocast is None and self.session.training_autocast is not None:
+            if autocast is None and self.watch.training_autocast is not None:
                 self._eval_no_autocast += 1
             return
         if self._start is not None:
-            if self.session.compiles.count == self._compiles:
-                self._intervals.append((self._start, self.session.clock.mark()))
+            if self.watch.compiles.count == self._compiles:
+                self._intervals.append((self._start, self.watch.clock.mark()))
             self._start = None
         self._dtypes.add(autocast)
-        if autocast is not None and autocast != self.session.training_autocast:
-            self.session.training_autocast = autocast
-            self.session.on_run_change()
+        if autocast is not None and autocast != self.watch.training_autocast:
+            self.watch.training_autocast = autocast
+            self.watch.on_run_change()
 
     def unbind(self) -> None:
         self._remove_probe()
@@ -120,7 +120,7 @@ class ForwardCollector(Collector):
         return sealed
 
     def read(self, host: np.ndarray, meta: Any, record: dict[str, Any]) -> None:
-        clock = self.session.clock
+        clock = self.watch.clock
         record["t_forward_ms"] = (sum(clock.elapsed_ms(a, b) for a, b in meta["intervals"])
                                   if meta["intervals"] else None)
         record["autocast_dtype"] = meta["autocast"]

@@ -1,5 +1,5 @@
 """The per-layer search of a flagged step: replay its forward and name the first layer whose
-output held inf/NaN, in execution order.
+output held inf/NaN, in execution order (`ReplaySearch`, one way of first_bad_layer.py).
 
 A healthy step reads no layer output (docs/agent.md, "Cheap by design"). As each
 unsampled training forward begins, the agent keeps references to its inputs and a copy
@@ -27,14 +27,20 @@ from __future__ import annotations
 
 import contextlib
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from ampwatch.agent.collectors import finite_checks
 from ampwatch.agent.collectors.finite_checks import FINITE, Call, first_float_tensor
+from ampwatch.agent.collectors.first_bad_layer import FirstBadLayer
+from ampwatch.agent.compiled import unwrap
+
+if TYPE_CHECKING:
+    from ampwatch.agent.loop_watch import LoopWatch
 
 
 def rng_states(device: torch.device) -> dict[str, torch.Tensor]:
@@ -137,3 +143,71 @@ def first_bad_output(module: nn.Module, held: HeldForward,
                 return index, dtype, (low, high), None, None
     return found[0] if found else None
 
+
+
+class ReplaySearch(FirstBadLayer):
+    """Holds each unsampled training forward's inputs; replays them, in order, up to the
+    first with a bad output, when the step is known bad: on the CPU its loss (a host
+    value, read as backward begins), on an accelerator its GradScaler's skip. Not over
+    several ranks: replaying one rank's forward alone could enter a collective (DDP's
+    buffer broadcast, FSDP's all-gather) the other ranks never join.
+
+    A fused optimizer under a scaler takes found_inf on the device and always "steps": no
+    host fact to go by, so after its first step `no_skip()` moves the collector to
+    another way."""
+
+    hooks_every_step = False  # a healthy step runs no layer hook
+
+    def __init__(self, watch: LoopWatch, layers: list[tuple[int, nn.Module]],
+                 no_skip: Callable[[], None]) -> None:
+        super().__init__(watch)
+        self.layers = layers  # (layer index, module) of every layer
+        self.no_skip = no_skip
+        self.held: list[HeldForward] = []  # this step's training forwards, not yet judged
+        self.searched = False  # this step's forwards were searched (replayed)
+
+    def forward_begin(self, sampled: bool, training: bool, args: tuple, kwargs: dict) -> None:
+        if training and not sampled:
+            owner = self.watch.forward_owner
+            module = self.watch.inner if owner is None else unwrap(owner)
+            self.held.append(hold(module, args, kwargs, self.watch.device))
+
+    def backward_begin(self, loss: torch.Tensor | None, calls: list[Call]) -> None:
+        # the CPU's flag: the loss, a host value (an accelerator's would need a sync)
+        if self.watch.host_reduce:
+            held, self.held = self.held, []
+            if held and loss_is_bad(loss):
+                self._search(held, calls)
+
+    def step_end(self, stepped: bool, calls: list[Call]) -> None:
+        # an accelerator's flag: the GradScaler skipped the step (it read found_inf itself),
+        # so the weights are still those the held forwards ran with
+        held, self.held = self.held, []
+        if held and not self.watch.host_reduce:
+            if getattr(self.watch.optimizer, "_step_supports_amp_scaling", False):
+                self.no_skip()
+            elif not stepped:
+                self._search(held, calls)
+
+    def _search(self, held: list[HeldForward], calls: list[Call]) -> None:
+        """Replay the step's held forwards, in order, up to the first with a bad output."""
+        self.searched = True
+        watch = self.watch
+        suspended, watch.suspended = watch.suspended, True  # the replay is no forward
+        try:
+            for forward in held:
+                call = first_bad_output(forward.module, forward, self.layers,
+                                        on_device=not watch.host_reduce)
+                if call is not None:
+                    calls.append(call)
+                    break
+        finally:
+            watch.suspended = suspended
+
+    def seal(self) -> tuple[bool, bool]:
+        searched, self.searched = self.searched, False
+        self.held = []
+        return searched, searched
+
+    def unbind(self) -> None:
+        self.held = []

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.fp8 import N_STATS, ROLES, STATS, Fp8Layer, cast_stats
 from ampwatch.wire import encode_float_array
@@ -45,9 +45,9 @@ class Fp8Collector(Collector):
         self._stats: dict[tuple[int, int], torch.Tensor] = {}  # (fp8 position, role) -> 5
         self._flagged: set[tuple[int, str, int]] = set()  # worker: the last sample's flags
 
-    def bind(self, session: Any) -> None:
-        super().bind(session)
-        self._missing = torch.zeros(N_STATS, dtype=torch.float32, device=session.device)
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
+        self._missing = torch.zeros(N_STATS, dtype=torch.float32, device=watch.device)
 
     def unbind(self) -> None:
         self._hooks.remove()
@@ -57,7 +57,7 @@ class Fp8Collector(Collector):
         return self._sampled
 
     def on_next_step(self, step: int) -> None:
-        sample = self.session.samples(step)
+        sample = self.watch.samples(step)
         if sample != self._sampled:
             self._sampled = sample
             self._hooks.want(sample)
@@ -94,17 +94,17 @@ class Fp8Collector(Collector):
         if "fp8_recipe" not in attrs:
             layer.read_recipe()
             attrs.update(layer.attrs())
-            self.session.on_run_change()
+            self.watch.on_run_change()
         return True
 
     def _pre(self, position: int) -> Any:
-        session = self.session
+        watch = self.watch
 
         def hook(module: torch.nn.Module, args: tuple) -> None:
             if torch.compiler.is_compiling():
                 return
             try:
-                if not session.in_training_forward or not args or not self._casting(position):
+                if not watch.in_training_forward or not args or not self._casting(position):
                     return
                 x = args[0]
                 # Float8Linear casts its input to the autocast dtype first (its forward)
@@ -116,29 +116,29 @@ class Fp8Collector(Collector):
                     weight = weight.t()  # cast transposed: its per-row scales run along in
                 self._measure(position, "weight", weight)
             except Exception as exc:  # noqa: BLE001
-                guard.report("fp8.pre", exc)
+                errors.report("fp8.pre", exc)
         return hook
 
     def _post(self, position: int) -> Any:
-        session = self.session
+        watch = self.watch
         grad_role = ROLES.index("grad")
 
         def on_grad(grad: torch.Tensor) -> None:
             try:
                 self._measure(position, "grad", grad)
             except Exception as exc:  # noqa: BLE001
-                guard.report("fp8.grad", exc)
+                errors.report("fp8.grad", exc)
 
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
             if torch.compiler.is_compiling():
                 return
             try:
-                if (session.in_training_forward and isinstance(output, torch.Tensor)
+                if (watch.in_training_forward and isinstance(output, torch.Tensor)
                         and output.requires_grad and (position, grad_role) not in self._stats
                         and self._casting(position)):
                     output.register_hook(on_grad)
             except Exception as exc:  # noqa: BLE001
-                guard.report("fp8.post", exc)
+                errors.report("fp8.post", exc)
         return hook
 
     def seal(self) -> Any:
@@ -179,5 +179,5 @@ class Fp8Collector(Collector):
         # a cast that newly flushes or saturates opens the window; one that stays so
         # does not keep every step sampled for the rest of the run
         if flagged - self._flagged:
-            self.session.note_anomaly(record["step"])
+            self.watch.note_anomaly(record["step"])
         self._flagged = flagged

@@ -10,7 +10,7 @@ or NaN exactly when a grad is. When the loop clips with `clip_grad_norm_` or
 grads: total * min(1, max_norm / (total + 1e-6)); when something else rewrote the grads
 before the step (a hand-written clip), their norm is taken again there (one more
 `_foreach_norm`, on those steps only). Four device ops a backward; on the CPU
-(`session.host_reduce`) one: the worker sums the norms. Does not synchronise the device.
+(`watch.host_reduce`) one: the worker sums the norms. Does not synchronise the device.
 
 Underflow, measured: every `sample_every` steps (at most every 10th step) each grad's
 non-zero elements are counted (`count_nonzero`, one op per grad) and summed per layer the
@@ -75,18 +75,18 @@ class GradNormCollector(Collector):
         # sampled steps: elements per layer; host_reduce: the non-zero counts themselves
         self._zeros_of: tuple[np.ndarray, Any] | None = None
 
-    def bind(self, session: Any) -> None:
-        super().bind(session)
-        position = {id(p): i for i, p in enumerate(session.params)}
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
+        position = {id(p): i for i, p in enumerate(watch.params)}
         # (parameter position, layer): a tied parameter counts in each layer that holds it
         self._pairs = [(position[id(p)], layer.index)
-                       for layer in session.layers for p in layer.params if id(p) in position]
+                       for layer in watch.layers for p in layer.params if id(p) in position]
         self._total_slot = self.view.select(0, self.n_layers)  # 0-d: an out= target
         self._layer_slots = self.view.narrow(0, 0, self.n_layers)
         self._nonzero_slots = self.view.narrow(0, self.n_layers + 1, self.n_layers)
         self._rewritten_slot = self.view.select(0, 2 * self.n_layers + 1)
-        self._zeros = torch.zeros(self.n_layers, dtype=session.buffer.dtype,
-                                  device=session.device)
+        self._zeros = torch.zeros(self.n_layers, dtype=watch.buffer.dtype,
+                                  device=watch.device)
 
     def _indices(self, present: tuple[int, ...]) -> _Indices:
         """For this set of params with grads: which grad goes to which layer (the grad
@@ -99,17 +99,17 @@ class GradNormCollector(Collector):
         return cached
 
     def _build_indices(self, present: tuple[int, ...]) -> _Indices:
-        session = self.session
-        params = session.params
-        weights = [distributed.shard_weight(params[i], session.parallelism,
-                                            session.world_size) for i in present]
+        watch = self.watch
+        params = watch.params
+        weights = [distributed.shard_weight(params[i], watch.parallelism,
+                                            watch.world_size) for i in present]
         # a Partial grad has no norm this rank can take: its layers and the total are left out
         unknown = {present[i] for i, w in enumerate(weights) if w is None}
         rank = {param: i for i, param in enumerate(present)}
         blind = {layer for p, layer in self._pairs if p in unknown}
         pairs = [(rank[p], layer) for p, layer in self._pairs
                  if p in rank and layer not in blind]
-        device = session.device
+        device = watch.device
         grads = [g for g, _ in pairs]
         grad_idx = (None if grads == list(range(len(present))) else
                     torch.tensor(grads, dtype=torch.long, device=device))
@@ -122,26 +122,26 @@ class GradNormCollector(Collector):
         weight = None
         if any(w != 1.0 for w in weights):
             weight = torch.tensor([0.0 if w is None else w for w in weights],
-                                  dtype=session.buffer.dtype, device=device)
+                                  dtype=watch.buffer.dtype, device=device)
         if unknown and not self._blind_named:
             self._blind_named = True
-            session.note_unsupported("grad_norm", sorted(
-                session.layers[layer].name for layer in blind))
+            watch.note_unsupported("grad_norm", sorted(
+                watch.layers[layer].name for layer in blind))
         return _Indices(grad_idx, layer_idx, mask, elements, weight, total_known=not unknown)
 
     def _counts_zeros(self) -> bool:
         """Every `sample_every` steps, at most every ZERO_EVERY_MIN, in float16 training
         only: underflow is a slow trend, a count reads every grad element (sampling every
         step stays cheap), and bf16 and fp32 grads have float32's range."""
-        session = self.session
-        every = session.settings.sample_every
-        return (every > 0 and session.step % max(every, self.ZERO_EVERY_MIN) == 0
-                and session.computes_in_fp16)
+        watch = self.watch
+        every = watch.settings.sample_every
+        return (every > 0 and watch.step % max(every, self.ZERO_EVERY_MIN) == 0
+                and watch.computes_in_fp16)
 
     def _count_nonzero(self, grads: list[torch.Tensor], grad_idx: torch.Tensor | None,
                        layer_idx: torch.Tensor, elements: np.ndarray) -> None:
         counts = torch.stack([torch.count_nonzero(g) for g in grads])
-        if self.session.host_reduce:
+        if self.watch.host_reduce:
             self._zeros_of = (elements, (counts, grad_idx, layer_idx))
             return
         counts = counts.to(self._zeros.dtype)
@@ -157,13 +157,13 @@ class GradNormCollector(Collector):
             return
         index = self._index = self._indices(present)
         grad_idx, layer_idx = index.grad_idx, index.layer_idx
-        if self.session.parallelism is not None:  # this rank's parts (no communication)
+        if self.watch.parallelism is not None:  # this rank's parts (no communication)
             grads = [distributed.local(g) for g in grads]
         if self._counts_zeros():
             self._count_nonzero(grads, grad_idx, layer_idx, index.elements)
         if norms is None:
             norms = torch.stack(grad_norms(grads))
-        if self.session.host_reduce:  # the worker reduces them (the scale: as it is now)
+        if self.watch.host_reduce:  # the worker reduces them (the scale: as it is now)
             self._norms = (norms, None if divisor is None else divisor.detach().clone())
             return
         norms = norms.to(self._zeros.dtype)  # summed in float64: no overflow of the squares
@@ -179,12 +179,12 @@ class GradNormCollector(Collector):
 
     def on_grads_rewritten(self, grads: list[torch.Tensor],
                            divisor: torch.Tensor | None) -> None:
-        if not self._taken or self.session.grad_layout == distributed.SHARDED:
+        if not self._taken or self.watch.grad_layout == distributed.SHARDED:
             return  # sharded: this rank's part only; the clipped norm needs the whole
         norms = torch.stack(grad_norms(grads)).to(self._zeros.dtype)
         if divisor is not None:
             norms = norms / divisor
-        if self.session.host_reduce:
+        if self.watch.host_reduce:
             self._rewritten = norms
             return
         torch.sum(norms.square(), dim=0, out=self._rewritten_slot)
@@ -223,7 +223,7 @@ class GradNormCollector(Collector):
             if index.grad_idx is not None:
                 squares = squares[index.grad_idx.numpy()]
             host[:n] = np.bincount(index.layer_idx.numpy(), weights=squares, minlength=n)
-        session = self.session
+        watch = self.watch
         if index is not None:
             total = float(np.sqrt(host[n])) if index.total_known else None
             record["grad_norm"] = total
@@ -232,11 +232,11 @@ class GradNormCollector(Collector):
             total = None
             record["grad_norm"] = None
             record["layer_grad_norm"] = [None] * n
-        if session.grad_layout == distributed.REPLICATED and session.rank != 0:
+        if watch.grad_layout == distributed.REPLICATED and watch.rank != 0:
             record["layer_grad_norm"] = None  # DDP: rank 0 sends the one copy
             record.pop("layer_grad_zero_share", None)
         # sharded: this rank's part of the total; the clipped norm needs the whole one
-        sharded = session.grad_layout == distributed.SHARDED
+        sharded = watch.grad_layout == distributed.SHARDED
         if rewritten is not None:
             record["grad_norm_clipped"] = rewritten
         else:

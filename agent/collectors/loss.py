@@ -19,7 +19,7 @@ from ampwatch.agent.collectors.base import Collector
 
 class LossCollector(Collector):
     """Keeps references to the loss tensors; sums them on the device at close (on the CPU,
-    `session.host_reduce`, the worker sums them: no op on the training thread)."""
+    `watch.host_reduce`, the worker sums them: no op on the training thread)."""
 
     name = "loss"
     slots = 1
@@ -29,8 +29,8 @@ class LossCollector(Collector):
         self._losses: list[torch.Tensor] = []
         self._named: list[torch.Tensor | float] = []  # attachment.log_loss(): these win
 
-    def bind(self, session: Any) -> None:
-        super().bind(session)
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
         self._slot = self.slot(0)
 
     def _take(self, tensor: Any, into: list[Any]) -> None:
@@ -61,7 +61,7 @@ class LossCollector(Collector):
             return None
         tensors = [t for t in sealed if isinstance(t, torch.Tensor)]
         numbers = sum(x for x in sealed if not isinstance(x, torch.Tensor))
-        if tensors and not self.session.host_reduce:
+        if tensors and not self.watch.host_reduce:
             self._slot.copy_(_total(tensors))
             return True, numbers
         return tensors, numbers

@@ -26,7 +26,7 @@ class PitfallCollector(Collector):
         self._clip_scaled = False
 
     def on_scheduler_step(self, optimizer: Any) -> None:
-        ours = self.session.optimizer
+        ours = self.watch.optimizer
         if optimizer is None or ours is None or optimizer is ours:
             self._scheduler_steps += 1
 
@@ -38,7 +38,7 @@ class PitfallCollector(Collector):
 
     def seal(self) -> Any:
         sealed = {"scheduler_steps": self._scheduler_steps,
-                  "scaler_updates": self._updates if self.session.scaler is not None else None,
+                  "scaler_updates": self._updates if self.watch.scaler is not None else None,
                   "clip_before_unscale": self._clip_scaled}
         self._scheduler_steps, self._updates, self._clip_scaled = 0, 0, False
         return sealed

@@ -22,12 +22,12 @@ class ScalerCollector(Collector):
         self._before = False
         self._after = False
 
-    def bind(self, session: Any) -> None:
-        super().bind(session)
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
         self._slot_before, self._slot_after = self.slot(0), self.slot(1)
 
     def _scale_tensor(self) -> Any:
-        scaler = self.session.scaler if self.session else None
+        scaler = self.watch.scaler if self.watch else None
         if scaler is None or not getattr(scaler, "_enabled", True):
             return None
         return getattr(scaler, "_scale", None)

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from ampwatch.agent import distributed, guard, patches
+from ampwatch.agent import distributed, errors, patches
 from ampwatch.agent.attention_calls import SDPA, interface_patch
 from ampwatch.agent.attention_logits import mha_max_logit, output_stats, sdpa_max_logit
 from ampwatch.agent.collectors.activations import first_float_tensor
@@ -91,20 +91,20 @@ class SpikeCollector(Collector):
         self._unsupported_named = False
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}
 
-    def bind(self, session: Any) -> None:
-        super().bind(session)
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
         n_sums = N_SUMS * len(self.rows)
         self._sum_slots = self.view.narrow(0, 0, n_sums).view(len(self.rows), N_SUMS)
         self._attn_slots = self.view.narrow(0, n_sums, self.n_layers)
         self._head_slots = self.view.narrow(0, n_sums + self.n_layers, 2)
-        self._zeros = torch.zeros(len(self.rows), N_SUMS, dtype=session.buffer.dtype,
-                                  device=session.device)
+        self._zeros = torch.zeros(len(self.rows), N_SUMS, dtype=watch.buffer.dtype,
+                                  device=watch.device)
 
     def unbind(self) -> None:
         self._hooks.remove()
 
     def on_next_step(self, step: int) -> None:
-        sample = self.session.samples(step)
+        sample = self.watch.samples(step)
         if sample != self._sampled:
             self._sampled = sample
             self._hooks.want(sample)
@@ -120,7 +120,7 @@ class SpikeCollector(Collector):
         interface = interface_patch()
         if interface is not None:
             handles.append(_PatchHandle(interface, replace=self._pick_interface))
-        for layer in self.session.layers:
+        for layer in self.watch.layers:
             module = layer.module
             if isinstance(module, nn.MultiheadAttention):
                 handles.append(module.register_forward_pre_hook(
@@ -135,7 +135,7 @@ class SpikeCollector(Collector):
 
     def _head_layer(self) -> Any:
         """The output layer: the last in forward order (once known) with a matrix weight."""
-        candidates = [layer for layer in self.session.layers
+        candidates = [layer for layer in self.watch.layers
                       if isinstance(getattr(layer.module, "weight", None), torch.Tensor)
                       and layer.module.weight.dim() == 2
                       and not isinstance(layer.module, nn.Embedding)]
@@ -161,23 +161,23 @@ class SpikeCollector(Collector):
             self._stack.pop()
 
     def _mha(self, index: int) -> Any:
-        session = self.session
+        watch = self.watch
 
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> None:
-            if _compiling() or not session.in_training_forward:
+            if _compiling() or not watch.in_training_forward:
                 return
             try:
                 with torch.no_grad():
                     self._note_logit(index, mha_max_logit(module, args, kwargs))
             except Exception as exc:  # noqa: BLE001
-                guard.report("spikes.mha", exc)
+                errors.report("spikes.mha", exc)
         return hook
 
     def _pick_interface(self, original: Any, args: tuple, kwargs: dict) -> Any:
         """transformers' `get_interface`: the attention function it returns, wrapped so that
         its call is measured and credited to the module passing itself first."""
         function = original(*args, **kwargs)
-        if _compiling() or not self.session.in_training_forward or not callable(function):
+        if _compiling() or not self.watch.in_training_forward or not callable(function):
             return function
 
         def attention(module: nn.Module, query: Any, key: Any, *rest: Any, **kw: Any) -> Any:
@@ -190,7 +190,7 @@ class SpikeCollector(Collector):
                     with torch.no_grad():
                         self._note_logit(index, sdpa_max_logit(query, key, kw.get("scaling")))
                 except Exception as exc:  # noqa: BLE001
-                    guard.report("spikes.attention", exc)
+                    errors.report("spikes.attention", exc)
             self._in_interface += 1
             try:
                 return function(module, query, key, *rest, **kw)
@@ -199,7 +199,7 @@ class SpikeCollector(Collector):
         return attention
 
     def _on_sdpa(self, args: tuple, kwargs: dict) -> None:
-        if (_compiling() or not self.session.in_training_forward or not self._stack
+        if (_compiling() or not self.watch.in_training_forward or not self._stack
                 or self._in_interface):
             return
         query = args[0] if args else kwargs.get("query")
@@ -210,10 +210,10 @@ class SpikeCollector(Collector):
                                  sdpa_max_logit(query, key, kwargs.get("scale")))
 
     def _output(self, index: int) -> Any:
-        session = self.session
+        watch = self.watch
 
         def hook(module: nn.Module, args: tuple, output: Any) -> None:
-            if _compiling() or not session.in_training_forward or self._head is not None:
+            if _compiling() or not watch.in_training_forward or self._head is not None:
                 return
             try:
                 with torch.no_grad():
@@ -221,24 +221,24 @@ class SpikeCollector(Collector):
                 if stats is not None:
                     self._head = (index, stats)
             except Exception as exc:  # noqa: BLE001
-                guard.report("spikes.output", exc)
+                errors.report("spikes.output", exc)
         return hook
 
     # ------------------------------------------------------------------ the update
     def on_step_end(self, step: int, stepped: bool) -> None:
-        optimizer = self.session.optimizer
-        every = max(self.session.settings.sample_every, self.UPDATE_EVERY_MIN)
+        optimizer = self.watch.optimizer
+        every = max(self.watch.settings.sample_every, self.UPDATE_EVERY_MIN)
         if not (self._sampled and stepped) or optimizer is None or step % every:
             return
         kind = kind_of(optimizer)
         if kind is None:
             if not self._unsupported_named:
                 self._unsupported_named = True
-                self.session.note_unsupported(
+                self.watch.note_unsupported(
                     f"update_ratio ({type(optimizer).__name__})",
-                    [self.session.layers[i].name for i in self.rows])
+                    [self.watch.layers[i].name for i in self.rows])
             return
-        local = distributed.local if self.session.parallelism is not None else (lambda t: t)
+        local = distributed.local if self.watch.parallelism is not None else (lambda t: t)
         with torch.no_grad():
             self._sums = param_sums(optimizer, kind, self._row_of_param, local)
         self._kind = kind
@@ -265,7 +265,7 @@ class SpikeCollector(Collector):
             measured_rows = sorted(set(rows))
         attn_layers = sorted(attn)
         if attn_layers:
-            index = self._index(attn_layers, self.session.device)
+            index = self._index(attn_layers, self.watch.device)
             values = torch.stack([attn[i] for i in attn_layers]).to(self._attn_slots.dtype)
             self._attn_slots.index_copy_(0, index, values)
         if head is not None:

@@ -39,9 +39,9 @@ class WeightNormCollector(Collector):
         self._pending: torch.Tensor | None = None
         self._groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
 
-    def bind(self, session: Any) -> None:
-        super().bind(session)
-        local = distributed.local if session.parallelism is not None else (lambda t: t)
+    def bind(self, watch: Any) -> None:
+        super().bind(watch)
+        local = distributed.local if watch.parallelism is not None else (lambda t: t)
         by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
         for index, p in self._owned:
             tensor = local(p)
@@ -49,12 +49,12 @@ class WeightNormCollector(Collector):
             params.append(tensor)
             rows.append(index)
         # the layer of each parameter, made once: a per-step index would copy host to device
-        self._groups = [(params, torch.tensor(rows, dtype=torch.long).to(session.device))
+        self._groups = [(params, torch.tensor(rows, dtype=torch.long).to(watch.device))
                         for params, rows in by_device.values()]
-        self._zeros = torch.zeros(self.n_layers, dtype=torch.float32, device=session.device)
+        self._zeros = torch.zeros(self.n_layers, dtype=torch.float32, device=watch.device)
 
     def on_next_step(self, step: int) -> None:
-        self._sampled = self.session.samples(step) and bool(self._rows)
+        self._sampled = self.watch.samples(step) and bool(self._rows)
         self._pending = None
 
     def on_forward_begin(self, training: bool, args: tuple, kwargs: dict) -> None:

@@ -2,9 +2,9 @@
 
 from ampwatch.agent.mirror.mirror import ENV, Mirror, resolve_trackers
 from ampwatch.agent.mirror.trackers import tracker_for
-from ampwatch.wire.incident_notes import IncidentNote
-from ampwatch.wire.mirror import step_scalars
-from ampwatch.wire.trackers import MlflowTracker, TensorBoardTracker, Tracker, WandbTracker
+from ampwatch.trackers.adapters import MlflowTracker, TensorBoardTracker, Tracker, WandbTracker
+from ampwatch.trackers.incident_notes import IncidentNote
+from ampwatch.trackers.scalars import step_scalars
 
 __all__ = ["ENV", "IncidentNote", "Mirror", "MlflowTracker", "TensorBoardTracker", "Tracker",
            "WandbTracker", "resolve_trackers", "step_scalars", "tracker_for"]

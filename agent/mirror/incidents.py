@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampwatch.agent.transport.sender import Outcome, Sender
-from ampwatch.wire.incident_notes import IncidentNote, bundle_for
+from ampwatch.trackers.incident_notes import IncidentNote, bundle_for
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 

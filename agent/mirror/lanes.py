@@ -8,7 +8,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from ampwatch.wire.trackers import Tracker
+from ampwatch.trackers.adapters import Tracker
 
 logger = logging.getLogger("ampwatch.agent.mirror")
 

@@ -17,13 +17,13 @@ from collections import deque
 from collections.abc import Sequence
 from typing import Any
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.agent.mirror.incidents import IncidentWatch
 from ampwatch.agent.mirror.lanes import Lane
 from ampwatch.agent.mirror.trackers import tracker_for
-from ampwatch.wire.incident_notes import IncidentNote
-from ampwatch.wire.mirror import step_scalars
-from ampwatch.wire.trackers import Row, Tracker
+from ampwatch.trackers.adapters import Row, Tracker
+from ampwatch.trackers.incident_notes import IncidentNote
+from ampwatch.trackers.scalars import step_scalars
 
 logger = logging.getLogger("ampwatch.agent.mirror")
 ENV = "AMPWATCH_MIRROR"
@@ -108,9 +108,9 @@ class Mirror:
             polled = self._poll_now.wait(self.BATCH_S)
             self._poll_now.clear()
             if polled or time.monotonic() >= next_poll:
-                guard.guarded("mirror.incidents")(self._incidents)()
+                errors.guarded("mirror.incidents")(self._incidents)()
                 next_poll = time.monotonic() + self.INCIDENTS_EVERY_S
-            guard.guarded("mirror.steps")(self._steps)()
+            errors.guarded("mirror.steps")(self._steps)()
 
     def _steps(self) -> None:
         rows: list[Row] = []

@@ -1,11 +1,11 @@
-"""The tracker a `mirror=` entry names (the trackers themselves: wire/trackers.py)."""
+"""The tracker a `mirror=` entry names (the trackers themselves: trackers/adapters.py)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from ampwatch.wire.trackers import (
+from ampwatch.trackers.adapters import (
     MlflowTracker,
     TensorBoardTracker,
     Tracker,

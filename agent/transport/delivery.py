@@ -16,7 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.transport.outage import OutageWatch
 from ampwatch.agent.transport.sender import Outcome, Response, Sender
@@ -107,13 +107,13 @@ class Delivery:
                 requests, self._requests = self._requests, []
             if requests:
                 deadline = max(r.deadline for r in requests)
-                delivered = bool(guard.guarded("sender.deliver", False)(
+                delivered = bool(errors.guarded("sender.deliver", False)(
                     self._deliver)(deadline, True))
                 for request in requests:
                     request.delivered = delivered
                     request.done.set()
             else:
-                guard.guarded("sender.deliver")(self._deliver)(None, False)
+                errors.guarded("sender.deliver")(self._deliver)(None, False)
             idle = min(self.IDLE_S, self.heartbeat_s)
             wait = idle if self._retry_at <= time.monotonic() else min(
                 self.IDLE_S * 4, self._retry_at - time.monotonic())
@@ -213,7 +213,7 @@ class Delivery:
                 path.unlink(missing_ok=True)
             elif reply.outcome is Outcome.REJECT:
                 path.rename(path.with_suffix(".refused"))
-                guard.report("sender.bundle_rejected", RuntimeError(
+                errors.report("sender.bundle_rejected", RuntimeError(
                     f"server refused bundle {path.name}: HTTP {reply.status}; it stays in "
                     f"{folder}"))
             else:
@@ -250,7 +250,7 @@ class Delivery:
                     reply.outcome is Outcome.MISSING and entry is not None
                     and entry["run"] is None):  # a tally for a run the server lost
                 spool.reject(path)
-                guard.report("sender.rejected", RuntimeError(
+                errors.report("sender.rejected", RuntimeError(
                     f"server refused batch {path.name}: HTTP {reply.status} {reply.body}"))
             else:
                 if reply.outcome is Outcome.MISSING:

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.transport.delivery import Delivery
 from ampwatch.agent.transport.sender import Sender
@@ -176,7 +176,7 @@ class Worker:
 
     # ------------------------------------------------------------------ worker thread
     def _run(self) -> None:
-        guard.guarded("worker.open")(self._open)()
+        errors.guarded("worker.open")(self._open)()
         stop = False
         while not stop:
             self._wake.wait(self.POLL_S)
@@ -186,12 +186,12 @@ class Worker:
                 if isinstance(item, StopMessage):
                     stop = True
                 else:
-                    guard.guarded("worker.handle")(self._handle)(item)
-                    guard.guarded("worker.cut")(self._maybe_cut)()
-            guard.guarded("worker.cut")(self._maybe_cut)()
+                    errors.guarded("worker.handle")(self._handle)(item)
+                    errors.guarded("worker.cut")(self._maybe_cut)()
+            errors.guarded("worker.cut")(self._maybe_cut)()
             if self._last_step > self._progress and self.spool is not None:
                 self._progress = self._last_step
-                guard.guarded("worker.progress")(self.spool.note_progress)(self._last_step)
+                errors.guarded("worker.progress")(self.spool.note_progress)(self._last_step)
         if self.delivery is not None:
             self.delivery.stop(timeout=1.0)
         if self.spool is not None:

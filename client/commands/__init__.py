@@ -13,7 +13,7 @@ import sys
 from typing import Any
 
 from ampwatch.client.api import DEFAULT_SERVER, Client
-from ampwatch.client.models import to_json
+from ampwatch.client.model_base import to_json
 
 
 class BadUsage(Exception):

@@ -1,6 +1,6 @@
 """Training recipes that run on CUDA as on the CPU, and the instruments that judge the
 agent on a GPU: the sync debug mode around a step with the loop's own synchronisation
-excluded, and the errors the agent's guard swallowed.
+excluded, and the errors the agent's error boundary swallowed.
 
 Shared by the `-m cuda` tests and `bench/gpu_check.py` (which also runs them on the CPU in
 its smoke mode), so both judge the agent the same way.
@@ -10,8 +10,8 @@ setting, and a synchronising call raises in whichever thread makes it. So:
 - the loop's own synchronisation must not run under "error": GradScaler reads `found_inf`
   with `.item()` in `_maybe_opt_step`; `allow_loop_syncs` runs that one read with the mode
   off and everything else of the step (the agent's hooks included) with it on;
-- an error raised inside the agent's hooks does not reach the loop: the guard swallows it,
-  so the check counts what the guard swallowed (`SwallowedErrors`), by site;
+- an error raised inside the agent's hooks does not reach the loop: the error boundary swallows it,
+  so the check counts what the boundary swallowed (`SwallowedErrors`), by site;
 - the agent's worker thread waits on CUDA events (`Event.synchronize`), which the mode
   does not flag; anything else it synchronised would be swallowed there and counted.
 """
@@ -33,7 +33,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ampwatch.agent import guard
+from ampwatch.agent import errors
 
 SYNC_MESSAGE = "synchronizing"  # "called a synchronizing CUDA operation"
 
@@ -252,9 +252,9 @@ def allow_search_syncs(monkeypatch: Any, device: torch.device) -> list[int]:
     its replay of that step's forward reads every layer's (min, max) at once (one host
     read, after the scaler's own; agent/collectors/forward_search.py), made here with the
     mode off. Returns the list each search appends its answer to (a layer index, or -1)."""
-    from ampwatch.agent.collectors import activations
+    from ampwatch.agent.collectors import forward_search
 
-    original = activations.first_bad_output
+    original = forward_search.first_bad_output
     searched: list[int] = []
 
     def search(*args: Any, **kwargs: Any) -> Any:
@@ -266,7 +266,7 @@ def allow_search_syncs(monkeypatch: Any, device: torch.device) -> list[int]:
         searched.append(-1 if call is None else call[0])
         return call
 
-    monkeypatch.setattr(activations, "first_bad_output", search)
+    monkeypatch.setattr(forward_search, "first_bad_output", search)
     return searched
 
 
@@ -306,7 +306,7 @@ def host_waits() -> Iterator[list[str]]:
             setattr(owner, name, original)
 
 
-AGENT_DIR = str(Path(guard.__file__).resolve().parent)
+AGENT_DIR = str(Path(errors.__file__).resolve().parent)
 
 
 def sync_origin(exc: BaseException) -> str | None:
@@ -322,18 +322,18 @@ def sync_origin(exc: BaseException) -> str | None:
 
 
 class SwallowedErrors:
-    """The exceptions the agent's guard swallowed while installed, as (site, message)."""
+    """The exceptions the agent's error boundary swallowed while installed, as (site, message)."""
 
     def __init__(self) -> None:
         self.errors: list[tuple[str, str]] = []
 
     def __enter__(self) -> SwallowedErrors:
-        guard.set_error_handler(lambda site, exc: self.errors.append(
+        errors.set_error_handler(lambda site, exc: self.errors.append(
             (site, f"{type(exc).__name__}: {exc}".splitlines()[0])))
         return self
 
     def __exit__(self, *exc: object) -> None:
-        guard.set_error_handler(None)
+        errors.set_error_handler(None)
 
     @property
     def syncs(self) -> list[tuple[str, str]]:

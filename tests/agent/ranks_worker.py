@@ -112,9 +112,9 @@ def clip_per_mesh(params: list[torch.nn.Parameter], max_norm: float) -> torch.Te
 
 def train(scenario: str, rank: int, world: int, server: str, run_id: str) -> dict:
     from ampwatch import agent
-    from ampwatch.agent import guard
+    from ampwatch.agent import errors
 
-    errors_before = guard.error_counts()  # a forked rank inherits the parent's counts
+    errors_before = errors.error_counts()  # a forked rank inherits the parent's counts
     model = wrap(scenario, tiny_model(), world)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     scaler = make_scaler(scenario, rank)
@@ -163,7 +163,7 @@ def train(scenario: str, rank: int, world: int, server: str, run_id: str) -> dic
                       "skipped": len(stepped) == before})
     delivered = run.flush(timeout=30)
     run.detach(timeout=30)
-    errors = {site: n - errors_before.get(site, 0) for site, n in guard.error_counts().items()
+    errors = {site: n - errors_before.get(site, 0) for site, n in errors.error_counts().items()
               if n != errors_before.get(site, 0)}
     return {"run_id": run.run_id, "steps": truth, "delivered": delivered, "errors": errors}
 

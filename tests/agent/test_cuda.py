@@ -161,7 +161,7 @@ def test_host_copies_are_pinned_and_pooled(attach, offline: Path) -> None:
     for i in range(40):
         loop.step(tokens[i])
     assert attachment.flush(60)
-    buffer = attachment._session.buffer
+    buffer = attachment._watch.buffer
     assert buffer.tensor.device.type == "cuda"
     assert buffer._free and all(host.is_pinned() for host in buffer._free)
     assert buffer._allocated <= buffer.pool_max and buffer._allocated < 40

@@ -133,7 +133,7 @@ def test_a_server_hung_for_60_s_mid_run_loses_no_step(server, spool_dir) -> None
             bf16_loop(model, optimizer, data[1000:], autocast=False)
             # while the server hangs, the spooler goes on writing batches (on a loaded
             # machine it may trail a loop this fast by a few seconds)
-            attachment._session.close_pending()
+            attachment._watch.close_pending()
             while (len(spooled_steps(spool_dir, attachment.run_id)) < 2000
                    and time.monotonic() - hung_at < 50):
                 time.sleep(0.5)

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ampwatch import agent
-from ampwatch.agent import guard, patches
+from ampwatch.agent import errors, patches
 from ampwatch.agent.collectors.grads import GradNormCollector
 from tests.agent.factories import batches, bf16_loop, fp16_loop, mlp, spooled, spooled_steps
 
@@ -91,7 +91,7 @@ def test_optimizer_found_among_several(attach, offline: Path) -> None:
 
 def test_guard_swallows_collector_errors_in_production(attach, offline: Path,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    guard.set_error_handler(None)  # production: nothing re-raised
+    errors.set_error_handler(None)  # production: nothing re-raised
 
     def broken(self, *args):
         raise RuntimeError("collector bug")
@@ -101,10 +101,10 @@ def test_guard_swallows_collector_errors_in_production(attach, offline: Path,
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")
     attachment = attach(model, scaler)
-    before = guard.error_counts().get("grads.on_grads", 0)
+    before = errors.error_counts().get("grads.on_grads", 0)
     fp16_loop(model, optimizer, scaler, batches(3))
     attachment.flush(5)
-    assert guard.error_counts()["grads.on_grads"] == before + 3
+    assert errors.error_counts()["grads.on_grads"] == before + 3
     entries = spooled(offline, attachment.run_id)
     steps = [s for e in entries for s in e["batch"]["steps"]]
     assert len(steps) == 3 and all(s["loss_scale"] == 65536.0 for s in steps)

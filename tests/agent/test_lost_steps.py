@@ -21,7 +21,7 @@ def test_flush_is_false_when_the_worker_lost_every_step(live_server, spool_dir,
     model = mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     attachment = agent.attach(model, server=live_server.url, flush_interval=0.1)
-    grads = next(c for c in attachment._session.collectors if c.name == "grads")
+    grads = next(c for c in attachment._watch.collectors if c.name == "grads")
 
     def broken_read(*args, **kwargs):  # the fault: what a DTensor grad used to do here
         raise RuntimeError(".numpy() is not supported for tensor subclasses")

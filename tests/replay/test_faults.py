@@ -80,7 +80,7 @@ def test_record_off_and_local(attach, offline: Path, tmp_path: Path) -> None:
     fault = FAULTS[2]
     model = Net(fault.mid())
     off = attach(model, None, record=False)
-    assert all(c.name != "recorder" for c in off._session.collectors)
+    assert all(c.name != "recorder" for c in off._watch.collectors)
     off.detach()
     local = tmp_path / "kept"
     _, attachment = train(fault, attach, record={"mode": "local", "folder": str(local)})

@@ -1,8 +1,8 @@
-"""The guard around every hook body and worker job: nothing raises into training.
+"""The error boundary around every hook body and worker job: nothing raises into training.
 
 An exception inside the agent is logged once per site, counted, and reported to the
 server as an ``agent_error`` event. Tests install a handler (``set_error_handler``) that
-collects what the guard swallowed and fails the test with it.
+collects what the boundary swallowed and fails the test with it.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def report(site: str, exc: BaseException) -> None:
                 listener(site, exc)
         if _handler is not None:
             _handler(site, exc)
-    except Exception:  # noqa: BLE001 - the guard itself must never raise
+    except Exception:  # noqa: BLE001 - the boundary itself must never raise
         pass
 
 

@@ -13,7 +13,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ampwatch.wire.incident_notes import IncidentNote
+from ampwatch.trackers.incident_notes import IncidentNote
 
 Row = tuple[int, dict[str, float]]  # (step, {"ampwatch/...": value})
 

@@ -1,0 +1,136 @@
+"""The step's gradient snapshot: when the grads are read, and whether something rewrote
+them before the optimizer stepped. Host counters only; the reads are collectors' device
+work (`on_grads`, `on_grads_rewritten`), never a synchronisation."""
+
+from __future__ import annotations
+
+import operator
+from itertools import compress, repeat
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampwatch.agent.grad_norms import grad_norms, torchs_own
+
+if TYPE_CHECKING:
+    from ampwatch.agent.loop_watch import LoopWatch
+
+_GRAD = operator.attrgetter("grad")
+
+
+def _same(a: list, b: list) -> bool:
+    return a is b or (len(a) == len(b) and all(map(operator.is_, a, b)))
+
+
+_VERSION = operator.attrgetter("_version")
+
+
+class GradSnapshot:
+    """Taken as each of the model's backwards ends (the last one before the step wins),
+    so the grads are as backward left them, before whatever clips or rescales them; taken
+    at the step instead when no backward was seen (one the agent cannot observe)."""
+
+    def __init__(self, watch: LoopWatch) -> None:
+        self.watch = watch
+        self.taken = False
+        # the grads' version counters summed as the snapshot (or an unscale_ or a clip the
+        # agent saw) left them: a different sum at the step means something else rewrote them
+        self._versions: tuple[tuple[int, ...], int] | None = None
+        # (present, per-parameter norms when they are torch's own, divisor): for a clip
+        self._norms: tuple[tuple[int, ...], torch.Tensor | None, Any] = ((), None, None)
+
+    def step_ended(self) -> None:
+        self.taken = False
+        self._versions = None
+
+    def take(self, divisor: torch.Tensor | None = None, again: bool = False) -> None:
+        """Dispatch `on_grads` with the grads now (`again`: even when taken this step).
+        `divisor`: the scale the grads still carry (GradScaler's, on device)."""
+        if self.taken and not again:
+            return
+        self.taken = True
+        watch = self.watch
+        watch.close_pending()
+        present = self.present()
+        grads = [watch.params[i].grad for i in present]
+        if divisor is None and watch.scaler_enabled and watch.optimizer is not None:
+            grads = watch.split_params.unscale(watch.optimizer, present, grads,
+                                               watch.scaler._scale)
+        norms = None
+        if grads and watch.parallelism is None:
+            norms = torch.stack(grad_norms(grads))
+        # a clip reuses them only where they are torch's own (then bitwise its result)
+        shared = norms if norms is not None and torchs_own(grads, norms) else None
+        self._norms = (present, shared, divisor)
+        watch.dispatch("on_grads", grads, present, divisor, norms)
+        self.note_versions(present)
+
+    def unchanged(self) -> bool:
+        """Whether the grads are as the snapshot (or an unscale_ after it) left them."""
+        if self._versions is None:
+            return False
+        present, versions = self._versions
+        try:
+            return sum(map(_VERSION, (self.watch.params[i].grad for i in present))) == versions
+        except AttributeError:  # a grad dropped since
+            return False
+
+    def clip_total(self, arguments: dict[str, Any]) -> torch.Tensor | None:
+        """For a `clip_grad_norm_` call (bound arguments) of the grads the snapshot read,
+        unchanged since but for `unscale_`: its total norm from the snapshot's norms (no
+        second pass over the grads; bitwise torch's), else None."""
+        present, norms, divisor = self._norms
+        watch = self.watch
+        if (norms is None or float(arguments["norm_type"]) != 2.0
+                or arguments["error_if_nonfinite"] or not self.unchanged()
+                or not watch.grads_unscaled() or watch.scaler_enabled and (
+                    watch.optimizer is None or watch.split_params.elsewhere(watch.optimizer))):
+            return None
+        params = arguments["parameters"]
+        if not isinstance(params, list):
+            return None
+        if not _same(params, watch.params):
+            ids = {id(p) for p in params if p.grad is not None}
+            if ids != {id(watch.params[i]) for i in present}:
+                return None
+        if divisor is not None:  # read while scaled; unscale_ has divided them since
+            norms = norms / divisor
+        return torch.linalg.vector_norm(norms, 2.0)
+
+    def note_versions(self, present: tuple[int, ...] | None = None) -> None:
+        """Remember the grads' version counters (host counters: no device work)."""
+        if present is None:
+            if self._versions is None:
+                return
+            present = self._versions[0]
+        params = self.watch.params
+        try:
+            versions = sum(map(_VERSION, (params[i].grad for i in present)))
+        except AttributeError:  # a grad dropped since: nothing left to compare
+            self._versions = None
+            return
+        self._versions = (present, versions)
+
+    def at_step(self, divisor: torch.Tensor | None = None) -> None:
+        """At the optimizer step: the snapshot if no backward took it; else, when the grads
+        were rewritten since (a clip the agent did not see called, a loop's own scaling),
+        their norm as the optimizer gets them is the clipped norm."""
+        if not self.taken:
+            self.take(divisor)
+            return
+        if self._versions is None or self.unchanged():
+            return
+        grads = [self.watch.params[i].grad for i in self._versions[0]]
+        if any(g is None for g in grads):  # a grad dropped since
+            return
+        self._versions = None
+        watch = self.watch
+        if divisor is None and not watch.grads_unscaled():
+            divisor = watch.scaler._scale
+        watch.dispatch("on_grads_rewritten", grads, divisor)
+
+    def present(self) -> tuple[int, ...]:
+        """The positions of the params that have a grad (iterated in C: once per step)."""
+        params = self.watch.params
+        return tuple(compress(range(len(params)),
+                              map(operator.is_not, map(_GRAD, params), repeat(None))))
