@@ -1,4 +1,4 @@
-"""Per-parameter grad norms, taken once per backward (agent/loop_watch.py)."""
+"""Per-parameter grad norms, taken once per backward (agent/grad_snapshot.py)."""
 
 from __future__ import annotations
 
@@ -7,12 +7,14 @@ import torch
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def grad_norms(grads: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Each grad's 2-norm in one `_foreach_norm`, as `clip_grad_norm_` takes them: in the
-    grads' own precision (so a clip can reuse them, bitwise), half-precision grads in
-    float32 (their own would overflow at 65504). Like torch's, a float32 norm is inf for a
-    finite grad whose squares overflow (elements above ~1.8e19). A float64 norm would be
-    exact there but costs a float64 copy of every grad on the host (20x the time)."""
+def grad_norms(grads: list[torch.Tensor], exact: bool = True) -> list[torch.Tensor]:
+    """Each grad's 2-norm in one `_foreach_norm`. `exact`: in float64, so a finite grad
+    keeps a finite norm however large (in float32 the squares overflow above ~1.8e19);
+    on the host that copies every grad first, about 20x the time. Else as
+    `clip_grad_norm_` takes them, so the loop's clip can reuse them bitwise: in the
+    grads' own precision, half-precision grads in float32."""
+    if exact:
+        return torch._foreach_norm(grads, 2, dtype=torch.float64)
     if any(g.dtype in _HALF for g in grads):
         return torch._foreach_norm(grads, 2, dtype=torch.float32)
     return torch._foreach_norm(grads, 2)

@@ -38,6 +38,9 @@ class GradSnapshot:
         self._versions: tuple[tuple[int, ...], int] | None = None
         # (present, per-parameter norms when they are torch's own, divisor): for a clip
         self._norms: tuple[tuple[int, ...], torch.Tensor | None, Any] = ((), None, None)
+        # the loop clips these grads with clip_grad_norm_ (seen on an earlier step): take
+        # their norms as it does, for it to reuse; else in float64, exact however large
+        self.loop_clips = False
 
     def step_ended(self) -> None:
         self.taken = False
@@ -58,7 +61,7 @@ class GradSnapshot:
                                                watch.scaler._scale)
         norms = None
         if grads and watch.parallelism is None:
-            norms = torch.stack(grad_norms(grads))
+            norms = torch.stack(grad_norms(grads, exact=not self.loop_clips))
         # a clip reuses them only where they are torch's own (then bitwise its result)
         shared = norms if norms is not None and torchs_own(grads, norms) else None
         self._norms = (present, shared, divisor)
@@ -78,24 +81,33 @@ class GradSnapshot:
     def clip_total(self, arguments: dict[str, Any]) -> torch.Tensor | None:
         """For a `clip_grad_norm_` call (bound arguments) of the grads the snapshot read,
         unchanged since but for `unscale_`: its total norm from the snapshot's norms (no
-        second pass over the grads; bitwise torch's), else None."""
+        second pass over the grads; bitwise torch's), else None. A clip that could reuse
+        them but found float64 norms has the next steps take them as torch does."""
+        shareable = self._clips_the_snapshot(arguments)
         present, norms, divisor = self._norms
-        watch = self.watch
-        if (norms is None or float(arguments["norm_type"]) != 2.0
-                or arguments["error_if_nonfinite"] or not self.unchanged()
-                or not watch.grads_unscaled() or watch.scaler_enabled and (
-                    watch.optimizer is None or watch.split_params.elsewhere(watch.optimizer))):
+        if not shareable or norms is None:
+            self.loop_clips = shareable
             return None
-        params = arguments["parameters"]
-        if not isinstance(params, list):
-            return None
-        if not _same(params, watch.params):
-            ids = {id(p) for p in params if p.grad is not None}
-            if ids != {id(watch.params[i]) for i in present}:
-                return None
         if divisor is not None:  # read while scaled; unscale_ has divided them since
             norms = norms / divisor
         return torch.linalg.vector_norm(norms, 2.0)
+
+    def _clips_the_snapshot(self, arguments: dict[str, Any]) -> bool:
+        """Whether a `clip_grad_norm_` call clips, by the 2-norm, exactly the grads the
+        snapshot read, unchanged since but for the scaler's `unscale_`."""
+        watch = self.watch
+        if (float(arguments["norm_type"]) != 2.0 or arguments["error_if_nonfinite"]
+                or watch.parallelism is not None or not self.unchanged()
+                or not watch.grads_unscaled() or watch.scaler_enabled and (
+                    watch.optimizer is None or watch.split_params.elsewhere(watch.optimizer))):
+            return False
+        params = arguments["parameters"]
+        if not isinstance(params, list):
+            return False
+        if _same(params, watch.params):
+            return True
+        ids = {id(p) for p in params if p.grad is not None}
+        return ids == {id(watch.params[i]) for i in self._norms[0]}
 
     def note_versions(self, present: tuple[int, ...] | None = None) -> None:
         """Remember the grads' version counters (host counters: no device work)."""
