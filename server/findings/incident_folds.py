@@ -105,6 +105,38 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
                 groups[key] += groups.pop(other)
 
 
+def fold_into_poisoning_steps(groups: dict[tuple, list[Any]]) -> None:
+    """Move what began after a step applied with inf/NaN gradients into that step's
+    incident: from the next step the weights it updated are inf/NaN, so every layer they
+    feed goes non-finite, the scaler skips and the loss is NaN; a consequence of that
+    step (its cause: a bad input, an overflow), not a cause of its own. Groups whose kinds
+    may follow moved weights (kinds.py), of the same run and rank, begun after the first
+    such step; the earliest poisoning step takes them."""
+    poisoned = sorted(
+        ((applied, key) for key, members in groups.items()
+         if (applied := first_applied(members)) is not None), key=lambda item: item[0])
+    for applied, key in poisoned:
+        if key not in groups:
+            continue
+        lead = groups[key][0]
+        for other in [k for k in groups if k != key]:
+            members = groups[other]
+            first = _first_step(members)
+            if (_get(members[0], "run_id"), _get(members[0], "rank")) == \
+                    (_get(lead, "run_id"), _get(lead, "rank")) \
+                    and first is not None and first > applied \
+                    and may_follow(members, Cause.WEIGHT_JUMP):
+                groups[key] += groups.pop(other)
+
+
+def first_applied(members: list[Any]) -> int | None:
+    """The first step of a group applied with inf/NaN gradients (the nonfinite detector's
+    evidence); None when none was."""
+    return min((step for f in members
+                if (step := (_get(f, "evidence") or {}).get("first_applied_step")) is not None),
+               default=None)
+
+
 def fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:
     """Move the groups whose kinds may follow the pitfall (kinds.py: the optimizer
     states, eps dominating or the second moment at zero) of its run, begun no earlier,
