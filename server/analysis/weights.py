@@ -8,7 +8,8 @@ the larger outputs overflow or saturate:
   more (up or down): the weights were rescaled, corrupted or hit by one bad update;
 - growth: the norm grew `weight_growth_factor` times over its first sample in the window,
   rising on every sample since the growth began (a steady compounding growth; the
-  finding's step is where that rise began, the cause's first step).
+  finding's step is where the norm left its own trend, `change_point`: the cause's first
+  step, not the first sample that normal training moved).
 
 Adam with a sane learning rate moves a layer's norm by a few percent between samples; even
 the spike suite's pushes (query/key learning rate 2.0, an output shift's 100) moved norms
@@ -122,6 +123,31 @@ def _jump(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
     return "weight_jump", int(steps[i]), message, evidence, active
 
 
+TREND_BREAK = 3.0  # the growth's rate over the trend's before it: a change, not noise
+MIN_TREND = 2  # sample-to-sample changes a trend needs before it can be left
+
+
+def change_point(series: np.ndarray, begin: int = 0) -> int:
+    """The sample where `series` (log norms, one per sample) leaves its own trend: the
+    split of its changes since `begin` into a before and an after that fits them best (two
+    means, least squares), kept when the after's median change is TREND_BREAK times the
+    before's (or more, a falling or flat trend counting as none) and the before holds
+    MIN_TREND changes; else `begin`. Normal training moves every norm a little from its
+    first sample: the growth starts where that stops being the story, not at the first
+    change. O(n^2) in the samples."""
+    changes = np.diff(series[begin:])
+    best, best_cost = None, np.inf
+    for k in range(MIN_TREND, changes.size):
+        before, after = changes[:k], changes[k:]
+        cost = float(((before - before.mean()) ** 2).sum() + ((after - after.mean()) ** 2).sum())
+        if cost < best_cost:
+            best, best_cost = k, cost
+    if best is None:
+        return begin
+    trend, growth = float(np.median(changes[:best])), float(np.median(changes[best:]))
+    return begin + best if growth > 0 and growth >= TREND_BREAK * max(trend, 0.0) else begin
+
+
 def _growth(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
     """Growth `factor` times over the first sample, rising on every sample since the rise
     that reached it began."""
@@ -132,6 +158,7 @@ def _growth(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
     begin = int(flat[-1])  # the last sample not above the one before: the rise starts there
     if v[-1] < factor * v[begin]:
         return None
+    begin = change_point(np.log(v), begin)
     samples = v.size - begin - 1
     per_sample = (float(v[-1]) / float(v[begin])) ** (1 / max(samples, 1))
     per_step = per_sample ** (1 / max(float(np.median(np.diff(steps[begin:]))), 1.0))
@@ -141,5 +168,7 @@ def _growth(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
                f"sample: the growth starts in this layer")
     evidence = {"before": float(v[begin]), "after": float(v[-1]),
                 "factor": float(v[-1]) / float(v[begin]), "growth_step": int(steps[begin]),
+                # the growth began after growth_step and by this sample
+                "rise_step": int(steps[min(begin + 1, v.size - 1)]),
                 "per_step": per_step, "latest": float(v[-1])}
     return "weight_growth", int(steps[begin]), message, evidence, True

@@ -31,8 +31,11 @@ from ampwatch.server.findings.incident_folds import (
     _last_step,
     first_applied,
     fold_into_clip_before_unscale,
+    fold_into_lr_changes,
     fold_into_poisoning_steps,
     fold_into_weight_jumps,
+    fold_sibling_growths,
+    grown_layers,
     may_follow,
 )
 
@@ -178,6 +181,8 @@ def group_incidents(findings: Iterable[Any],
     _fold_gradient_overflows(groups, order)
     _fold_spikes_into_overflows(groups)
     fold_into_weight_jumps(groups, order)
+    fold_sibling_growths(groups)
+    fold_into_lr_changes(groups)
     fold_into_poisoning_steps(groups)
     fold_into_clip_before_unscale(groups)
     _fold_precursors_into_overflows(groups, order)
@@ -329,7 +334,14 @@ def _incident(members: list[Any], key: tuple) -> Incident:
                        or (_get(f, "evidence") or {}).get("cause") == Cause.WEIGHT_JUMP)
         evidence = _get(weights, "evidence") or {}
         shape = "weight_growth" if "growth_step" in evidence else "weight_jump"
-        headline = HEADLINES[shape].format(layer=layer, step=_get(weights, "step"))
+        moved = grown_layers(members)
+        if len(moved) > 1:  # siblings scaled together: their parent, each named
+            layer = moved[0].rsplit(".", 1)[0]
+            headline = (f"Layers {', '.join(repr(m.rsplit('.', 1)[1]) for m in moved)} of "
+                        f"{layer!r}: their weights grew together from step "
+                        f"{_get(weights, 'step')}")
+        else:
+            headline = HEADLINES[shape].format(layer=layer, step=_get(weights, "step"))
         fix = str(evidence.get("fix", ""))
         fix = fix[0].upper() + fix[1:] + "." if fix else None
     elif cause is not None and cause[0] == Cause.LOSS_SPIKE:
