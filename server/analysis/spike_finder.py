@@ -100,7 +100,8 @@ def _may_spike(loss: np.ndarray, reference: int, min_history: int, spread_factor
     if not rising.any():
         return False
     windows, later, median = windows[rising], later[rising], median[rising]
-    spread = _spreads(windows, median)
+    raw = MAD_TO_SIGMA * _row_medians(np.abs(windows - median[:, None]))
+    spread = np.minimum(_spreads(windows, median), np.maximum(raw, 1e-12))
     return bool((later > median + spread_factor / 2 * spread).any())
 
 
@@ -124,9 +125,12 @@ def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_hist
             continue
         ref = np.asarray(clean[-reference:])
         median = float(np.median(ref))
-        spread = float(_spreads(ref[None, :], np.array([median]))[0])
+        # the spike is judged around the trend; where it began and ended, by the raw spread
+        spread = max(MAD_TO_SIGMA * float(np.median(np.abs(ref - median))),
+                     SPREAD_FLOOR * abs(median), 1e-12)
+        judged = min(spread, float(_spreads(ref[None, :], np.array([median]))[0]))
         x = float(loss[i])
-        if x <= median + spread_factor * spread or x - median < min_rise * abs(median):
+        if x <= median + spread_factor * judged or x - median < min_rise * abs(median):
             clean.append(x)
             clean_at.append(i)
             i += 1

@@ -52,7 +52,7 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
     for layer in np.flatnonzero(np.isfinite(norms).sum(axis=0) >= MIN_SAMPLES):
         seen = np.isfinite(norms[:, layer])
         steps, v = signals.steps[seen], norms[seen, layer]
-        draft = moved(steps, v, settings)
+        draft = moved(steps, v, settings, reach(window, steps, int(layer)))
         if draft is not None:
             code, first, message, evidence, active = draft
             name = window.run.layer_name(int(layer))
@@ -69,6 +69,30 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
                 evidence={**evidence, "cause": Cause.WEIGHT_JUMP, "fix": fix},
                 occurrences=steps[steps >= first], active=active))
     return Detection(drafts=drafts, covers=("weight_jump:",))
+
+
+ADAM_REACH = 2.0  # an Adam step moves each element by about lr, rarely more than twice it
+
+
+def reach(window: Window, steps: np.ndarray, layer: int) -> np.ndarray:
+    """Per pair of consecutive samples, the largest change of the layer's weight norm its
+    optimizer's own steps can make: ADAM_REACH x the largest recorded learning rate
+    between them x the steps between x sqrt(its parameter count). A near-zero initial
+    scale (ConvNeXt's layer scale at 1e-6) grows 1000x in ten steps of lr 1e-3: that is
+    training from an untrained level, not a rescale. Zeros where the learning rate or
+    the parameter count is unknown."""
+    series = window.series
+    count = float(window.run.param_counts(series.n_layers)[layer])
+    lr = series.column("lr")
+    out = np.zeros(max(steps.size - 1, 0))
+    if count <= 0 or not np.isfinite(lr).any():
+        return out
+    for i in range(out.size):
+        between = (series.steps > steps[i]) & (series.steps <= steps[i + 1]) & np.isfinite(lr)
+        if between.any():
+            out[i] = (ADAM_REACH * float(lr[between].max()) * float(steps[i + 1] - steps[i])
+                      * np.sqrt(count))
+    return out
 
 
 def carried(window: Window, layer: int, first: int, factor: float) -> list[str]:
@@ -94,19 +118,25 @@ def carried(window: Window, layer: int, first: int, factor: float) -> list[str]:
     return [window.run.layer_name(int(other)) for other in np.flatnonzero(grew)]
 
 
-def moved(steps: np.ndarray, v: np.ndarray, settings: AnalysisSettings) -> tuple | None:
+def moved(steps: np.ndarray, v: np.ndarray, settings: AnalysisSettings,
+          reachable: np.ndarray | None = None) -> tuple | None:
     """(code, first step, message, evidence, active) of a layer's norms `v` at `steps`
-    that jumped or grew; None when they did neither."""
+    that jumped or grew; None when they did neither. `reachable`: per pair of samples,
+    the norm change the optimizer's own steps can make (`reach`); no jump within it."""
     if v.size < MIN_SAMPLES or (v <= 0).any():  # zero-initialised (LoRA's B): no level
         return None
-    return (_jump(steps, v, settings.weight_jump_factor)
-            or _growth(steps, v, settings.weight_growth_factor))
+    return (_jump(steps, v, settings.weight_jump_factor, reachable)
+            or _growth(steps, v, settings.weight_growth_factor, reachable))
 
 
-def _jump(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
-    """The first pair of consecutive samples whose ratio is `factor` or more either way."""
+def _jump(steps: np.ndarray, v: np.ndarray, factor: float,
+          reachable: np.ndarray | None = None) -> tuple | None:
+    """The first pair of consecutive samples whose ratio is `factor` or more either way,
+    by more than the optimizer could move it."""
     ratio = v[1:] / v[:-1]
-    moved = np.flatnonzero((ratio >= factor) | (ratio <= 1 / factor))
+    beyond = (np.abs(v[1:] - v[:-1]) > reachable if reachable is not None
+              else np.ones(ratio.size, dtype=bool))
+    moved = np.flatnonzero(((ratio >= factor) | (ratio <= 1 / factor)) & beyond)
     if not moved.size:
         return None
     i = int(moved[0]) + 1
@@ -148,7 +178,8 @@ def change_point(series: np.ndarray, begin: int = 0) -> int:
     return begin + best if growth > 0 and growth >= TREND_BREAK * max(trend, 0.0) else begin
 
 
-def _growth(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
+def _growth(steps: np.ndarray, v: np.ndarray, factor: float,
+            reachable: np.ndarray | None = None) -> tuple | None:
     """Growth `factor` times over the first sample, rising on every sample since the rise
     that reached it began."""
     if v[-1] < factor * v[0]:
@@ -159,6 +190,8 @@ def _growth(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
     if v[-1] < factor * v[begin]:
         return None
     begin = change_point(np.log(v), begin)
+    if reachable is not None and v[-1] - v[begin] <= reachable[begin:].sum():
+        return None  # the optimizer's own pace from a small initial scale
     samples = v.size - begin - 1
     per_sample = (float(v[-1]) / float(v[begin])) ** (1 / max(samples, 1))
     per_step = per_sample ** (1 / max(float(np.median(np.diff(steps[begin:]))), 1.0))

@@ -100,7 +100,11 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
             else:  # a growth: its own layer, those whose outputs grew with it, a module
                 # holding it (computed from its weights), and gradients flowing back through it
                 named = {layer, *(_get(f, "layer") for f in members)} - {None}
+                output = max(order, key=order.get) if order else None
                 downstream = bool(named & (reach | {key[3]})) or any(
+                    # the loss is the output's: a growth carried to it explains a spike
+                    not name or name.startswith("step ") for name in named | {layer}
+                ) and output in reach | {key[3]} or any(
                     key[3].startswith(f"{name}.") for name in named) or (
                     other[0] != "finding" and other[2] == Cause.GRAD_OVERFLOW
                     and position is not None and order.get(layer) is not None

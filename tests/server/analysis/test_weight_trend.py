@@ -36,3 +36,15 @@ def test_an_early_bump_of_training_is_not_the_start():
     norms[1:] *= 1.3  # the first ten steps' bump
     code, first, *_ = moved(STEPS, norms, AnalysisSettings())
     assert (code, first) == ("weight_growth", 50)
+
+
+def test_a_near_zero_init_growing_at_the_optimizers_pace_is_no_jump():
+    """ConvNeXt's layer scale starts at 1e-6: ten Adam steps of lr 1e-3 take its 16
+    elements to ~0.01 each, a 1000x 'jump' that is training, not a rescale."""
+    norms = np.array([4e-6, 0.019, 0.04, 0.06, 0.075])
+    steps = STEPS[:5]
+    optimizer_reach = np.full(4, 2 * 1e-3 * 10 * np.sqrt(16))
+    assert moved(steps, norms, AnalysisSettings(), optimizer_reach) is None
+    # the same ratio on a layer whose norm no optimizer step could move that far is a jump
+    big = norms * 1e4
+    assert moved(steps, big, AnalysisSettings(), optimizer_reach)[0] == "weight_jump"
