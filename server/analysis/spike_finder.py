@@ -1,8 +1,9 @@
 """Loss spikes, found from the loss series alone (robust statistics, no model).
 
 A step's loss is a spike when it lies more than `spike_spread_factor` robust spreads (the
-median absolute deviation of the losses around their own recent trend, scaled to a
-normal's sigma) over the median of the last `spike_reference_steps` clean steps, and at least `spike_min_rise` of the median over it.
+median absolute deviation of the losses around their own recent trend, or around their
+median when smaller, scaled to a normal's sigma) over the median of the last
+`spike_reference_steps` clean steps, and at least `spike_min_rise` of the median over it.
 The spread has a floor (1% of the median) so a loss that has flattened out does not make
 every wobble a spike. The spike starts where the loss rose: the steps just before the one
 over the threshold that were already over median + 3 spreads are its own (a loss that

@@ -160,13 +160,12 @@ def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.
     what = ("largest attention logit" if code == "attention_logit_growth"
             else "output log-partition")
     spike = _spike_after(labelled, code, layer, first)
-    # a spike already under way when it grew: its story, not one still to come
-    during = next((s.start for s, _ in labelled if s.start <= first
-                   and (s.recovered_at is None or s.recovered_at > first)), None)
+    # a spike that came first: its story, not one still to come
+    during = next((s.start for s, _ in reversed(labelled) if s.start <= first), None)
     message = (f"Layer {layer_name!r}: its {what} reached {float(v[over][-1]):.4g}, "
                f"{float(v[over][-1]) / level:.0f}x its level of {level:.3g}, first at step "
                f"{first}" + (f"; the loss spiked at step {spike}" if spike is not None
-                             else f"; during the loss spike of step {during}"
+                             else f"; after the loss spike of step {during}"
                              if during is not None else "; no loss spike yet")
                + f". Fix: {FIXES[code]}.")
     evidence: dict[str, Any] = {"signal": name, "level": level, "latest": float(v[-1]),

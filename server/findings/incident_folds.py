@@ -141,15 +141,17 @@ def fold_into_lr_changes(groups: dict[tuple, list[Any]]) -> None:
     named the cause of (`lr_change`, at `lr_step`): on its run and rank, the weight
     growths that began between their last sample before the change and the first after
     it (every layer the larger updates moved, with what they explain), and the groups
-    whose kinds may follow moved weights begun at or after the change but not after the
-    spike ended (the logits the grown weights make). One change, one card."""
+    whose kinds may follow moved weights begun at or after the change, before the spike
+    ended or while it is open (the logits the larger updates grow). One change, one
+    card."""
     changes = [key for key, members in groups.items()
                if key[0] != "finding" and key[2] == Cause.LOSS_SPIKE
-               and (lr_step := _lr_step(members)) is not None]
+               and _lr_step(members) is not None]
     for key in changes:
         if key not in groups:
             continue
         lead, changed, end = groups[key][0], _lr_step(groups[key]), _last_step(groups[key])
+        still_open = any(_get(f, "status") == "open" for f in groups[key])
         for other in [k for k in groups if k != key]:
             members = groups[other]
             if (_get(members[0], "run_id"), _get(members[0], "rank")) != \
@@ -161,7 +163,8 @@ def fold_into_lr_changes(groups: dict[tuple, list[Any]]) -> None:
                 set_off = growth[0] <= changed <= growth[1]
             else:
                 set_off = (other[0] == "finding" and may_follow(members, Cause.WEIGHT_JUMP)
-                           and first is not None and changed <= first <= end)
+                           and first is not None and changed <= first
+                           and (first <= end or still_open))
             if set_off:
                 groups[key] += groups.pop(other)
 

@@ -175,8 +175,8 @@ def bart() -> nn.Module:
 def convnext() -> nn.Module:
     from transformers import ConvNextConfig, ConvNextForImageClassification
     return ConvNextForImageClassification(ConvNextConfig(
-        num_channels=3, patch_size=2, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1], num_labels=4,
-        image_size=16))
+        num_channels=3, patch_size=2, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+        num_labels=4, image_size=16))
 
 
 def mistral() -> nn.Module:

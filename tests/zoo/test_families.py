@@ -55,6 +55,8 @@ def test_a_learning_rate_jump_in_early_descent_is_its_own_card(server: LiveServe
     at = faults.LR_JUMP_AT
     before = truth.losses[at - 5: at]
     assert max(truth.losses[at: at + 5]) > 2 * max(before) and before[-1] < before[0]
+    shown = [(i["cause"], i["layer"], i["step"], i["headline"]) for i in problems(items)]
+    assert len(shown) == 1, shown
     (card,) = problems(items)
     assert card["cause"] == "loss_spike" and "learning rate rose 50x" in card["headline"]
     assert f"at step {at}" in card["headline"], card["headline"]
