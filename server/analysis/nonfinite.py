@@ -174,6 +174,9 @@ def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
                 "skipped_steps": int(skipped[g_rows].sum()),
                 "guarded_steps": left_out,
                 "applied_nonfinite_steps": int(reached[g_rows].sum()),
+                # from the step after it every weight the update touched is inf/NaN
+                "first_applied_step": (int(series.steps[g_rows[reached[g_rows]]][0])
+                                       if reached[g_rows].any() else None),
                 "steps": recent_steps(steps, settings.evidence_steps),
             },
             occurrences=steps,

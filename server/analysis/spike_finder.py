@@ -1,7 +1,8 @@
 """Loss spikes, found from the loss series alone (robust statistics, no model).
 
 A step's loss is a spike when it lies more than `spike_spread_factor` robust spreads (the
-median absolute deviation, scaled to a normal's sigma) over the median of the last
+median absolute deviation of the losses around their own recent trend, or around their
+median when smaller, scaled to a normal's sigma) over the median of the last
 `spike_reference_steps` clean steps, and at least `spike_min_rise` of the median over it.
 The spread has a floor (1% of the median) so a loss that has flattened out does not make
 every wobble a spike. The spike starts where the loss rose: the steps just before the one
@@ -61,6 +62,28 @@ def _row_medians(rows: np.ndarray) -> np.ndarray:
             else (ordered[:, half - 1] + ordered[:, half]) / 2)
 
 
+def _detrended(rows: np.ndarray) -> np.ndarray:
+    """Each row (a reference window, oldest first) less its own linear trend: the slope is
+    the median of its changes over half the window (robust to a spike or two). A loss
+    still falling fast spreads its raw values over the whole descent; around its trend
+    they spread only by the batch-to-batch noise, which is what a spike must clear."""
+    width = rows.shape[1]
+    lag = max(width // 2, 1)
+    if width <= lag:
+        return rows
+    slope = _row_medians((rows[:, lag:] - rows[:, :-lag]) / lag)
+    return rows - slope[:, None] * np.arange(width)
+
+
+def _spreads(rows: np.ndarray, median: np.ndarray) -> np.ndarray:
+    """The robust spread of each reference row around its trend, floored (SPREAD_FLOOR of
+    its median)."""
+    residual = _detrended(rows)
+    centre = _row_medians(residual)
+    mad = MAD_TO_SIGMA * _row_medians(np.abs(residual - centre[:, None]))
+    return np.maximum(np.maximum(mad, SPREAD_FLOOR * np.abs(median)), 1e-12)
+
+
 def _may_spike(loss: np.ndarray, reference: int, min_history: int, spread_factor: float,
                min_rise: float) -> bool:
     """Whether any loss could be a spike: the same test against the median and spread of
@@ -78,8 +101,8 @@ def _may_spike(loss: np.ndarray, reference: int, min_history: int, spread_factor
     if not rising.any():
         return False
     windows, later, median = windows[rising], later[rising], median[rising]
-    mad = MAD_TO_SIGMA * _row_medians(np.abs(windows - median[:, None]))
-    spread = np.maximum(np.maximum(mad, SPREAD_FLOOR * np.abs(median)), 1e-12)
+    raw = MAD_TO_SIGMA * _row_medians(np.abs(windows - median[:, None]))
+    spread = np.minimum(_spreads(windows, median), np.maximum(raw, 1e-12))
     return bool((later > median + spread_factor / 2 * spread).any())
 
 
@@ -103,10 +126,12 @@ def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_hist
             continue
         ref = np.asarray(clean[-reference:])
         median = float(np.median(ref))
+        # the spike is judged around the trend; where it began and ended, by the raw spread
         spread = max(MAD_TO_SIGMA * float(np.median(np.abs(ref - median))),
                      SPREAD_FLOOR * abs(median), 1e-12)
+        judged = min(spread, float(_spreads(ref[None, :], np.array([median]))[0]))
         x = float(loss[i])
-        if x <= median + spread_factor * spread or x - median < min_rise * abs(median):
+        if x <= median + spread_factor * judged or x - median < min_rise * abs(median):
             clean.append(x)
             clean_at.append(i)
             i += 1

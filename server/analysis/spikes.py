@@ -57,7 +57,8 @@ def detect_spikes(window: Window, settings: AnalysisSettings) -> Detection:
     guarded = series.steps[series.guarded > 0]  # steps the agent's step guard left out
     drafts = [_spike_draft(spike, cause, run, last, settings, guarded)
               for spike, cause in labelled]
-    drafts += _precursors(signals, run, settings, labelled)
+    warm = (int(series.steps[0]) + settings.spike_min_history if len(series.steps) else 0)
+    drafts += _precursors(signals, run, settings, labelled, warm)
     drafts += _optimizer_states(signals, run, settings, labelled)
     return Detection(drafts=drafts, covers=("spike_precursor:", "optimizer_state:"))
 
@@ -125,16 +126,21 @@ def _spike_after(labelled: list[tuple[Spike, SpikeCause]], label: str, layer: in
 
 
 def _precursors(signals: SpikeWindow, run: RunContext, settings: AnalysisSettings,
-                labelled: list[tuple[Spike, SpikeCause]]) -> list[FindingDraft]:
+                labelled: list[tuple[Spike, SpikeCause]], warm: int) -> list[FindingDraft]:
     """A layer's largest attention logit, or the output log-partition, at
-    `precursor_factor` times its level (the median of the window's earliest third)."""
+    `precursor_factor` times its trained level: the median of the earliest third of its
+    samples from `warm` on (the window's first step + `spike_min_history`). A level read
+    before is the untrained model's: logits growing from their initial scale (an
+    encoder-decoder's from under 1 to 14) is learning, not a precursor."""
     drafts = []
     for code, names in (("attention_logit_growth", ("attn_max_logit",)),
                         ("output_logit_divergence", ("logit_lse",))):
         for name in names:
             values = np.abs(signals.signal(name))
             for layer in np.flatnonzero(np.isfinite(values).sum(axis=0) >= 3):
-                seen = np.isfinite(values[:, layer])
+                seen = np.isfinite(values[:, layer]) & (signals.steps >= warm)
+                if not seen.any():
+                    continue
                 steps, v = signals.steps[seen], values[seen, layer]
                 level = max(float(np.median(v[: max(1, v.size // 3)])), LEVEL_FLOOR[name])
                 over = v >= settings.precursor_factor * level
@@ -154,10 +160,13 @@ def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.
     what = ("largest attention logit" if code == "attention_logit_growth"
             else "output log-partition")
     spike = _spike_after(labelled, code, layer, first)
+    # a spike that came first: its story, not one still to come
+    during = next((s.start for s, _ in reversed(labelled) if s.start <= first), None)
     message = (f"Layer {layer_name!r}: its {what} reached {float(v[over][-1]):.4g}, "
                f"{float(v[over][-1]) / level:.0f}x its level of {level:.3g}, first at step "
                f"{first}" + (f"; the loss spiked at step {spike}" if spike is not None
-                             else "; no loss spike yet")
+                             else f"; after the loss spike of step {during}"
+                             if during is not None else "; no loss spike yet")
                + f". Fix: {FIXES[code]}.")
     evidence: dict[str, Any] = {"signal": name, "level": level, "latest": float(v[-1]),
                                 "peak": float(v.max()), "first_step": first,

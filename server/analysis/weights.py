@@ -8,7 +8,8 @@ the larger outputs overflow or saturate:
   more (up or down): the weights were rescaled, corrupted or hit by one bad update;
 - growth: the norm grew `weight_growth_factor` times over its first sample in the window,
   rising on every sample since the growth began (a steady compounding growth; the
-  finding's step is where that rise began, the cause's first step).
+  finding's step is where the norm left its own trend, `change_point`: the cause's first
+  step, not the first sample that normal training moved).
 
 Adam with a sane learning rate moves a layer's norm by a few percent between samples; even
 the spike suite's pushes (query/key learning rate 2.0, an output shift's 100) moved norms
@@ -51,7 +52,7 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
     for layer in np.flatnonzero(np.isfinite(norms).sum(axis=0) >= MIN_SAMPLES):
         seen = np.isfinite(norms[:, layer])
         steps, v = signals.steps[seen], norms[seen, layer]
-        draft = moved(steps, v, settings)
+        draft = moved(steps, v, settings, reach(window, steps, int(layer)))
         if draft is not None:
             code, first, message, evidence, active = draft
             name = window.run.layer_name(int(layer))
@@ -68,6 +69,30 @@ def detect_weight_jumps(window: Window, settings: AnalysisSettings) -> Detection
                 evidence={**evidence, "cause": Cause.WEIGHT_JUMP, "fix": fix},
                 occurrences=steps[steps >= first], active=active))
     return Detection(drafts=drafts, covers=("weight_jump:",))
+
+
+ADAM_REACH = 2.0  # an Adam step moves each element by about lr, rarely more than twice it
+
+
+def reach(window: Window, steps: np.ndarray, layer: int) -> np.ndarray:
+    """Per pair of consecutive samples, the largest change of the layer's weight norm its
+    optimizer's own steps can make: ADAM_REACH x the largest recorded learning rate
+    between them x the steps between x sqrt(its parameter count). A near-zero initial
+    scale (ConvNeXt's layer scale at 1e-6) grows 1000x in ten steps of lr 1e-3: that is
+    training from an untrained level, not a rescale. Zeros where the learning rate or
+    the parameter count is unknown."""
+    series = window.series
+    count = float(window.run.param_counts(series.n_layers)[layer])
+    lr = series.column("lr")
+    out = np.zeros(max(steps.size - 1, 0))
+    if count <= 0 or not np.isfinite(lr).any():
+        return out
+    for i in range(out.size):
+        between = (series.steps > steps[i]) & (series.steps <= steps[i + 1]) & np.isfinite(lr)
+        if between.any():
+            out[i] = (ADAM_REACH * float(lr[between].max()) * float(steps[i + 1] - steps[i])
+                      * np.sqrt(count))
+    return out
 
 
 def carried(window: Window, layer: int, first: int, factor: float) -> list[str]:
@@ -93,19 +118,25 @@ def carried(window: Window, layer: int, first: int, factor: float) -> list[str]:
     return [window.run.layer_name(int(other)) for other in np.flatnonzero(grew)]
 
 
-def moved(steps: np.ndarray, v: np.ndarray, settings: AnalysisSettings) -> tuple | None:
+def moved(steps: np.ndarray, v: np.ndarray, settings: AnalysisSettings,
+          reachable: np.ndarray | None = None) -> tuple | None:
     """(code, first step, message, evidence, active) of a layer's norms `v` at `steps`
-    that jumped or grew; None when they did neither."""
+    that jumped or grew; None when they did neither. `reachable`: per pair of samples,
+    the norm change the optimizer's own steps can make (`reach`); no jump within it."""
     if v.size < MIN_SAMPLES or (v <= 0).any():  # zero-initialised (LoRA's B): no level
         return None
-    return (_jump(steps, v, settings.weight_jump_factor)
-            or _growth(steps, v, settings.weight_growth_factor))
+    return (_jump(steps, v, settings.weight_jump_factor, reachable)
+            or _growth(steps, v, settings.weight_growth_factor, reachable))
 
 
-def _jump(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
-    """The first pair of consecutive samples whose ratio is `factor` or more either way."""
+def _jump(steps: np.ndarray, v: np.ndarray, factor: float,
+          reachable: np.ndarray | None = None) -> tuple | None:
+    """The first pair of consecutive samples whose ratio is `factor` or more either way,
+    by more than the optimizer could move it."""
     ratio = v[1:] / v[:-1]
-    moved = np.flatnonzero((ratio >= factor) | (ratio <= 1 / factor))
+    beyond = (np.abs(v[1:] - v[:-1]) > reachable if reachable is not None
+              else np.ones(ratio.size, dtype=bool))
+    moved = np.flatnonzero(((ratio >= factor) | (ratio <= 1 / factor)) & beyond)
     if not moved.size:
         return None
     i = int(moved[0]) + 1
@@ -122,7 +153,33 @@ def _jump(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
     return "weight_jump", int(steps[i]), message, evidence, active
 
 
-def _growth(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
+TREND_BREAK = 3.0  # the growth's rate over the trend's before it: a change, not noise
+MIN_TREND = 2  # sample-to-sample changes a trend needs before it can be left
+
+
+def change_point(series: np.ndarray, begin: int = 0) -> int:
+    """The sample where `series` (log norms, one per sample) leaves its own trend: the
+    split of its changes since `begin` into a before and an after that fits them best (two
+    means, least squares), kept when the after's median change is TREND_BREAK times the
+    before's (or more, a falling or flat trend counting as none) and the before holds
+    MIN_TREND changes; else `begin`. Normal training moves every norm a little from its
+    first sample: the growth starts where that stops being the story, not at the first
+    change. O(n^2) in the samples."""
+    changes = np.diff(series[begin:])
+    best, best_cost = None, np.inf
+    for k in range(MIN_TREND, changes.size):
+        before, after = changes[:k], changes[k:]
+        cost = float(((before - before.mean()) ** 2).sum() + ((after - after.mean()) ** 2).sum())
+        if cost < best_cost:
+            best, best_cost = k, cost
+    if best is None:
+        return begin
+    trend, growth = float(np.median(changes[:best])), float(np.median(changes[best:]))
+    return begin + best if growth > 0 and growth >= TREND_BREAK * max(trend, 0.0) else begin
+
+
+def _growth(steps: np.ndarray, v: np.ndarray, factor: float,
+            reachable: np.ndarray | None = None) -> tuple | None:
     """Growth `factor` times over the first sample, rising on every sample since the rise
     that reached it began."""
     if v[-1] < factor * v[0]:
@@ -132,6 +189,9 @@ def _growth(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
     begin = int(flat[-1])  # the last sample not above the one before: the rise starts there
     if v[-1] < factor * v[begin]:
         return None
+    begin = change_point(np.log(v), begin)
+    if reachable is not None and v[-1] - v[begin] <= reachable[begin:].sum():
+        return None  # the optimizer's own pace from a small initial scale
     samples = v.size - begin - 1
     per_sample = (float(v[-1]) / float(v[begin])) ** (1 / max(samples, 1))
     per_step = per_sample ** (1 / max(float(np.median(np.diff(steps[begin:]))), 1.0))
@@ -141,5 +201,7 @@ def _growth(steps: np.ndarray, v: np.ndarray, factor: float) -> tuple | None:
                f"sample: the growth starts in this layer")
     evidence = {"before": float(v[begin]), "after": float(v[-1]),
                 "factor": float(v[-1]) / float(v[begin]), "growth_step": int(steps[begin]),
+                # the growth began after growth_step and by this sample
+                "rise_step": int(steps[min(begin + 1, v.size - 1)]),
                 "per_step": per_step, "latest": float(v[-1])}
     return "weight_growth", int(steps[begin]), message, evidence, True

@@ -97,12 +97,126 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
                 downstream = (layer in (None, "-", key[3]) or layer.startswith("step ")
                               or (position is not None and at is not None and at >= position)
                               or _of_gradients(members))
-            else:  # a growth: only its own layer and those whose outputs grew with it
-                named = {layer, *(_get(f, "layer") for f in members)}
-                downstream = bool(named & (reach | {key[3]}))
+            else:  # a growth: its own layer, those whose outputs grew with it, a module
+                # holding it (computed from its weights), and gradients flowing back through it
+                named = {layer, *(_get(f, "layer") for f in members)} - {None}
+                output = max(order, key=order.get) if order else None
+                downstream = bool(named & (reach | {key[3]})) or any(
+                    # the loss is the output's: a growth carried to it explains a spike
+                    not name or name.startswith("step ") for name in named | {layer}
+                ) and output in reach | {key[3]} or any(
+                    key[3].startswith(f"{name}.") for name in named) or (
+                    other[0] != "finding" and other[2] == Cause.GRAD_OVERFLOW
+                    and position is not None and order.get(layer) is not None
+                    and order[layer] <= position)
             first = _first_step(members)
             if follows and downstream and first is not None and begun <= first <= end:
                 groups[key] += groups.pop(other)
+
+
+def fold_sibling_growths(groups: dict[tuple, list[Any]]) -> None:
+    """Merge the weight growths of sibling layers (one parent module: an attention's
+    q_proj and k_proj) that began at the same sample into one group: scaled together,
+    they are one cause (the product they feed grows with both), one card."""
+    growths: dict[tuple, list[tuple]] = {}
+    for key, members in groups.items():
+        span = _growth_span(members) if key[0] != "finding" and key[2] == Cause.WEIGHT_JUMP \
+            else None
+        if span is not None and "." in key[3]:
+            growths.setdefault((*key[:2], key[3].rsplit(".", 1)[0], span[0]), []).append(key)
+    for siblings in growths.values():
+        first, *rest = sorted(siblings, key=lambda k: k[3])
+        for other in rest:
+            groups[first] += groups.pop(other)
+
+
+def grown_layers(members: list[Any]) -> list[str]:
+    """The layers whose weights moved, of an incident's weight findings, in order."""
+    return sorted({_get(f, "layer") for f in members
+                   if _get(f, "kind") == FindingKind.WEIGHT_JUMP and _get(f, "layer")})
+
+
+def fold_into_lr_changes(groups: dict[tuple, list[Any]]) -> None:
+    """Move what a learning-rate change set off into the incident of the loss spike it is
+    named the cause of (`lr_change`, at `lr_step`): on its run and rank, the weight
+    growths that began between their last sample before the change and the first after
+    it (every layer the larger updates moved, with what they explain), and the groups
+    whose kinds may follow moved weights begun at or after the change, before the spike
+    ended or while it is open (the logits the larger updates grow). One change, one
+    card."""
+    changes = [key for key, members in groups.items()
+               if key[0] != "finding" and key[2] == Cause.LOSS_SPIKE
+               and _lr_step(members) is not None]
+    for key in changes:
+        if key not in groups:
+            continue
+        lead, changed, end = groups[key][0], _lr_step(groups[key]), _last_step(groups[key])
+        still_open = any(_get(f, "status") == "open" for f in groups[key])
+        for other in [k for k in groups if k != key]:
+            members = groups[other]
+            if (_get(members[0], "run_id"), _get(members[0], "rank")) != \
+                    (_get(lead, "run_id"), _get(lead, "rank")):
+                continue
+            growth = _growth_span(members)
+            first = _first_step(members)
+            if growth is not None:
+                set_off = growth[0] <= changed <= growth[1]
+            else:
+                set_off = (other[0] == "finding" and may_follow(members, Cause.WEIGHT_JUMP)
+                           and first is not None and changed <= first
+                           and (first <= end or still_open))
+            if set_off:
+                groups[key] += groups.pop(other)
+
+
+def _lr_step(members: list[Any]) -> int | None:
+    return next((evidence["lr_step"] for f in members
+                 if _get(f, "kind") == FindingKind.LOSS_SPIKE
+                 and (evidence := _get(f, "evidence") or {}).get("label") == "lr_change"
+                 and evidence.get("lr_step") is not None), None)
+
+
+def _growth_span(members: list[Any]) -> tuple[int, int] | None:
+    """(last sample before, first sample after) the start of a weight growth group's
+    growth; None for any other group."""
+    for f in members:
+        evidence = _get(f, "evidence") or {}
+        if _get(f, "kind") == FindingKind.WEIGHT_JUMP and _code(f) == "weight_growth" \
+                and evidence.get("growth_step") is not None:
+            return evidence["growth_step"], evidence.get("rise_step", evidence["growth_step"])
+    return None
+
+
+def fold_into_poisoning_steps(groups: dict[tuple, list[Any]]) -> None:
+    """Move what began after a step applied with inf/NaN gradients into that step's
+    incident: from the next step the weights it updated are inf/NaN, so every layer they
+    feed goes non-finite, the scaler skips and the loss is NaN; a consequence of that
+    step (its cause: a bad input, an overflow), not a cause of its own. Groups whose kinds
+    may follow moved weights (kinds.py), of the same run and rank, begun after the first
+    such step; the earliest poisoning step takes them."""
+    poisoned = sorted(
+        ((applied, key) for key, members in groups.items()
+         if (applied := first_applied(members)) is not None), key=lambda item: item[0])
+    for applied, key in poisoned:
+        if key not in groups:
+            continue
+        lead = groups[key][0]
+        for other in [k for k in groups if k != key]:
+            members = groups[other]
+            first = _first_step(members)
+            if (_get(members[0], "run_id"), _get(members[0], "rank")) == \
+                    (_get(lead, "run_id"), _get(lead, "rank")) \
+                    and first is not None and first > applied \
+                    and may_follow(members, Cause.WEIGHT_JUMP):
+                groups[key] += groups.pop(other)
+
+
+def first_applied(members: list[Any]) -> int | None:
+    """The first step of a group applied with inf/NaN gradients (the nonfinite detector's
+    evidence); None when none was."""
+    return min((step for f in members
+                if (step := (_get(f, "evidence") or {}).get("first_applied_step")) is not None),
+               default=None)
 
 
 def fold_into_clip_before_unscale(groups: dict[tuple, list[Any]]) -> None:

@@ -29,8 +29,13 @@ from ampwatch.server.findings.incident_folds import (
     _first_step,
     _get,
     _last_step,
+    first_applied,
     fold_into_clip_before_unscale,
+    fold_into_lr_changes,
+    fold_into_poisoning_steps,
     fold_into_weight_jumps,
+    fold_sibling_growths,
+    grown_layers,
     may_follow,
 )
 
@@ -176,6 +181,9 @@ def group_incidents(findings: Iterable[Any],
     _fold_gradient_overflows(groups, order)
     _fold_spikes_into_overflows(groups)
     fold_into_weight_jumps(groups, order)
+    fold_sibling_growths(groups)
+    fold_into_lr_changes(groups)
+    fold_into_poisoning_steps(groups)
     fold_into_clip_before_unscale(groups)
     _fold_precursors_into_overflows(groups, order)
     for symptom in symptoms:
@@ -314,7 +322,9 @@ def _incident(members: list[Any], key: tuple) -> Incident:
     lasts = [s for s in lasts if s is not None]
     layer = cause[1] if cause and cause[1] != "-" else _get(lead, "layer")
     headline = fix = None
-    timeline = [TimelineEntry(step=_get(f, "step"), what=_what(f, layer, cause and key[2]),
+    applied = first_applied(members)
+    timeline = [TimelineEntry(step=_get(f, "step"),
+                              what=_what(f, layer, cause and key[2], applied),
                               finding=_get(f, "id"),
                               severity=_get(f, "severity")) for f in members]
     if cause is not None and cause[0] == Cause.MISALIGNED:
@@ -324,7 +334,14 @@ def _incident(members: list[Any], key: tuple) -> Incident:
                        or (_get(f, "evidence") or {}).get("cause") == Cause.WEIGHT_JUMP)
         evidence = _get(weights, "evidence") or {}
         shape = "weight_growth" if "growth_step" in evidence else "weight_jump"
-        headline = HEADLINES[shape].format(layer=layer, step=_get(weights, "step"))
+        moved = grown_layers(members)
+        if len(moved) > 1:  # siblings scaled together: their parent, each named
+            layer = moved[0].rsplit(".", 1)[0]
+            headline = (f"Layers {', '.join(repr(m.rsplit('.', 1)[1]) for m in moved)} of "
+                        f"{layer!r}: their weights grew together from step "
+                        f"{_get(weights, 'step')}")
+        else:
+            headline = HEADLINES[shape].format(layer=layer, step=_get(weights, "step"))
         fix = str(evidence.get("fix", ""))
         fix = fix[0].upper() + fix[1:] + "." if fix else None
     elif cause is not None and cause[0] == Cause.LOSS_SPIKE:
@@ -371,12 +388,18 @@ def _cause_name(members: list[Any], grouped: str) -> str:
     return grouped
 
 
-def _what(finding: Any, layer: str | None, grouped: str | None) -> str:
+def _what(finding: Any, layer: str | None, grouped: str | None,
+          applied: int | None = None) -> str:
     """A timeline entry's words; a symptom in another layer names that layer. In a
     forward overflow's story, the non-finite steps of a gradient overflow are its
-    gradients', not its outputs' first inf/NaN."""
+    gradients', not its outputs' first inf/NaN; after `applied` (the incident's first step
+    applied with inf/NaN gradients) what happened is that update's doing."""
     what = _stage(finding)[1]
     other = _get(finding, "layer")
+    step = _get(finding, "step")
+    if applied is not None and step is not None and step > applied:
+        return (f"weights inf/NaN after step {applied}'s update: {what}"
+                + (f" in layer {other!r}" if other and other != layer else ""))
     if grouped == Cause.FORWARD_OVERFLOW and _get(finding, "kind") == FindingKind.NONFINITE \
             and (_get(finding, "evidence") or {}).get("cause") == Cause.GRAD_OVERFLOW:
         return "gradients inf/NaN" + (f" in layer {other!r}" if other and other != layer

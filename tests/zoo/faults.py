@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from tests.zoo import models
-from tests.zoo.loop import Fault, foreign_tokens, nan_input, weights
+from tests.zoo.loop import Fault, foreign_tokens, nan_embeddings, nan_input, weights
 
 BACKWARD_AT, FORWARD_AT, NAN_AT, GROWTH_FROM, BAD_BATCH_AT = 40, 20, 20, 20, 60
 
@@ -51,3 +51,50 @@ def _grow(first, second, i, model, batch):  # noqa: ANN001, ANN202 - two injecti
 HEALTHY = {arch.name: Fault(f"{arch.name}_healthy", arch, "no fault", steps=30)
            for arch in (models.GPT2, models.LLAMA, models.BERT, models.T5, models.VIT,
                         models.UNET)}
+
+# issue 58: the new families, each with its own seeded fault and a healthy control
+POISON_AT, LR_JUMP_AT, LATE_GROWTH_FROM = 30, 30, 40
+# a NaN in the input embeddings of a bf16 run with no scaler: its update is applied, every
+# weight is NaN from the next step: one cause (the input), not a second card on the weights
+MAMBA_NAN_EMBEDS = Fault("mamba_nan_embeddings", models.MAMBA,
+                         "a NaN in the input embeddings at step 30 (bf16: the update applies)",
+                         inject=nan_embeddings(POISON_AT), steps=40, dtype=torch.bfloat16,
+                         scaler=False)
+CONVNEXT_NAN = Fault("convnext_nan_input", models.CONVNEXT,
+                     "a NaN pixel at step 30 (bf16: the update applies)",
+                     inject=nan_input("pixel_values", POISON_AT), steps=40,
+                     dtype=torch.bfloat16, scaler=False)
+# the learning rate x50 while the loss still falls fast
+MISTRAL_LR_JUMP = Fault("mistral_lr_jump", models.MISTRAL,
+                        "the learning rate x50 at step 30, loss still falling fast",
+                        lr_jump=(LR_JUMP_AT, 50.0), steps=50, dtype=torch.bfloat16,
+                        scaler=False, lr=3e-3)
+# a slow growth that starts late: the MLP's output projection x1.06 a step from step 40
+GEMMA2_LATE_GROWTH = Fault(
+    "gemma2_late_growth", models.GEMMA2, "layer 1's down_proj x1.06 a step from 40",
+    inject=weights("model.layers.1.mlp.down_proj.weight", 1.06, LATE_GROWTH_FROM, True),
+    steps=90, dtype=torch.bfloat16, scaler=False)
+# q and k of one attention scaled together: one cause, one card
+MIXTRAL_QK = Fault(
+    "mixtral_qk_growth", models.MIXTRAL, "layer 1's q/k projections x1.06 a step from 20",
+    inject=lambda i, model, batch: _grow(
+        weights("model.layers.1.self_attn.q_proj.weight", 1.06, GROWTH_FROM, True),
+        weights("model.layers.1.self_attn.k_proj.weight", 1.06, GROWTH_FROM, True),
+        i, model, batch),
+    steps=90, dtype=torch.bfloat16, scaler=False)
+BART_QK = Fault(
+    "bart_qk_growth", models.BART, "the encoder's q/k projections x1.06 a step from 20",
+    inject=lambda i, model, batch: _grow(
+        weights("model.encoder.layers.0.self_attn.q_proj.weight", 1.06, GROWTH_FROM, True),
+        weights("model.encoder.layers.0.self_attn.k_proj.weight", 1.06, GROWTH_FROM, True),
+        i, model, batch),
+    steps=90, dtype=torch.bfloat16, scaler=False)
+# the router's weights growing under fp16: its forward grows, its backward overflows
+MIXTRAL_ROUTER = Fault(
+    "mixtral_router_growth", models.MIXTRAL, "layer 0's router x1.15 a step from 20 (fp16)",
+    inject=weights("model.layers.0.mlp.gate.weight", 1.15, GROWTH_FROM, True), steps=80)
+FAMILY_FAULTS = (MAMBA_NAN_EMBEDS, CONVNEXT_NAN, MISTRAL_LR_JUMP, GEMMA2_LATE_GROWTH,
+                 MIXTRAL_QK, BART_QK, MIXTRAL_ROUTER)
+FAMILY_HEALTHY = {arch.name: Fault(f"{arch.name}_healthy", arch, "no fault", steps=60,
+                                   dtype=torch.bfloat16, scaler=False)
+                  for arch in models.FAMILIES}

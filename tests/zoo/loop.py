@@ -37,6 +37,7 @@ class Fault:
     dtype: torch.dtype = torch.float16
     scaler: bool = True
     lr: float = 1e-3
+    lr_jump: tuple[int, float] | None = None  # (step, factor): the learning rate x factor from it
     scenario: Scenario = field(init=False)
 
     def __post_init__(self) -> None:
@@ -117,6 +118,9 @@ def train(fault: Fault, server: str, record: Path | None = None,
             record={"mode": "local", "folder": record} if record is not None else False)
     for i in range(fault.steps):
         batch = fault.arch.batch(i)
+        if fault.lr_jump is not None and i == fault.lr_jump[0]:
+            for group in optimizer.param_groups:
+                group["lr"] *= fault.lr_jump[1]
         if fault.inject is not None:
             batch = fault.inject(i, model, batch)
         with torch.autocast("cpu", dtype=fault.dtype):
@@ -142,12 +146,13 @@ def train(fault: Fault, server: str, record: Path | None = None,
     return run_id, truth
 
 
-def first_precursor(values: list[float], factor: float = 10.0, floor: float = 1.0
-                    ) -> int | None:
-    """The first sampled step (every SAMPLE_EVERY) whose value is `factor` times its level:
-    the median of the earliest third of the sampled values, at least `floor`
-    (docs/spikes.md; the server's precursor_factor and LEVEL_FLOOR)."""
-    sampled = [(i, v) for i, v in enumerate(values) if i % SAMPLE_EVERY == 0]
+def first_precursor(values: list[float], factor: float = 10.0, floor: float = 1.0,
+                    warm: int = 20) -> int | None:
+    """The first sampled step (every SAMPLE_EVERY) whose value is `factor` times its
+    trained level: the median of the earliest third of the values sampled from step `warm`
+    on, at least `floor` (docs/spikes.md; the server's precursor_factor, LEVEL_FLOOR and
+    spike_min_history)."""
+    sampled = [(i, v) for i, v in enumerate(values) if i % SAMPLE_EVERY == 0 and i >= warm]
     early = sorted(v for _, v in sampled[: max(1, len(sampled) // 3)])
     level = max(statistics.median(early), floor)
     return next((i for i, v in sampled if v >= factor * level), None)
@@ -167,6 +172,18 @@ def weights(name: str, factor: float, at: int, every_step: bool = False) -> Inje
             with torch.no_grad():
                 model.get_parameter(name).mul_(factor)
         return batch
+    return inject
+
+
+def nan_embeddings(at: int) -> Inject:
+    """The batch's input embeddings (`inputs_embeds`, from the model's own embedding) with a
+    NaN at step `at`: a bad input the model's weights cannot catch."""
+    def inject(i: int, model: nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+        if i != at:
+            return batch
+        embeds = model.get_input_embeddings()(batch["input_ids"]).detach().clone()
+        embeds.view(-1)[0] = math.nan
+        return {"inputs_embeds": embeds, "labels": batch["labels"]}
     return inject
 
 

@@ -134,3 +134,64 @@ ARCHS = (GPT2, LLAMA, LLAMA_EAGER, QWEN2, BERT, T5, VIT, UNET)
 
 def loss_of(output: Any) -> torch.Tensor:
     return output if isinstance(output, torch.Tensor) else output.loss
+
+
+# issue 58's families: each a transformers class from a config, 2 layers, small hidden
+def mixtral() -> nn.Module:
+    """A mixture of experts with a router (`block_sparse_moe.gate`)."""
+    from transformers import MixtralConfig, MixtralForCausalLM
+    return MixtralForCausalLM(MixtralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        num_local_experts=4, num_experts_per_tok=2))
+
+
+def mamba() -> nn.Module:
+    """A state-space model: no attention at all."""
+    from transformers import MambaConfig, MambaForCausalLM
+    return MambaForCausalLM(MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8,
+                                        num_hidden_layers=2, expand=2, conv_kernel=4))
+
+
+def gemma2() -> nn.Module:
+    """Soft-capped attention and output logits, tied embeddings, norms that upcast inside."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+    return Gemma2ForCausalLM(Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ,
+        sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0,
+        tie_word_embeddings=True, attn_implementation="eager"))
+
+
+def bart() -> nn.Module:
+    from transformers import BartConfig, BartForConditionalGeneration
+    return BartForConditionalGeneration(BartConfig(
+        vocab_size=VOCAB, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, max_position_embeddings=SEQ, dropout=0.0, attention_dropout=0.0,
+        activation_dropout=0.0, decoder_start_token_id=2, pad_token_id=1))
+
+
+def convnext() -> nn.Module:
+    from transformers import ConvNextConfig, ConvNextForImageClassification
+    return ConvNextForImageClassification(ConvNextConfig(
+        num_channels=3, patch_size=2, num_stages=2, hidden_sizes=[16, 32], depths=[1, 1],
+        num_labels=4, image_size=16))
+
+
+def mistral() -> nn.Module:
+    """A sliding-window decoder (window 8 of 16 tokens)."""
+    from transformers import MistralConfig, MistralForCausalLM
+    return MistralForCausalLM(MistralConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=SEQ,
+        sliding_window=8, attn_implementation="eager"))
+
+
+MIXTRAL = Arch("mixtral", mixtral, _causal, ("MixtralAttention",))
+MAMBA = Arch("mamba", mamba, _causal, ())
+GEMMA2 = Arch("gemma2", gemma2, _causal, ("Gemma2Attention",))
+BART = Arch("bart", bart, _seq2seq, ("BartAttention",))
+CONVNEXT = Arch("convnext", convnext, _images, ())
+MISTRAL = Arch("mistral", mistral, _causal, ("MistralAttention",))
+FAMILIES = (MIXTRAL, MAMBA, GEMMA2, BART, CONVNEXT, MISTRAL)
