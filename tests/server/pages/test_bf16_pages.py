@@ -123,3 +123,25 @@ def test_a_finished_run_shows_when_it_ended(bf16_browser, bf16_server):
     ended = run["last_seen_at"].replace("T", " ")[:16] + " UTC"
     assert browser.page.locator("#stat-seen").inner_text() == ended
     browser.assert_clean()
+
+
+Y_TICKS = """(id) => Array.from(document.querySelectorAll('#' + id + ' .ytick text'))
+    .map(t => { const r = t.getBoundingClientRect();
+                return {text: t.textContent, top: r.top, bottom: r.bottom}; })"""
+
+
+def test_a_layers_log_axes_have_readable_ticks_and_no_empty_panel(bf16_browser):
+    """The layer view's log axes tick as the run page's grad norm does (1-2-5), no two
+    labels over each other; an MLP layer gets no attention-logit panel."""
+    browser = bf16_browser
+    browser.goto("/runs/plain-bf16/layers/1")
+    browser.wait_for_plots("layer_grad")
+    browser.shoot("layer-ticks")
+    assert "fig-layer_attn" not in plots(browser)
+    for chart in ("fig-layer_grad", "fig-layer_update"):
+        ticks = sorted(browser.page.evaluate(Y_TICKS, chart), key=lambda t: t["top"])
+        assert len(ticks) >= 2, (chart, ticks)
+        crowded = [(a["text"], b["text"]) for a, b in zip(ticks, ticks[1:], strict=False)
+                   if b["top"] < a["bottom"] + 2]
+        assert not crowded, (chart, [t["text"] for t in ticks])
+    browser.assert_clean()
