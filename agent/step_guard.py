@@ -24,6 +24,7 @@ first, lazily initialised) is decided on the host: a skipped one must leave none
 
 from __future__ import annotations
 
+import logging
 import math
 from collections import deque
 from collections.abc import Callable
@@ -39,6 +40,7 @@ from ampwatch.agent.collectors.base import Collector
 from ampwatch.wire import GUARD_REASONS
 
 MODES = ("auto", "found_inf", "select", "sync")
+logger = logging.getLogger(__name__)  # under `ampwatch`: one WARNING per step left out
 # reason codes, most severe highest: a MAX all_reduce across ranks keeps the worst
 REASONS = dict(enumerate(GUARD_REASONS, start=1))
 
@@ -378,6 +380,8 @@ class StepGuard(Collector):
             return
         record["skipped"] = True
         self.skipped_steps += 1
+        logger.warning("ampwatch guard: left out step %s (%s): the optimizer did not apply "
+                       "it; the LR scheduler steps as usual", record.get("step"), reason)
         first = record.get("first_nonfinite_layer")
         if self.first_layer is None and isinstance(first, int):
             self.first_layer = self.watch.layers[first].name

@@ -53,9 +53,17 @@ def bisect(model: nn.Module, bundle: Bundle, trial: Trial) -> BisectResult:
         return BisectResult([], False, count, reason="the step is not bad when replayed",
                             verdict=BisectVerdict.NOT_REPRODUCED)
     order = base.order
-    if not order or not fixes(order):
+    upcast = trial(order) if order else base
+    count += 1 if order else 0
+    if upcast.bad:
         if bundle.meta.get("input_nonfinite"):
             why, verdict = "its input holds inf/NaN", BisectVerdict.INPUT_NONFINITE
+        elif upcast.finite:
+            why = (f"with every module in float32 the step is finite (loss "
+                   f"{upcast.loss:.6g}); it was flagged as a loss spike (over "
+                   f"{upcast.loss_limit:.6g}), not an overflow: the cause is not the "
+                   "precision (the data, the weights or the learning rate)")
+            verdict = BisectVerdict.NOT_PRECISION
         else:
             why = ("upcasting every module to float32 does not make it finite: the cause is "
                    "not the precision (the data, the weights or the learning rate)")

@@ -66,21 +66,36 @@ def register(commands: argparse._SubParsersAction) -> None:
     parser.set_defaults(func=_replay)
 
 
+class ModelSpecError(Exception):
+    """`--model` names nothing that can be imported and called; the message says why."""
+
+
 def load_factory(spec: str) -> Any:
-    """`module:function` or `path/to/file.py:function` (the current folder is importable)."""
+    """`module:function` or `path/to/file.py:function` (the current folder is importable).
+    Raises ModelSpecError, one line, for a malformed spec, a module that fails to import
+    (whatever it raised) or a name it does not have."""
     module_name, _, function = spec.rpartition(":")
     if not module_name or not function:
-        raise SystemExit(f"--model must be MODULE:FACTORY, got {spec!r}")
-    if module_name.endswith(".py"):
-        location = importlib.util.spec_from_file_location(Path(module_name).stem, module_name)
-        if location is None or location.loader is None:
-            raise SystemExit(f"cannot import {module_name}")
-        module = importlib.util.module_from_spec(location)
-        location.loader.exec_module(module)
-    else:
-        sys.path.insert(0, str(Path.cwd()))
-        module = importlib.import_module(module_name)
-    return getattr(module, function)
+        raise ModelSpecError(f"--model must be MODULE:FACTORY, got {spec!r}")
+    try:
+        if module_name.endswith(".py"):
+            location = importlib.util.spec_from_file_location(Path(module_name).stem,
+                                                              module_name)
+            if location is None or location.loader is None:
+                raise ImportError(f"{module_name} is not a Python file")
+            module = importlib.util.module_from_spec(location)
+            location.loader.exec_module(module)
+        else:
+            sys.path.insert(0, str(Path.cwd()))
+            module = importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - the user's module may raise anything
+        raise ModelSpecError(f"cannot import {module_name!r} (--model {spec}): "
+                             f"{type(exc).__name__}: {exc}") from exc
+    factory = getattr(module, function, None)
+    if not callable(factory):
+        raise ModelSpecError(f"{module_name!r} has no function {function!r} "
+                             f"(--model {spec})")
+    return factory
 
 
 def build(factory: Any) -> tuple[Any, Any]:
@@ -144,7 +159,11 @@ def _replay(args: argparse.Namespace) -> int:
                          "ampwatch replay --run RUN --step STEP [--rank R] --model M:F")
     from ampwatch.replay.bundle import BundleError
 
-    factory = load_factory(args.model)
+    try:
+        factory = load_factory(args.model)
+    except ModelSpecError as exc:
+        print(f"ampwatch replay: {printable(str(exc))}", file=sys.stderr)
+        return 2
     try:
         return _replay_bundle(args, factory)
     except BundleError as exc:

@@ -34,13 +34,16 @@ class StepOutcome:
     loss_limit: float | None = None  # a loss-spike bundle: a loss over this is still bad
 
     @property
+    def finite(self) -> bool:
+        """Whether the forward, the gradients and the loss held no inf/NaN."""
+        return self.forward_finite and self.grads_finite is not False and (
+            self.loss is None or math.isfinite(self.loss))
+
+    @property
     def bad(self) -> bool:
-        if not self.forward_finite or self.grads_finite is False:
-            return True
-        if self.loss is not None and not math.isfinite(self.loss):
-            return True
-        return self.loss_limit is not None and self.loss is not None and (
-            abs(self.loss) > self.loss_limit)
+        """Not finite, or (a loss-spike bundle) a loss over `loss_limit`."""
+        return not self.finite or (self.loss_limit is not None and self.loss is not None
+                                   and abs(self.loss) > self.loss_limit)
 
 
 def default_loss(output: Any, *args: Any, **kwargs: Any) -> torch.Tensor | None:

@@ -9,6 +9,7 @@ thread; each may block or raise, and the lane contains it.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Sequence
 from typing import Any, Protocol
@@ -62,6 +63,9 @@ class MlflowTracker:
 
     name = "mlflow"
     MAX_BATCH = 1000  # metrics per log_batch call, MLflow's own limit
+    INF_TAG = "ampwatch.inf"  # set with the first inf written: what MLflow made of it
+    INF_NOTE = ("MLflow stores inf as +-1.797e308 (the largest float64): an ampwatch/ "
+                "value of 1.797e308 or -1.797e308 was inf (docs/trackers.md)")
 
     def __init__(self, run_id: str, tracking_uri: str | None = None) -> None:
         from mlflow.tracking import MlflowClient
@@ -69,6 +73,7 @@ class MlflowTracker:
         self.run_id = run_id
         self.client = MlflowClient(tracking_uri=tracking_uri)
         self._open: set[int] = set()
+        self._told_inf = False
 
     @classmethod
     def active(cls) -> MlflowTracker:
@@ -88,6 +93,9 @@ class MlflowTracker:
                    for tag, value in scalars.items()]
         for start in range(0, len(metrics), self.MAX_BATCH):
             self.client.log_batch(self.run_id, metrics=metrics[start: start + self.MAX_BATCH])
+        if not self._told_inf and any(math.isinf(m.value) for m in metrics):
+            self.client.set_tag(self.run_id, self.INF_TAG, self.INF_NOTE)
+            self._told_inf = True
 
     def write_incident(self, note: IncidentNote) -> None:
         if note.status == "open":

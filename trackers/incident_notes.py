@@ -42,12 +42,15 @@ class IncidentNote:
 
     def one_line(self) -> str:
         where = f" in {self.layer}" if self.layer and self.layer != "-" else ""
-        return (f"{self.status} ({self.severity}, {self.change}) from step {self.step}{where}: "
+        since = f" from step {self.step}" if self.step is not None else ""
+        return (f"{self.status} ({self.severity}, {self.change}){since}{where}: "
                 f"{self.headline}")[:5000]
 
     def markdown(self) -> str:
         lines = [f"**{self.severity} incident {self.change}** ({self.status}): {self.headline}",
-                 "", f"- layer: {self.layer or '-'}", f"- first step: {self.step}"]
+                 "", f"- layer: {self.layer or '-'}"]
+        if self.step is not None:  # a setup finding (a model too small for AMP) has none
+            lines.append(f"- first step: {self.step}")
         if self.fix:
             lines.append(f"- fix: {self.fix}")
         if self.bundle:

@@ -66,12 +66,18 @@ def _mixed_dtypes(series: StepSeries) -> np.ndarray:
     return (codes == MIXED) | (low & (codes != usual))
 
 
+def _scaler_skipped(series: StepSeries) -> np.ndarray:
+    """Steps a GradScaler skipped: skipped under a loss scale, not left out by the step
+    guard (docs/guard.md tells its users to step the scheduler as usual)."""
+    return series.skipped & series.has("loss_scale") & (series.guarded == 0)
+
+
 def _scheduler_after_skip(series: StepSeries) -> np.ndarray:
     # a step's scheduler_steps counts the calls since the previous optimizer step, so a
     # scheduler step after skipped step i shows up in step i+1's record
     stepped_next = np.append(_count_above(series, "scheduler_steps", 0)[1:], False)
     following = np.append(np.diff(series.steps) == 1, False)
-    return series.skipped & stepped_next & following
+    return _scaler_skipped(series) & stepped_next & following
 
 
 def _schedule_drift(series: StepSeries, hits: np.ndarray,
@@ -82,7 +88,7 @@ def _schedule_drift(series: StepSeries, hits: np.ndarray,
     The words name the steps judged and each count's denominator, so the card reads
     beside the run's skipped KPI and its own count (the run's, over every pass)."""
     ahead = int(hits.sum())
-    skipped = int(series.skipped.sum())
+    skipped = int(_scaler_skipped(series).sum())
     applied = int((~series.skipped).sum())
     share = ahead / max(applied, 1)
     severity = "warning" if share >= settings.scheduler_drift_warning else "info"

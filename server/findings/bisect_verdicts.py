@@ -53,20 +53,25 @@ def with_verdicts(incidents: list[Incident], bundles: Iterable[Mapping[str, Any]
     judged = incident_bundles(incidents, [b for b in bundles if b.get("bisect")])
     for incident in incidents:
         bundle = judged.get(incident.id)
-        fix = bundle and bisect_fix(bundle["bisect"], bundle["step"], incident.layer)
+        fix = bundle and bisect_fix(bundle["bisect"], bundle["step"], incident.layer,
+                                    bundle.get("trigger"))
         if fix:
             incident.fix = fix
     return incidents
 
 
-def bisect_fix(verdict: Mapping[str, Any], step: int, layer: str | None) -> str | None:
+def bisect_fix(verdict: Mapping[str, Any], step: int, layer: str | None,
+               trigger: str | None = None) -> str | None:
     """The fix a bisect verdict of step `step` calls for, on the incident's `layer`, and who
-    reported it; None when the replay could not judge (the step did not fail again)."""
+    reported it; None when the replay could not judge (the step did not fail again).
+    `trigger`: what recorded the bundle (a loss spike is bad while finite)."""
     found = verdict.get("verdict")
     told = f"{REPLAY}, reported by {reported_by(verdict)}"
     if found == BisectVerdict.NOT_PRECISION:
         weights = f"the weights of layer {layer!r}" if layer else "the weights"
-        return (f"Replaying step {step} with every layer in fp32 still fails ({told}): "
+        outcome = ("is finite but still spikes: it was flagged as a loss spike, not an "
+                   "overflow" if trigger == "loss_spike" else "still fails")
+        return (f"Replaying step {step} with every layer in fp32 {outcome} ({told}): "
                 f"the cause is not the precision; check {weights} and the learning rate, "
                 "then the data.")
     if found == BisectVerdict.INPUT_NONFINITE:

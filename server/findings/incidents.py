@@ -16,7 +16,7 @@ own. Pure functions of the findings (API or ORM shaped) and the layer order: no 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ampwatch.server.analysis.causes import Cause
@@ -39,10 +39,11 @@ from ampwatch.server.findings.incident_folds import (
     may_follow,
 )
 
+FIRST_NONFINITE = "first non-finite step"
 # what a finding says happened, in the order a root cause plays out
 STAGES = {
     (FindingKind.OVERFLOW_RISK, None): (0, "outputs close to fp16's maximum"),
-    (FindingKind.NONFINITE, None): (1, "first non-finite step"),
+    (FindingKind.NONFINITE, None): (1, FIRST_NONFINITE),
     (FindingKind.RANKS, "first_nonfinite_rank"): (1, "this rank went non-finite first"),
     (FindingKind.RANKS, "scaler_disagreement"): (2, "this rank's scaler disagrees"),
     (FindingKind.RANKS, "straggler"): (5, "this rank is a straggler"),
@@ -68,8 +69,8 @@ HEADLINES = {
     Cause.GRAD_OVERFLOW: "Gradients of layer {layer!r} are inf/NaN",
     Cause.NONFINITE_LOSS: "The loss is inf/NaN",
     Cause.NONFINITE_INPUT: "The input batch holds inf/NaN",
-    Cause.WEIGHT_JUMP: "Layer {layer!r}'s weights jumped at step {step}",
-    "weight_growth": "Layer {layer!r}'s weights grew from step {step}",
+    Cause.WEIGHT_JUMP: "The weights of layer {layer!r} jumped at step {step}",
+    "weight_growth": "The weights of layer {layer!r} grew from step {step}",
 }
 
 
@@ -358,6 +359,7 @@ def _incident(members: list[Any], key: tuple) -> Incident:
         fix = fix_for_cause(cause[0], layer, dtype).split(": ", 1)[-1]
         fix = fix[0].upper() + fix[1:] + "."
     headline = _with_guard(headline, members)
+    timeline = _first_once(timeline)
     return Incident(
         id=min(_get(f, "id") for f in members), run_id=_get(lead, "run_id"),
         rank=_get(lead, "rank"), cause=cause[0] if cause else None, layer=layer,
@@ -366,6 +368,19 @@ def _incident(members: list[Any], key: tuple) -> Incident:
         headline=headline, fix=fix, findings=[_get(f, "id") for f in members],
         timeline=timeline,
     )
+
+
+def _first_once(timeline: list[TimelineEntry]) -> list[TimelineEntry]:
+    """One timeline names one step "first": a later non-finite finding of the same
+    incident (a second rank, a return after it resolved) reads "non-finite again"."""
+    first = min((e.step for e in timeline if e.what == FIRST_NONFINITE and e.step is not None),
+                default=None)
+    told, entries = False, []
+    for entry in timeline:
+        again = entry.what == FIRST_NONFINITE and (told or entry.step != first)
+        told |= entry.what == FIRST_NONFINITE and not again
+        entries.append(replace(entry, what="non-finite again") if again else entry)
+    return entries
 
 
 def _with_guard(headline: str | None, members: list[Any]) -> str | None:

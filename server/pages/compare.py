@@ -12,7 +12,7 @@ from ampwatch.server.models import Run
 from ampwatch.server.pages import figures, scale_chart, time_axis
 from ampwatch.server.pages.columns import StepColumns
 from ampwatch.server.pages.plot import Figure
-from ampwatch.server.pages.views import MAX_POINTS, has_scaler
+from ampwatch.server.pages.views import MAX_POINTS, left_out, precision, skips_steps
 from ampwatch.server.services.runs import lead_rank, public_run
 from ampwatch.server.services.series import (
     steps_query,
@@ -107,8 +107,9 @@ def compare_figures(twin: dict, lines: list[StepColumns],
                     x_axis: time_axis.XAxis = "step") -> dict[str, Figure]:
     """The compare charts over one shared step range, each run in its own dash style,
     drawn against `x_axis` (relative time lines up runs of different step speeds)."""
-    # a run without a GradScaler skips no step by design: no flat line at 0% for it
-    totals = [twin["steps"][run["id"]]["total"] if has_scaler(run, [line]) else 0
+    # a run without a GradScaler or the step guard skips no step by design: no flat line
+    # at 0% for it
+    totals = [twin["steps"][run["id"]]["total"] if skips_steps(run, [line]) else 0
               for run, line in zip(twin["runs"], lines, strict=True)]
     charts = {
         "loss": figures.loss_figure(lines),
@@ -124,3 +125,19 @@ def compare_figures(twin: dict, lines: list[StepColumns],
     return {name: time_axis.retime(figures.dash_lines(figures.share_x(fig, span), labels),
                                    x_axis, lines, started)
             for name, fig in charts.items()}
+
+
+def compare_charts(twin: dict, lines: list[StepColumns], x_axis: time_axis.XAxis = "step",
+                   ) -> tuple[dict[str, Figure], dict[str, str]]:
+    """The compare charts some run has data for, and the line that says why each other is
+    left out ("bf16: no loss scale")."""
+    charts = compare_figures(twin, lines, x_axis)
+    if not any(len(line) for line in lines):  # no run sent a step yet: a live page fills
+        return charts, {}
+    drawn, absent = left_out(charts)
+    words = precision(twin["runs"])
+    if "loss_scale" in absent:
+        absent["loss_scale"] = f"{words}: no loss scale"
+    if "skip_rate" in absent and words != "no GradScaler":
+        absent["skip_rate"] = f"{words}: {absent['skip_rate']}"
+    return drawn, absent

@@ -71,7 +71,9 @@ def base_figure(height: int = CHART_HEIGHT, *, x_title: str = "step",
 
 
 def note(fig: Figure, message: str) -> Figure:
-    """A figure that says why it is empty instead of showing blank axes."""
+    """A figure that says why it is empty instead of showing blank axes (`fig.empty`:
+    a page may leave it out and say so once, views.left_out)."""
+    fig.empty = message
     fig.add_annotation(text=message, x=0.5, y=0.5, xref="paper", yref="paper",
                        showarrow=False, font={"color": MUTED, "size": 13})
     fig.update_xaxes(visible=False)
@@ -367,7 +369,8 @@ def skip_rate_figure(lines: list[StepColumns], totals: list[int],
         )
         drawn = True
     if not drawn:
-        return note(fig, "no steps yet")
+        return note(fig, "no GradScaler or step guard: no skipped steps"
+                    if any(len(line) for line in lines) else "no steps yet")
     fig.update_yaxes(title={"text": "skipped steps (%)"}, rangemode="tozero")
     legend_if_many(fig, lines)
     return fig

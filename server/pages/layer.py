@@ -74,7 +74,11 @@ def _log_line(fig: Figure, steps: np.ndarray, values: np.ndarray, sent: np.ndarr
                         marker={"symbol": "triangle-down", "size": 9, "color": figures.CRITICAL},
                         name="non-finite", text=text,
                         hovertemplate="step %{x}: %{text}<extra></extra>")
-    fig.update_yaxes(type="log", title={"text": name}, exponentformat="power")
+    if ok.any():  # ticks as the run page's grad norm writes them (1-2-5, never crowded)
+        low, high = float(values[ok].min()), float(values[ok].max())
+        ticks = figures.log10_ticks(low, high)
+        fig.update_yaxes(tickvals=ticks, ticktext=[figures.human_number(t) for t in ticks])
+    fig.update_yaxes(type="log", title={"text": name})
 
 
 def layer_figures(twin: dict) -> dict[str, Figure]:
@@ -162,7 +166,7 @@ def evidence_figures(evidence: dict[str, dict]) -> dict[str, Figure]:
         fig.update_layout(showlegend=True)
         charts["layer_optimizer"] = fig
     steps, logit = _signal_line(evidence["attn_max_logit"])
-    if steps.size:
+    if np.isfinite(logit).any():  # a layer that is no attention sends no logit: no panel
         fig = figures.base_figure()
         fig.add_scatter(x=steps, y=logit, mode="lines", name="max logit",
                         line={"color": figures.colour(3), "width": 1.4},

@@ -32,6 +32,7 @@ class Figure:
     def __init__(self, layout: dict | None = None) -> None:
         self.data: list[dict] = []
         self.layout: dict = merge({}, layout or {})
+        self.empty: str | None = None  # why it draws nothing (figures.note), not sent
 
     def add_scatter(self, **trace: Any) -> Figure:
         return self._add("scatter", trace)

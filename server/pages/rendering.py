@@ -98,6 +98,18 @@ def iso(moment: datetime | str | None) -> str:
     return moment if isinstance(moment, str) else moment.isoformat(timespec="seconds")
 
 
+def clock_time(moment: datetime | str | None) -> str:
+    """'2026-03-01 14:05 UTC': a moment that stays true on a page nobody reloads (a
+    finished run's end), where an age would freeze."""
+    if moment is None:
+        return "never"
+    if isinstance(moment, str):
+        moment = datetime.fromisoformat(moment)
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=UTC)
+    return moment.astimezone(UTC).strftime("%Y-%m-%d %H:%M UTC")
+
+
 def make_environment() -> Environment:
     env = Environment(
         loader=FileSystemLoader(TEMPLATES),
@@ -106,7 +118,7 @@ def make_environment() -> Environment:
         lstrip_blocks=True,
     )
     env.filters.update(number=number, power_of_two=power_of_two, percent=percent, ago=ago,
-                       iso=iso)
+                       iso=iso, clock_time=clock_time)
     env.globals["plotly_version"] = plotly.__version__  # plotly.min.js?v=: cached for a year
     env.globals.update(tool_defaults=CHART_TOOLS, x_axes=X_AXES)  # _chart_tools.html
     return env

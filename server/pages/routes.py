@@ -279,8 +279,9 @@ def run_page(
         return _not_found(request, exc)
     if output == "json":
         return WireJSONResponse(twin)
-    figures = views.overview_figures(twin, mark, x_axis)
+    figures, absent = views.overview_charts(twin, mark, x_axis)
     context = {"twin": twin, "run": twin["run"], "cards": cards.incident_panel(twin),
+               "absent": absent,
                "start": steps.start, "end": steps.end, "x_axis": x_axis,
                "config": config.flat_config(twin["run"]["config"])}
     return _run_tab(request, output, "run.html", "overview", figures, context,
@@ -429,7 +430,7 @@ def compare_page(
     if output == "json":
         return WireJSONResponse(twin)
     lines = compare.compare_lines(twin)
-    figures = compare.compare_figures(twin, lines, x_axis) if twin["runs"] else {}
+    figures, absent = compare.compare_charts(twin, lines, x_axis) if twin["runs"] else ({}, {})
     poll = _soonest([poll_ms(r) for r in twin["runs"]])
     if output == "update":
         return _update(poll, figures, {})
@@ -441,7 +442,8 @@ def compare_page(
                        config_diff=config.config_diff(twin["runs"]),
                        dashes=[DASHES[i % len(DASHES)] for i in range(n)],
                        colours=[colour(i) for i in range(n)], x_axis=x_axis,
-                       figures=figures, live_url=_live_url(request) if poll else None,
+                       figures=figures, charts=list(figures), absent=absent,
+                       live_url=_live_url(request) if poll else None,
                        poll_ms=poll)
 
 

@@ -134,10 +134,31 @@ def overview_twin(session: Session, settings: Settings, run_id: str, *, rank: in
 
 
 def has_scaler(run: dict, lines: list[StepColumns]) -> bool:
-    """Whether the run uses a GradScaler: it reported one, a scale or a skipped step."""
+    """Whether the run uses a GradScaler: it reported one or a scale. A skipped step
+    alone is no sign of one: the step guard (docs/guard.md) skips bf16 steps."""
     return bool((run.get("environment") or {}).get("scaler") or run.get("loss_scale")
-                or run.get("skipped")
                 or any(line.present["loss_scale"].any() for line in lines))
+
+
+def skips_steps(run: dict, lines: list[StepColumns]) -> bool:
+    """Whether the run can skip a step: a GradScaler, or a step the guard left out."""
+    return has_scaler(run, lines) or bool(run.get("skipped")) \
+        or any(line.skipped.any() for line in lines)
+
+
+def precision(runs: list[dict]) -> str:
+    """What the runs train in, for the line that says why a chart is left out: "bf16"
+    when they share an autocast dtype, else "no GradScaler"."""
+    dtypes = {(run.get("environment") or {}).get("autocast_dtype") for run in runs}
+    return dtype_word(dtypes.pop()) if len(dtypes) == 1 and None not in dtypes \
+        else "no GradScaler"
+
+
+def left_out(charts: dict[str, Figure]) -> tuple[dict[str, Figure], dict[str, str]]:
+    """The charts that draw something, and for each chart left out the line that says
+    why (what its empty figure would have said): empty is said once, not drawn."""
+    return ({name: fig for name, fig in charts.items() if fig.empty is None},
+            {name: fig.empty for name, fig in charts.items() if fig.empty is not None})
 
 
 def overview_figures(twin: dict, mark: int | None = None,
@@ -163,6 +184,19 @@ def overview_figures(twin: dict, mark: int | None = None,
     return {name: time_axis.retime(figures.mark_step(figures.share_x(fig, span), mark),
                                    x_axis, lines, started)
             for name, fig in charts.items()}
+
+
+def overview_charts(twin: dict, mark: int | None = None, x_axis: time_axis.XAxis = "step",
+                    ) -> tuple[dict[str, Figure], dict[str, str]]:
+    """The overview's charts that draw something, and the line that says why each other
+    is left out. While the range holds no step every chart stays (a live page fills it)."""
+    charts = overview_figures(twin, mark, x_axis)
+    if not twin["steps"]["items"]:
+        return charts, {}
+    drawn, absent = left_out(charts)
+    if "loss_scale" not in charts:
+        absent = {"loss_scale": f"{precision([twin['run']])}: no loss scale", **absent}
+    return drawn, absent
 
 
 def layer_page(layers: list[Row], page: int, named: set[str]) -> dict:

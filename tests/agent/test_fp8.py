@@ -126,7 +126,7 @@ def test_one_outlier_weight_is_one_incident_named_on_its_layer(server):
                  if i["severity"] != "info"]
     assert [(i["cause"], i["layer"], i["step"], i["severity"]) for i in incidents] == [
         ("weight_jump", "fc2", FAULT_STEP, "critical")]
-    assert incidents[0]["headline"] == f"Layer 'fc2''s weights jumped at step {FAULT_STEP}"
+    assert incidents[0]["headline"] == f"The weights of layer 'fc2' jumped at step {FAULT_STEP}"
     assert len(incidents[0]["findings"]) == len(severe)
 
 

@@ -244,6 +244,7 @@ def assert_told(text: str, incident: dict[str, Any]) -> None:
 def test_tensorboard_gets_the_incident_as_text(mirrored: Truth, incident: dict) -> None:
     _, texts = read_tensorboard(mirrored.folder / "tb")
     assert_told(texts[incident["step"]], incident)
+    assert not [t for t in texts.values() if "first step: None" in t]
 
 
 def test_mlflow_gets_a_tag_and_an_artifact(mirrored: Truth, incident: dict,
@@ -257,6 +258,25 @@ def test_mlflow_gets_a_tag_and_an_artifact(mirrored: Truth, incident: dict,
     path = client.download_artifacts(mirrored.mlflow_run,
                                      f"ampwatch/incident-{incident['id']}.md", str(tmp_path))
     assert_told(Path(path).read_text(), incident)
+    assert not [v for v in tags.values() if "step None" in v]  # the setup note has no step
+
+
+def test_mlflow_is_told_what_it_made_of_an_inf(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """MLflow stores inf as its largest float; the run's `ampwatch.inf` tag says so."""
+    from ampwatch.wire.trackers import MlflowTracker
+
+    monkeypatch.chdir(tmp_path)  # MLflow's SQLite store keeps artifacts in ./mlruns
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    client = MlflowClient(tracking_uri=uri)
+    run_id = client.create_run(client.create_experiment("inf")).info.run_id
+    tracker = MlflowTracker(run_id, uri)
+    tracker.write_scalars([(0, {"ampwatch/grad_norm": 1.0})])
+    assert "ampwatch.inf" not in client.get_run(run_id).data.tags
+    tracker.write_scalars([(1, {"ampwatch/grad_norm": math.inf})])
+    stored = [m.value for m in client.get_metric_history(run_id, "ampwatch/grad_norm")]
+    assert stored[1] == pytest.approx(1.797e308, rel=1e-3)
+    assert "1.797e308" in client.get_run(run_id).data.tags["ampwatch.inf"]
 
 
 def test_wandb_gets_an_alert_and_the_summary(mirrored: Truth, incident: dict) -> None:

@@ -6,6 +6,9 @@ The truth is the test's own reference loop, never the agent's output."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -267,3 +270,31 @@ def test_with_a_grad_scaler_the_guard_leaves_skipping_to_it(attach, offline: Pat
     steps = spooled_steps(offline, attachment.run_id)
     assert any(s["skipped"] for s in steps)  # the scaler's skips
     assert all(s["guarded"] is None for s in steps)
+
+
+GUARDED_SCRIPT = """
+import torch
+from torch import nn
+from ampwatch import agent
+from tests.agent.factories import mlp
+from tests.agent.test_step_guard import poisoned, train
+
+model = mlp()
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
+attachment = agent.attach(model, guard=True)
+train(model, optimizer, poisoned("nan", {3, 6}))
+attachment.detach(timeout=10)
+"""
+
+
+def test_each_step_left_out_is_logged_once_at_warning(offline: Path) -> None:
+    """What a script without any logging setup shows its user: one WARNING line (through
+    the `ampwatch` logger) for each step the guard left out, none for the others."""
+    done = subprocess.run([sys.executable, "-c", GUARDED_SCRIPT], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONWARNINGS": ""},
+                          cwd=Path(__file__).parents[2])
+    assert done.returncode == 0, done.stderr
+    told = [line for line in done.stderr.splitlines() if "guard" in line]
+    assert told == [
+        f"ampwatch guard: left out step {step} (nonfinite_loss): the optimizer did not "
+        "apply it; the LR scheduler steps as usual" for step in (3, 6)], done.stderr

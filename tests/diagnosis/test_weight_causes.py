@@ -131,7 +131,7 @@ def test_weights_rescaled_by_the_loop_are_named_on_their_layer(server: LiveServe
     assert all(f["step"] is not None and f["step"] >= 40 for f in serious), items
     # one story: what the larger weights did downstream (head's overflow, the scaler, the
     # loss spike) is fc2's incident, its title the layer and the step the weights moved
-    _one_story_on_fc2(server.url, run_id, 40, "Layer 'fc2''s weights jumped at step 40",
+    _one_story_on_fc2(server.url, run_id, 40, "The weights of layer 'fc2' jumped at step 40",
                       serious)
     spike = [f for f in items if f["kind"] == "loss_spike"]
     assert [(f["code"], f["layer"]) for f in spike] in ([], [("weight_jump", "fc2")])
@@ -156,7 +156,7 @@ def test_a_growing_layer_is_named_where_the_growth_starts(server: LiveServer) ->
     # one story, told from where it starts: what broke downstream is fc2's growth's
     # incident, so the top card names fc2 and says the precision is not the cause
     incident = _one_story_on_fc2(server.url, run_id, 0,
-                                 "Layer 'fc2''s weights grew from step 0", downstream)
+                                 "The weights of layer 'fc2' grew from step 0", downstream)
     assert "fp32" not in incident["fix"] and "bf16" not in incident["fix"]
 
 

@@ -34,6 +34,16 @@ def test_a_verdict_that_the_precision_is_not_the_cause_replaces_the_upcast():
     assert _fix(incidents, None) is None  # the note's own words stay
 
 
+def test_a_spike_finite_in_fp32_is_not_told_it_fails():
+    incidents = with_verdicts(_story(), [{"rank": 0, "step": 150, "trigger": "loss_spike",
+                                          "bisect": {"verdict": "not_precision", **RAN}}])
+    assert _fix(incidents, "forward_overflow") == (
+        "Replaying step 150 with every layer in fp32 is finite but still spikes: it was "
+        "flagged as a loss spike, not an overflow (ampwatch replay --bisect): the cause is "
+        "not the precision; check the weights of layer 'boom' and the learning rate, then "
+        "the data.")
+
+
 def test_a_verdict_that_names_the_upcast_says_exactly_that_upcast():
     incidents = with_verdicts(_story(), [{"rank": 0, "step": 145, "bisect": {
         "verdict": "fixed", "modules": ["blocks.3.attn", "inp"], "fp8_modules": ["inp"],

@@ -281,7 +281,7 @@ def test_what_follows_a_weight_jump_joins_it_as_kinds_py_declares():
     incidents = group_incidents([jump, overflow, spike, bad_input, pitfall, before], order)
     weights = next(i for i in incidents if i.cause == "weight_jump")
     assert sorted(weights.findings) == sorted(f["id"] for f in (jump, overflow, spike))
-    assert weights.headline == "Layer 'fc2''s weights jumped at step 40"
+    assert weights.headline == "The weights of layer 'fc2' jumped at step 40"
     assert len(incidents) == 4
 
 
@@ -301,5 +301,17 @@ def test_a_growth_takes_in_only_what_broke_where_outputs_grew_with_it():
     incidents = group_incidents([growth, overflow, precursor, spike], order)
     grown = next(i for i in incidents if i.cause == "weight_jump")
     assert sorted(grown.findings) == sorted(f["id"] for f in (growth, overflow))
-    assert (grown.severity, grown.headline) == ("warning", "Layer 'wte''s weights grew from step 0")
+    assert (grown.severity, grown.headline) == (
+        "warning", "The weights of layer 'wte' grew from step 0")
     assert len(incidents) == 3
+
+
+def test_a_timeline_names_one_step_first():
+    """An overflow that resolved and came back is one incident whose timeline says
+    "first non-finite step" once, then "non-finite again" (issue #59)."""
+    first = finding("nonfinite", 145, layer="boom", status="resolved", last_step=150,
+                    cause="forward_overflow")
+    again = finding("nonfinite", 300, layer="boom", cause="forward_overflow")
+    [incident] = group_incidents([again, first])
+    assert [(e.step, e.what) for e in incident.timeline] == [
+        (145, "first non-finite step"), (300, "non-finite again")]

@@ -125,3 +125,15 @@ def test_speed_check_verdict(speedup, verdict):
     finding = drafts["speed"]
     assert finding.code == verdict and finding.step == 9
     assert finding.evidence["speedup"] == speedup
+
+
+def test_a_scheduler_stepped_on_a_guarded_step_is_no_pitfall():
+    """The step guard's users step the scheduler as usual (docs/guard.md): a step the
+    guard left out of a bf16 run is not a step GradScaler skipped."""
+    steps = correct_loop()
+    for s in steps:
+        del s["loss_scale"], s["scale_after"]
+        s.update(skipped=False, scheduler_steps=1, autocast_dtype="bfloat16")
+    for bad in (50, 120):
+        steps[bad].update(skipped=True, guarded="nonfinite_grads")
+    assert loop_codes(steps) == set()

@@ -85,7 +85,7 @@ def test_scheduler_card_counts_what_the_kpi_counts(api) -> None:
         f"in steps 0-199 it stepped on {ahead} of the {kpi} skipped steps, so the LR "
         f"schedule ran {ahead} steps ahead of the optimizer, which stepped {applied} "
         f"times ({ahead / applied:.1%} ahead)")
-    times = re.search(r'<span class="times"[^>]*>([\d,]+) times</span>', chunk)
+    times = re.search(r'<span class="times"[^>]*>at ([\d,]+) steps</span>', chunk)
     assert times and int(times.group(1)) == ahead
 
 
@@ -112,6 +112,6 @@ def test_scheduler_card_names_its_window(api) -> None:
     assert (ahead, of, lead) == (len(window - {1099}), len(window), len(window - {1099}))
     assert applied == last - first + 1 - len(window)
     assert share == round(100 * ahead / applied, 1)
-    times = re.search(r'<span class="times"[^>]*>([\d,]+) times</span>', chunk)
+    times = re.search(r'<span class="times"[^>]*>at ([\d,]+) steps</span>', chunk)
     assert kpi == len(skipped)
     assert times and int(times.group(1)) == len(skipped - {1099})
