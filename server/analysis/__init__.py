@@ -4,14 +4,15 @@ to fix it), run incrementally on ingest. See docs/architecture.md,
 
 Detectors are pure functions `detect_*(window, settings) -> Detection` (window.py), each
 registered with its inputs and finding kinds in `registry` (kinds: `kinds`); `service`
-runs them on a recent window and `server/findings/store.py` upserts `Finding` rows.
+runs them on a recent window and `server/findings/store.py` upserts `Finding` rows. The
+package does not import `service` itself: it sits above findings/, which imports the
+detectors' modules.
 """
 
 from ampwatch.server.analysis.context import LayerInfo, RunContext
 from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.kinds import FindingKind
 from ampwatch.server.analysis.registry import run_detectors
-from ampwatch.server.analysis.service import on_ingest, on_ranks_advanced, on_register
 from ampwatch.server.analysis.settings import AnalysisSettings
 
 __all__ = [
@@ -21,8 +22,5 @@ __all__ = [
     "FindingKind",
     "LayerInfo",
     "RunContext",
-    "on_ingest",
-    "on_ranks_advanced",
-    "on_register",
     "run_detectors",
 ]

@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from datetime import datetime
+from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
-from ampwatch.server.findings.incidents import Incident
 from ampwatch.server.models import RunNote, as_utc
+
+if TYPE_CHECKING:  # findings.store imports this module, and incidents imports the detectors
+    from ampwatch.server.findings.incidents import Incident
 
 HANDLED = "handled"
 STATUS_ORDER = {"open": 0, HANDLED: 1, "resolved": 2}

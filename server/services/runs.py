@@ -11,7 +11,7 @@ from typing import Any
 from sqlalchemy import Row, String, case, cast, delete, func, or_, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import analysis
+from ampwatch.server.analysis import service as analysis
 from ampwatch.server.db import dialect_insert, writing
 from ampwatch.server.errors import NotFound
 from ampwatch.server.findings.incidents import Incident

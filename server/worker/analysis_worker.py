@@ -21,7 +21,7 @@ from sqlalchemy import event
 from sqlalchemy.exc import OperationalError, SQLAlchemyError
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.server import analysis
+from ampwatch.server.analysis import service as analysis
 from ampwatch.server.analysis.window_cache import RankWindows
 from ampwatch.server.db import make_engine, session_info, writing
 from ampwatch.server.faults import DatabaseHealth
