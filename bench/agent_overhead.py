@@ -102,7 +102,14 @@ class GPT(nn.Module):
 class Trainer:
     """One model, its AdamW and GradScaler; `step()` is the timed unit."""
 
-    def __init__(self, seed: int = 0, compiled: bool = False, scaled: bool = True) -> None:
+    CLIPS = ("clip_grad_norm_", "total_norm_pair", "none")
+
+    def __init__(self, seed: int = 0, compiled: bool = False, scaled: bool = True,
+                 clip: str = "clip_grad_norm_") -> None:
+        """`clip`: how the loop clips: torch's `clip_grad_norm_`, the `get_total_norm` +
+        `clip_grads_with_norm_` pair (accelerate's), or not at all."""
+        assert clip in self.CLIPS, clip
+        self.clip = clip
         torch.manual_seed(seed)
         self.model = GPT()
         self.call = torch.compile(self.model) if compiled else self.model
@@ -118,7 +125,12 @@ class Trainer:
             loss = F.cross_entropy(logits.float().view(-1, VOCAB), idx[:, 1:].reshape(-1))
         self.scaler.scale(loss).backward()
         self.scaler.unscale_(self.optimizer)
-        nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        if self.clip == "clip_grad_norm_":
+            nn.utils.clip_grad_norm_(self.model.parameters(), 1.0)
+        elif self.clip == "total_norm_pair":
+            params = list(self.model.parameters())
+            total = nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+            nn.utils.clip_grads_with_norm_(params, 1.0, total)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=True)

@@ -83,13 +83,13 @@ def _read(event: Any) -> int:
 
 
 def measure(check_outputs: str, scaled: bool = True, hold_mb: float | None = None,
-            warmup: int = 2) -> tuple[int, int]:
+            warmup: int = 2, clip: str = "clip_grad_norm_") -> tuple[int, int]:
     """(plain step's elements, watched unsampled step's), the same model and shapes;
     offline, the spool in a temporary folder. `scaled`: under a GradScaler (else a
-    disabled one: bf16 without a scaler)."""
+    disabled one: bf16 without a scaler); `clip`: how the loop clips (Trainer.CLIPS)."""
     from ampwatch import agent
 
-    trainer = Trainer(scaled=scaled)
+    trainer = Trainer(scaled=scaled, clip=clip)
     for _ in range(warmup):
         trainer.step()
     plain = elements_read(trainer.step)
@@ -108,22 +108,25 @@ def measure(check_outputs: str, scaled: bool = True, hold_mb: float | None = Non
     return plain, watched
 
 
-# (path, under a GradScaler, check_outputs, hold_mb)
-ROWS = [("host", True, "every_step", None), ("host", True, "flagged", None),
-        ("device", True, "every_step", None), ("device", True, "flagged", None),
-        ("device", False, "every_step", None), ("device", False, "flagged", None),
-        ("device", False, "flagged", 0)]
+# (path, under a GradScaler, check_outputs, hold_mb, how the loop clips)
+CLIP = "clip_grad_norm_"
+ROWS = [("host", True, "every_step", None, CLIP), ("host", True, "flagged", None, CLIP),
+        ("host", True, "flagged", None, "total_norm_pair"), ("host", True, "flagged", None, "none"),
+        ("device", True, "every_step", None, CLIP), ("device", True, "flagged", None, CLIP),
+        ("device", False, "every_step", None, CLIP), ("device", False, "flagged", None, CLIP),
+        ("device", False, "flagged", 0, CLIP)]
 
 
 def main() -> None:
-    print("| path | GradScaler | check_outputs | hold_mb | plain step | watched step | extra |")
-    print("|---|---|---|---|---:|---:|---:|")
-    for path, scaled, mode, hold_mb in ROWS:
+    print("| path | GradScaler | check_outputs | hold_mb | clip | plain step | watched step "
+          "| extra |")
+    print("|---|---|---|---|---|---:|---:|---:|")
+    for path, scaled, mode, hold_mb, clip in ROWS:
         os.environ["AMPWATCH_DEVICE_PATH"] = "1" if path == "device" else "0"
-        plain, watched = measure(mode, scaled, hold_mb)
+        plain, watched = measure(mode, scaled, hold_mb, clip=clip)
         print(f"| {path} | {'yes' if scaled else 'no'} | {mode} | "
-              f"{'default' if hold_mb is None else hold_mb} | {plain:,} | {watched:,} | "
-              f"{(watched - plain) / plain:.4%} |")
+              f"{'default' if hold_mb is None else hold_mb} | {clip} | {plain:,} | "
+              f"{watched:,} | {(watched - plain) / plain:.4%} |")
 
 
 if __name__ == "__main__":
