@@ -264,7 +264,7 @@ def test_mlflow_gets_a_tag_and_an_artifact(mirrored: Truth, incident: dict,
 def test_mlflow_is_told_what_it_made_of_an_inf(tmp_path: Path,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """MLflow stores inf as its largest float; the run's `ampwatch.inf` tag says so."""
-    from ampwatch.wire.trackers import MlflowTracker
+    from ampwatch.trackers.adapters import MlflowTracker
 
     monkeypatch.chdir(tmp_path)  # MLflow's SQLite store keeps artifacts in ./mlruns
     uri = f"sqlite:///{tmp_path / 'mlflow.db'}"

@@ -8,11 +8,13 @@ fc2, on the step the weights moved, not the head that its larger outputs push up
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import uuid
 from collections.abc import Callable
 from datetime import UTC, datetime, timedelta
+from importlib.metadata import version
 from pathlib import Path
 
 import httpx
@@ -206,10 +208,12 @@ def test_a_bisect_that_clears_the_precision_is_the_fix_everywhere(server: LiveSe
     assert started - timedelta(seconds=1) <= verdict.ran_at <= verdict.recorded_at
     (incident,) = incidents
     assert (incident.layer, incident.step) == ("fc2", 40)
+    ampwatch_version = version("ampwatch")
     assert incident.fix == (
-        "Replaying step 40 with every layer in fp32 still fails (ampwatch replay --bisect): "
-        "the cause is not the precision; check the weights of layer 'fc2' and the learning "
-        "rate, then the data.")
+        "Replaying step 40 with every layer in fp32 still fails (ampwatch replay --bisect, "
+        f"reported by ampwatch replay {ampwatch_version} on {socket.gethostname()} without "
+        "a token, unverified): the cause is not the precision; check the weights of layer "
+        "'fc2' and the learning rate, then the data.")
     for upcast in ("bf16", "run it in fp32", "float32", "keep_in_fp32", "KEEP_FP32"):
         assert upcast not in incident.fix
     shown = _ampwatch("show", run_id, "--server", server.url)

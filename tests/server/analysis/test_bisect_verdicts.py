@@ -39,9 +39,9 @@ def test_a_spike_finite_in_fp32_is_not_told_it_fails():
                                           "bisect": {"verdict": "not_precision", **RAN}}])
     assert _fix(incidents, "forward_overflow") == (
         "Replaying step 150 with every layer in fp32 is finite but still spikes: it was "
-        "flagged as a loss spike, not an overflow (ampwatch replay --bisect): the cause is "
-        "not the precision; check the weights of layer 'boom' and the learning rate, then "
-        "the data.")
+        "flagged as a loss spike, not an overflow (ampwatch replay --bisect, reported by an "
+        "unnamed sender without a token, unverified): the cause is not the precision; check "
+        "the weights of layer 'boom' and the learning rate, then the data.")
 
 
 def test_a_verdict_that_names_the_upcast_says_exactly_that_upcast():
