@@ -239,10 +239,16 @@
       });
     }
     if (indices.length) {
-      // a restyle of y re-guesses the types of the traces' axes: the x axis keeps the one
-      // the server chose (a date on ?x=wall, not epoch milliseconds as numbers)
-      Plotly.update(el, { y: ys }, { "xaxis.type": el.layout.xaxis.type || "linear" },
-        indices);
+      // a restyle of y re-guesses the types of the traces' axes: a date axis (?x=wall)
+      // is kept a date, not epoch milliseconds as numbers, and keeps the range it shares
+      // with the page's other charts
+      var xaxis = el._fullLayout.xaxis;
+      if (xaxis.type === "date") {
+        Plotly.update(el, { y: ys }, { "xaxis.type": "date",
+          "xaxis.range": xaxis.range.slice() }, indices);
+      } else {
+        Plotly.restyle(el, { y: ys }, indices);
+      }
     }
     var log = tools.querySelector(".log-axis").checked ? "log" : "linear";
     if (el.layout.yaxis.type !== log) {
