@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from ampwatch.agent.collectors.activations import ActivationCollector
 from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.collectors.compute_dtype import ComputeDtypeCollector
 from ampwatch.agent.collectors.core import StepCollector
 from ampwatch.agent.collectors.forward import ForwardCollector
 from ampwatch.agent.collectors.fp8 import Fp8Collector
@@ -24,7 +25,7 @@ def default_collectors(n_layers: int) -> list[Collector]:
     """Every signal of docs/wire-format.md's step record, in record field order."""
     return [StepCollector(), ScalerCollector(), GradNormCollector(n_layers), LossCollector(),
             TimingCollector(), ForwardCollector(), PitfallCollector(),
-            ActivationCollector(n_layers)]
+            ActivationCollector(n_layers), ComputeDtypeCollector()]
 
 
 def attached_collectors(layers: list[Layer], *last: Collector | None) -> list[Collector]:

@@ -9,6 +9,7 @@ import sys
 from ampwatch.client import render
 from ampwatch.client.api import Client
 from ampwatch.client.commands import BadUsage, connect, print_json
+from ampwatch.client.commands.runs import incidents_text
 from ampwatch.client.errors import AnalysisPending
 from ampwatch.client.models import SEVERITIES, Finding, Records
 
@@ -85,25 +86,31 @@ def check_run(args: argparse.Namespace) -> int:
                 raise AnalysisPending(f"{exc.message} (is an analysis worker running? wait "
                                       f"longer with --wait)", exc.pending) from None
         failing = at_or_above(client, run.id, args.fail_on, status="open")
+        # the cards that hold them: each told once, in its own words (never a folded
+        # finding's advice against its card's)
+        failing_ids = {f.id for f in failing}
+        incidents = [i for i in client.incidents(run.id, status="open")
+                     if failing_ids & set(i.findings)] if failing else []
     if run.status == "no_data":  # a monitor that recorded nothing must not pass a gate
         if args.json:
             print_json({"run_id": run.id, "status": run.status, "fail_on": args.fail_on,
-                        "passed": False, "findings": failing})
+                        "passed": False, "incidents": incidents, "findings": failing})
         print(f"run {run.id} has no steps stored: nothing to check", file=sys.stderr)
         return 2
     passed = not failing
     if args.json:
         print_json({"run_id": run.id, "status": run.status, "fail_on": args.fail_on,
-                    "passed": passed, "findings": failing})
+                    "passed": passed, "incidents": incidents, "findings": failing})
     elif passed:
         print(f"ok: run {run.id} has no open findings at or above {args.fail_on} "
               f"(status {run.status}, {run.steps} steps)")
     else:
         counts = ", ".join(f"{n} {level}" for level in reversed(SEVERITIES)
                            if (n := sum(f.severity == level for f in failing)))
-        print(findings_table(failing, with_run=False))
+        print(incidents_text(incidents, {f.id: f for f in failing}))
         print(f"failed: run {run.id} has {len(failing)} open finding"
-              f"{'s' if len(failing) != 1 else ''} at or above {args.fail_on} ({counts})",
+              f"{'s' if len(failing) != 1 else ''} at or above {args.fail_on} ({counts}) "
+              f"in {len(incidents)} incident{'s' if len(incidents) != 1 else ''}",
               file=sys.stderr)
     return 0 if passed else 1
 

@@ -1,6 +1,11 @@
 """Precision map: the dtype each layer actually computed in. Flags matmul layers that ran
 in fp32 under active autocast (no tensor-core speedup) and precision-sensitive layers
-(norms, softmax, losses) that ran in fp16."""
+(norms, softmax, losses) that ran in fp16.
+
+A sensitive layer is judged by what its reductions computed in (the layer table's
+`reduces_in`, probed by the agent): a norm that upcasts inside and casts back returns
+fp16 but is not flagged, one that returns fp32 after taking its variance in fp16 is. A
+layer the agent did not probe (an older agent) is judged by its output dtype."""
 
 from __future__ import annotations
 
@@ -56,16 +61,21 @@ def _message(problem: str, layer_type: str, name: str, step: int, autocast: str)
 
 
 def _layer_roles(table: LayerTable, n_layers: int) -> tuple:
-    """Per table: each layer's role, the matmul and sensitive masks over n_layers, and
-    the finding key each judged layer covers (computed once per table, not per batch)."""
+    """Per table: each layer's role, the matmul and sensitive masks over n_layers, the
+    dtype code each layer's reductions computed in (0: not probed), and the finding key
+    each judged layer covers (computed once per table, not per batch)."""
     roles = {x.index: layer_role(x) for x in table.layers}
     matmul = table.mask(lambda x: roles[x.index] == "fp32_matmul", n_layers)
     sensitive = table.mask(lambda x: roles[x.index] == "fp16_sensitive", n_layers)
+    reduces_in = np.zeros(n_layers, dtype=np.uint8)
+    for x in table.layers:
+        if x.index < n_layers:
+            reduces_in[x.index] = DTYPE_CODE.get(x.attrs.get("reduces_in"), 0)
     cover_keys = np.full(n_layers, "", dtype=object)
     for x in table.layers:
         if x.index < n_layers and roles[x.index]:
             cover_keys[x.index] = f"{KIND}:{x.name}:{roles[x.index]}"
-    return roles, matmul, sensitive, cover_keys
+    return roles, matmul, sensitive, reduces_in, cover_keys
 
 
 def detect_precision_map(window: Window, settings: AnalysisSettings) -> Detection:
@@ -81,10 +91,11 @@ def detect_precision_map(window: Window, settings: AnalysisSettings) -> Detectio
     under_autocast = (codes == FP16) | (codes == BF16) | (codes == MIXED)  # np.isin, cheaper
     autocast_name = (DTYPES[int(np.bincount(codes[under_autocast]).argmax())]
                      if under_autocast.any() else "")
-    roles, matmul, sensitive, cover_keys = run.table.derived(
+    roles, matmul, sensitive, reduces_in, cover_keys = run.table.derived(
         f"precision_layers:{n_layers}", lambda table: _layer_roles(table, n_layers))
     judged = (dtypes != 0) & ((under_autocast[:, None] & matmul) | sensitive)
-    bad = judged & np.where(matmul, dtypes == FP32, dtypes == FP16)
+    computed = np.where(reduces_in != 0, reduces_in, dtypes)  # a probed layer: its reductions
+    bad = judged & np.where(matmul, dtypes == FP32, computed == FP16)
     ever_bad = bad.any(axis=0)
     drafts = []
     covers = tuple(cover_keys[judged.any(axis=0) & ~ever_bad])

@@ -11,6 +11,7 @@ from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.findings.bisect_verdicts import incident_bundles
 from ampwatch.server.findings.incidents import SYMPTOMS
+from ampwatch.server.findings.member_words import told_in_card
 
 LINK_WINDOW = 200  # steps a link to a step opens around it
 
@@ -64,7 +65,9 @@ def incident_panel(twin: dict) -> dict:
     cards: dict[str, list[dict]] = {"problems": [], "handled": [], "notes": [], "resolved": []}
     bundles = incident_bundles(twin["incidents"], twin.get("bundles") or [])
     for incident in twin["incidents"]:
-        members = [findings[i] for i in incident["findings"] if i in findings]
+        members = [{**findings[i], "message": told_in_card(findings[i], incident["cause"],
+                                                           incident["headline"])}
+                   for i in incident["findings"] if i in findings]
         if not members:
             continue
         rank = incident["rank"] if run["n_ranks"] > 1 else None

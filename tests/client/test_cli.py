@@ -125,8 +125,10 @@ def test_findings_in_a_pipe_are_whole_lines(ampwatch, server, monkeypatch) -> No
 def test_check_exit_status(ampwatch, run_id: str, fail_on: str, code: int) -> None:
     result = ampwatch("check", run_id, "--fail-on", fail_on)
     assert result.code == code, result.out + result.err
-    if code:
-        assert "scaler_divergence" in result.out
+    if code:  # the card, told as `show` tells it: headline, first step, fix
+        assert result.out.startswith(
+            "CRITICAL Gradients of layer 'blocks.0.fc' are inf/NaN (from step 200)")
+        assert "fix: " in result.out and "scaler_divergence" not in result.out
         assert f"failed: run {run_id} has 1 open finding at or above {fail_on}" in result.err
     else:
         assert result.out.startswith(f"ok: run {run_id} has no open findings")
@@ -139,6 +141,7 @@ def test_check_json(ampwatch) -> None:
     assert (verdict["passed"], verdict["fail_on"], verdict["status"]) == (
         False, "critical", "critical")
     assert [f["kind"] for f in verdict["findings"]] == ["scaler_divergence"]
+    assert [i["cause"] for i in verdict["incidents"]] == ["grad_overflow"]
     assert json.loads(ampwatch("check", "healthy", "--json").out)["passed"] is True
 
 

@@ -93,8 +93,32 @@ BART_QK = Fault(
 MIXTRAL_ROUTER = Fault(
     "mixtral_router_growth", models.MIXTRAL, "layer 0's router x1.15 a step from 20 (fp16)",
     inject=weights("model.layers.0.mlp.gate.weight", 1.15, GROWTH_FROM, True), steps=80)
+# norms that upcast inside, under fp16 autocast with a GradScaler: one MLP weight x1e4;
+# the scaler's backoffs that follow are the jump's, not a precision problem
+GEMMA_JUMP = Fault("gemma_fp16_weight_jump", models.GEMMA,
+                   "layer 1's down_proj weight x1e6 at step 20 (fp16, GradScaler)",
+                   inject=weights("model.layers.1.mlp.down_proj.weight", 1e6, FORWARD_AT),
+                   steps=40)
 FAMILY_FAULTS = (MAMBA_NAN_EMBEDS, CONVNEXT_NAN, MISTRAL_LR_JUMP, GEMMA2_LATE_GROWTH,
-                 MIXTRAL_QK, BART_QK, MIXTRAL_ROUTER)
-FAMILY_HEALTHY = {arch.name: Fault(f"{arch.name}_healthy", arch, "no fault", steps=60,
-                                   dtype=torch.bfloat16, scaler=False)
+                 MIXTRAL_QK, BART_QK, MIXTRAL_ROUTER, GEMMA_JUMP)
+# bf16 without a scaler, but the family whose norms upcast inside in fp16 with one (where
+# a norm judged by its output dtype was warned "computed in float16")
+FAMILY_HEALTHY = {arch.name: (Fault(f"{arch.name}_healthy", arch, "no fault", steps=60)
+                              if arch is models.GEMMA else
+                              Fault(f"{arch.name}_healthy", arch, "no fault", steps=60,
+                                    dtype=torch.bfloat16, scaler=False))
                   for arch in models.FAMILIES}
+GEMMA_HEALTHY = FAMILY_HEALTHY["gemma"]
+
+
+def gemma_with(norm: type) -> Fault:
+    """Gemma's healthy control with every RMSNorm replaced by `norm(hidden)`."""
+    def build() -> torch.nn.Module:
+        model = models.gemma()
+        for name, module in list(model.named_modules()):
+            if type(module).__name__ == "GemmaRMSNorm":
+                parent, _, child = name.rpartition(".")
+                setattr(model.get_submodule(parent), child, norm(module.weight.numel()))
+        return model
+    arch = models.Arch("gemma_fp16_norms", build, models.GEMMA.batch, models.GEMMA.attention)
+    return Fault("gemma_fp16_norms", arch, "norms without the upcast", steps=30)

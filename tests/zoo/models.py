@@ -188,10 +188,21 @@ def mistral() -> nn.Module:
         sliding_window=8, attn_implementation="eager"))
 
 
+def gemma() -> nn.Module:
+    """Norms that upcast inside: GemmaRMSNorm takes its variance of `x.float()` and casts
+    the result back, so under fp16 autocast it returns fp16 but computes in fp32."""
+    from transformers import GemmaConfig, GemmaForCausalLM
+    return GemmaForCausalLM(GemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=8, max_position_embeddings=SEQ,
+        attn_implementation="eager"))
+
+
 MIXTRAL = Arch("mixtral", mixtral, _causal, ("MixtralAttention",))
 MAMBA = Arch("mamba", mamba, _causal, ())
 GEMMA2 = Arch("gemma2", gemma2, _causal, ("Gemma2Attention",))
 BART = Arch("bart", bart, _seq2seq, ("BartAttention",))
 CONVNEXT = Arch("convnext", convnext, _images, ())
 MISTRAL = Arch("mistral", mistral, _causal, ("MistralAttention",))
-FAMILIES = (MIXTRAL, MAMBA, GEMMA2, BART, CONVNEXT, MISTRAL)
+GEMMA = Arch("gemma", gemma, _causal, ("GemmaAttention",))
+FAMILIES = (MIXTRAL, MAMBA, GEMMA2, BART, CONVNEXT, MISTRAL, GEMMA)

@@ -58,3 +58,24 @@ def test_latest_sample_fine_again_deactivates():
     good = ["float16", "float32", "float32", "float16", "float16"]
     finding = drafts_by_key(detect([bad, good]))["precision_map:fc:fp32_matmul"]
     assert not finding.active and finding.step == 0
+
+
+def detect_probed(dtypes, reduces_in):
+    layers = [LayerInfo(2, "rms", "RMSNorm", 64, {"reduces_in": reduces_in}, 2)
+              if x.name == "rms" else x for x in LAYERS]
+    steps = [step(s, 5, autocast_dtype="float16") for s in range(20)]
+    steps[0]["activations"] = activations([1.0] * 5, dtypes)
+    steps[10]["activations"] = activations([1.0] * 5, dtypes)
+    return detect_precision_map(Window(series(steps, 5), context(layers)), SETTINGS)
+
+
+def test_a_norm_is_judged_by_what_its_reductions_computed_in():
+    # upcasts inside (x.float()), returns fp16: its statistics are fp32, nothing to say
+    upcasting = detect_probed(["float16", "float32", "float16", "float16", "float16"],
+                              "float32")
+    assert upcasting.drafts == []
+    assert upcasting.covered("precision_map:rms:fp16_sensitive")
+    # variance taken in fp16, returned fp32 (times an fp32 weight): flagged
+    drafts = drafts_by_key(detect_probed(
+        ["float16", "float32", "float32", "float16", "float16"], "float16"))
+    assert set(drafts) == {"precision_map:rms:fp16_sensitive"}
