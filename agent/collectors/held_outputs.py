@@ -2,8 +2,9 @@
 their backward begins for the flagged kernel (`HeldOutputChecks`, one way of
 first_bad_layer.py), or to a sampled forward's end for its abs-max in one
 `_foreach_norm` per dtype (activations.py). Within a budget for what only the agent keeps
-alive (flagged_checks.py says why); past it, and for an output changed in place before
-its check, the call takes its own `aminmax` as it is produced."""
+alive (flagged_checks.py says why), counted from the first held step on; past it, for an
+output changed in place before its check, and for one on another device than the model's
+accelerator, the call takes its own `aminmax` as it is produced."""
 
 from __future__ import annotations
 
@@ -14,7 +15,12 @@ import torch
 
 from ampwatch.agent import errors
 from ampwatch.agent.collectors import flagged_checks
-from ampwatch.agent.collectors.first_bad_layer import Call, FirstBadLayer, record_minmax
+from ampwatch.agent.collectors.first_bad_layer import (
+    FP8_DTYPES,
+    Call,
+    FirstBadLayer,
+    record_minmax,
+)
 
 if TYPE_CHECKING:
     from ampwatch.agent.loop_watch import LoopWatch
@@ -23,20 +29,24 @@ if TYPE_CHECKING:
 class HeldOutputs:
     """The outputs held since the last check, and what past checks said of each layer."""
 
-    def __init__(self, budget: int) -> None:
+    def __init__(self, budget: int, device: torch.device) -> None:
         self.budget = budget  # bytes that outputs only the agent keeps alive may hold
+        self.device = device  # the model's: an output elsewhere is never held
         self.outputs: list[tuple[int, int, torch.Tensor, int]] = []  # (call, layer, output,
         # its version when produced)
         self._in_place: set[int] = set()  # layers whose output changed before its check
-        self._alone: set[int] = set()  # layers whose held output only the agent kept alive
-        self._alone_bytes = 0  # what such outputs hold since the last check
+        self._kept: set[int] = set()  # layers whose held output autograd kept alive too
+        self.held_bytes = 0  # what outputs counted against the budget hold since the check
 
     def hold(self, index: int, tensor: torch.Tensor, calls: list[Call], start: object = None,
              end: object = None, kernel: bool = False) -> bool:
         """Hold layer `index`'s output and add its call (no statistics yet); False when it
-        cannot be held (`kernel`: the flagged kernel must be able to read it)."""
+        cannot be held (`kernel`: the flagged kernel must be able to read it: a dense
+        layout, channels_last included; an FP8 output, which no fused reduction reads, never
+        is)."""
         if (index in self._in_place or not tensor.is_floating_point() or not tensor.numel()
-                or (kernel and not (tensor.is_contiguous()
+                or tensor.device != self.device or tensor.dtype in FP8_DTYPES
+                or (kernel and not (flagged_checks.dense(tensor)
                                     and flagged_checks.readable(tensor.dtype)))):
             return False
         try:
@@ -51,14 +61,14 @@ class HeldOutputs:
 
     def _within_budget(self, index: int, tensor: torch.Tensor) -> bool:
         """Whether holding `tensor` (layer `index`'s output) stays within the budget: an
-        output autograd kept anyway costs nothing; one only the agent kept (last time)
-        counts its bytes."""
-        if index not in self._alone:
+        output autograd kept anyway (at the last check) costs nothing; any other, one not
+        judged yet included (the first held step), counts its bytes."""
+        if index in self._kept:
             return True
         size = tensor.numel() * tensor.element_size()
-        if self._alone_bytes + size > self.budget:
+        if self.held_bytes + size > self.budget:
             return False
-        self._alone_bytes += size
+        self.held_bytes += size
         return True
 
     def take(self) -> list[tuple[int, torch.Tensor]]:
@@ -67,18 +77,19 @@ class HeldOutputs:
         as produced; this one as it is now), and whether only the agent kept it alive
         (then held within the budget only)."""
         held, self.outputs = self.outputs, []
-        self._alone_bytes = 0
+        self.held_bytes = 0
         for _, index, output, version in held:
             if output._version != version:
                 self._in_place.add(index)
             if flagged_checks.kept_alone(output):
-                self._alone.add(index)
+                self._kept.discard(index)
             else:
-                self._alone.discard(index)
+                self._kept.add(index)
         return [(position, output) for position, _, output, _ in held]
 
     def clear(self) -> None:
         self.outputs = []
+        self.held_bytes = 0
 
 
 class HeldOutputChecks(FirstBadLayer):
@@ -86,8 +97,9 @@ class HeldOutputChecks(FirstBadLayer):
     forward's outputs are held until its backward begins, then checked by the flagged
     kernel, which reads the loss's flag first (a healthy step reads no output). An output
     that cannot be held gets its own `aminmax`. A kernel that fails to launch (a Triton
-    that cannot compile for this GPU) is reported once and `failed()` moves the collector
-    to checking every output."""
+    that cannot compile for this GPU, no C compiler to build its launcher) is reported
+    once; that step's held outputs are reported unchecked (never finite), and from its
+    close on `failed()` moves the collector to checking every output."""
 
     def __init__(self, watch: LoopWatch, held: HeldOutputs, checks: flagged_checks.FlaggedChecks,
                  failed: Callable[[], None]) -> None:
@@ -96,11 +108,12 @@ class HeldOutputChecks(FirstBadLayer):
         self.checks = checks
         self.failed = failed
         self._holding = False  # this forward records a graph (a backward follows)
+        self._broken = False  # a launch failed: nothing is held any more
 
     def forward_begin(self, sampled: bool, training: bool, args: tuple, kwargs: dict) -> None:
         # under no_grad no backward follows, and holding would keep alive outputs the
         # forward frees as it goes: those are checked as produced
-        self._holding = not sampled and torch.is_grad_enabled()
+        self._holding = not sampled and torch.is_grad_enabled() and not self._broken
 
     def output(self, index: int, args: tuple, tensor: torch.Tensor | None,
                preserves_finite: bool, calls: list[Call]) -> None:
@@ -119,9 +132,9 @@ class HeldOutputChecks(FirstBadLayer):
         try:
             checks.check(checks.flag(loss), self.held.take())
         except Exception as exc:  # noqa: BLE001 (a Triton that cannot compile for this GPU)
-            self._holding = False
+            self._holding, self._broken = False, True
+            checks.lost()
             errors.report("activations.flagged_checks", exc)
-            self.failed()  # from the next step on every output is checked as made
 
     def seal(self) -> tuple[bool, bool]:
         # outputs of a forward no backward followed: checked as if its loss were bad (they
@@ -132,3 +145,5 @@ class HeldOutputChecks(FirstBadLayer):
 
     def close(self, first_slot: torch.Tensor) -> None:
         self.checks.take_into(first_slot)
+        if self._broken:
+            self.failed()  # from the next step on every output is checked as made
