@@ -171,6 +171,8 @@ class ActivationCollector(Collector):
             self._fusing = False
             if self._held.outputs:
                 self._fuse_held()
+            else:
+                self._held.take()  # judges the outputs watched instead of held
 
     def _fuse_held(self) -> None:
         """A sampled forward's held outputs: each call's abs-max as its (min, max) pair

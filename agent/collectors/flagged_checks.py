@@ -112,6 +112,17 @@ def kept_alone(tensor: torch.Tensor) -> bool:
         return False
 
 
+def storage_weak_ref(tensor: torch.Tensor) -> Any:
+    """A weak reference to `tensor`'s storage (`expired()` once nothing keeps it alive),
+    or None where the private API is missing. Host only."""
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(tensor.untyped_storage())
+    except (AttributeError, ImportError, RuntimeError):
+        return None
+
+
 def available(device: torch.device) -> bool:
     """Whether the kernel runs for tensors on `device`: CUDA (or ROCm) with Triton, or the
     CPU in Triton's interpreter (tests of the device path)."""

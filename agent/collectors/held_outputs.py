@@ -9,7 +9,7 @@ accelerator, the call takes its own `aminmax` as it is produced."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,6 +37,8 @@ class HeldOutputs:
         self._in_place: set[int] = set()  # layers whose output changed before its check
         self._kept: set[int] = set()  # layers whose held output autograd kept alive too
         self.held_bytes = 0  # what outputs counted against the budget hold since the check
+        self._watched: dict[int, Any] = {}  # layer: weak reference to an unheld output's
+        # storage, for layers not judged yet (whether autograd keeps it alive)
 
     def hold(self, index: int, tensor: torch.Tensor, calls: list[Call], start: object = None,
              end: object = None, kernel: bool = False) -> bool:
@@ -54,6 +56,7 @@ class HeldOutputs:
         except RuntimeError:  # an inference tensor: no version counter
             return False
         if not self._within_budget(index, tensor):
+            self._watch(index, tensor)
             return False
         self.outputs.append((len(calls), index, tensor, version))
         calls.append((index, tensor.dtype, None, start, end))
@@ -71,11 +74,22 @@ class HeldOutputs:
         self.held_bytes += size
         return True
 
+    def _watch(self, index: int, tensor: torch.Tensor) -> None:
+        """An output not judged yet that did not fit: a weak reference to its storage
+        (host only, keeps nothing alive) tells at the check whether autograd kept it."""
+        if index in self._kept or index in self._watched:
+            return
+        weak = flagged_checks.storage_weak_ref(tensor)
+        if weak is not None:
+            self._watched[index] = weak
+
     def take(self) -> list[tuple[int, torch.Tensor]]:
         """The held outputs as (call position, output), released, and what each says of
         its layer: changed in place since it was produced (from the next step on checked
         as produced; this one as it is now), and whether only the agent kept it alive
-        (then held within the budget only)."""
+        (then held within the budget only; else held free); and, of the outputs not held
+        for want of budget before their layer was judged, whether their storage is still
+        alive (autograd kept it: held free from now on)."""
         held, self.outputs = self.outputs, []
         self.held_bytes = 0
         for _, index, output, version in held:
@@ -85,11 +99,16 @@ class HeldOutputs:
                 self._kept.discard(index)
             else:
                 self._kept.add(index)
+        watched, self._watched = self._watched, {}
+        for index, weak in watched.items():
+            if not weak.expired():  # its storage outlived the agent's not holding it
+                self._kept.add(index)
         return [(position, output) for position, _, output, _ in held]
 
     def clear(self) -> None:
         self.outputs = []
         self.held_bytes = 0
+        self._watched = {}
 
 
 class HeldOutputChecks(FirstBadLayer):
@@ -124,6 +143,8 @@ class HeldOutputChecks(FirstBadLayer):
     def backward_begin(self, loss: torch.Tensor | None, calls: list[Call]) -> None:
         if self.held.outputs:
             self._check(loss)
+        else:
+            self.held.take()  # judges the outputs watched instead of held
 
     def _check(self, loss: torch.Tensor | None) -> None:
         """Launch the flagged check of each output held since the last backward (no read:

@@ -230,10 +230,12 @@ def test_an_output_changed_in_place_is_checked_as_it_was_produced(
 
 def test_outputs_only_the_agent_kept_alive_are_checked_as_produced_past_the_budget(
         attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """hold_mb=0: an output autograd did not save (layer 4's, which the ReLU after it does
-    not keep: ReLU saves its own output) is, from the step after the agent saw that, checked
-    as it is produced instead of held. Every output autograd saved is still held. So step
-    4's overflow, which the ReLU absorbs (finite loss), is now named; the others as before."""
+    """hold_mb=0: no output is held before the agent has judged its layer (the sampled step
+    0 holds none: a weak reference to each output's storage tells at the forward's end
+    which autograd kept); from then on an output autograd did not save (layer 4's, which
+    the ReLU after it does not keep: ReLU saves its own output) is checked as it is
+    produced instead of held, and every output autograd saved is held. So step 4's
+    overflow, which the ReLU absorbs (finite loss), is now named; the others as before."""
     monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     truth, loss_bad, steps = run_poisoned(attach, offline, chain_model(), hold_mb=0)
     assert truth[4] == 4 and not loss_bad[4]
