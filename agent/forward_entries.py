@@ -94,6 +94,8 @@ class ForwardEntries:
             return
         if module is not watch.model and _in_backward():  # checkpointing's recompute
             return
+        if watch.capturing():  # a CUDA graph's capture: no device work of ours in it
+            return
         self.owner = module
         watch.backward_owner.forward_ran()
         training = watch.inner.training if module is watch.model else module.training

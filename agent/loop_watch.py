@@ -103,6 +103,7 @@ class LoopWatch:
         self.active = False
         self.suspended = False  # set during check_speedup's private runs
         self.in_training_forward = False
+        self._said_capture = False  # capturing() told the server once
         self.training_autocast: str | None = None  # autocast dtype of training forwards
         self.fp16_params = any(p.dtype == torch.float16 for p in self.params)
         self.fp16_outputs = False  # a sampled forward saw a layer compute in float16
@@ -183,6 +184,17 @@ class LoopWatch:
                 handler(*args)
             except Exception as exc:  # noqa: BLE001
                 errors.report(site, exc)
+
+    def capturing(self) -> bool:
+        """Whether the current CUDA stream is capturing a CUDA graph: what the agent would
+        launch then would be recorded into the graph, and its hooks never run on replay.
+        Said once (an `unsupported` event); a host query, no sync."""
+        if self.device_type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return False
+        if not self._said_capture:
+            self._said_capture = True
+            self.note_unsupported("cuda_graph_capture", [])
+        return True
 
     @property
     def live(self) -> bool:

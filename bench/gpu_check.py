@@ -6,6 +6,7 @@
 Groups (each row is printed as it is measured, and DIR/gpu_check.json and
 DIR/gpu_check.md are rewritten after every row, so a run cut short still says what it
 measured):
+  0 device-path  tests/agent/test_cuda_device_path.py under pytest -m cuda (issue 62), first
   1 no-sync    each training recipe, 100 steps under torch.cuda.set_sync_debug_mode("error")
                with the agent attached (sampled steps and an overflow included)
   2 values     loss scale, skipped steps and grad norms against the check's own truth;
@@ -201,6 +202,26 @@ def flagged_checks_state(device: Any) -> str:
     return f"on (triton {triton.__version__}): held outputs, checked when the loss is bad"
 
 
+DEVICE_PATH_TESTS = "tests/agent/test_cuda_device_path.py"  # issue 62's CUDA tests
+
+
+def check_device_path(ctx: Context) -> None:
+    """The accelerator path's CUDA tests first (`pytest -m cuda -n 0`, a few seconds):
+    another device than the current one, hold_mb under checkpointing, float64, channels_last,
+    FP8, side streams, variable shapes, CUDA graph capture. One row: pytest's summary."""
+    if ctx.smoke:
+        ctx.report.add("device-path", "pytest -m cuda " + DEVICE_PATH_TESTS, "skip",
+                       "CUDA only (the CPU twins run in the suite: test_device_path.py)")
+        return
+    done = subprocess.run([sys.executable, "-m", "pytest", "-m", "cuda", "-n", "0", "-q",
+                           "-p", "no:randomly", DEVICE_PATH_TESTS], cwd=REPO,
+                          capture_output=True, text=True, timeout=max(30, ctx.budget.left() / 3))
+    summary = (done.stdout.strip().splitlines() or ["no output"])[-1]
+    ctx.report.add("device-path", "pytest -m cuda " + DEVICE_PATH_TESTS,
+                   "pass" if done.returncode == 0 else "fail", summary[:300],
+                   output=done.stdout[-4000:])
+
+
 def _run_checks(args: argparse.Namespace, budget: Any, installs: list[str], server: str,
                 ready: Callable[[], None]) -> int:
     import torch
@@ -240,8 +261,8 @@ def _run_checks(args: argparse.Namespace, budget: Any, installs: list[str], serv
                       batch=args.batch or gpt2_batch(memory) if cuda else 4)
         report.note("server", server)
         install_te = args.install and not args.smoke
-        groups = [("no-sync", check_no_sync), ("values", check_values), ("fp8", check_fp8),
-                  ("overhead", check_overhead),
+        groups = [("device-path", check_device_path), ("no-sync", check_no_sync),
+                  ("values", check_values), ("fp8", check_fp8), ("overhead", check_overhead),
                   ("fp8", lambda c: check_transformer_engine(c, install_te)),
                   ("pages", check_pages)]
         for group, check in groups:
@@ -269,7 +290,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="the CPU run of the same paths")
     parser.add_argument("--budget", type=float, default=None,
                         help="wall seconds for the whole run (default 470; 100 with --smoke)")
-    parser.add_argument("--groups", default="no-sync,values,fp8,overhead,pages")
+    parser.add_argument("--groups", default="device-path,no-sync,values,fp8,overhead,pages")
     parser.add_argument("--no-install", dest="install", action="store_false",
                         help="install nothing, report what is missing")
     parser.add_argument("--server", default=None, help="send to this server, not a local one")

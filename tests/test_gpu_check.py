@@ -51,7 +51,7 @@ def test_smoke_run_reaches_every_check(smoke) -> None:
                    "fp8_torchao"):
         assert ("no-sync", recipe) in checks
     groups = {r["group"] for r in rows}
-    assert groups == {"no-sync", "values", "overhead", "fp8", "pages"}
+    assert groups == {"device-path", "no-sync", "values", "overhead", "fp8", "pages"}
     overhead = {r["check"] for r in rows if r["group"] == "overhead"}
     assert overhead == {f"A/B {p} eager {s}" for p in ("bf16", "fp16")
                         for s in ("defaults", "activations every step")} | {

@@ -1,14 +1,18 @@
 """How one step's (min, max) pairs reduce on the device into the activations collector's
 slots: the first call with inf/NaN, and each layer's abs-max. Built once per call pattern,
-on the host; the reductions are a handful of device launches, never a read."""
+on the host (its index tensors copied from pinned memory without waiting for the device),
+kept in a bounded least-recently-used cache; the reductions are a handful of device
+launches, never a read."""
 
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 
-from ampwatch.agent.collectors.first_bad_layer import Call
+from ampwatch.agent.collectors.base import device_tensor
+from ampwatch.agent.collectors.first_bad_layer import Call, stats_dtype
 
 
 def largest(*values: float) -> float:
@@ -38,7 +42,7 @@ class AbsMaxPlan:
         self.empty = not order
         if self.empty:
             return
-        self.positions = [torch.tensor(positions, dtype=torch.float64, device=device)
+        self.positions = [device_tensor(positions, torch.float64, device)
                           for positions in self.groups]
         self.no_call = torch.full((1,), float(NO_CALL), dtype=torch.float64, device=device)
         rows: dict[int, list[int]] = {}
@@ -48,11 +52,11 @@ class AbsMaxPlan:
         pad = len(order)  # index of the appended zero
         matrix = [rows.get(layer, []) + [pad] * (width - len(rows.get(layer, [])))
                   for layer in range(n_layers)]
-        self.index = torch.tensor(matrix, dtype=torch.long, device=device)
+        self.index = device_tensor(matrix, torch.long, device)
         self.single = width == 1  # each layer called once: a plain gather
         if self.single:
             self.index = self.index.reshape(-1)
-        self.zero = torch.zeros(1, dtype=pattern[order[0]][1], device=device)
+        self.zero = torch.zeros(1, dtype=stats_dtype(pattern[order[0]][1]), device=device)
 
     def stack(self, calls: list[Call]) -> list[torch.Tensor]:
         """The (min, max) pairs of each dtype group, as (calls, 2) tensors."""
@@ -75,3 +79,34 @@ class AbsMaxPlan:
         values = torch.cat([*parts, self.zero])  # cat promotes to the widest dtype
         values = values[self.index] if self.single else values[self.index].amax(dim=1)
         out.copy_(values)
+
+
+Pattern = tuple[tuple[int, torch.dtype | None], ...]
+
+
+class AbsMaxPlans:
+    """The plans of the call patterns seen last: at most MAX_PLANS, least recently used
+    dropped first (variable sequence lengths or routed layers can make a new pattern
+    every step; each costs one build and its small host-to-device copies)."""
+
+    MAX_PLANS = 32
+
+    def __init__(self, n_layers: int, device: torch.device) -> None:
+        self.n_layers = n_layers
+        self.device = device
+        self._plans: OrderedDict[Pattern, AbsMaxPlan] = OrderedDict()
+        self.built = 0  # plans built so far (each a cache miss)
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+    def get(self, pattern: Pattern) -> AbsMaxPlan:
+        plan = self._plans.get(pattern)
+        if plan is not None:
+            self._plans.move_to_end(pattern)
+            return plan
+        plan = self._plans[pattern] = AbsMaxPlan(pattern, self.n_layers, self.device)
+        self.built += 1
+        if len(self._plans) > self.MAX_PLANS:
+            self._plans.popitem(last=False)
+        return plan

@@ -34,7 +34,7 @@ import torch
 
 from ampwatch.agent import errors
 from ampwatch.agent.collectors import flagged_checks
-from ampwatch.agent.collectors.absmax_plan import NO_CALL, AbsMaxPlan, largest
+from ampwatch.agent.collectors.absmax_plan import NO_CALL, AbsMaxPlans, largest
 from ampwatch.agent.collectors.base import Collector, SampledHooks
 from ampwatch.agent.collectors.finite_checks import (
     FINITE_PRESERVING,
@@ -77,7 +77,7 @@ class ActivationCollector(Collector):
         self._fusing = False  # this forward's outputs are held for the sampled abs-max
         self._pre_hooks = SampledHooks(self._register_pre_hooks)  # sampled steps only
         self._post_hooks = SampledHooks(self._register_post_hooks)
-        self._plans: dict[tuple[tuple[int, torch.dtype | None], ...], AbsMaxPlan] = {}
+        self._plans: AbsMaxPlans | None = None  # bind: the device's
         self._calls: list[Call] = []
         self._starts: dict[int, Any] = {}  # the hooks hold these two dicts: kept, cleared
         self._tokens: dict[int, int] = {}
@@ -88,13 +88,15 @@ class ActivationCollector(Collector):
         super().bind(watch)
         self._absmax_slots = self.view.narrow(0, 0, self.n_layers)
         self._first_slot = self.view.narrow(0, self.n_layers, 1)
+        self._plans = AbsMaxPlans(self.n_layers, watch.device)
         self._pre_by_layer = [(layer.module, self._pre(layer.index)) for layer in watch.layers]
         self._post_by_layer = [(layer.module, self._post(layer.index))
                                for layer in watch.layers]
         if not watch.host_reduce:  # what held outputs may keep alive that autograd does not
             hold_mb = getattr(watch.settings, "hold_mb", None)
             self._held = HeldOutputs(flagged_checks.default_budget(watch.device)
-                                     if hold_mb is None else int(hold_mb * (1 << 20)))
+                                     if hold_mb is None else int(hold_mb * (1 << 20)),
+                                     watch.device)
         self._use(self._choose_way())
 
     def _choose_way(self) -> FirstBadLayer:
@@ -169,6 +171,8 @@ class ActivationCollector(Collector):
             self._fusing = False
             if self._held.outputs:
                 self._fuse_held()
+            else:
+                self._held.take()  # judges the outputs watched instead of held
 
     def _fuse_held(self) -> None:
         """A sampled forward's held outputs: each call's abs-max as its (min, max) pair
@@ -271,9 +275,6 @@ class ActivationCollector(Collector):
             self._note_order(pattern, calls, tokens or {})
         if not host_reduce:
             plan = self._plans.get(pattern)
-            if plan is None:
-                plan = self._plans[pattern] = AbsMaxPlan(pattern, self.n_layers,
-                                                         self.watch.device)
             pairs = plan.stack(calls) if not plan.empty else []
             plan.first_nonfinite(pairs, self._first_slot)
             self._way.close(self._first_slot)

@@ -25,6 +25,14 @@ EVENTS = ("on_forward_begin", "on_forward_end", "on_backward_begin", "on_backwar
           "on_step_begin", "on_step_end", "on_update_begin", "on_update_end", "on_next_step")
 
 
+def device_tensor(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`: a CUDA one is copied from pinned memory without
+    waiting for the device (a pageable copy, as `torch.tensor(..., device=)` makes, would
+    block the host until the device caught up)."""
+    host = torch.tensor(values, dtype=dtype, pin_memory=device.type == "cuda")
+    return host.to(device, non_blocking=True)
+
+
 class Collector:
     """Base class: every event is a no-op; subclasses override the ones they need.
 

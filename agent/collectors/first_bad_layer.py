@@ -28,17 +28,32 @@ if TYPE_CHECKING:
 # one hooked call: (layer index, output dtype or None, statistics or None, start, end)
 Call = tuple[int, torch.dtype | None, Any, Any, Any]
 
+# outputs no reduction reads in their own dtype (aminmax, isfinite, _foreach_norm raise):
+# their statistics are taken in float32, which holds every FP8 value
+FP8_DTYPES = frozenset(getattr(torch, name) for name in (
+    "float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz", "float8_e8m0fnu")
+    if hasattr(torch, name))
+
+
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of the statistics of an output of `dtype`."""
+    return torch.float32 if dtype in FP8_DTYPES else dtype
+
 
 def record_minmax(calls: list[Call], index: int, tensor: torch.Tensor | None,
                   start: Any = None, end: Any = None) -> None:
     """Layer `index`'s call with its output's (min, max) on the device (NaN and inf
-    propagate), or without statistics when it has no floating output."""
+    propagate), or without statistics when it has no floating output. An FP8 output is
+    read through a float32 copy (rare: FP8 layers give bf16 or float32 outputs)."""
     if tensor is None or not tensor.is_floating_point():
         calls.append((index, None, None, start, end))
     elif tensor.numel() == 0:
         calls.append((index, tensor.dtype, None, start, end))
     else:
-        calls.append((index, tensor.dtype, torch.aminmax(tensor.detach()), start, end))
+        values = tensor.detach()
+        if values.dtype in FP8_DTYPES:
+            values = values.float()
+        calls.append((index, tensor.dtype, torch.aminmax(values), start, end))
 
 
 class FirstBadLayer:

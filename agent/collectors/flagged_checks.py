@@ -54,6 +54,21 @@ def _kernel() -> Any:
     return flagged_kernel
 
 
+def dense(tensor: torch.Tensor) -> bool:
+    """Whether `tensor`'s elements fill one block of memory from its first element, in
+    some order (contiguous, channels_last, a transposed result): what the kernel reads,
+    `numel` elements from `data_ptr`. Host metadata only."""
+    expected = 1
+    for size, stride in sorted(zip(tensor.shape, tensor.stride(), strict=True),
+                               key=lambda pair: pair[1]):
+        if size == 1:
+            continue
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def readable(dtype: torch.dtype) -> bool:
     """Whether the kernel reads outputs of `dtype` (after available() said it runs)."""
     return dtype in _kernel().TYPES
@@ -97,6 +112,17 @@ def kept_alone(tensor: torch.Tensor) -> bool:
         return False
 
 
+def storage_weak_ref(tensor: torch.Tensor) -> Any:
+    """A weak reference to `tensor`'s storage (`expired()` once nothing keeps it alive),
+    or None where the private API is missing. Host only."""
+    try:
+        from torch.multiprocessing.reductions import StorageWeakRef
+
+        return StorageWeakRef(tensor.untyped_storage())
+    except (AttributeError, ImportError, RuntimeError):
+        return None
+
+
 def available(device: torch.device) -> bool:
     """Whether the kernel runs for tensors on `device`: CUDA (or ROCm) with Triton, or the
     CPU in Triton's interpreter (tests of the device path)."""
@@ -120,6 +146,7 @@ class FlaggedChecks:
         self.first = torch.full((1,), no_call, dtype=torch.int64, device=device)
         self.unknown = torch.ones(1, dtype=torch.bool, device=device)  # the loss unknown
         self._flags: list[torch.Tensor] = []  # this step's, one per checked backward
+        self._lost = False  # a launch of this step failed (its outputs went unchecked)
         self.device = device
         self._interpreted = device.type == "cpu"
         self._programs = (INTERPRETED_PROGRAMS if self._interpreted
@@ -133,12 +160,31 @@ class FlaggedChecks:
         return flag
 
     def check(self, flag: torch.Tensor, held: list[tuple[int, torch.Tensor]]) -> None:
-        """Launch the checks of held (contiguous, `readable`) outputs: (call position,
-        output) pairs. One launch per dtype; the outputs stay referenced until it is
-        queued, and the allocator hands their memory on only in stream order after it."""
+        """Launch the checks of held (`dense`, `readable`) outputs on this device: (call
+        position, output) pairs. One launch per dtype, on this device whichever is
+        current (an output elsewhere is skipped: its address means nothing here). The
+        outputs stay referenced until it is queued; each is recorded on the launch stream
+        (`record_stream`), so the allocator hands its memory on only after the kernel,
+        also when it was made on another stream."""
         groups: dict[torch.dtype, list[tuple[int, torch.Tensor]]] = {}
         for position, output in held:
-            groups.setdefault(output.dtype, []).append((position, output))
+            if output.device == self.device:
+                groups.setdefault(output.dtype, []).append((position, output))
+        if not groups:
+            return
+        if self._interpreted:
+            with torch.profiler.record_function(INTERPRETED):
+                self._launch(flag, groups)
+        else:
+            with torch.cuda.device(self.device):  # Triton launches on the current device
+                stream = torch.cuda.current_stream(self.device)
+                for items in groups.values():
+                    for _, output in items:
+                        output.record_stream(stream)
+                self._launch(flag, groups)
+
+    def _launch(self, flag: torch.Tensor,
+                groups: dict[torch.dtype, list[tuple[int, torch.Tensor]]]) -> None:
         kernel = _kernel()
         for dtype, items in groups.items():
             table = torch.tensor([[o.data_ptr() for _, o in items],
@@ -148,18 +194,25 @@ class FlaggedChecks:
                 table = table.pin_memory().to(self.device, non_blocking=True)
             largest = max(o.numel() for _, o in items)
             grid = (max(1, min(self._programs, -(-largest // BLOCK))),)
-            if self._interpreted:
-                with torch.profiler.record_function(INTERPRETED):
-                    kernel.check[grid](flag, table, len(items), self.first,
-                                       DTYPE=kernel.TYPES[dtype], BLOCK=BLOCK)
-            else:
-                kernel.check[grid](flag, table, len(items), self.first,
-                                   DTYPE=kernel.TYPES[dtype], BLOCK=BLOCK)
+            kernel.check[grid](flag, table, len(items), self.first,
+                               DTYPE=kernel.TYPES[dtype], COMPUTE=kernel.COMPUTE[dtype],
+                               BLOCK=BLOCK)
+
+    def lost(self) -> None:
+        """A launch failed: this step's held outputs were not checked (`take_into` says
+        so rather than calling them finite)."""
+        self._lost = True
 
     def take_into(self, slot: torch.Tensor) -> None:
         """Write this step's result into its float64 first-call `slot` (which holds what
         the outputs checked as produced gave): the first bad call of either when a flag
-        was set or an output checked as produced was bad, else `unchecked`; reset."""
+        was set or an output checked as produced was bad, else `unchecked` (also when a
+        launch failed and nothing checked as produced was bad); reset."""
+        if self._lost:
+            self._flags, self._lost = [], False
+            torch.where(slot < self.no_call, slot, self.unchecked, out=slot)
+            self.first.fill_(self.no_call)
+            return
         if not self._flags:
             return
         flags, self._flags = self._flags, []

@@ -33,7 +33,7 @@ from ampwatch.agent import distributed, errors, patches
 from ampwatch.agent.attention_calls import SDPA, interface_patch
 from ampwatch.agent.attention_logits import mha_max_logit, output_stats, sdpa_max_logit
 from ampwatch.agent.collectors.activations import first_float_tensor
-from ampwatch.agent.collectors.base import Collector, SampledHooks
+from ampwatch.agent.collectors.base import Collector, SampledHooks, device_tensor
 from ampwatch.agent.update_stats import N_SUMS, SUMS, kind_of, param_sums
 from ampwatch.wire import encode_float_array
 
@@ -280,8 +280,7 @@ class SpikeCollector(Collector):
         if index is None:
             if len(self._indices) >= 64:  # the sampled layers changed many times: start over
                 self._indices.clear()
-            host = torch.tensor(rows, dtype=torch.long, pin_memory=device.type == "cuda")
-            index = self._indices[key] = host.to(device, non_blocking=True)
+            index = self._indices[key] = device_tensor(rows, torch.long, device)
         return index
 
     # ------------------------------------------------------------------ worker

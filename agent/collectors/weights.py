@@ -2,8 +2,9 @@
 parameters the layer owns (a tied parameter counts in the first layer holding it), as the
 step's first training forward begins, so it is the weights that step ran with.
 
-One fused `torch._foreach_norm` per device over every parameter (float32 accumulation,
-whatever the parameters' dtype), its squares summed into the layers by one `index_add`,
+One fused `torch._foreach_norm` per device and kind of parameter (float32 accumulation
+for float32 and narrower parameters, float64 for float64 ones, whose norm float32 may not
+hold), its squares summed into the layers by one `index_add`,
 all on the device into the step buffer; the host reads them a step later on the worker.
 Nothing synchronises the device. A layer's weights that jump between samples (a bad
 update, a loop that rescales them, a corrupted load) show here before anything
@@ -18,7 +19,7 @@ import numpy as np
 import torch
 
 from ampwatch.agent import distributed
-from ampwatch.agent.collectors.base import Collector
+from ampwatch.agent.collectors.base import Collector, device_tensor
 from ampwatch.wire import encode_float_array
 
 
@@ -37,21 +38,25 @@ class WeightNormCollector(Collector):
         self._owned = owned
         self._sampled = False
         self._pending: torch.Tensor | None = None
-        self._groups: list[tuple[list[torch.Tensor], torch.Tensor]] = []
+        self._groups: list[tuple[list[torch.Tensor], torch.dtype, torch.Tensor]] = []
 
     def bind(self, watch: Any) -> None:
         super().bind(watch)
         local = distributed.local if watch.parallelism is not None else (lambda t: t)
-        by_device: dict[torch.device, tuple[list[torch.Tensor], list[int]]] = {}
+        groups: dict[tuple[torch.device, torch.dtype],
+                     tuple[list[torch.Tensor], list[int]]] = {}
         for index, p in self._owned:
             tensor = local(p)
-            params, rows = by_device.setdefault(tensor.device, ([], []))
+            wide = torch.float64 if tensor.dtype == torch.float64 else torch.float32
+            params, rows = groups.setdefault((tensor.device, wide), ([], []))
             params.append(tensor)
             rows.append(index)
         # the layer of each parameter, made once: a per-step index would copy host to device
-        self._groups = [(params, torch.tensor(rows, dtype=torch.long).to(watch.device))
-                        for params, rows in by_device.values()]
-        self._zeros = torch.zeros(self.n_layers, dtype=torch.float32, device=watch.device)
+        self._groups = [(params, wide, device_tensor(rows, torch.long, watch.device))
+                        for (_, wide), (params, rows) in groups.items()]
+        dtype = (torch.float64 if any(wide == torch.float64 for _, wide, _ in self._groups)
+                 else torch.float32)
+        self._zeros = torch.zeros(self.n_layers, dtype=dtype, device=watch.device)
 
     def on_next_step(self, step: int) -> None:
         self._sampled = self.watch.samples(step) and bool(self._rows)
@@ -62,9 +67,10 @@ class WeightNormCollector(Collector):
             return
         with torch.no_grad():
             squares = self._zeros
-            for params, rows in self._groups:
-                norms = torch._foreach_norm(params, 2, dtype=torch.float32)
-                sq = torch.stack(norms).to(self._zeros.device, non_blocking=True).square()
+            for params, wide, rows in self._groups:
+                norms = torch._foreach_norm(params, 2, dtype=wide)
+                sq = torch.stack(norms).to(self._zeros.device, self._zeros.dtype,
+                                           non_blocking=True).square()
                 squares = squares.index_add(0, rows, sq)
             self._pending = squares.sqrt()
 

@@ -250,8 +250,7 @@ class Delivery:
                     reply.outcome is Outcome.MISSING and entry is not None
                     and entry["run"] is None):  # a tally for a run the server lost
                 spool.reject(path)
-                errors.report("sender.rejected", RuntimeError(
-                    f"server refused batch {path.name}: HTTP {reply.status} {reply.body}"))
+                self.outage.refused_batch(path.name, reply)
             else:
                 if reply.outcome is Outcome.MISSING:
                     self._put_key = None

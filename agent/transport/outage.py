@@ -1,7 +1,7 @@
-"""When the server cannot be reached: a malformed URL, an unreachable server, a refused
-token, and the recovery, each said once (agent/notices.py) and the outage told to the
-server once delivery recovered (a `delivery` event, shown on the run page and by
-`ampwatch show`).
+"""When the server cannot be reached or will not store: a malformed URL, an unreachable
+server, a refused token, a refused batch, and the recovery, each said once
+(agent/notices.py), and the outage told to the server once delivery recovered (a
+`delivery` event, shown on the run page and by `ampwatch show`).
 
 Only `check_server_url` runs on the training thread (at `attach()`, syntax only); the
 `OutageWatch` sees the sender thread's responses, so none of this makes training wait.
@@ -59,6 +59,7 @@ class OutageWatch:
         self._answered_at: datetime | None = None  # the outage's first answer since
         self._delivered_before = 0
         self._said: set[Outcome] = set()
+        self._refusal_said = False  # a refused batch was said (once per run)
 
     def observe(self, reply: Response) -> None:
         """Every response of the sender: an answer ends the outage's silence; no answer
@@ -92,6 +93,19 @@ class OutageWatch:
                  f"on; the run is spooled in {folder} and sent when the server answers, or "
                  f"later with `ampwatch sync {folder} --server {s.server}`")
 
+    def refused_batch(self, name: str, reply: Response) -> None:
+        """The server refused a batch (a 4xx other than the token's): its steps are not
+        stored, and retrying would not change that. Said once per run, with what the
+        server said; the batch stays aside in the spool (`rejected/`)."""
+        if self._refusal_said:
+            return
+        self._refusal_said = True
+        folder = spooled_in(self.settings)
+        tell(f"ampwatch: the server {self.settings.server} refused batch {name} (HTTP "
+             f"{reply.status}: {_what_it_said(reply.body)}): its steps are not stored. "
+             f"Training goes on; the batch is kept in {folder} (rejected/). Further refused "
+             f"batches are not said again")
+
     def drained(self) -> None:
         """The run's spool is empty: an outage that got answers since is over."""
         if self.cause is None or self._answered_at is None or self._started_at is None:
@@ -107,3 +121,10 @@ class OutageWatch:
              f"{seconds:.0f} s: {self.cause})")
         self.cause = self._started_at = self._answered_at = None
         self._said.clear()
+
+
+def _what_it_said(body: Any) -> str:
+    """The server's `detail`, short enough for one line."""
+    detail = body.get("detail", body) if isinstance(body, dict) else body
+    text = detail if isinstance(detail, str) else repr(detail)
+    return text if len(text) <= 500 else text[:500] + "..."

@@ -35,6 +35,9 @@ from ampwatch.server.store.series import (
 )
 
 _FLOAT32_MAX = float(np.finfo(np.float32).max)
+_FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
+# the event of a step whose per-layer values float32 could not keep (stored clamped)
+FLOAT32_CLAMPED = "float32_clamped"
 _MISSING_F = float(MISSING)
 _CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars, Batch.present,
                  Batch.events, Batch.superseded_from)
@@ -42,11 +45,15 @@ _LAYER_COLUMNS = (Batch.layer_grad,)
 _ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time,
                 Batch.act_grad_zero)
 
-def _per_layer_block(rows: list[list[float]], steps: list[int], name: str) -> np.ndarray:
-    """float32 matrix of validated per-layer vectors, a missing entry as MISSING. Refuses
-    (InvalidInput) a value float32 would not keep: beyond its range (it would read back as
-    inf) or so small it would read back as 0; and negatives, which norms, abs-maxes and
-    times never are (so no sent value can be taken for MISSING, -1)."""
+def _per_layer_block(rows: list[list[float]], steps: list[int], name: str,
+                     events: list[dict]) -> np.ndarray:
+    """float32 matrix of validated per-layer vectors, a missing entry as MISSING. A value
+    float32 cannot keep is stored as the nearest it can, never refusing the batch: beyond
+    its range (a float64 model's 1e300) as its largest finite, so it stays a finite
+    value; non-zero below its smallest subnormal as that subnormal, so it stays
+    non-zero; each such step gets a `FLOAT32_CLAMPED` event in `events` naming the field,
+    the layers and the values as sent. Refuses (InvalidInput) negatives, which norms,
+    abs-maxes and times never are (so no sent value can be taken for MISSING, -1)."""
     wide = np.array(rows, dtype=np.float64)
     missing = missing_entries(wide)
     with np.errstate(over="ignore", invalid="ignore"):
@@ -54,21 +61,28 @@ def _per_layer_block(rows: list[list[float]], steps: list[int], name: str) -> np
         negative = wide < 0
         overflow = np.isinf(narrow) & np.isfinite(wide)
         underflow = (narrow == 0) & (wide != 0) & ~missing
-    for bad, why in ((negative, "is negative: norms, abs-maxes and times never are"),
-                     (overflow, f"is beyond float32's range (+-{_FLOAT32_MAX:.7g}), in which "
-                      "per-layer values are stored"),
-                     (underflow, "is too small for float32 (it would be stored as 0), in "
-                      "which per-layer values are stored")):
-        if bad.any():
-            row, layer = np.argwhere(bad)[0]
-            raise InvalidInput(f"step {steps[row]}: {name}[{layer}] = {wide[row, layer]!r} {why}")
+    if negative.any():
+        row, layer = np.argwhere(negative)[0]
+        raise InvalidInput(f"step {steps[row]}: {name}[{layer}] = {wide[row, layer]!r} is "
+                           "negative: norms, abs-maxes and times never are")
+    narrow[overflow] = _FLOAT32_MAX
+    narrow[underflow] = _FLOAT32_TINY
+    clamped = overflow | underflow
+    for row in np.flatnonzero(clamped.any(axis=1)):
+        layers = np.flatnonzero(clamped[row])
+        events.append({"step": steps[row], "kind": FLOAT32_CLAMPED, "detail": {
+            "field": name, "layers": layers.tolist(),
+            "sent": [float(wide[row, layer]) for layer in layers]}})
     narrow[missing] = MISSING
     return narrow
 
 
-def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
+def pack_steps(steps: list[StepIn], n_layers: int,
+               events: list[dict] | None = None) -> dict[str, bytes | None]:
     """Batch columns for `steps`; assumes per-layer vectors were checked against n_layers.
-    Raises InvalidInput for per-layer values float32 cannot keep (`_per_layer_block`)."""
+    Appends to `events` a `FLOAT32_CLAMPED` event per step with values float32 could not
+    keep; raises InvalidInput for negative per-layer values (`_per_layer_block`)."""
+    events = [] if events is None else events
     n = len(steps)
     k = len(SCALAR_FIELDS)
     scalars = np.zeros((n, k), dtype=np.float64)
@@ -99,7 +113,7 @@ def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
         none_row = [MISSING_ENTRY] * n_layers
         out["layer_grad"] = _per_layer_block(
             [none_row if s.layer_grad_norm is None else s.layer_grad_norm for s in steps],
-            [s.step for s in steps], "layer_grad_norm").tobytes()
+            [s.step for s in steps], "layer_grad_norm", events).tobytes()
     # sampled steps: activations and/or zero-grad shares, one row each
     sampled = [s for s in steps
                if s.activations is not None or s.layer_grad_zero_share is not None]
@@ -110,7 +124,7 @@ def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
         out["act_step"] = np.array(sampled_steps, dtype=np.int64).tobytes()
         out["act_absmax"] = _per_layer_block(
             [none_row if a is None else a.absmax for a in acts], sampled_steps,
-            "activations.absmax").tobytes()
+            "activations.absmax", events).tobytes()
         out["act_dtype"] = np.array(
             [[DTYPE_CODE[d] if d else 0 for d in (a is not None and a.dtype or no_dtypes)]
              for a in acts],
@@ -118,12 +132,12 @@ def pack_steps(steps: list[StepIn], n_layers: int) -> dict[str, bytes | None]:
         ).tobytes()
         out["act_time"] = _per_layer_block(
             [a is not None and a.time_ms or none_row for a in acts], sampled_steps,
-            "activations.time_ms").tobytes()
+            "activations.time_ms", events).tobytes()
         if any(s.layer_grad_zero_share is not None for s in sampled):
             out["act_grad_zero"] = _per_layer_block(
                 [none_row if s.layer_grad_zero_share is None else s.layer_grad_zero_share
                  for s in sampled], sampled_steps,
-                "layer_grad_zero_share").tobytes()
+                "layer_grad_zero_share", events).tobytes()
     return out
 
 
@@ -433,7 +447,10 @@ def layer_rows(session: Session, run_id: str, indices: Sequence[int] | None = No
 def new_batch_row(run_id: str, rank: int, seq: int, steps: list[StepIn], n_layers: int,
                   events: list[dict]) -> dict:
     """Values for one INSERT into batches, its columns raw (`codec.encode_columns` makes
-    the stored form)."""
+    the stored form); `events` and the server's own notes on the steps (values stored
+    clamped)."""
+    events = list(events or [])
+    columns = pack_steps(steps, n_layers, events)  # adds a step's FLOAT32_CLAMPED event
     return {
         "run_id": run_id,
         "rank": rank,
@@ -444,6 +461,6 @@ def new_batch_row(run_id: str, rank: int, seq: int, steps: list[StepIn], n_layer
         "n_layers": n_layers,
         "format": RAW_FORMAT,
         "events": events or None,
-        **pack_steps(steps, n_layers),
+        **columns,
     }
 

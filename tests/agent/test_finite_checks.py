@@ -15,6 +15,7 @@ from torch import nn
 
 from ampwatch.agent.collectors import finite_checks
 from tests.agent.factories import batches, spooled_steps, train_with_faults
+from tests.agent.test_device_path import kernel_on_cpu
 
 
 def chain_model() -> nn.Sequential:
@@ -193,6 +194,7 @@ def test_the_device_path_without_a_scaler_checks_held_outputs_on_a_bad_loss(
     kernel (in Triton's interpreter here), whose programs read the loss's flag first. A
     step whose loss is inf/NaN names its first offender exactly; a finite loss reads no
     output and says nothing of them (step 4: the overflow the ReLU absorbs)."""
+    kernel_on_cpu()
     monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     truth, loss_bad, steps = run_poisoned(attach, offline, chain_model())
     assert_named_on_bad_losses(truth, loss_bad, steps)
@@ -205,6 +207,7 @@ def test_an_output_changed_in_place_is_checked_as_it_was_produced(
     as its output is produced. On step 3 the first Linear puts out -inf, which the ReLU
     turns to 0, and a NaN weight later makes the loss NaN: the first offender is the
     first Linear, as produced, not the later layer."""
+    kernel_on_cpu()
     monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(inplace=True), nn.Linear(32, 32),
@@ -230,10 +233,13 @@ def test_an_output_changed_in_place_is_checked_as_it_was_produced(
 
 def test_outputs_only_the_agent_kept_alive_are_checked_as_produced_past_the_budget(
         attach, offline: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """hold_mb=0: an output autograd did not save (layer 4's, which the ReLU after it does
-    not keep: ReLU saves its own output) is, from the step after the agent saw that, checked
-    as it is produced instead of held. Every output autograd saved is still held. So step
-    4's overflow, which the ReLU absorbs (finite loss), is now named; the others as before."""
+    """hold_mb=0: no output is held before the agent has judged its layer (the sampled step
+    0 holds none: a weak reference to each output's storage tells at the forward's end
+    which autograd kept); from then on an output autograd did not save (layer 4's, which
+    the ReLU after it does not keep: ReLU saves its own output) is checked as it is
+    produced instead of held, and every output autograd saved is held. So step 4's
+    overflow, which the ReLU absorbs (finite loss), is now named; the others as before."""
+    kernel_on_cpu()
     monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     truth, loss_bad, steps = run_poisoned(attach, offline, chain_model(), hold_mb=0)
     assert truth[4] == 4 and not loss_bad[4]
@@ -254,6 +260,7 @@ def test_forwards_no_backward_follows_are_still_checked(
     1: a second forward, its loss never backpropagated) has them checked as the step ends,
     and one under no_grad (step 2), which holds nothing, checked as produced. Both get a
     NaN batch: the first layer is named."""
+    kernel_on_cpu()
     monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     model = chain_model()
     attachment = attach(model, sample_every=100, sample_after_anomaly=0)
@@ -295,6 +302,7 @@ def test_a_fused_optimizer_under_a_scaler_takes_the_held_outputs_path(
     skip to replay on. After its first step its outputs are held and checked by the
     flagged kernel: a NaN weight in layer 2 at step 3 is named, the healthy steps read
     nothing."""
+    kernel_on_cpu()
     monkeypatch.setenv("AMPWATCH_DEVICE_PATH", "1")
     model = chain_model()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
