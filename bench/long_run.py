@@ -15,6 +15,12 @@ it should not grow with the run.
         --postgres postgresql+psycopg://postgres@127.0.0.1:5432/test
     python bench/long_run.py --steps 1000000 --sqlite /data/long.db   # keep the database
     python bench/long_run.py --sqlite /data/long.db --reads-only      # time its reads again
+    python bench/long_run.py --steps 200000 --layers 50 --against 2000  # fast at any length
+
+With --against N it also stores a run of N steps (same layers) and prints, for each page
+and read, its warm median on both runs and their ratio (target: within 1.5x): the run
+page on the step axis and on wall time, compare on wall time, the steps API, a layer's
+series and the heatmap.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ TEMPLATES = 16
 EARLY_BATCHES = 5  # the detectors' time "early": over the run's first 1,000 steps
 LATE_BATCHES = 20  # and "late": over its last 20 batches
 RUN_ID = "long-run"
+SHORT_ID = "short-run"
 
 
 def layer_table(layers: int) -> list[dict]:
@@ -196,6 +203,44 @@ def time_pages(url: str, run_id: str, steps: int) -> list[tuple[str, float, floa
     return out
 
 
+def length_reads(run_id: str) -> list[tuple[str, str]]:
+    """The reads that should cost the same at any length of run."""
+    return [
+        ("run page, step axis", f"/runs/{run_id}"),
+        ("run page, wall time", f"/runs/{run_id}?x=wall"),
+        ("compare, wall time", f"/compare?run={run_id}&x=wall"),
+        ("steps API, 2,000 points", f"/api/v1/runs/{run_id}/steps?max_points=2000"),
+        ("one layer's series", f"/api/v1/runs/{run_id}/layers/7/series?max_points=2000"),
+        ("heatmap, 200 buckets", f"/api/v1/runs/{run_id}/layers/matrix?buckets=200"),
+    ]
+
+
+def time_ratios(url: str, repeats: int = 7) -> list[tuple[str, float, float]]:
+    """(read, short run's warm median s, long run's) after a warm-up of each, the two
+    runs' requests interleaved so that the machine's load falls on both alike."""
+    out = []
+    with httpx.Client(base_url=url, timeout=300) as http:
+        for (label, short), (_, long) in zip(length_reads(SHORT_ID), length_reads(RUN_ID),
+                                             strict=True):
+            times: dict[str, list[float]] = {short: [], long: []}
+            for i in range(repeats + 1):
+                for path in (short, long):
+                    t0 = time.perf_counter()
+                    http.get(path).raise_for_status()
+                    if i:
+                        times[path].append(time.perf_counter() - t0)
+            out.append((label, statistics.median(times[short]), statistics.median(times[long])))
+    return out
+
+
+def print_ratios(url: str, short_steps: int, long_steps: int) -> None:
+    print(f"\n{'read (warm median of 7)':26} {short_steps:>9,} {long_steps:>9,}  ratio   "
+          f"(ms; load average {os.getloadavg()[0]:.1f})")
+    for label, short, long in time_ratios(url):
+        print(f"{label:26} {1000 * short:9.1f} {1000 * long:9.1f}  {long / short:5.2f}",
+              flush=True)
+
+
 def run(backend: str, database_url: str, args: argparse.Namespace) -> None:
     print(f"\n## {backend}: {args.steps:,} steps x {args.layers:,} layers, load average "
           f"{os.getloadavg()[0]:.1f}", flush=True)
@@ -208,6 +253,8 @@ def run(backend: str, database_url: str, args: argparse.Namespace) -> None:
               f"(load average {os.getloadavg()[0]:.1f})")
         for label, cold, warm in time_pages(url, RUN_ID, stored["last_step"] + 1):
             print(f"{label:32} {1000 * cold:9.0f} {1000 * warm:9.0f}", flush=True)
+        if args.against:
+            print_ratios(url, args.against, stored["last_step"] + 1)
     finally:
         proc.terminate()
         proc.wait(timeout=60)
@@ -217,6 +264,8 @@ def run(backend: str, database_url: str, args: argparse.Namespace) -> None:
 def build(database_url: str, args: argparse.Namespace) -> None:
     proc, url = start_server(database_url, detect=True)
     try:
+        if args.against:
+            ingest(url, SHORT_ID, args.against, args.layers)
         result = ingest(url, RUN_ID, args.steps, args.layers)
     finally:
         proc.terminate()
@@ -252,6 +301,8 @@ def main() -> None:
     parser.add_argument("--sqlite", type=Path,
                         help="build into (or with --reads-only, read) this SQLite file and "
                         "keep it; by default a temporary file")
+    parser.add_argument("--against", type=int, metavar="STEPS",
+                        help="also store a run of STEPS steps and print each read's ratio")
     parser.add_argument("--reads-only", action="store_true",
                         help="time the reads of the run already in --sqlite")
     args = parser.parse_args()

@@ -182,6 +182,12 @@ class StepSummary(Base):
     grad_max: Mapped[bytes | None] = mapped_column(LargeBinary)
     grad_min: Mapped[bytes | None] = mapped_column(LargeBinary)
     act_max: Mapped[bytes | None] = mapped_column(LargeBinary)
+    # the step clock (series.with_elapsed): the sum of the bucket's finite t_step_ms, the
+    # first folded step's, and each envelope row's sum up to and including it (float64);
+    # NULL for a bucket folded before migration 0019 (its steps are read instead)
+    step_ms_sum: Mapped[float | None] = mapped_column(Float)
+    first_step_ms: Mapped[float | None] = mapped_column(Float)
+    elapsed: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
 class RankRollup(Base):

@@ -3,6 +3,7 @@ when AMPWATCH_TEST_POSTGRES_URL is set), a real HTTP client, a live server proce
 
 from __future__ import annotations
 
+import atexit
 import gc
 import os
 import signal
@@ -28,6 +29,22 @@ if not torch.cuda.is_available():
     # the device path's flagged checks run their Triton kernel in Triton's interpreter on
     # the CPU (agent/collectors/flagged_checks.py): set before triton is first imported
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+
+def _quiet_nanobind_at_exit() -> None:
+    """Triton's nanobind extension lists about 30 lines of "nanobind: leaked" objects on
+    stderr as the interpreter finalizes (its functions and types are still referenced
+    then; nothing leaks while tests run). nanobind's switch for it, set_leak_warnings, is
+    C++ only and triton exposes none, so once triton was imported stderr goes to
+    /dev/null for the interpreter's last moments. Registered first, so it runs after
+    every other exit handler (the agent's flushes keep their stderr)."""
+    if "triton._C.libtriton" in sys.modules:
+        sys.stderr.flush()
+        os.dup2(os.open(os.devnull, os.O_WRONLY), 2)
+
+
+atexit.register(_quiet_nanobind_at_exit)
 
 POSTGRES_URL = os.environ.get("AMPWATCH_TEST_POSTGRES_URL")
 NO_POSTGRES = "AMPWATCH_TEST_POSTGRES_URL is not set (e.g. postgresql+psycopg://postgres@127.0.0.1:5432/test)"

@@ -9,13 +9,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-import plotly
 from fastapi import Request
 from fastapi.responses import HTMLResponse
 from jinja2 import Environment, FileSystemLoader, select_autoescape
 from markupsafe import Markup
 from plotly.io.json import to_json_plotly
 
+from ampwatch.server.pages.assets import PLOTLY_JS_VERSION
 from ampwatch.server.pages.figures import CHART_TOOLS
 from ampwatch.server.pages.plot import Figure
 from ampwatch.server.pages.time_axis import X_AXES
@@ -119,7 +119,7 @@ def make_environment() -> Environment:
     )
     env.filters.update(number=number, power_of_two=power_of_two, percent=percent, ago=ago,
                        iso=iso, clock_time=clock_time)
-    env.globals["plotly_version"] = plotly.__version__  # plotly.min.js?v=: cached for a year
+    env.globals["plotly_version"] = PLOTLY_JS_VERSION  # plotly.min.js?v=: cached for a year
     env.globals.update(tool_defaults=CHART_TOOLS, x_axes=X_AXES)  # _chart_tools.html
     return env
 

@@ -4,18 +4,14 @@ panels that a live page swaps in without reloading)."""
 
 from __future__ import annotations
 
-import gzip
 import re
-from functools import cache, partial
-from pathlib import Path as FilePath
+from functools import partial
 from typing import Annotated, Literal
 from urllib.parse import parse_qs, quote, urlencode
 
-import fastapi_offline
-import plotly
-from fastapi import APIRouter, Depends, HTTPException, Path, Query, Request
+from fastapi import APIRouter, Depends, Path, Query, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, RedirectResponse, Response
+from fastapi.responses import HTMLResponse, RedirectResponse, Response
 from plotly.io.json import to_json_plotly
 from pydantic import ValidationError
 
@@ -24,6 +20,7 @@ from ampwatch.server.errors import InvalidInput, NotFound
 from ampwatch.server.fields import NO_NUL
 from ampwatch.server.pages import (
     api_docs,
+    assets,
     auth,
     cards,
     compare,
@@ -49,14 +46,13 @@ from ampwatch.server.schemas.notes import NoteCreate
 from ampwatch.server.services.notes import add_note, delete_note
 from ampwatch.server.services.runs import RUN_SORTS
 
-STATIC = FilePath(__file__).parent / "static"
-PLOTLY_JS = FilePath(plotly.__file__).parent / "package_data" / "plotly.min.js"
 LIVE_POLL_MS = 3000
 # a run gone quiet (an eval, a checkpoint, a killed process) is asked less often: it may resume
 QUIET_POLL_MS = 10_000
 
 router = APIRouter(include_in_schema=False)
 router.include_router(auth.router)
+router.include_router(assets.router)
 pages = APIRouter(include_in_schema=False, dependencies=[Depends(auth.require_login)])
 
 Format = Annotated[Literal["html", "json", "update"],
@@ -81,51 +77,6 @@ def step_range(start: Start = None, end: End = None) -> views.StepRange:
 
 
 StepsQuery = Annotated[views.StepRange, Depends(step_range)]
-
-
-@cache
-def _plotly_gzip() -> bytes:
-    """plotly.min.js gzipped, once per process: 4.8 MB to 1.47 MB in about 0.9 s (level 9
-    saves 0.2% more and takes half as long again)."""
-    return gzip.compress(PLOTLY_JS.read_bytes(), compresslevel=6, mtime=0)
-
-
-@router.get("/static/plotly.min.js")
-def plotly_js(request: Request) -> Response:
-    """plotly.js from the installed plotly package (pages load nothing from elsewhere),
-    gzipped for a browser that takes it. Pages ask for it as ?v=<plotly version>, so it
-    is cached for a year: a new plotly is a new address."""
-    headers = {"Cache-Control": "public, max-age=31536000, immutable",
-               "Vary": "Accept-Encoding"}
-    if "gzip" in request.headers.get("accept-encoding", ""):
-        return Response(_plotly_gzip(), media_type="text/javascript",
-                        headers={**headers, "Content-Encoding": "gzip"})
-    return FileResponse(PLOTLY_JS, media_type="text/javascript", headers=headers)
-
-
-REDOC_JS = FilePath(fastapi_offline.__file__).parent / "static" / "redoc.standalone.js"
-REDOC_LOGO = b'"https://cdn.redoc.ly/redoc/logo-mini.svg"'
-
-
-@cache
-def _redoc_without_logo() -> bytes:
-    return REDOC_JS.read_bytes().replace(REDOC_LOGO, b'""')
-
-
-def redoc_js(request: Request) -> Response:
-    """The bundled ReDoc with its hard-coded CDN logo address emptied: the logo is not
-    drawn and nothing is requested (app.py routes its address here, ahead of the
-    offline docs' static files)."""
-    return Response(_redoc_without_logo(), media_type="text/javascript",
-                    headers={"Cache-Control": "no-cache"})
-
-
-@router.get("/static/{name}")
-def static_file(name: Annotated[str, Path(pattern=r"^[a-z]+\.(css|js)$")]) -> FileResponse:
-    path = STATIC / name
-    if path.parent != STATIC or not path.is_file():
-        raise HTTPException(status_code=404, detail="no such file")
-    return FileResponse(path, headers={"Cache-Control": "no-cache"})
 
 
 def _not_found(request: Request, exc: NotFound) -> HTMLResponse:

@@ -40,6 +40,7 @@ from ampwatch.server.store.series import (
     guard_reason,
 )
 from ampwatch.server.store.spike_samples import SIGNALS, spike_matrix
+from ampwatch.server.store.step_clock import step_clock
 from ampwatch.server.store.storage import layer_rows, load_layers, load_ranks_series, load_series
 from ampwatch.server.store.summaries import SUMMARY_STEPS, load_summaries, summarised_steps
 from ampwatch.wire import encode_float, encode_float_array
@@ -181,27 +182,22 @@ def with_events(steps: dict) -> list[dict]:
 def with_elapsed(session: Session, run: Run, steps: dict) -> dict:
     """A `steps_query` answer with `elapsed_ms` on each item and event: the time from the
     end of its rank's first stored step to the end of this step, the running sum of
-    `t_step_ms` over every stored step in between (not only the points the answer kept).
-    A step without `t_step_ms`, and a step never stored (lost, or not yet sent), adds
-    nothing, so the sum runs short by their time. Null where the steps themselves are
-    gone (an archived run keeps summaries only). Reads the scalars of each rank's steps
-    from its first to the answer's last: a zoomed-in page reads from the run's start."""
+    `t_step_ms` over every stored step in between (not only the points the answer kept;
+    store/step_clock.py). A step without `t_step_ms`, and a step never stored (lost, or
+    not yet sent), adds nothing, so the sum runs short by their time. Null where the step
+    itself is not stored. Reads the step summaries up to the answer's last step, not every
+    step (a rank stored before summaries existed: its steps from the first)."""
     rows = [*steps["items"], *steps.get("events", ())]
-    ends: dict[int, int] = {}
+    by_rank: dict[int, list[dict]] = {}
     for row in rows:
-        ends[row["rank"]] = max(ends.get(row["rank"], row["step"]), row["step"])
-    clocks = {}
-    for rank, end in ends.items():
-        series = load_series(session, run.id, rank, None, end, n_layers=run.n_layers,
-                             with_layers=False, with_acts=False)
-        step_ms = np.where(series.has("t_step_ms"), series.column("t_step_ms"), 0.0)
-        step_ms[:1] = 0.0  # the first step's time was spent before the clock's zero
-        clocks[rank] = (series.steps, np.cumsum(np.where(np.isfinite(step_ms), step_ms, 0.0)))
-    for row in rows:
-        stored, elapsed = clocks[row["rank"]]
-        at = int(np.searchsorted(stored, row["step"]))
-        found = at < len(stored) and stored[at] == row["step"]
-        row["elapsed_ms"] = float(elapsed[at]) if found else None
+        by_rank.setdefault(row["rank"], []).append(row)
+    for rank, mine in by_rank.items():
+        wanted = np.array([row["step"] for row in mine], dtype=np.int64)
+        rank_row = session.get(RunRank, (run.id, rank))
+        clock = step_clock(session, run.id, rank, wanted, n_layers=run.n_layers,
+                           stored_steps=rank_row.steps if rank_row else 0)
+        for row, elapsed in zip(mine, clock.tolist(), strict=True):
+            row["elapsed_ms"] = None if math.isnan(elapsed) else elapsed
     return steps
 
 

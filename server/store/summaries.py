@@ -48,6 +48,12 @@ def envelope_index(series: StepSeries) -> np.ndarray:
     return np.flatnonzero(keep)
 
 
+def step_ms(series: StepSeries) -> np.ndarray:
+    """Each step's `t_step_ms` as the step clock counts it: 0 where missing or non-finite."""
+    times = series.column("t_step_ms")
+    return np.where(series.has("t_step_ms") & np.isfinite(times), times, 0.0)
+
+
 def _layer_fold(old_max, old_min, block):
     """Fold a (steps, L) float32 block into per-layer (max, min): max propagates NaN and
     inf and ignores MISSING; min is over finite present values (MISSING: none)."""
@@ -91,9 +97,13 @@ def fold_batch(session: Session, run_id: str, rank: int, batch: StepSeries) -> N
     width = batch.n_layers
     for bucket in np.unique(buckets).tolist():
         part = batch.take(np.flatnonzero(buckets == bucket))
-        row = existing.get(bucket)
+        part = part.take(np.argsort(part.steps, kind="stable"))
+        old = row = existing.get(bucket)
         if row is None or row.n_layers != width:
             row = _replace(session, row, run_id, rank, bucket, width)
+        part_ms = step_ms(part)
+        if old is None:  # a new bucket starts its clock (one restarted at a new width has none)
+            row.step_ms_sum, row.first_step_ms = 0.0, float(part_ms[0])
         kept = _decode(row.scalars, np.float64, (-1, _K))
         if kept is not None:
             present = _decode(row.present, np.bool_, (-1, _K))
@@ -102,9 +112,20 @@ def fold_batch(session: Session, run_id: str, rank: int, batch: StepSeries) -> N
                                np.zeros(0, np.int64), None, None, None, width)
         else:
             union = part
-        union = union.take(np.argsort(union.steps, kind="stable"))
-        union = union.take(envelope_index(union))
+        # callers fold a bucket's steps in step order (ingest refolds a batch that repeats
+        # stored steps), so the part's running sums follow every kept row's
+        elapsed = None
+        if row.step_ms_sum is not None:
+            before = _decode(row.elapsed, np.float64, (-1,))
+            elapsed = np.concatenate([np.zeros(0) if before is None else before,
+                                      row.step_ms_sum + np.cumsum(part_ms)])
+            row.step_ms_sum += float(part_ms.sum())
+        order = np.argsort(union.steps, kind="stable")
+        union = union.take(order)
+        keep = envelope_index(union)
+        union = union.take(keep)
         row.scalars, row.present = _encode(union.scalars), _encode(union.present)
+        row.elapsed = None if elapsed is None else _encode(elapsed[order][keep])
         row.n_steps += len(part)
         if part.layer_grad is not None:
             grad_max, grad_min = _layer_fold(_decode(row.grad_max, np.float32, (width,)),
@@ -178,6 +199,15 @@ def _envelope(rows: list, start: int | None, end: int | None, n_layers: int) -> 
         np.concatenate([_decode(row.present, np.bool_, (-1, _K)) for row in rows]),
         None, np.zeros(0, np.int64), None, None, None, n_layers)
     return clip_steps(envelope, start, end)
+
+
+def envelope_clock(row, n_layers: int) -> tuple[np.ndarray, np.ndarray]:
+    """A summary row's envelope steps and the step clock's running sum within the bucket
+    at each (the row read with its scalars, present and elapsed columns)."""
+    envelope = StepSeries(_decode(row.scalars, np.float64, (-1, _K)),
+                          _decode(row.present, np.bool_, (-1, _K)), None,
+                          np.zeros(0, np.int64), None, None, None, n_layers)
+    return envelope.steps, _decode(row.elapsed, np.float64, (-1,))
 
 
 def summarised_steps(session: Session, run_id: str, rank: int) -> int:
