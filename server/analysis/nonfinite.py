@@ -9,6 +9,8 @@ finding of its own: the activations were silently clipped, the weights are intac
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from ampwatch.server.analysis.causes import Cause
@@ -101,6 +103,24 @@ def _group_fix(fix: str, severity: str, left_out: int, reached_steps: np.ndarray
     return fix
 
 
+def _group_evidence(window: Window, g_rows: np.ndarray, reached: np.ndarray,
+                    position: Any) -> dict[str, Any]:
+    """What a group's steps show: where the inf/NaN was, and what it reached."""
+    series, run, loc = window.series, window.run, window.loc
+    applied = g_rows[reached[g_rows]]
+    return {
+        "first_nonfinite_layer": _first_forward_layer(loc, g_rows, run),
+        "grad_nonfinite_layers": _grad_layers(loc, g_rows, run, position),
+        "loss_nonfinite": bool(loc.loss_nonfinite[g_rows].any()),
+        "input_nonfinite": bool(loc.input_nonfinite[g_rows].any()),
+        "forward_observed": bool(loc.forward_observed[g_rows].all()),
+        "skipped_steps": int(series.skipped[g_rows].sum()),
+        "applied_nonfinite_steps": int(applied.size),
+        # from the step after it every weight the update touched is inf/NaN
+        "first_applied_step": int(series.steps[applied][0]) if applied.size else None,
+    }
+
+
 def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
     """Group the window's non-finite steps by cause and offender.
 
@@ -163,20 +183,10 @@ def detect_nonfinite(window: Window, settings: AnalysisSettings) -> Detection:
             last_step=int(steps[-1]),
             layer=name,
             evidence={
-                "cause": GROUPS[group],
-                "dtype": dtype,
+                "cause": GROUPS[group], "dtype": dtype,
                 **(divergence if group == DIVERGED and divergence else {}),
-                "first_nonfinite_layer": _first_forward_layer(loc, g_rows, run),
-                "grad_nonfinite_layers": _grad_layers(loc, g_rows, run, position),
-                "loss_nonfinite": bool(loc.loss_nonfinite[g_rows].any()),
-                "input_nonfinite": bool(loc.input_nonfinite[g_rows].any()),
-                "forward_observed": bool(loc.forward_observed[g_rows].all()),
-                "skipped_steps": int(skipped[g_rows].sum()),
+                **_group_evidence(window, g_rows, reached, position),
                 "guarded_steps": left_out,
-                "applied_nonfinite_steps": int(reached[g_rows].sum()),
-                # from the step after it every weight the update touched is inf/NaN
-                "first_applied_step": (int(series.steps[g_rows[reached[g_rows]]][0])
-                                       if reached[g_rows].any() else None),
                 "steps": recent_steps(steps, settings.evidence_steps),
             },
             occurrences=steps,

@@ -18,11 +18,11 @@ from sqlalchemy.dialects import postgresql
 from sqlalchemy.dialects.postgresql import ARRAY
 from sqlalchemy.orm import Session
 
-from ampwatch.server.errors import InvalidInput
-from ampwatch.server.fields import MISSING_ENTRY, missing_entries
+from ampwatch.server.fields import MISSING_ENTRY
 from ampwatch.server.models import Batch, Layer
 from ampwatch.server.schemas.batches import StepIn
 from ampwatch.server.store.codec import ITEMSIZE, decode_column
+from ampwatch.server.store.per_layer import per_layer_block
 from ampwatch.server.store.series import (
     COMPRESSED_FORMAT,
     DTYPE_CODE,
@@ -34,10 +34,6 @@ from ampwatch.server.store.series import (
     guard_code,
 )
 
-_FLOAT32_MAX = float(np.finfo(np.float32).max)
-_FLOAT32_TINY = float(np.finfo(np.float32).smallest_subnormal)
-# the event of a step whose per-layer values float32 could not keep (stored clamped)
-FLOAT32_CLAMPED = "float32_clamped"
 _MISSING_F = float(MISSING)
 _CORE_COLUMNS = (Batch.n_steps, Batch.n_layers, Batch.format, Batch.scalars, Batch.present,
                  Batch.events, Batch.superseded_from)
@@ -45,43 +41,11 @@ _LAYER_COLUMNS = (Batch.layer_grad,)
 _ACT_COLUMNS = (Batch.act_step, Batch.act_absmax, Batch.act_dtype, Batch.act_time,
                 Batch.act_grad_zero)
 
-def _per_layer_block(rows: list[list[float]], steps: list[int], name: str,
-                     events: list[dict]) -> np.ndarray:
-    """float32 matrix of validated per-layer vectors, a missing entry as MISSING. A value
-    float32 cannot keep is stored as the nearest it can, never refusing the batch: beyond
-    its range (a float64 model's 1e300) as its largest finite, so it stays a finite
-    value; non-zero below its smallest subnormal as that subnormal, so it stays
-    non-zero; each such step gets a `FLOAT32_CLAMPED` event in `events` naming the field,
-    the layers and the values as sent. Refuses (InvalidInput) negatives, which norms,
-    abs-maxes and times never are (so no sent value can be taken for MISSING, -1)."""
-    wide = np.array(rows, dtype=np.float64)
-    missing = missing_entries(wide)
-    with np.errstate(over="ignore", invalid="ignore"):
-        narrow = wide.astype(np.float32)
-        negative = wide < 0
-        overflow = np.isinf(narrow) & np.isfinite(wide)
-        underflow = (narrow == 0) & (wide != 0) & ~missing
-    if negative.any():
-        row, layer = np.argwhere(negative)[0]
-        raise InvalidInput(f"step {steps[row]}: {name}[{layer}] = {wide[row, layer]!r} is "
-                           "negative: norms, abs-maxes and times never are")
-    narrow[overflow] = _FLOAT32_MAX
-    narrow[underflow] = _FLOAT32_TINY
-    clamped = overflow | underflow
-    for row in np.flatnonzero(clamped.any(axis=1)):
-        layers = np.flatnonzero(clamped[row])
-        events.append({"step": steps[row], "kind": FLOAT32_CLAMPED, "detail": {
-            "field": name, "layers": layers.tolist(),
-            "sent": [float(wide[row, layer]) for layer in layers]}})
-    narrow[missing] = MISSING
-    return narrow
-
-
 def pack_steps(steps: list[StepIn], n_layers: int,
                events: list[dict] | None = None) -> dict[str, bytes | None]:
     """Batch columns for `steps`; assumes per-layer vectors were checked against n_layers.
     Appends to `events` a `FLOAT32_CLAMPED` event per step with values float32 could not
-    keep; raises InvalidInput for negative per-layer values (`_per_layer_block`)."""
+    keep; raises InvalidInput for negative per-layer values (`per_layer.per_layer_block`)."""
     events = [] if events is None else events
     n = len(steps)
     k = len(SCALAR_FIELDS)
@@ -111,7 +75,7 @@ def pack_steps(steps: list[StepIn], n_layers: int,
     }
     if any(s.layer_grad_norm is not None for s in steps):
         none_row = [MISSING_ENTRY] * n_layers
-        out["layer_grad"] = _per_layer_block(
+        out["layer_grad"] = per_layer_block(
             [none_row if s.layer_grad_norm is None else s.layer_grad_norm for s in steps],
             [s.step for s in steps], "layer_grad_norm", events).tobytes()
     # sampled steps: activations and/or zero-grad shares, one row each
@@ -122,7 +86,7 @@ def pack_steps(steps: list[StepIn], n_layers: int,
         acts = [s.activations for s in sampled]
         sampled_steps = [s.step for s in sampled]
         out["act_step"] = np.array(sampled_steps, dtype=np.int64).tobytes()
-        out["act_absmax"] = _per_layer_block(
+        out["act_absmax"] = per_layer_block(
             [none_row if a is None else a.absmax for a in acts], sampled_steps,
             "activations.absmax", events).tobytes()
         out["act_dtype"] = np.array(
@@ -130,11 +94,11 @@ def pack_steps(steps: list[StepIn], n_layers: int,
              for a in acts],
             dtype=np.uint8,
         ).tobytes()
-        out["act_time"] = _per_layer_block(
+        out["act_time"] = per_layer_block(
             [a is not None and a.time_ms or none_row for a in acts], sampled_steps,
             "activations.time_ms", events).tobytes()
         if any(s.layer_grad_zero_share is not None for s in sampled):
-            out["act_grad_zero"] = _per_layer_block(
+            out["act_grad_zero"] = per_layer_block(
                 [none_row if s.layer_grad_zero_share is None else s.layer_grad_zero_share
                  for s in sampled], sampled_steps,
                 "layer_grad_zero_share", events).tobytes()

@@ -210,7 +210,8 @@ def test_per_layer_values_float32_cannot_keep_are_stored_clamped_and_flagged(
     """A value the server cannot store never costs the batch: it is stored as the nearest
     float32 (finite stays finite, non-zero stays non-zero) and the step gets an event
     with the value as sent."""
-    from ampwatch.server.store.storage import FLOAT32_CLAMPED, load_series
+    from ampwatch.server.store.per_layer import FLOAT32_CLAMPED
+    from ampwatch.server.store.storage import load_series
 
     steps = make_steps(10, 2, 4, sample_every=1)
     target = steps[1] if vector == "layer_grad_norm" else steps[1]["activations"]
