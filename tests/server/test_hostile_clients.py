@@ -51,13 +51,21 @@ def open_server(tmp_path) -> Iterator[LiveServer]:
     server.stop()
 
 
-def non_reader(server: LiveServer, path: str, headers: str = "") -> socket.socket:
-    """A connection that asks for `path` and never reads (a 4 KiB receive buffer): the
-    server's send blocks as soon as the kernel's buffers are full."""
+# plotly.js (1.5 MB, the cartesian bundle) asked for four times on one connection: more
+# than the kernel's buffers hold, so a client that reads none of it blocks the server's send
+STATIC = "/static/plotly.min.js"
+STATIC_TIMES = 4
+
+
+def non_reader(server: LiveServer, path: str, headers: str = "", times: int = 1
+               ) -> socket.socket:
+    """A connection that asks for `path` (`times` requests, pipelined) and never reads (a
+    4 KiB receive buffer): the server's send blocks as soon as the kernel's buffers are
+    full."""
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(("127.0.0.1", server.port))
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}\r\n".encode())
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{headers}\r\n".encode() * times)
     return sock
 
 
@@ -89,7 +97,8 @@ def reset_by_server(sock: socket.socket) -> bool:
 
 def test_clients_that_never_read_static_files_take_no_slot(token_server):
     server = token_server
-    with (held([non_reader(server, "/static/plotly.min.js") for _ in range(SLOTS * 2)]),
+    with (held([non_reader(server, STATIC, times=STATIC_TIMES)
+                 for _ in range(SLOTS * 2)]),
           httpx.Client(base_url=server.url, headers=BEARER, timeout=10) as http):
         for _ in range(3):
             assert http.get("/api/v1/runs").status_code == 200
@@ -186,15 +195,15 @@ def long_server(tmp_path_factory) -> Iterator[LiveServer]:
     server.stop()
 
 
-def answer_begun(stack: ExitStack, server: LiveServer, path: str, headers: str = ""
-                 ) -> tuple[socket.socket, float]:
+def answer_begun(stack: ExitStack, server: LiveServer, path: str, headers: str = "",
+                 times: int = 1) -> tuple[socket.socket, float]:
     """A non-reader whose 200 answer has begun (closed with `stack`), and when it asked.
     A slot stays held for a moment after its answer is written (its database session
     closes then), so a request right after another may get a 503: that answer is whole,
     and the client asks again."""
     for _ in range(50):
         asked = time.monotonic()
-        sock = stack.enter_context(non_reader(server, path, headers))
+        sock = stack.enter_context(non_reader(server, path, headers, times))
         sock.settimeout(30)
         head = sock.recv(12, socket.MSG_PEEK)
         if head != b"HTTP/1.1 503":
@@ -221,7 +230,7 @@ def test_responses_nobody_reads_hold_no_slot_and_are_reset(long_server):
                                             timeout=30) as http:
         for _ in range(3):
             steps += [answer_begun(stack, server, STEPS, auth) for _ in range(SLOTS)]
-            static.append(answer_begun(stack, server, "/static/plotly.min.js"))
+            static.append(answer_begun(stack, server, STATIC, times=STATIC_TIMES))
             assert http.get("/api/v1/runs").status_code == 200
             held_during_200.append(sum(not reset_by_server(sock) for sock, _ in steps))
         assert max(held_during_200) >= SLOTS, (
@@ -276,7 +285,7 @@ def test_anonymous_requests_of_one_client_are_capped(token_server):
     server.stop()
     server.env["AMPWATCH_MAX_REQUESTS_PER_CLIENT"] = str(limit)
     server.start()
-    with (held([non_reader(server, "/static/plotly.min.js") for _ in range(limit)]),
+    with (held([slow_body(server, "/login") for _ in range(limit)]),
           httpx.Client(base_url=server.url, timeout=10) as http):
         assert http.get("/login").status_code == 503
         assert http.get("/api/v1/runs", headers=BEARER).status_code == 200

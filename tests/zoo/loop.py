@@ -114,7 +114,9 @@ def train(fault: Fault, server: str, record: Path | None = None,
     attachment = None
     if watch:
         attachment = agent.attach(
-            model, scaler, run=run_id, server=server, flush_interval=0.2,
+            # batches of exactly 10 steps (no timed flush): the server sees the same
+            # batches whatever the machine's load
+            model, scaler, run=run_id, server=server, flush_interval=30, max_batch_steps=10,
             record={"mode": "local", "folder": record} if record is not None else False)
     for i in range(fault.steps):
         batch = fault.arch.batch(i)

@@ -94,10 +94,12 @@ def test_plotly_travels_gzipped_and_cached_for_a_year(field_browser, field_runs)
     response = httpx.get(field_runs.server.url + src, headers={"Accept-Encoding": "gzip"},
                          timeout=30)
     assert response.headers["content-encoding"] == "gzip"
-    assert int(response.headers["content-length"]) < 2_000_000  # 4.8 MB as it is
+    assert int(response.headers["content-length"]) < 600_000  # 1.5 MB as it is
     assert "max-age=31536000" in response.headers["cache-control"]
     assert "immutable" in response.headers["cache-control"]
-    assert len(response.content) > 4_000_000  # httpx unzipped it: the whole plotly.js
+    # httpx unzipped it: the whole of plotly.js's cartesian bundle
+    assert len(response.content) > 1_000_000
+    assert response.content.startswith(b"/**\n* plotly.js (cartesian - minified)")
 
 
 def test_small_text_meets_wcag_aa_contrast(field_browser):
