@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from ampwatch.agent.grad_norms import grad_norms, torchs_own
+from ampwatch.agent.grad_norms import grad_norms, kinds
 
 if TYPE_CHECKING:
     from ampwatch.agent.loop_watch import LoopWatch
@@ -30,17 +30,22 @@ class GradSnapshot:
     so the grads are as backward left them, before whatever clips or rescales them; taken
     at the step instead when no backward was seen (one the agent cannot observe)."""
 
+    KINDS_KEPT = 64  # patterns of params with a grad whose grads' kinds are kept
+
     def __init__(self, watch: LoopWatch) -> None:
         self.watch = watch
         self.taken = False
         # the grads' version counters summed as the snapshot (or an unscale_ or a clip the
         # agent saw) left them: a different sum at the step means something else rewrote them
-        self._versions: tuple[tuple[int, ...], int] | None = None
+        self._versions: tuple[tuple[int, ...], list[torch.Tensor], int] | None = None
         # (present, per-parameter norms when they are torch's own, divisor): for a clip
         self._norms: tuple[tuple[int, ...], torch.Tensor | None, Any] = ((), None, None)
         # the loop clips these grads with clip_grad_norm_ (seen on an earlier step): take
         # their norms as it does, for it to reuse; else in float64, exact however large
         self.loop_clips = False
+        # per pattern of params with a grad (`present`): what `kinds` says of their grads
+        # (a grad's dtype and device hold still: checked once, not every backward)
+        self._kinds: dict[tuple[int, ...], tuple[bool, bool]] = {}
 
     def step_ended(self) -> None:
         self.taken = False
@@ -59,11 +64,18 @@ class GradSnapshot:
         if divisor is None and watch.scaler_enabled and watch.optimizer is not None:
             grads = watch.split_params.unscale(watch.optimizer, present, grads,
                                                watch.scaler._scale)
-        norms = None
+        norms = shared = None
         if grads and watch.parallelism is None:
-            norms = torch.stack(grad_norms(grads, exact=not self.loop_clips))
-        # a clip reuses them only where they are torch's own (then bitwise its result)
-        shared = norms if norms is not None and torchs_own(grads, norms) else None
+            found = self._kinds.get(present)
+            if found is None:
+                if len(self._kinds) >= self.KINDS_KEPT:  # patterns that keep changing (MoE)
+                    self._kinds.clear()
+                found = self._kinds[present] = kinds(grads)
+            half, uniform = found
+            exact = not self.loop_clips
+            norms = torch.stack(grad_norms(grads, exact, half))
+            # a clip reuses them only where they are torch's own (then bitwise its result)
+            shared = norms if uniform and not exact else None
         self._norms = (present, shared, divisor)
         watch.dispatch("on_grads", grads, present, divisor, norms)
         self.note_versions(present)
@@ -72,9 +84,9 @@ class GradSnapshot:
         """Whether the grads are as the snapshot (or an unscale_ after it) left them."""
         if self._versions is None:
             return False
-        present, versions = self._versions
+        _, with_grad, versions = self._versions
         try:
-            return sum(map(_VERSION, (self.watch.params[i].grad for i in present))) == versions
+            return sum(map(_VERSION, map(_GRAD, with_grad))) == versions
         except AttributeError:  # a grad dropped since
             return False
 
@@ -114,14 +126,15 @@ class GradSnapshot:
         if present is None:
             if self._versions is None:
                 return
-            present = self._versions[0]
-        params = self.watch.params
+            present, with_grad, _ = self._versions
+        else:
+            with_grad = list(map(self.watch.params.__getitem__, present))
         try:
-            versions = sum(map(_VERSION, (params[i].grad for i in present)))
+            versions = sum(map(_VERSION, map(_GRAD, with_grad)))  # in C: no Python loop
         except AttributeError:  # a grad dropped since: nothing left to compare
             self._versions = None
             return
-        self._versions = (present, versions)
+        self._versions = (present, with_grad, versions)
 
     def at_step(self, divisor: torch.Tensor | None = None) -> None:
         """At the optimizer step: the snapshot if no backward took it; else, when the grads
