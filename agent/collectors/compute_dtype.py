@@ -133,6 +133,9 @@ class ComputeDtypeCollector(Collector):
         enabled = torch.is_autocast_enabled(device)
         self._state = (enabled, torch.get_autocast_dtype(device) if enabled else None)
         probed = self._probed.setdefault(self._state, set())
+        if len(probed) >= len(self._leaves):  # every layer probed under this state
+            self._todo = []
+            return
         self._todo = [layer for layer in self._leaves if layer.index not in probed]
         if self._todo:
             self._probe = ReductionProbe()
@@ -181,7 +184,9 @@ class ComputeDtypeCollector(Collector):
             return
         while probe.inside:
             probe.leave(probe.inside[-1])
-        self._probed[self._state].update(probe.seen)
+        # every layer this forward could probe counts as probed, run or not: a layer that
+        # never runs (an unused head) would otherwise keep the probe on every sampled step
+        self._probed[self._state].update(layer.index for layer in self._todo)
         changed = False
         for index, dtype in probe.seen.items():
             if dtype is None:
