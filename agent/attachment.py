@@ -61,8 +61,8 @@ class Attachment:
             return
         self._describe = describe_run(settings.name, settings.project, settings.tags,
                                       settings.config)
-        self._worker = Worker(settings)
-        self._worker.mirror = make_mirror(settings.mirror, settings)  # Worker takes no mirror
+        self._worker = Worker(settings, mirror=make_mirror(settings.mirror, settings),
+                              explicit_steps=settings.first_step is not None)
         self._recorder = make_recorder(settings.record, settings, self._run_step,
                                        self._emit_bundle)
         if settings.guard is not None:
@@ -105,8 +105,6 @@ class Attachment:
         """Hooks on, worker started: from here on the loop is watched."""
         watch, worker = self._watch, self._worker
         assert watch is not None and worker is not None
-        if watch.settings.first_step is not None:
-            worker.explicit_steps = True  # the loop numbers its steps: no resume offset
         body = self._body()  # the run as attach() found it, before any hook ran
         watch.install()
         worker.start(body, self._decode, lambda: watch.dropped_steps)

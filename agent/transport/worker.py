@@ -68,7 +68,10 @@ class Worker:
     POLL_S = 0.05
     REGISTER_TIMEOUT_S = 2.0
 
-    def __init__(self, settings: AgentSettings) -> None:
+    def __init__(self, settings: AgentSettings, mirror: Mirror | None = None,
+                 explicit_steps: bool = False) -> None:
+        """`mirror`: the trackers that get each decoded record too; `explicit_steps`: the
+        loop numbers its steps itself (no resume offset; `Attachment.step` turns it on)."""
         self.settings = settings
         self.run_body: dict[str, Any] = {}
         self._decode: Callable[[StepItem], dict | None] = lambda item: None
@@ -95,8 +98,8 @@ class Worker:
         self.failed_steps = 0  # steps the agent itself failed to turn into records
         self._failed_seen = 0  # failed_steps at the previous flush
         self.step_offset = 0  # added to this process's step numbers (see _open)
-        self.explicit_steps = False  # the loop numbers the steps itself: no offset
-        self.mirror: Mirror | None = None  # trackers that get each decoded record too
+        self.explicit_steps = explicit_steps
+        self.mirror = mirror
 
     # ------------------------------------------------------------------ any thread
     def submit(self, item: StepItem | EventMessage | RunMessage | FlushMessage | StopMessage
