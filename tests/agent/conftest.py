@@ -3,6 +3,7 @@ turns every error the agent swallowed back into a test failure."""
 
 from __future__ import annotations
 
+import signal
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from ampwatch import agent
-from tests.conftest import agent_errors_fail
+from tests.conftest import LiveServer, agent_errors_fail
+
+SERVER_TOKEN = "s3cret-token"  # `token_server`'s
 
 
 @pytest.fixture(autouse=True)
@@ -62,3 +65,27 @@ def attach(offline: Path) -> Iterator[Callable[..., agent.Attachment]]:
     yield make
     for attachment in made:
         attachment.detach(timeout=5)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """One server process for the module (starting one costs seconds on a busy machine);
+    a module may define its own."""
+    home = tmp_path_factory.mktemp("server")
+    live = LiveServer(f"sqlite:///{home / 'live.db'}", home / "server.log")
+    live.start()
+    yield live
+    if live.process is not None:
+        live.process.send_signal(signal.SIGCONT)  # in case a test died while it was stopped
+    live.stop()
+
+
+@pytest.fixture(scope="module")
+def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
+    """A server that takes `SERVER_TOKEN` only."""
+    home = tmp_path_factory.mktemp("token")
+    live = LiveServer(f"sqlite:///{home / 'live.db'}", home / "server.log",
+                      env={"AMPWATCH_TOKEN": SERVER_TOKEN})
+    live.start()
+    yield live
+    live.stop()

@@ -21,33 +21,12 @@ import pytest
 import torch
 
 from ampwatch import agent
+from tests.agent.conftest import SERVER_TOKEN
 from tests.agent.factories import batches, bf16_loop, mlp, spooled_steps
-from tests.conftest import LiveServer, free_port
+from tests.conftest import free_port
 
 REPO = Path(__file__).resolve().parents[2]
-TOKEN = "s3cret-token"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    """One server process for the module (starting one costs seconds on a busy machine)."""
-    home = tmp_path_factory.mktemp("faults")
-    live = LiveServer(f"sqlite:///{home / 'live.db'}", home / "server.log")
-    live.start()
-    yield live
-    if live.process is not None:
-        live.process.send_signal(signal.SIGCONT)  # in case a test died while it was stopped
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    home = tmp_path_factory.mktemp("token")
-    live = LiveServer(f"sqlite:///{home / 'live.db'}", home / "server.log",
-                      env={"AMPWATCH_TOKEN": TOKEN})
-    live.start()
-    yield live
-    live.stop()
+TOKEN = SERVER_TOKEN
 
 
 def stored_steps(url: str, run_id: str, token: str = "") -> list[int]:

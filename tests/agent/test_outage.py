@@ -14,7 +14,6 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -23,36 +22,16 @@ import torch
 from markupsafe import escape
 
 from ampwatch import agent
+from tests.agent.conftest import SERVER_TOKEN
 from tests.agent.factories import batches, bf16_loop, mlp, spooled_steps
 from tests.conftest import LiveServer
 
 REPO = Path(__file__).resolve().parents[2]
-TOKEN = "s3cret-token"
+TOKEN = SERVER_TOKEN
 # far below the sender's 10 s request timeout (and its 2 s connect timeout): a step that
 # waited on the network would take at least that long
 STEP_BOUND_S = 1.0
 REFUSED = "connection refused: nothing listens on that port"
-
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    home = tmp_path_factory.mktemp("outage")
-    live = LiveServer(f"sqlite:///{home / 'live.db'}", home / "server.log")
-    live.start()
-    yield live
-    if live.process is not None:
-        live.process.send_signal(signal.SIGCONT)  # in case a test died while it was stopped
-    live.stop()
-
-
-@pytest.fixture(scope="module")
-def token_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
-    home = tmp_path_factory.mktemp("outage-token")
-    live = LiveServer(f"sqlite:///{home / 'live.db'}", home / "server.log",
-                      env={"AMPWATCH_TOKEN": TOKEN})
-    live.start()
-    yield live
-    live.stop()
 
 
 @pytest.fixture
