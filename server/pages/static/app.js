@@ -159,16 +159,19 @@
 
   // The first and last step drawn between a time axis's `range` on chart `el`; null when
   // none is.
+  // A date axis's range comes back in whole milliseconds, so there a step's x is
+  // compared at that resolution too.
   function stepsIn(el, range) {
     var low = timeValue(range[0]);
     var high = timeValue(range[1]);
+    var resolution = typeof range[0] === "string" ? Math.floor : Number;
     var first = null;
     var last = null;
     (el && el._fullData || []).forEach(function (trace) {
       var xs = trace.x || [];
       var texts = trace.text || [];
       for (var i = 0; i < xs.length; i++) {
-        var x = timeValue(xs[i]);
+        var x = resolution(timeValue(xs[i]));
         var step = parseInt(String(texts[i] || "").replace(/,/g, ""), 10);
         if (x >= low && x <= high && !isNaN(step)) {
           first = first === null ? step : Math.min(first, step);
