@@ -23,7 +23,7 @@ from ampwatch.agent.recorder import Recorder, make_recorder
 from ampwatch.agent.run_identity import refuse_reused_run
 from ampwatch.agent.settings import AgentSettings
 from ampwatch.agent.step_guard import StepGuard, weights_finite
-from ampwatch.agent.transport.outage import check_server_url
+from ampwatch.agent.transport.outage import say_server_problem
 from ampwatch.agent.transport.sender import Sender
 from ampwatch.agent.transport.worker import EventMessage, RunMessage, Worker
 from ampwatch.wire import (
@@ -84,7 +84,7 @@ class Attachment:
         if not settings.enabled:
             return cls(settings.run_id or None)
         try:
-            check_server_url(settings)  # a malformed URL is said here; the run only spools
+            say_server_problem(settings)  # a malformed URL is said here; the run only spools
         except Exception as exc:  # noqa: BLE001
             errors.report("attach", exc)
         refuse_reused_run(settings)  # the caller's mistake, not the agent's: it raises

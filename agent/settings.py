@@ -18,7 +18,7 @@ from ampwatch.agent.environment import distributed_rank
 from ampwatch.agent.record_triggers import RecordSettings
 from ampwatch.agent.run_identity import check_labels, resolve_run
 from ampwatch.agent.step_guard import GuardSettings
-from ampwatch.wire import DEFAULT_SERVER
+from ampwatch.wire import DEFAULT_SERVER, url_problem
 from ampwatch.wire.spool import default_spool_dir
 
 DEFAULT_SPOOL_BYTES = 1 << 30
@@ -46,7 +46,8 @@ class AgentSettings:
     resume: bool = False  # continue a run id that already has steps (see run_identity)
     server: str = DEFAULT_SERVER
     token: str = field(default="", repr=False)  # never printed with the settings
-    offline: bool = False
+    offline: bool = False  # spool only: AMPWATCH_MODE=offline, or a malformed server URL
+    server_problem: str | None = None  # what makes `server` unusable (None: usable)
     spool_dir: Path = field(default_factory=default_spool_dir)
     spool_max_bytes: int = DEFAULT_SPOOL_BYTES
     flush_interval_s: float = 2.0
@@ -138,6 +139,9 @@ class AgentSettings:
         if env.get("AMPWATCH_EXIT_TIMEOUT"):
             values["exit_timeout_s"] = float(env["AMPWATCH_EXIT_TIMEOUT"])
         values.update({k: v for k, v in overrides.items() if v is not None})
+        if not values["offline"]:  # nothing could be sent to a malformed URL: spool only
+            values["server_problem"] = url_problem(values["server"])
+            values["offline"] = values["server_problem"] is not None
         if isinstance(values.get("spool_dir"), str):
             values["spool_dir"] = Path(values["spool_dir"])
         if values.get("check_outputs", "flagged") not in CHECK_OUTPUTS:

@@ -33,6 +33,7 @@ from ampwatch.wire.runs import (
     RUN_ID_RULE,
     check_label,
     check_run_id,
+    url_problem,
 )
 
 __all__ = [
@@ -57,4 +58,5 @@ __all__ = [
     "encode_float",
     "encode_float_array",
     "encode_tree",
+    "url_problem",
 ]

@@ -4,6 +4,7 @@ the agent and the client use when told none."""
 from __future__ import annotations
 
 import re
+from urllib.parse import urlsplit
 
 DEFAULT_SERVER = "http://127.0.0.1:8000"
 
@@ -38,3 +39,26 @@ def check_label(value: object, what: str) -> str:
         raise ValueError(f"{what} {value[:80]!r} holds a control character "
                          "(NUL, newline, ...)")
     return value
+
+
+def url_problem(url: str) -> str | None:
+    """What makes `url` unusable as the server's base URL ("has no http:// or https://"),
+    None when it is usable. Syntax only: no network."""
+    if any(c.isspace() for c in url):
+        return "contains whitespace"
+    if "://" not in url:
+        return "has no http:// or https://"
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # a port out of range or not a number, a bad IPv6 address
+        return f"cannot be read ({exc})"
+    if parts.scheme.lower() not in ("http", "https"):
+        return f"has the unsupported scheme {parts.scheme + '://'!r}: use http:// or https://"
+    if not parts.hostname:
+        return "has no host"
+    if port == 0:
+        return "has port 0"
+    if parts.query or parts.fragment:
+        return "has a query or fragment (a base URL has neither)"
+    return None

@@ -3,7 +3,7 @@ server, a refused token, a refused batch, and the recovery, each said once
 (agent/notices.py), and the outage told to the server once delivery recovered (a
 `delivery` event, shown on the run page and by `ampwatch show`).
 
-Only `check_server_url` runs on the training thread (at `attach()`, syntax only); the
+Only `say_server_problem` runs on the training thread (at `attach()`, syntax only); the
 `OutageWatch` sees the sender thread's responses, so none of this makes training wait.
 """
 
@@ -17,7 +17,7 @@ from typing import Any
 
 from ampwatch.agent.notices import tell
 from ampwatch.agent.settings import AgentSettings
-from ampwatch.agent.transport.sender import Outcome, Response, url_problem
+from ampwatch.agent.transport.sender import Outcome, Response
 from ampwatch.wire import DELIVERY_EVENT
 from ampwatch.wire.spool import run_dir
 
@@ -27,19 +27,16 @@ def spooled_in(settings: AgentSettings) -> Path:
     return run_dir(Path(settings.spool_dir), settings.run_id, settings.rank).parent
 
 
-def check_server_url(settings: AgentSettings) -> None:
-    """A malformed server URL (no scheme, another scheme, no host, ...): say what is wrong
-    and make the agent spool only (`offline`), since nothing could be sent. No network."""
-    if settings.offline:
+def say_server_problem(settings: AgentSettings) -> None:
+    """A malformed server URL (no scheme, another scheme, no host, ...; the settings made
+    the run spool only): say what is wrong and how to send the run once it is fixed."""
+    if settings.server_problem is None:
         return
-    problem = url_problem(settings.server)
-    if problem is None:
-        return
-    settings.offline = True
     folder = spooled_in(settings)
-    tell(f"ampwatch: the server URL {settings.server!r} {problem}. Nothing is sent: the run "
-         f"is spooled in {folder}. Fix AMPWATCH_SERVER (or attach(server=...)), then send "
-         f"it with `ampwatch sync {folder} --server http://HOST:PORT`")
+    tell(f"ampwatch: the server URL {settings.server!r} {settings.server_problem}. Nothing "
+         f"is sent: the run is spooled in {folder}. Fix AMPWATCH_SERVER (or "
+         f"attach(server=...)), then send it with "
+         f"`ampwatch sync {folder} --server http://HOST:PORT`")
 
 
 class OutageWatch:

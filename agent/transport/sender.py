@@ -15,7 +15,6 @@ from datetime import UTC
 from email.utils import parsedate_to_datetime
 from enum import Enum
 from typing import Any
-from urllib.parse import urlsplit
 
 import httpx
 
@@ -61,29 +60,6 @@ def retry_after_s(value: str | None) -> float | None:
             moment = moment.replace(tzinfo=UTC)
         seconds = moment.timestamp() - time.time()
     return min(max(seconds, 0.0), MAX_RETRY_AFTER_S)
-
-
-def url_problem(url: str) -> str | None:
-    """What makes `url` unusable as the server's base URL ("has no http:// or https://"),
-    None when it is usable. Syntax only: no network."""
-    if any(c.isspace() for c in url):
-        return "contains whitespace"
-    if "://" not in url:
-        return "has no http:// or https://"
-    try:
-        parts = urlsplit(url)
-        port = parts.port
-    except ValueError as exc:  # a port out of range or not a number, a bad IPv6 address
-        return f"cannot be read ({exc})"
-    if parts.scheme.lower() not in ("http", "https"):
-        return f"has the unsupported scheme {parts.scheme + '://'!r}: use http:// or https://"
-    if not parts.hostname:
-        return "has no host"
-    if port == 0:
-        return "has port 0"
-    if parts.query or parts.fragment:
-        return "has a query or fragment (a base URL has neither)"
-    return None
 
 
 def failure(exc: BaseException, timeout: httpx.Timeout) -> str:

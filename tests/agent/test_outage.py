@@ -135,6 +135,21 @@ def test_a_malformed_url_is_said_at_attach_and_the_run_is_spooled(
     assert [s["step"] for s in spooled_steps(spool_dir, attachment.run_id)] == list(range(20))
 
 
+def test_offline_mode_with_a_malformed_url_spools_and_says_nothing(
+        spool_dir, notices, monkeypatch) -> None:
+    """AMPWATCH_MODE=offline: nothing was to be sent, so the URL is not judged."""
+    monkeypatch.setenv("AMPWATCH_MODE", "offline")
+    loop = Loop()
+    attachment = agent.attach(loop.model, server="localhost:8000", flush_interval=0.1)
+    try:
+        loop.run(5, pause=0)
+        assert attachment.flush(5)
+    finally:
+        attachment.detach()
+    assert said(notices) == []
+    assert [s["step"] for s in spooled_steps(spool_dir, attachment.run_id)] == list(range(5))
+
+
 def test_a_users_stderr_handler_shows_it_and_nothing_more_is_printed(
         spool_dir, notices, capfd) -> None:
     """With the script's own handler on stderr, the log is the one copy there."""
