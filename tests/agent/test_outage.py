@@ -22,6 +22,7 @@ import torch
 from markupsafe import escape
 
 from ampwatch import agent
+from ampwatch.agent.transport.delivery import Delivery
 from tests.agent.conftest import SERVER_TOKEN
 from tests.agent.factories import batches, bf16_loop, mlp, spooled_steps
 from tests.conftest import LiveServer
@@ -241,7 +242,8 @@ def test_a_server_started_late_gets_every_step_and_the_outage_line(
         loop.run(20)
         down_steps = loop.steps
         late.start()
-        loop.until(notices, recovered(late.url, REFUSED))
+        # the sender retries with a doubling wait: by now it may wait its longest
+        loop.until(notices, recovered(late.url, REFUSED), timeout=Delivery.BACKOFF_MAX_S + 30)
         assert attachment.flush(30)
         run_id = attachment.run_id
         assert stored_steps(late.url, run_id) == list(range(loop.steps))
