@@ -150,13 +150,48 @@ def test_bisect_verdict_is_checked_then_kept_with_its_bundle(api, bundle: bytes)
     assert stored() is None
 
 
-def _meta_only(step: int) -> bytes:
+def _meta_only(step: int, **meta: object) -> bytes:
     """A bundle as the server reads it: bundle.json alone (it never reads the tensors)."""
     out = io.BytesIO()
     with zipfile.ZipFile(out, "w") as archive:
         archive.writestr("bundle.json", json.dumps({"step": step, "rank": 0,
-                                                    "trigger": "nonfinite"}))
+                                                    "trigger": "nonfinite", **meta}))
     return out.getvalue()
+
+
+def test_the_page_prints_the_factory_the_run_recorded(api) -> None:
+    register_run(api, "run-f")
+    assert _upload(api, "run-f", 1, _meta_only(1, model_factory="train:build_model")
+                   ).status_code == 200
+    assert _upload(api, "run-f", 2, _meta_only(2, model_factory="jobs/a_1/train.py:make")
+                   ).status_code == 200
+    assert _upload(api, "run-f", 3, _meta_only(3)).status_code == 200
+    listed = api.get("/api/v1/runs/run-f/bundles").json()["items"]
+    assert [b["model_factory"] for b in listed] == ["train:build_model",
+                                                    "jobs/a_1/train.py:make", None]
+    page = api.get("/runs/run-f").text
+    assert "ampwatch replay --run run-f --step 1 --model train:build_model --bisect" in page
+    assert "ampwatch replay --run run-f --step 2 --model jobs/a_1/train.py:make --bisect" \
+        in page
+    # the one without a factory: the placeholder, and one line on what to put there
+    assert "ampwatch replay --run run-f --step 3 --model MODULE:FACTORY --bisect" in page
+    assert page.count("the run recorded none") == 1
+
+
+@pytest.mark.parametrize("factory", [
+    "train:build; touch /tmp/owned", "$(touch /tmp/owned):f", "`id`.py:f", "a:b\nrm -rf ~",
+    "train:build &", "'x':y", "my train.py:build", "train", ":build", 42, ["train:build"],
+])
+def test_a_factory_that_is_not_one_is_never_printed(api, factory: object) -> None:
+    """A bundle from another team names its factory in words people paste into a shell:
+    anything but MODULE:FACTORY is dropped, and the page prints the placeholder."""
+    register_run(api, "run-h")
+    assert _upload(api, "run-h", 1, _meta_only(1, model_factory=factory)).status_code == 200
+    (listed,) = api.get("/api/v1/runs/run-h/bundles").json()["items"]
+    assert listed["model_factory"] is None
+    page = api.get("/runs/run-h").text
+    assert "ampwatch replay --run run-h --step 1 --model MODULE:FACTORY --bisect" in page
+    assert "owned" not in page and "rm -rf" not in page and "`id`" not in page
 
 
 def test_verdicts_and_bundles_are_bounded(api, monkeypatch) -> None:
