@@ -42,6 +42,10 @@ class BisectVerdict(StrEnum):
 MODEL_FACTORY_PATTERN = (r"^(?:[A-Za-z_][A-Za-z0-9_]*(?:\.[A-Za-z_][A-Za-z0-9_]*)*"
                          r"|[A-Za-z0-9_./-]{1,400}\.py):[A-Za-z_][A-Za-z0-9_]*$")
 MODEL_FACTORY_PLACEHOLDER = "MODULE:FACTORY"
+# said under a command that holds the placeholder, so a reader knows what to put there
+MODEL_FACTORY_UNKNOWN = ("MODULE:FACTORY: the function that builds your model; the run "
+                         "recorded none (attach(..., record={'model_factory': ...}), "
+                         "docs/replay.md)")
 _MODEL_FACTORY = re.compile(MODEL_FACTORY_PATTERN)
 
 

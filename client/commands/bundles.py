@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ampwatch.client.commands import connect, print_json
-from ampwatch.wire.bundles import replay_command
+from ampwatch.wire.bundles import MODEL_FACTORY_UNKNOWN, replay_command
 
 
 def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -41,8 +41,7 @@ def run_bundles(args: argparse.Namespace) -> int:
             print(f"{path}\nreplay it: "
                   f"{replay_command(factory, path=str(path), server=server)}")
             if factory is None:
-                print("MODULE:FACTORY: the function that builds your model; the run "
-                      "recorded none (docs/replay.md)")
+                print(MODEL_FACTORY_UNKNOWN)
         return 0
     if args.step:
         raise SystemExit("usage: ampwatch bundles RUN  |  ampwatch bundles pull RUN STEP")
