@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
+from ampwatch.wire.bundles import model_factory
+
 DEFAULT_MAX_BYTES = 2 << 30  # 2 GiB of bundles per (run, rank)
 
 
@@ -33,6 +35,9 @@ class RecordSettings:
     off), `loss_spike` (a loss over that many times the median of
     the last `loss_window` healthy losses; None: off). An incident ends after
     `quiet_steps` healthy steps; at most one bundle per incident, `max_bundles` per run.
+    `model_factory`: the MODULE:FACTORY (`train:build_model`) that builds the model for
+    `ampwatch replay --model`, written into each bundle so the run page and
+    `ampwatch bundles pull` print a command that runs as shown.
     """
 
     mode: str = "spool"
@@ -47,6 +52,7 @@ class RecordSettings:
     loss_spike: float | None = 10.0
     loss_window: int = 50
     quiet_steps: int = 50
+    model_factory: str | None = None
 
     @classmethod
     def parse(cls, record: Any) -> RecordSettings | None:
@@ -76,6 +82,10 @@ class RecordSettings:
             settings = replace(settings, max_bytes=int(env["AMPWATCH_RECORD_MAX_BYTES"]))
         if settings.mode not in ("spool", "local"):
             raise ValueError(f"record mode must be 'spool' or 'local', got {settings.mode!r}")
+        if settings.model_factory is not None and model_factory(settings.model_factory) is None:
+            raise ValueError("record model_factory must be MODULE:FACTORY (a dotted module "
+                             "or a path to a .py file, ':', a function name), got "
+                             f"{settings.model_factory!r}")
         if isinstance(settings.folder, str):
             settings = replace(settings, folder=Path(settings.folder))
         return settings

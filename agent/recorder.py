@@ -253,6 +253,7 @@ class Recorder(Collector):
         return {
             "format": BUNDLE_FORMAT, "run_id": watch.settings.run_id, "rank": watch.rank,
             "step": self.step_number(record["step"]), "trigger": trigger,
+            "model_factory": self.settings.model_factory,
             "first_nonfinite_layer": (watch.layers[first].name
                                       if isinstance(first, int) else None),
             "loss": record.get("loss"), "skipped": record.get("skipped"),

@@ -353,7 +353,8 @@ class BisectVerdict(Model):
 class BundleInfo(Model):
     """A flight-recorder bundle the server holds: the bad step, what triggered it, the
     first layer whose output held inf/NaN, whether its weights are exact, its size, its
-    download `url` (relative to the server) and the `bisect` verdict reported for it."""
+    download `url` (relative to the server), the `model_factory` the run recorded for
+    `ampwatch replay --model` (None: none) and the `bisect` verdict reported for it."""
 
     run_id: str
     rank: int
@@ -364,6 +365,7 @@ class BundleInfo(Model):
     bytes: int
     created_at: datetime
     url: str
+    model_factory: str | None = None
     bisect: BisectVerdict | None = None
 
 

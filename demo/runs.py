@@ -6,79 +6,28 @@ the CPU is emulated (about 14x slower than fp32), so every model stays tiny.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from ampwatch import agent
+from ampwatch.demo import models
 
 PROJECT = "ampwatch-demo"
-BATCH = 32
-FEATURES = 64
-CLASSES = 16
-VOCAB = 1001          # not a multiple of 8, but an untied lookup is no matmul: not flagged
-TOKENS = 8
-OVERFLOW_GAIN = 1e5   # what the overflowing layer multiplies its output by
-
-
-class ScaledLinear(nn.Linear):
-    """A Linear whose output is multiplied by `gain`: the demo raises it mid-run, as if
-    the layer's weights had grown, so its fp16 output exceeds 65504."""
-
-    def __init__(self, in_features: int, out_features: int) -> None:
-        super().__init__(in_features, out_features)
-        self.gain = 1.0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return super().forward(x) * self.gain
-
-
-class BagOfTokens(nn.Module):
-    """Embedding, mean over the tokens, a misaligned hidden layer, a classifier."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.embed = nn.Embedding(VOCAB, FEATURES)
-        self.hidden = nn.Linear(FEATURES, 127)
-        self.head = nn.Linear(127, CLASSES)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        return self.head(F.relu(self.hidden(self.embed(tokens).mean(dim=1))))
-
-
-def _mlp(hidden: nn.Linear | None = None) -> nn.Module:
-    return nn.Sequential(OrderedDict([
-        ("fc1", nn.Linear(FEATURES, 128)),
-        ("act1", nn.ReLU()),
-        ("fc2", hidden or nn.Linear(128, 128)),
-        ("act2", nn.ReLU()),
-        ("out", nn.Linear(128, CLASSES)),
-    ]))
-
-
-def _features(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    x = torch.randn(BATCH, FEATURES, generator=gen)
-    return x, (x[:, :CLASSES] > 0.5).sum(dim=1) % CLASSES
-
-
-def _tokens(gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, VOCAB, (BATCH, TOKENS), generator=gen)
-    return tokens, tokens[:, 0] % CLASSES
 
 
 @dataclass(frozen=True)
 class Scenario:
-    """One demo run: its model, data, autocast dtype and what its loop does."""
+    """One demo run: its model's factory (demo/models.py, recorded with the run for
+    `ampwatch replay --model`), data, autocast dtype and what its loop does."""
 
     run_id: str
     title: str
-    build: Callable[[], nn.Module]
-    batch: Callable[[torch.Generator], tuple[torch.Tensor, torch.Tensor]]
+    factory: Callable[[], tuple[nn.Module, models.LossFn]]
+    batch: Callable[[torch.Generator], torch.Tensor]
     dtype: torch.dtype
     clip_before_unscale: bool = False
     overflow_layer: str | None = None  # a ScaledLinear whose gain jumps a third of the way in
@@ -89,13 +38,12 @@ class Scenario:
 
 
 SCENARIOS = (
-    Scenario("demo-fp16-healthy", "healthy fp16", _mlp, _features, torch.float16),
-    Scenario("demo-fp16-overflow", "fp16, layer fc2 overflows",
-             lambda: _mlp(ScaledLinear(128, 128)), _features, torch.float16,
-             overflow_layer="fc2"),
+    Scenario("demo-fp16-healthy", "healthy fp16", models.mlp, models.features, torch.float16),
+    Scenario("demo-fp16-overflow", "fp16, layer fc2 overflows", models.overflow_mlp,
+             models.features, torch.float16, overflow_layer="fc2"),
     Scenario("demo-fp16-misaligned", "fp16, misaligned layers, clip before unscale",
-             BagOfTokens, _tokens, torch.float16, clip_before_unscale=True),
-    Scenario("demo-bf16", "bf16, no scaler", _mlp, _features, torch.bfloat16),
+             models.bag_of_tokens, models.tokens, torch.float16, clip_before_unscale=True),
+    Scenario("demo-bf16", "bf16, no scaler", models.mlp, models.features, torch.bfloat16),
 )
 
 
@@ -119,7 +67,7 @@ def train(scenario: Scenario, *, steps: int, server: str, spool_dir: Path,
     torch.set_num_threads(1)  # the server and the agent's worker share the cores
     torch.manual_seed(0)
     gen = torch.Generator().manual_seed(0)
-    model = scenario.build()
+    model, loss_fn = scenario.factory()
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu") if scenario.uses_scaler else None
     overflow_from = steps // 3 if scenario.overflow_layer else None
@@ -127,7 +75,8 @@ def train(scenario: Scenario, *, steps: int, server: str, spool_dir: Path,
         model, scaler, optimizer=optimizer, run=run_id, project=PROJECT,
         name=run_id, tags=["demo", str(scenario.dtype).removeprefix("torch.")],
         config={"scenario": scenario.title, "steps": steps}, server=server,
-        spool_dir=spool_dir, offline=False)
+        spool_dir=spool_dir, offline=False,
+        record={"model_factory": models.spec(scenario.factory)})
     stepped = 0
 
     def count_step(*_: object) -> None:
@@ -138,11 +87,11 @@ def train(scenario: Scenario, *, steps: int, server: str, spool_dir: Path,
     try:
         for step in range(steps):
             if step == overflow_from:
-                model.get_submodule(scenario.overflow_layer).gain = OVERFLOW_GAIN
-            x, y = scenario.batch(gen)
+                model.get_submodule(scenario.overflow_layer).gain.fill_(models.OVERFLOW_GAIN)
+            x = scenario.batch(gen)
             with torch.autocast("cpu", dtype=scenario.dtype):
                 logits = model(x)
-            loss = F.cross_entropy(logits.float(), y)
+            loss = loss_fn(logits, x)
             if scaler is None:
                 loss.backward()
                 optimizer.step()

@@ -42,7 +42,7 @@ def main() -> None:
         try:
             _, attachment = train(FAULTS[0], lambda m, s, record: agent.attach(
                 m, s, run=RUN, name=RUN, server=server.url, spool_dir=folder / "spool",
-                record=record))
+                record={**record, "model_factory": "train:build_model"}))
             attachment.detach(timeout=60)
             with sync_playwright() as playwright:
                 browser = playwright.chromium.launch(executable_path=CHROMIUM,

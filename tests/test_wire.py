@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import inspect
 import re
+import subprocess
 from pathlib import Path
 from typing import get_args
 
 import pytest
 
 from ampwatch import wire
-from ampwatch.wire import batch, floats, runs, spool
+from ampwatch.wire import batch, bundles, floats, runs, spool
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("agent", "client", "server", "integrations", "demo")
@@ -122,3 +123,29 @@ def test_spike_signals_are_one_contract_for_the_agent_and_the_server():
     weights = (ROOT / "agent" / "collectors" / "weights.py").read_text()
     written |= set(re.findall(r'setdefault\("spikes", \{\}\)\["(\w+)"\]', weights))
     assert written == set(wire.SPIKE_SIGNALS)
+
+
+@pytest.mark.parametrize(("factory", "shown"), [
+    ("train:build_model", "train:build_model"),
+    ("runs/exp-1/train.py:make", "runs/exp-1/train.py:make"),
+    (None, "MODULE:FACTORY"),
+    ("train:build; touch owned", "MODULE:FACTORY"),
+    ("$(touch owned).py:f", "MODULE:FACTORY"),
+])
+def test_a_replay_command_reaches_a_shell_as_its_arguments(tmp_path, factory, shown):
+    """What the run page and `ampwatch bundles pull` print, parsed by a real shell: each
+    argument arrives whole, and nothing in a bundle's words runs."""
+    path = str(tmp_path / "it's a $(touch owned) `id`; folder" / "step-000000008.ampbundle")
+    server = "http://127.0.0.1:8000/?a=1&b=$(touch owned)"
+    for command, arguments in [
+        (bundles.replay_command(factory, path=path, server=server),
+         [path, "--model", shown, "--bisect", "--server", server]),
+        (bundles.replay_command(factory, run_id="run-1", step=8, rank=2),
+         ["--run", "run-1", "--step", "8", "--rank", "2", "--model", shown, "--bisect"]),
+    ]:
+        assert command.startswith("ampwatch replay ")
+        words = command.removeprefix("ampwatch replay ")
+        done = subprocess.run(["/bin/sh", "-c", f"printf '%s\\0' {words}"], cwd=tmp_path,
+                              capture_output=True, text=True, check=True)
+        assert done.stdout.split("\0")[:-1] == arguments
+    assert not (tmp_path / "owned").exists()

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import io
+import json
+import zipfile
 from typing import Any
 
 # seconds a test's read may first wait for the server to judge what the test stored (the
@@ -52,3 +55,12 @@ def register_run(api, run_id: str = "run-1", n_layers: int = 4, **fields: Any) -
 def post_batch(api, run_id: str, seq: int, steps: list[dict], rank: int = 0, **fields: Any):
     return api.post(f"/api/v1/runs/{run_id}/batches",
                     json={"rank": rank, "seq": seq, "steps": steps, **fields})
+
+
+def meta_only_bundle(step: int, **meta: Any) -> bytes:
+    """A bundle as the server reads it: bundle.json alone (it never reads the tensors)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        archive.writestr("bundle.json", json.dumps({"step": step, "rank": 0,
+                                                    "trigger": "nonfinite", **meta}))
+    return out.getvalue()

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from ampwatch.client.commands import connect, print_json
+from ampwatch.wire.bundles import MODEL_FACTORY_UNKNOWN, replay_command
 
 
 def register(commands: argparse._SubParsersAction, common: argparse.ArgumentParser) -> None:
@@ -30,13 +31,17 @@ def run_bundles(args: argparse.Namespace) -> int:
         run_id, step = args.step[0], int(args.step[1])
         with connect(args) as client:
             path = client.download_bundle(run_id, step, args.output, rank=args.rank)
+            factory = next((b.model_factory for b in client.bundles(run_id)
+                            if (b.step, b.rank) == (step, args.rank)), None)
             server = client.base_url
         if args.json:
             print_json({"path": str(path)})
         else:
             # --server: the bisect's verdict goes back with the bundle (docs/replay.md)
-            print(f"{path}\nreplay it: ampwatch replay {path} --model MODULE:FACTORY "
-                  f"--bisect --server {server}")
+            print(f"{path}\nreplay it: "
+                  f"{replay_command(factory, path=str(path), server=server)}")
+            if factory is None:
+                print(MODEL_FACTORY_UNKNOWN)
         return 0
     if args.step:
         raise SystemExit("usage: ampwatch bundles RUN  |  ampwatch bundles pull RUN STEP")

@@ -19,6 +19,7 @@ from ampwatch.server.pages.assets import PLOTLY_JS_VERSION
 from ampwatch.server.pages.figures import CHART_TOOLS
 from ampwatch.server.pages.plot import Figure
 from ampwatch.server.pages.time_axis import X_AXES
+from ampwatch.wire.bundles import MODEL_FACTORY_UNKNOWN, replay_command
 
 TEMPLATES = Path(__file__).parent / "templates"
 # Pages run no inline script and load nothing from elsewhere; Plotly needs inline styles.
@@ -121,6 +122,8 @@ def make_environment() -> Environment:
                        iso=iso, clock_time=clock_time)
     env.globals["plotly_version"] = PLOTLY_JS_VERSION  # plotly.min.js?v=: cached for a year
     env.globals.update(tool_defaults=CHART_TOOLS, x_axes=X_AXES)  # _chart_tools.html
+    # _bundles.html: the command quoted for the shell, and what its placeholder means
+    env.globals.update(replay_command=replay_command, model_factory_unknown=MODEL_FACTORY_UNKNOWN)
     return env
 
 

@@ -67,7 +67,8 @@ class BisectVerdictPublic(BisectVerdictCreate):
 
 class BundlePublic(BaseModel):
     """`bisect`: the latest verdict `ampwatch replay --bisect` reported for the bundle
-    (null: none yet; a re-sent bundle drops it)."""
+    (null: none yet; a re-sent bundle drops it). `model_factory`: the MODULE:FACTORY the
+    run recorded for `ampwatch replay --model` (null: none, or not one replay takes)."""
 
     run_id: str
     rank: int
@@ -78,6 +79,7 @@ class BundlePublic(BaseModel):
     bytes: int
     created_at: datetime
     url: str  # the download, relative to the server
+    model_factory: str | None = None
     bisect: BisectVerdictPublic | None = None
 
 

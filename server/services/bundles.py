@@ -23,7 +23,7 @@ from ampwatch.server.models import Bundle, as_utc
 from ampwatch.server.schemas.bundles import BundlePublic
 from ampwatch.server.services.runs import get_run
 from ampwatch.server.settings import Settings
-from ampwatch.wire.bundles import META_NAME, bundle_name
+from ampwatch.wire.bundles import META_NAME, bundle_name, model_factory
 
 MAX_META_BYTES = 1 << 20
 MAX_BUNDLES_PER_RUN = 1_000  # all ranks together; the agent keeps 5 a rank by default
@@ -137,5 +137,7 @@ def public_bundle(row: Bundle) -> BundlePublic:
                         first_nonfinite_layer=row.first_nonfinite_layer, exact=row.exact,
                         bytes=row.bytes, created_at=as_utc(row.created_at),
                         url=f"/api/v1/runs/{row.run_id}/bundles/{row.rank}/{row.step}",
+                        # what the agent wrote, unchecked: only a well-formed spec is shown
+                        model_factory=model_factory((row.meta or {}).get("model_factory")),
                         bisect=row.bisect and {**row.bisect,
                                                "reported_by": reported_by(row.bisect)})

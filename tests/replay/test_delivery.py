@@ -4,6 +4,7 @@ it back, and `ampwatch replay` runs the pulled file."""
 
 from __future__ import annotations
 
+import shlex
 import socket
 from importlib import metadata
 from pathlib import Path
@@ -21,9 +22,12 @@ from tests.replay.faults import FAULTS, train
 def test_bundle_reaches_the_server_and_comes_back(live_server, tmp_path: Path,
                                                   capsys: pytest.CaptureFixture) -> None:
     fault = FAULTS[2]  # NaN in the input at step 8
+    factory = tmp_path / "nan_model.py"
+    factory.write_text("from tests.replay.faults import FAULTS, build\n\n\n"
+                       "def make():\n    return build(FAULTS[2])\n")
     _, attachment = train(fault, lambda m, s, record: agent.attach(
         m, s, run="flight-1", server=live_server.url, spool_dir=tmp_path / "spool",
-        record=record))
+        record={**record, "model_factory": f"{factory}:make"}))
     assert attachment.detach(timeout=30)
     with Client(live_server.url) as client:
         (info,) = client.bundles("flight-1")
@@ -40,10 +44,11 @@ def test_bundle_reaches_the_server_and_comes_back(live_server, tmp_path: Path,
                  "-o", str(tmp_path)]) == 0
     pulled = tmp_path / "step-000000008.ampbundle"
     assert pulled.is_file()
-
-    factory = tmp_path / "nan_model.py"
-    factory.write_text("from tests.replay.faults import FAULTS, build\n\n\n"
-                       "def make():\n    return build(FAULTS[2])\n")
+    # the command it prints names the factory the run recorded, and runs as printed
+    printed = capsys.readouterr().out.split("replay it: ", 1)[1].strip()
+    command = shlex.split(printed)
+    assert command == ["ampwatch", "replay", str(pulled), "--model", f"{factory}:make",
+                       "--bisect", "--server", live_server.url]
     assert main(["replay", str(pulled), "--model", f"{factory}:make"]) == 0
     out = capsys.readouterr().out
     assert "reproduced: yes" in out and "first non-finite layer inp" in out
@@ -56,8 +61,7 @@ def test_bundle_reaches_the_server_and_comes_back(live_server, tmp_path: Path,
     assert "the verdict was not recorded on" in capsys.readouterr().err
     with Client(live_server.url) as client:
         assert client.bundles("flight-1")[0].bisect is None
-    assert main(["replay", str(pulled), "--model", f"{factory}:make", "--bisect",
-                 "--server", live_server.url]) == 0
+    assert main(command[1:]) == 0
     assert "verdict recorded on the server with the bundle (run flight-1, rank 0, step 8)" \
         in capsys.readouterr().out
     with Client(live_server.url) as client:

@@ -25,6 +25,14 @@ def test_record_values(monkeypatch: pytest.MonkeyPatch) -> None:
             RecordSettings.parse(bad)
 
 
+def test_the_model_factory_is_one_replay_takes() -> None:
+    for spec in ("train:build_model", "my_pkg.models:make", "jobs/train.py:make"):
+        assert RecordSettings.parse({"model_factory": spec}).model_factory == spec
+    for bad in ("train", "train.build_model", "train:build; rm -rf ~", "my train.py:make", 3):
+        with pytest.raises(ValueError, match="model_factory must be MODULE:FACTORY"):
+            RecordSettings.parse({"model_factory": bad})
+
+
 def test_attach_refuses_a_record_value_it_cannot_understand(attach) -> None:
     with pytest.raises(ValueError, match="record"):
         attach(nn.Linear(2, 2), None, record="sometimes")

@@ -20,7 +20,7 @@ from ampwatch.server.app import close_app, create_app
 from ampwatch.server.schemas.bundles import BundlePublic
 from tests.conftest import judged_client
 from tests.replay.faults import FAULTS, train
-from tests.utils import register_run
+from tests.utils import meta_only_bundle, register_run
 
 
 @pytest.fixture(scope="module")
@@ -150,13 +150,39 @@ def test_bisect_verdict_is_checked_then_kept_with_its_bundle(api, bundle: bytes)
     assert stored() is None
 
 
-def _meta_only(step: int) -> bytes:
-    """A bundle as the server reads it: bundle.json alone (it never reads the tensors)."""
-    out = io.BytesIO()
-    with zipfile.ZipFile(out, "w") as archive:
-        archive.writestr("bundle.json", json.dumps({"step": step, "rank": 0,
-                                                    "trigger": "nonfinite"}))
-    return out.getvalue()
+def test_the_page_prints_the_factory_the_run_recorded(api) -> None:
+    register_run(api, "run-f")
+    assert _upload(api, "run-f", 1, meta_only_bundle(1, model_factory="train:build_model")
+                   ).status_code == 200
+    assert _upload(api, "run-f", 2, meta_only_bundle(2, model_factory="jobs/a_1/train.py:make")
+                   ).status_code == 200
+    assert _upload(api, "run-f", 3, meta_only_bundle(3)).status_code == 200
+    listed = api.get("/api/v1/runs/run-f/bundles").json()["items"]
+    assert [b["model_factory"] for b in listed] == ["train:build_model",
+                                                    "jobs/a_1/train.py:make", None]
+    page = api.get("/runs/run-f").text
+    assert "ampwatch replay --run run-f --step 1 --model train:build_model --bisect" in page
+    assert "ampwatch replay --run run-f --step 2 --model jobs/a_1/train.py:make --bisect" \
+        in page
+    # the one without a factory: the placeholder, and one line on what to put there
+    assert "ampwatch replay --run run-f --step 3 --model MODULE:FACTORY --bisect" in page
+    assert page.count("the run recorded none") == 1
+
+
+@pytest.mark.parametrize("factory", [
+    "train:build; touch /tmp/owned", "$(touch /tmp/owned):f", "`id`.py:f", "a:b\nrm -rf ~",
+    "train:build &", "'x':y", "my train.py:build", "train", ":build", 42, ["train:build"],
+])
+def test_a_factory_that_is_not_one_is_never_printed(api, factory: object) -> None:
+    """A bundle from another team names its factory in words people paste into a shell:
+    anything but MODULE:FACTORY is dropped, and the page prints the placeholder."""
+    register_run(api, "run-h")
+    assert _upload(api, "run-h", 1, meta_only_bundle(1, model_factory=factory)).status_code == 200
+    (listed,) = api.get("/api/v1/runs/run-h/bundles").json()["items"]
+    assert listed["model_factory"] is None
+    page = api.get("/runs/run-h").text
+    assert "ampwatch replay --run run-h --step 1 --model MODULE:FACTORY --bisect" in page
+    assert "owned" not in page and "rm -rf" not in page and "`id`" not in page
 
 
 def test_verdicts_and_bundles_are_bounded(api, monkeypatch) -> None:
@@ -164,7 +190,7 @@ def test_verdicts_and_bundles_are_bounded(api, monkeypatch) -> None:
     10,000 names of 512 characters twice and a 64 KB fix), a run at most
     MAX_BUNDLES_PER_RUN bundles: 422 and 413, nothing stored."""
     register_run(api, "run-cap")
-    assert _upload(api, "run-cap", 1, _meta_only(1)).status_code == 200
+    assert _upload(api, "run-cap", 1, meta_only_bundle(1)).status_code == 200
     names = [f"{i:04d}" + "m" * 508 for i in range(10_000)]
     huge = {**NOT_PRECISION, "verdict": "fixed", "modules": names, "fp8_modules": names,
             "reason": None, "fix": "x" * 64_000}
@@ -177,9 +203,9 @@ def test_verdicts_and_bundles_are_bounded(api, monkeypatch) -> None:
     assert listed["bisect"] is None
 
     monkeypatch.setattr("ampwatch.server.services.bundles.MAX_BUNDLES_PER_RUN", 2)
-    assert _upload(api, "run-cap", 2, _meta_only(2)).status_code == 200
-    assert _upload(api, "run-cap", 3, _meta_only(3)).status_code == 413
-    assert _upload(api, "run-cap", 2, _meta_only(2)).status_code == 200  # a re-sent step
+    assert _upload(api, "run-cap", 2, meta_only_bundle(2)).status_code == 200
+    assert _upload(api, "run-cap", 3, meta_only_bundle(3)).status_code == 413
+    assert _upload(api, "run-cap", 2, meta_only_bundle(2)).status_code == 200  # a re-sent step
     assert [b["step"] for b in api.get("/api/v1/runs/run-cap/bundles").json()["items"]] == [
         1, 2]
 
@@ -188,7 +214,7 @@ def test_a_verdict_says_who_reported_it(api, settings, tmp_path) -> None:
     """The server runs no replay: a verdict is what a sender reported. It names the
     sender's own `source` and how it got in (which token, by a short hash, or none)."""
     register_run(api, "run-who")
-    assert _upload(api, "run-who", 1, _meta_only(1)).status_code == 200
+    assert _upload(api, "run-who", 1, meta_only_bundle(1)).status_code == 200
     claimed = {**NOT_PRECISION, "source": "ampwatch replay 0.1.0 on gpu-box"}
     answer = api.put("/api/v1/runs/run-who/bundles/0/1/bisect", json=claimed)
     assert answer.json()["bisect"]["reported_by"] == (
@@ -203,7 +229,7 @@ def test_a_verdict_says_who_reported_it(api, settings, tmp_path) -> None:
                                                    "bundle_folder": tmp_path / "b"}))
     with judged_client(token, headers={"Authorization": "Bearer s3cret"}) as holder:
         register_run(holder, "run-who")
-        assert _upload(holder, "run-who", 1, _meta_only(1)).status_code == 200
+        assert _upload(holder, "run-who", 1, meta_only_bundle(1)).status_code == 200
         answer = holder.put("/api/v1/runs/run-who/bundles/0/1/bisect", json=claimed)
         assert answer.json()["bisect"]["reported_by"] == (
             "ampwatch replay 0.1.0 on gpu-box with the server's token "
