@@ -318,7 +318,7 @@ class AlertNotification(Base):
     __tablename__ = "alert_notifications"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    # opened, escalated, resolved, test
+    # opened, escalated, resolved, reopened, test
     event: Mapped[str] = mapped_column(String(16))
     rule: Mapped[str] = mapped_column(String(64))
     target: Mapped[str] = mapped_column(String(64))
