@@ -8,14 +8,14 @@ from typing import Any
 
 from ampwatch.wire.bundles import bundle_name
 
-CHANGES = ("opened", "escalated", "resolved", "reopened")
+CHANGES = ("opened", "escalated", "resolved", "reopened", "handled")
 
 
 @dataclass(frozen=True)
 class IncidentNote:
     id: int
     change: str  # one of CHANGES
-    status: str  # open, resolved
+    status: str  # open, handled (a person marked it, quiet since: open nowhere), resolved
     severity: str
     headline: str
     layer: str | None
