@@ -11,6 +11,12 @@ from ampwatch.wire.bundles import bundle_name
 CHANGES = ("opened", "escalated", "resolved", "reopened", "handled")
 
 
+def first_change(status: str) -> str:
+    """The change an incident first seen with `status` is told as: opened, handled or
+    resolved."""
+    return "opened" if status == "open" else status
+
+
 @dataclass(frozen=True)
 class IncidentNote:
     id: int

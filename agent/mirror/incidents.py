@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from ampwatch.agent.transport.sender import Outcome, Sender
-from ampwatch.trackers.incident_notes import IncidentNote, bundle_for
+from ampwatch.trackers.incident_notes import IncidentNote, bundle_for, first_change
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
@@ -54,7 +54,7 @@ class IncidentWatch:
         before = self._seen.get(incident["id"])
         status, severity = incident["status"], incident["severity"]
         if before is None:
-            return "opened" if status == "open" else status
+            return first_change(status)
         if before[0] != status:
             return "reopened" if status == "open" else status  # resolved, or handled
         if SEVERITY_ORDER.get(severity, 0) > SEVERITY_ORDER.get(before[1], 0):

@@ -434,6 +434,12 @@ def test_an_incident_marked_handled_is_told_handled_then_reopened(server: LiveSe
         assert api.post(f"/api/v1/runs/{run_id}/notes",
                         json={"incident": incident, "handled": True}).status_code == 201
         assert told() == [("handled", "critical", "handled")]
+        # `ampwatch export --to` tells it the same
+        from ampwatch.client.tracker_export import run_notes
+        with Client(server.url) as client:
+            exported = [(n.change, n.status) for n in run_notes(client, run_id)
+                        if n.id == incident]
+        assert exported == [("handled", "handled")]
         assert post_batch(api, run_id, 1, make_steps(80, 20, 4,
                                                      skipped=set(range(80, 100)))).is_success
         assert told() == [("reopened", "critical", "open")]
