@@ -138,15 +138,17 @@ class AlertOutbox:
             if incident.status == HANDLED:  # open nowhere, so to no rule
                 continue
             since = marked_at(incident, marks)
-            if moved.isdisjoint(incident.findings) or (
-                    since is None and before.keys().isdisjoint(incident.findings)):
+            # after a mark, any change is its signal returning; else only a new status
+            # or severity is news
+            news = moved if since is not None else before.keys()
+            if news.isdisjoint(incident.findings):
                 continue
             lead = findings[incident.id]
             created = _iso(lead["created_at"])
             announced = None
             for rule in rules:
                 members = rule_members(rule, incident, findings)
-                if moved.isdisjoint(m["id"] for m in members):
+                if news.isdisjoint(m["id"] for m in members):
                     continue
                 was, now = incident_state(members, before)
                 if announced is None:

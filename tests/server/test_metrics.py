@@ -178,8 +178,8 @@ def test_a_quiet_run_reads_stopped_as_the_api_says_then_drops_out(tmp_path):
     from tests.conftest import judged_client
     from tests.utils import make_steps, post_batch, register_run
 
-    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}", live_seconds=2,
-                              metrics_stopped_seconds=5))
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}", live_seconds=4,
+                              metrics_stopped_seconds=8))
     with judged_client(app) as api:
         register_run(api, "quiet", n_layers=2)
         assert post_batch(api, "quiet", 0, make_steps(0, 10, 2)).status_code == 200
@@ -193,17 +193,17 @@ def test_a_quiet_run_reads_stopped_as_the_api_says_then_drops_out(tmp_path):
         assert value(samples, "ampwatch_live_runs") == 1
         assert value(samples, "ampwatch_stopped_runs") == 0
 
-        time.sleep(2.2)  # quiet past live_seconds, never finished: killed, hung, an eval
+        time.sleep(4.2)  # quiet past live_seconds, never finished: killed, hung, an eval
         stopped = api.get("/api/v1/runs/quiet").json()
         assert stopped["reporting"] == "stopped"
         samples = parsed(api.get("/metrics"))
         reads_as_the_api(samples, stopped)
         labels = {"project": "tests", "run": "quiet"}
-        assert value(samples, "ampwatch_run_seconds_since_data", **labels) >= 2
+        assert value(samples, "ampwatch_run_seconds_since_data", **labels) >= 4
         assert value(samples, "ampwatch_live_runs") == 0
         assert value(samples, "ampwatch_stopped_runs") == 1
 
-        time.sleep(3)  # its data is older than metrics_stopped_seconds: it is left out
+        time.sleep(4)  # its data is older than metrics_stopped_seconds: it is left out
         samples = parsed(api.get("/metrics"))
         assert not any(lab.get("run") == "quiet" for series in samples.values()
                        for lab, _ in series)
