@@ -359,7 +359,8 @@ class Client:
     def deliveries(self, *, status: str | None = None, run_id: str | None = None,
                    event: str | None = None, limit: int | None = None) -> Records[Delivery]:
         """Alert notifications, newest first, with their attempts; filtered by status
-        (pending, delivered, failed), run and event (opened, escalated, resolved, test)."""
+        (pending, delivered, failed), run and event (opened, escalated, resolved,
+        reopened, test)."""
         return Records(self._pages("/alerts/deliveries", Delivery, self.FINDINGS_PAGE, limit,
                                    status=status, run_id=run_id, event=event), of=Delivery)
 

@@ -17,7 +17,7 @@ from typing import Any
 from ampwatch.client.api import Client
 from ampwatch.client.errors import AmpwatchError
 from ampwatch.trackers.adapters import MlflowTracker, Row, TensorBoardTracker, Tracker
-from ampwatch.trackers.incident_notes import IncidentNote, bundle_for
+from ampwatch.trackers.incident_notes import IncidentNote, bundle_for, first_change
 from ampwatch.trackers.scalars import step_scalars
 
 TARGETS = ("tensorboard", "mlflow")
@@ -68,7 +68,7 @@ def run_rows(client: Client, run_id: str, *, rank: int = 0,
 
 
 def run_notes(client: Client, run_id: str) -> list[IncidentNote]:
-    """Each incident of the run as it stands (opened, or resolved)."""
+    """Each incident of the run as it stands (opened, handled or resolved)."""
     incidents = list(client.incidents(run_id))
     bundles = [{"rank": b.rank, "step": b.step} for b in client.bundles(run_id)]
     messages = {} if all(i.headline for i in incidents) else {
@@ -79,7 +79,7 @@ def run_notes(client: Client, run_id: str) -> list[IncidentNote]:
         body = dataclasses.asdict(incident)
         first = incident.findings[0] if incident.findings else None
         notes.append(IncidentNote.from_incident(
-            body, "opened" if incident.status == "open" else "resolved", link,
+            body, first_change(incident.status), link,
             bundle_for(body, bundles), messages.get(first)))
     return notes
 

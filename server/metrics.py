@@ -1,12 +1,14 @@
 """GET /metrics: training health and server load in the Prometheus text format.
 
-Per live run (data within `live_seconds`, not finished), labelled project and run: the
-loss scale, steps and skipped steps (counters: `rate()` of their ratio is the recent skip
-rate), the last step, seconds since data, open findings by severity. Read from the
-database by a custom collector at scrape time, so a finished run drops out by itself and
-every replica reports the same runs (no per-run gauges to forget); so are the analysis
-queue's depth and lag (server/worker/queue.py). Server counters and
-latency histograms are per process, in a registry of the app's own (no global state).
+Per run that is live or stopped reporting (`services/runs.run_state`, as the API says it;
+a stopped one until its data is `metrics_stopped_seconds` old), labelled project and run:
+where it stands, the loss scale, steps and skipped steps (counters: `rate()` of their
+ratio is the recent skip rate), the last step, when it was last seen, the steps it lost,
+open findings by severity. Read from the database by a custom collector at scrape time,
+so a finished run drops out by itself and every replica reports the same runs (no
+per-run gauges to forget); so are the analysis queue's depth and lag
+(server/worker/queue.py). Server counters and latency histograms are per process, in a
+registry of the app's own (no global state).
 """
 
 from __future__ import annotations
@@ -33,9 +35,9 @@ from sqlalchemy.orm import sessionmaker
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.deps import SettingsDep
 from ampwatch.server.findings.queries import open_severities_by_run
-from ampwatch.server.models import AlertNotification, RunRank, as_utc, utcnow
+from ampwatch.server.models import AlertNotification, utcnow
 from ampwatch.server.schemas.batches import BatchAck
-from ampwatch.server.services.runs import live_runs
+from ampwatch.server.services.runs import rank_totals, run_state, runs_seen_since
 from ampwatch.server.settings import Settings
 from ampwatch.server.worker.queue import lag_seconds, pending_batches
 
@@ -70,7 +72,8 @@ class ServerMetrics:
                                       "Dashboard page latency by page", ["page"],
                                       buckets=LATENCY_BUCKETS, registry=r)
         ProcessCollector(registry=r)
-        r.register(RunHealthCollector(maker, settings.live_seconds))
+        r.register(RunHealthCollector(maker, settings.live_seconds,
+                                      settings.metrics_stopped_seconds))
 
     def batch_acknowledged(self, ack: BatchAck) -> None:
         if ack.duplicate:
@@ -80,19 +83,23 @@ class ServerMetrics:
             self.ingest_steps.inc(ack.stored_steps)
 
     def scrape(self) -> bytes:
-        """The text exposition; costs six grouped queries (live runs only, and the
-        analysis queue)."""
+        """The text exposition; costs six grouped queries (live and recently stopped runs
+        only, and the analysis queue)."""
         return generate_latest(self.registry)
 
 
 class RunHealthCollector:
-    """Per live run gauges and counters, read from `runs`, `run_ranks` and `findings`
-    when Prometheus scrapes (bounded: only runs with data in the last `live_seconds`
-    whose agents have not all detached)."""
+    """Per run gauges and counters, read from `runs`, `run_ranks` and `findings` when
+    Prometheus scrapes. Bounded: only runs with data in the last `live_seconds` (or
+    `stopped_seconds`, when longer) whose agents have not all detached."""
 
-    def __init__(self, maker: sessionmaker, live_seconds: float) -> None:
+    REPORTING = ("live", "stopped")  # the states of a run on /metrics
+
+    def __init__(self, maker: sessionmaker, live_seconds: float,
+                 stopped_seconds: float) -> None:
         self.maker = maker
-        self.live = timedelta(seconds=live_seconds)
+        self.live_seconds = live_seconds
+        self.window = timedelta(seconds=max(live_seconds, stopped_seconds))
 
     def describe(self) -> list[Metric]:
         return []  # families depend on the database; nothing to check at registration
@@ -101,6 +108,10 @@ class RunHealthCollector:
         now = utcnow()
         labels = ["project", "run"]
         families = {
+            "reporting": GaugeMetricFamily(
+                "ampwatch_run_reporting", "1 for where the run stands: live (data within "
+                "live_seconds) or stopped (quiet since, not finished), as the API's "
+                "`reporting`", labels=[*labels, "state"]),
             "scale": GaugeMetricFamily("ampwatch_run_loss_scale",
                                        "GradScaler loss scale (lowest over ranks)", labels=labels),
             "steps": CounterMetricFamily("ampwatch_run_steps",
@@ -112,54 +123,62 @@ class RunHealthCollector:
                                        "rate use rate() of the two counters", labels=labels),
             "last": GaugeMetricFamily("ampwatch_run_last_step", "Latest step of any rank",
                                       labels=labels),
+            "seen": GaugeMetricFamily("ampwatch_run_last_seen_timestamp_seconds",
+                                      "When the run's newest data was made (Unix time), as "
+                                      "the API's `last_seen_at`", labels=labels),
             "age": GaugeMetricFamily("ampwatch_run_seconds_since_data",
-                                     "Seconds since the run's last batch arrived", labels=labels),
+                                     "Seconds since the run's newest data", labels=labels),
+            "lost": GaugeMetricFamily("ampwatch_run_steps_lost",
+                                      "Steps that never arrived, as the API's `steps_lost`",
+                                      labels=labels),
             "open": GaugeMetricFamily("ampwatch_run_open_findings",
                                       "Open findings by severity",
                                       labels=[*labels, "severity"]),
         }
         with self.maker() as session:
-            runs = live_runs(session, now - self.live)
-            ids = [run.id for run in runs]
-            totals = {row.run_id: row for row in session.execute(
-                select(RunRank.run_id, func.count().label("ranks"),
-                       func.count(RunRank.finished_at).label("finished"),
-                       func.min(RunRank.loss_scale).label("scale"),
-                       func.sum(RunRank.steps).label("steps"),
-                       func.sum(RunRank.skipped).label("skipped"),
-                       func.max(RunRank.last_step).label("last_step"))
-                .where(RunRank.run_id.in_(ids)).group_by(RunRank.run_id))} if ids else {}
+            seen = runs_seen_since(session, now - self.window)
+            totals = rank_totals(session, [run.id for run in seen])
+            states = {run.id: run_state(totals.get(run.id), self.live_seconds, now)
+                      for run in seen}
+            # a run whose every rank detached (the agent's "finished" event) is over
+            runs = [run for run in seen if states[run.id].reporting in self.REPORTING]
             # open as everywhere: incidents marked handled left out
-            open_counts = collections.Counter((run_id, severity) for run_id, found
-                                  in open_severities_by_run(session, ids).items()
-                                  for severity in found)
+            open_counts = collections.Counter(
+                (run_id, severity) for run_id, found
+                in open_severities_by_run(session, [run.id for run in runs]).items()
+                for severity in found)
             pending = session.scalar(select(func.count()).select_from(AlertNotification)
                                      .where(AlertNotification.status == "pending"))
             backlog, lag = pending_batches(session), lag_seconds(session)
-        # a run whose every rank detached (the agent's "finished" event) is over
-        runs = [run for run in runs if run.id not in totals
-                or totals[run.id].finished < totals[run.id].ranks]
         for run in runs:
             values = [run.project, run.id]
-            total = totals.get(run.id)
-            if total is not None:
-                if total.scale is not None:
-                    families["scale"].add_metric(values, total.scale)
-                steps, skipped = int(total.steps or 0), int(total.skipped or 0)
-                families["steps"].add_metric(values, steps)
-                families["skipped"].add_metric(values, skipped)
-                families["ratio"].add_metric(values, skipped / steps if steps else 0.0)
-                if total.last_step is not None:
-                    families["last"].add_metric(values, total.last_step)
+            total, state = totals[run.id], states[run.id]
+            for reporting in self.REPORTING:
+                families["reporting"].add_metric([*values, reporting],
+                                                 float(state.reporting == reporting))
+            if total.lowest_scale is not None:
+                families["scale"].add_metric(values, total.lowest_scale)
+            steps, skipped = int(total.steps or 0), int(total.skipped or 0)
+            families["steps"].add_metric(values, steps)
+            families["skipped"].add_metric(values, skipped)
+            families["ratio"].add_metric(values, skipped / steps if steps else 0.0)
+            if total.last_step is not None:
+                families["last"].add_metric(values, total.last_step)
+            families["seen"].add_metric(values, state.last_seen_at.timestamp())
             families["age"].add_metric(
-                values, max((now - as_utc(run.last_seen_at)).total_seconds(), 0.0))
+                values, max((now - state.last_seen_at).total_seconds(), 0.0))
+            families["lost"].add_metric(values, state.steps_lost)
             for severity in SEVERITY_RANK:
                 families["open"].add_metric([*values, severity],
                                             open_counts.get((run.id, severity), 0))
         yield from families.values()
+        count = collections.Counter(states[run.id].reporting for run in runs)
         yield GaugeMetricFamily("ampwatch_live_runs", "Runs training now: data within "
                                 "live_seconds and not every rank finished",
-                                value=len(runs))
+                                value=count["live"])
+        yield GaugeMetricFamily("ampwatch_stopped_runs", "Runs that stopped reporting: "
+                                "quiet past live_seconds without finishing (within "
+                                "metrics_stopped_seconds)", value=count["stopped"])
         yield GaugeMetricFamily("ampwatch_alert_notifications_pending",
                                 "Alert notifications in the outbox not yet delivered",
                                 value=pending or 0)

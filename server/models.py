@@ -67,7 +67,7 @@ class Run(Base):
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     updated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     # no last_seen_at: it is the newest of the ranks' (a per-batch write here made every
-    # rank of the run wait on this row); see runs.live_runs
+    # rank of the run wait on this row); see runs.rank_totals
     # set when the full-resolution data was dropped (summaries and findings are kept)
     archived_at: Mapped[datetime | None] = mapped_column(DateTime(timezone=True))
 
@@ -318,7 +318,7 @@ class AlertNotification(Base):
     __tablename__ = "alert_notifications"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
-    # opened, escalated, resolved, test
+    # opened, escalated, resolved, reopened, test
     event: Mapped[str] = mapped_column(String(16))
     rule: Mapped[str] = mapped_column(String(64))
     target: Mapped[str] = mapped_column(String(64))

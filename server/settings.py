@@ -61,6 +61,9 @@ class Settings(BaseSettings):
     allowed_hosts: str = ""
     # a run is live when a batch arrived within this many seconds
     live_seconds: float = Field(60.0, gt=0)
+    # a run that stopped reporting (quiet past live_seconds, not finished) stays on
+    # /metrics, reading stopped, until its data is this old; 0 drops it at once
+    metrics_stopped_seconds: float = Field(3600.0, ge=0)
     migrate_on_start: bool = True
     # detector thresholds; env vars like AMPWATCH_ANALYSIS__SKIP_STREAK_WARNING
     analysis: AnalysisSettings = Field(default_factory=AnalysisSettings)

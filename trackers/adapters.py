@@ -147,8 +147,8 @@ class WandbTracker:
             self._open.discard(note.id)
         self.run.summary[f"ampwatch/incident/{note.id}"] = note.as_dict()
         self.run.summary["ampwatch/open_incidents"] = len(self._open)
-        if note.severity == "info":
-            return  # a note, not a problem: the summary holds it, an alert would be noise
+        if note.severity == "info" or note.change == "handled":
+            return  # a note, or a person's own mark: the summary holds it, an alert is noise
         level = wandb.AlertLevel.INFO if note.status != "open" else (
             wandb.AlertLevel.ERROR if note.severity == "critical" else wandb.AlertLevel.WARN)
         self.run.alert(title=note.title(), text=note.markdown(), level=level, wait_duration=0)

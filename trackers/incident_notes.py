@@ -8,14 +8,20 @@ from typing import Any
 
 from ampwatch.wire.bundles import bundle_name
 
-CHANGES = ("opened", "escalated", "resolved", "reopened")
+CHANGES = ("opened", "escalated", "resolved", "reopened", "handled")
+
+
+def first_change(status: str) -> str:
+    """The change an incident first seen with `status` is told as: opened, handled or
+    resolved."""
+    return "opened" if status == "open" else status
 
 
 @dataclass(frozen=True)
 class IncidentNote:
     id: int
     change: str  # one of CHANGES
-    status: str  # open, resolved
+    status: str  # open, handled (a person marked it, quiet since: open nowhere), resolved
     severity: str
     headline: str
     layer: str | None

@@ -1,13 +1,14 @@
-"""Which of a run's incidents changed since the last look: opened, escalated, resolved or
-reopened. Reads the server's incidents API through the agent's own HTTP sender; may block
-up to `TIMEOUT_S` per request, so it runs on the mirror's thread only."""
+"""Which of a run's incidents changed since the last look: opened, escalated, resolved,
+handled (a person marked it so on the server) or reopened. Reads the server's incidents
+API through the agent's own HTTP sender; may block up to `TIMEOUT_S` per request, so it
+runs on the mirror's thread only."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ampwatch.agent.transport.sender import Outcome, Sender
-from ampwatch.trackers.incident_notes import IncidentNote, bundle_for
+from ampwatch.trackers.incident_notes import IncidentNote, bundle_for, first_change
 
 SEVERITY_ORDER = {"info": 0, "warning": 1, "critical": 2}
 
@@ -53,9 +54,9 @@ class IncidentWatch:
         before = self._seen.get(incident["id"])
         status, severity = incident["status"], incident["severity"]
         if before is None:
-            return "opened" if status == "open" else "resolved"
+            return first_change(status)
         if before[0] != status:
-            return "reopened" if status == "open" else "resolved"
+            return "reopened" if status == "open" else status  # resolved, or handled
         if SEVERITY_ORDER.get(severity, 0) > SEVERITY_ORDER.get(before[1], 0):
             return "escalated"
         return None

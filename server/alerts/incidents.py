@@ -7,11 +7,16 @@ An incident is judged per rule on its findings of the rule's kinds: open while o
 them is, as severe as the worst of them that is open (of all once resolved). What was
 announced is read back from the outbox, keyed by the incident's id (its earliest
 finding), exactly as per-finding rules key by the finding.
+
+An incident marked handled is open to no rule, by the rule every count follows
+(server/findings/handled.py): the mark forgets what was announced before it, so the
+incident's signal returning after the mark announces it again, as "reopened".
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
+from datetime import datetime
 from typing import Any
 
 from sqlalchemy import select
@@ -20,9 +25,10 @@ from sqlalchemy.engine import Connection
 from ampwatch.server.alerts.settings import AlertRule
 from ampwatch.server.analysis.draft import SEVERITY_RANK
 from ampwatch.server.findings.bisect_verdicts import with_verdicts
+from ampwatch.server.findings.handled import apply_marks, handled_marks
 from ampwatch.server.findings.incidents import Incident, group_incidents, needs_layer_order
 from ampwatch.server.findings.queries import bisected_bundles, layer_orders
-from ampwatch.server.models import AlertNotification, Finding
+from ampwatch.server.models import AlertNotification, Finding, as_utc
 
 OPEN = "open"
 State = tuple[str, str]  # (status, severity)
@@ -30,16 +36,18 @@ State = tuple[str, str]  # (status, severity)
 FINDING_COLUMNS = (Finding.id, Finding.run_id, Finding.rank, Finding.kind, Finding.code,
                    Finding.severity, Finding.status, Finding.step, Finding.last_step,
                    Finding.layer, Finding.message, Finding.count, Finding.evidence,
-                   Finding.created_at)
+                   Finding.created_at, Finding.updated_at)
 
 
-def run_incidents(connection: Connection, run_id: str,
-                  ranks: Iterable[int]) -> tuple[list[Incident], dict[int, Mapping[str, Any]]]:
+def run_incidents(connection: Connection, run_id: str, ranks: Iterable[int]
+                  ) -> tuple[list[Incident], dict[int, Mapping[str, Any]], dict[int, datetime]]:
     """The run's incidents on `ranks` as stored now (inside the flush that changed them),
-    and its findings by id, their fixes told by the run's bisect verdicts as the API
-    tells them. Two queries (three with findings that need the layer order to join an
-    overflow: `needs_layer_order`); the cost grows with the run's findings, and it is paid
-    only by a flush that changed a finding's status or severity."""
+    those marked handled and quiet since with status "handled" (as the API tells them,
+    fixes included); its findings by id; and its handled marks (incident id -> when).
+    Three queries (four with findings that need the layer order to join an overflow:
+    `needs_layer_order`); the cost grows with the run's findings, and it is paid only by a
+    flush that changed a finding's status or severity, or moved a finding of a run with a
+    handled mark."""
     rows = connection.execute(
         select(*FINDING_COLUMNS).where(Finding.run_id == run_id,
                                        Finding.rank.in_(sorted(set(ranks))))
@@ -47,7 +55,11 @@ def run_incidents(connection: Connection, run_id: str,
     order = layer_orders(connection, [run_id]).get(run_id) if needs_layer_order(rows) else None
     incidents = with_verdicts(group_incidents(rows, order),
                               bisected_bundles(connection, [run_id]).get(run_id, ()))
-    return incidents, {row["id"]: row for row in rows}
+    marks = handled_marks(connection, [run_id]).get(run_id, {})
+    if marks:
+        incidents = apply_marks(incidents, marks,
+                                {row["id"]: as_utc(row["updated_at"]) for row in rows})
+    return incidents, {row["id"]: row for row in rows}, marks
 
 
 def incident_state(members: list[Mapping[str, Any]],
@@ -83,21 +95,25 @@ def rule_members(rule: AlertRule, incident: Incident,
 
 
 def announced_severities(connection: Connection, subject_id: int, run_id: str,
-                         created_at: str | None, subject: str = "incident") -> dict[str, str]:
+                         created_at: str | None, subject: str = "incident",
+                         since: datetime | None = None) -> dict[str, str]:
     """Per rule, the highest severity the incident (or, with subject "finding", the
-    finding) `subject_id` was announced at since its last announced resolution, read back
-    from the outbox; `created_at`, its (first) finding's, tells a reused id apart (SQLite
-    reuses the largest id after a delete)."""
+    finding) `subject_id` was announced at since its last announced resolution and after
+    `since` (when it was marked handled), read back from the outbox; `created_at`, its
+    (first) finding's, tells a reused id apart (SQLite reuses the largest id after a
+    delete)."""
     rows = connection.execute(
         select(AlertNotification.rule, AlertNotification.event, AlertNotification.severity,
-               AlertNotification.payload)
+               AlertNotification.payload, AlertNotification.created_at)
         .where(AlertNotification.finding_id == subject_id,
                AlertNotification.run_id == run_id)
         .order_by(AlertNotification.id)
     ).all()
     found: dict[str, str] = {}
-    for rule, what, severity, payload in rows:
+    for rule, what, severity, payload, written in rows:
         if (payload or {}).get(subject, {}).get("created_at") != created_at:
+            continue
+        if since is not None and as_utc(written) <= since:
             continue
         if what == "resolved":
             found.pop(rule, None)

@@ -13,6 +13,11 @@ each finding does. When a finding (or incident) notifies, per rule:
   reopening announces it again). Without `on_resolve` a reopened finding stays quiet.
 A finding that persists for 10,000 steps changes neither status nor severity, so it
 notifies once. What was announced is read back from the outbox itself.
+
+An incident marked handled (server/findings/handled.py) is open to no rule per incident:
+nothing it does is announced while it is handled, and the mark forgets what was
+announced before it. Its signal returning (any change of one of its findings after the
+mark, a step more of the same condition included) announces it as "reopened", once.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from ampwatch.server.alerts.incidents import (
 )
 from ampwatch.server.alerts.settings import AlertRule, AlertSettings
 from ampwatch.server.analysis.draft import SEVERITY_RANK
+from ampwatch.server.findings.handled import HANDLED, has_marks, marked_at
 from ampwatch.server.models import AlertNotification, Finding, Run, utcnow
 
 OPEN, RESOLVED = "open", "resolved"
@@ -48,7 +54,9 @@ class AlertOutbox:
     """Turns finding changes into outbox rows; `install` hooks it into a sessionmaker.
 
     Costs nothing per flush that changes no finding; a changed finding that matches a rule
-    costs one indexed read of its earlier notifications.
+    costs one indexed read of its earlier notifications. A flush that only moves open
+    findings on (a later step, a higher count) costs, with rules per incident, one
+    indexed lookup of the run's handled marks, and is judged only when there are some.
     """
 
     def __init__(self, settings: AlertSettings, public_url: str,
@@ -68,26 +76,31 @@ class AlertOutbox:
     def _after_flush(self, session: Session, _flush_context: Any) -> None:
         # after the flush the new findings have ids, and the attribute history still
         # holds each finding's state before it
-        transitions = list(_finding_transitions(session))
-        if not transitions or not self.settings.rules:
+        if not self.settings.rules:
+            return
+        by_run: dict[str, list[Transition]] = {}
+        for transition in _finding_transitions(session):
+            by_run.setdefault(transition[0].run_id, []).append(transition)
+        if not by_run:
             return
         connection = session.connection()
+        per_incident_rules = any(r.per == "incident" for r in self.settings.rules)
         rows = []
-        runs: dict[str, dict[str, str]] = {}
-        by_run: dict[str, list[Transition]] = {}
-        for transition in transitions:
-            by_run.setdefault(transition[0].run_id, []).append(transition)
         for run_id, changed in by_run.items():
-            run = runs.get(run_id)
-            if run is None:
-                run = runs[run_id] = _run_info(connection, run_id)
+            # a finding only moved on (same status and severity) matters to an incident
+            # marked handled alone: it is its signal returning
+            if all(before == after for _, before, after in changed) and not (
+                    per_incident_rules and has_marks(connection, run_id)):
+                continue
+            run = _run_info(connection, run_id)
             rules = [r for r in self.settings.rules
                      if not r.projects or run["project"] in r.projects]
             per_finding = [r for r in rules if r.per == "finding"]
             per_incident = [r for r in rules if r.per == "incident"]
             for finding, before, after in changed if per_finding else ():
-                rows += self._notifications(connection, per_finding, finding, before, after,
-                                            run)
+                if before != after:
+                    rows += self._notifications(connection, per_finding, finding, before,
+                                                after, run)
             if per_incident:
                 rows += self._incident_notifications(connection, per_incident, changed, run)
         if rows:
@@ -116,27 +129,36 @@ class AlertOutbox:
     def _incident_notifications(self, connection: Connection, rules: list[AlertRule],
                                 changed: list[Transition],
                                 run: dict[str, str]) -> list[dict[str, Any]]:
-        before = {finding.id: was for finding, was, _ in changed}
-        incidents, findings = run_incidents(connection, run["id"],
-                                            (f.rank for f, _, _ in changed))
+        before = {finding.id: was for finding, was, now in changed if was != now}
+        moved = {finding.id for finding, _, _ in changed}
+        incidents, findings, marks = run_incidents(connection, run["id"],
+                                                   (f.rank for f, _, _ in changed))
         rows = []
         for incident in incidents:
-            if before.keys().isdisjoint(incident.findings):
+            if incident.status == HANDLED:  # open nowhere, so to no rule
+                continue
+            since = marked_at(incident, marks)
+            # after a mark, any change is its signal returning; else only a new status
+            # or severity is news
+            news = moved if since is not None else before.keys()
+            if news.isdisjoint(incident.findings):
                 continue
             lead = findings[incident.id]
             created = _iso(lead["created_at"])
             announced = None
             for rule in rules:
                 members = rule_members(rule, incident, findings)
-                if before.keys().isdisjoint(m["id"] for m in members):
+                if news.isdisjoint(m["id"] for m in members):
                     continue
                 was, now = incident_state(members, before)
                 if announced is None:
                     announced = announced_severities(connection, incident.id,
-                                                     incident.run_id, created)
+                                                     incident.run_id, created, since=since)
                 what = _event(rule, was, now, announced.get(rule.name))
                 if what is None:
                     continue
+                if what == "opened" and since is not None:
+                    what = "reopened"  # announced again after a person marked it handled
                 worst = max(members, key=lambda m: (m["status"] == OPEN,
                                                     SEVERITY_RANK[m["severity"]]))
                 payload = notification_payload(what, rule.name, _finding_json(worst), run,
@@ -168,7 +190,8 @@ class AlertOutbox:
 
 
 def _finding_transitions(session: Session) -> Iterable[Transition]:
-    """(finding, (status, severity) before or None when new, (status, severity) now)."""
+    """(finding, (status, severity) before or None when new, (status, severity) now) of
+    each finding the flush wrote; before == now when it only moved on (steps, count)."""
     for obj in session.new:
         if isinstance(obj, Finding):
             yield obj, None, (obj.status, obj.severity)
@@ -176,10 +199,9 @@ def _finding_transitions(session: Session) -> Iterable[Transition]:
         if not isinstance(obj, Finding):
             continue
         state = inspect(obj)
-        before = (_previous(state, "status"), _previous(state, "severity"))
-        after = (obj.status, obj.severity)
-        if before != after:
-            yield obj, before, after
+        if session.is_modified(obj):
+            yield obj, (_previous(state, "status"), _previous(state, "severity")), \
+                (obj.status, obj.severity)
 
 
 def _previous(state: Any, name: str) -> Any:

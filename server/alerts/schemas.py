@@ -49,7 +49,7 @@ class DeliveryPublic(BaseModel):
     """One notification to one target, with every attempt at sending it."""
 
     id: int
-    event: Literal["opened", "escalated", "resolved", "test"]
+    event: Literal["opened", "escalated", "resolved", "reopened", "test"]
     rule: str
     target: str
     status: NotificationStatus

@@ -39,7 +39,8 @@ def get_deliveries(
     session: SessionDep,
     status: NotificationStatus | None = None,
     run_id: Annotated[str | None, Query(pattern=RUN_ID_PATTERN)] = None,
-    event: Annotated[str | None, Query(pattern=r"^(opened|escalated|resolved|test)$")] = None,
+    event: Annotated[str | None,
+                     Query(pattern=r"^(opened|escalated|resolved|reopened|test)$")] = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
     offset: Annotated[int, Query(ge=0, le=10**9)] = 0,
 ) -> DeliveriesPublic:

@@ -14,6 +14,7 @@ from datetime import datetime
 from typing import TYPE_CHECKING
 
 from sqlalchemy import func, select
+from sqlalchemy.engine import Connection
 from sqlalchemy.orm import Session
 
 from ampwatch.server.analysis.draft import SEVERITY_RANK
@@ -26,7 +27,8 @@ HANDLED = "handled"
 STATUS_ORDER = {"open": 0, HANDLED: 1, "resolved": 2}
 
 
-def handled_marks(session: Session, run_ids: Iterable[str]) -> dict[str, dict[int, datetime]]:
+def handled_marks(session: Session | Connection,
+                  run_ids: Iterable[str]) -> dict[str, dict[int, datetime]]:
     """Per run, incident id -> when it was last marked handled. One grouped query."""
     run_ids = list(run_ids)
     if not run_ids:
@@ -41,7 +43,7 @@ def handled_marks(session: Session, run_ids: Iterable[str]) -> dict[str, dict[in
     return marks
 
 
-def has_marks(session: Session, run_id: str) -> bool:
+def has_marks(session: Session | Connection, run_id: str) -> bool:
     """Whether any incident of the run was marked handled (one indexed lookup)."""
     return session.scalar(select(RunNote.id).where(
         RunNote.run_id == run_id, RunNote.handled.is_(True)).limit(1)) is not None
@@ -54,12 +56,16 @@ def apply_marks(incidents: list[Incident], marks: Mapping[int, datetime],
     resolved, keeping each group's order. A mark names the incident by its earliest
     finding's id, so it is matched against every finding of the incident."""
     for incident in incidents:
-        if incident.status != "open":
-            continue
-        at = [marks[f] for f in incident.findings if f in marks]
-        if at and all(changed_at[f] <= max(at) for f in incident.findings if f in changed_at):
+        at = marked_at(incident, marks)
+        if incident.status == "open" and at is not None and \
+                all(changed_at[f] <= at for f in incident.findings if f in changed_at):
             incident.status = HANDLED
     return sorted(incidents, key=lambda i: STATUS_ORDER[i.status])
+
+
+def marked_at(incident: Incident, marks: Mapping[int, datetime]) -> datetime | None:
+    """When `incident` was last marked handled (None: never, or the mark was removed)."""
+    return max((marks[f] for f in incident.findings if f in marks), default=None)
 
 
 def open_severities(incidents: Iterable[Incident],

@@ -164,7 +164,7 @@ def _touch_rank(session: Session, run_id: str, rank: int, now: datetime) -> bool
     """Move the rank's `last_seen_at` up to `now` (never back: a late upload of older data
     leaves it), making its row (empty totals) on its first batch;
     the row stays locked to the transaction. False when the run does not exist. Run-level
-    `last_seen_at` is the newest of its ranks' (`runs.run_public`, `runs.live_runs`)."""
+    `last_seen_at` is the newest of its ranks' (`runs.run_public`, `runs.run_state`)."""
     return session.execute(_TOUCH_RANK(session), {"run_id": run_id, "rank": rank,
                                                   "last_seen_at": now}).first() is not None
 

@@ -178,14 +178,13 @@ def lead_ranks(session: Session, run_ids: list[str]) -> dict[str, list[RunRank]]
     return {row.run_id: [row] for row in rows}
 
 
-def live_runs(session: Session, since: datetime) -> list[Row]:
-    """Runs that a rank sent a batch to at `since` or later: id, project and
-    `last_seen_at` (the newest of their ranks'; ingest never writes a run's own row).
-    One grouped read of `run_ranks`."""
-    newest = func.max(RunRank.last_seen_at).label("last_seen_at")
+def runs_seen_since(session: Session, since: datetime) -> list[Row]:
+    """Runs (id, project) with data from `since` or later by the newest of their ranks'
+    `last_seen_at` (ingest never writes a run's own row). One grouped read of
+    `run_ranks`; where each stands is `run_state`'s to say."""
     return list(session.execute(
-        select(Run.id, Run.project, newest).join(RunRank, RunRank.run_id == Run.id)
-        .group_by(Run.id, Run.project).having(newest >= since)))
+        select(Run.id, Run.project).join(RunRank, RunRank.run_id == Run.id)
+        .group_by(Run.id, Run.project).having(func.max(RunRank.last_seen_at) >= since)))
 
 
 def run_ranks(session: Session, run_id: str) -> list[RunRank]:
@@ -197,8 +196,8 @@ def run_ranks(session: Session, run_id: str) -> list[RunRank]:
 
 def rank_totals(session: Session, run_ids: list[str]) -> dict[str, Row]:
     """Per run, its ranks summed up in SQL: one grouped row per run (n_ranks, steps,
-    skipped, last_step, last_seen_at, finished ranks, lost and dropped data), whatever
-    the number of ranks. A run with no rank has no row."""
+    skipped, last_step, last_seen_at, finished ranks, lost and dropped data, the lowest
+    loss scale), whatever the number of ranks. A run with no rank has no row."""
     if not run_ids:
         return {}
     rows = session.execute(
@@ -212,7 +211,8 @@ def rank_totals(session: Session, run_ids: list[str]) -> dict[str, Row]:
                func.sum(RunRank.max_seq + 1 - RunRank.batches).label("lost_batches"),
                func.sum(RunRank.dropped_batches).label("dropped_batches"),
                func.sum(RunRank.dropped_steps).label("dropped_steps"),
-               func.sum(_missing_steps()).label("missing_steps"))
+               func.sum(_missing_steps()).label("missing_steps"),
+               func.min(RunRank.loss_scale).label("lowest_scale"))
         .where(RunRank.run_id.in_(run_ids)).group_by(RunRank.run_id))
     return {row.run_id: row for row in rows}
 

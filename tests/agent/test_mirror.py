@@ -404,3 +404,43 @@ def test_incidents_are_told_when_they_open_escalate_and_resolve(server: LiveServ
     assert told == [[("opened", "info", "open", 20, "blocks.0.fc")],
                     [("escalated", "critical", "open", 20, "blocks.0.fc")],
                     [("resolved", "critical", "resolved", 20, "blocks.0.fc")]]
+
+
+def test_an_incident_marked_handled_is_told_handled_then_reopened(server: LiveServer) -> None:
+    """"Mark handled" on the server reaches the trackers as handled (open nowhere: not
+    "resolved", and out of the open count), and the skips coming back after the mark as
+    reopened."""
+    import httpx
+
+    from ampwatch.agent.mirror.incidents import IncidentWatch
+    from ampwatch.agent.transport.sender import Sender
+    from tests.utils import make_steps, post_batch, register_run
+
+    run_id = "mirror-handled"
+    sender = Sender(server.url)
+    watch = IncidentWatch(sender, server.url, run_id)
+
+    def told() -> list[tuple[str, str, str]]:
+        return [(n.change, n.severity, n.status) for n in watch.poll(wait=30)
+                if n.layer == "blocks.0.fc"]
+
+    with httpx.Client(base_url=server.url, timeout=30) as api:
+        register_run(api, run_id)
+        assert post_batch(api, run_id, 0, make_steps(0, 80, 4,
+                                                     skipped=set(range(20, 80)))).is_success
+        assert told() == [("opened", "critical", "open")]
+        incident = next(i["id"] for i in api.get(f"/api/v1/runs/{run_id}/incidents").json()
+                        ["items"] if i["layer"] == "blocks.0.fc")
+        assert api.post(f"/api/v1/runs/{run_id}/notes",
+                        json={"incident": incident, "handled": True}).status_code == 201
+        assert told() == [("handled", "critical", "handled")]
+        # `ampwatch export --to` tells it the same
+        from ampwatch.client.tracker_export import run_notes
+        with Client(server.url) as client:
+            exported = [(n.change, n.status) for n in run_notes(client, run_id)
+                        if n.id == incident]
+        assert exported == [("handled", "handled")]
+        assert post_batch(api, run_id, 1, make_steps(80, 20, 4,
+                                                     skipped=set(range(80, 100)))).is_success
+        assert told() == [("reopened", "critical", "open")]
+    sender.close()

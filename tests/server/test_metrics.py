@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import datetime
 
 import httpx
 import pytest
@@ -25,7 +26,11 @@ POISONED = {20, 21, 40}  # inf in the input batch: the scaler skips these steps
 def scrape(url: str, token: str | None = None) -> dict[str, list]:
     """Samples by name, each as (labels, value)."""
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    reply = httpx.get(f"{url}/metrics", headers=headers, timeout=10)
+    return parsed(httpx.get(f"{url}/metrics", headers=headers, timeout=10))
+
+
+def parsed(reply) -> dict[str, list]:
+    """A /metrics reply's samples by name, each as (labels, value)."""
     assert reply.status_code == 200, reply.text
     assert reply.headers["content-type"].startswith("text/plain")
     samples: dict[str, list] = {}
@@ -154,19 +159,74 @@ def test_metrics_want_a_token_when_one_is_set(tmp_path, token, metrics_token, ac
     close_app(app)
 
 
-def test_a_run_that_stops_sending_drops_out_after_live_seconds(tmp_path):
+def reads_as_the_api(samples: dict, run: dict) -> None:
+    """/metrics tells the run's state as `GET /api/v1/runs/{id}` does: where it stands,
+    when it was last seen, the steps it lost."""
+    labels = {"project": run["project"], "run": run["id"]}
+    for state in ("live", "stopped"):
+        assert value(samples, "ampwatch_run_reporting", state=state, **labels) == \
+            float(run["reporting"] == state), (state, run["reporting"])
+    assert value(samples, "ampwatch_run_last_seen_timestamp_seconds", **labels) == \
+        pytest.approx(datetime.fromisoformat(run["last_seen_at"]).timestamp(), abs=1e-3)
+    assert value(samples, "ampwatch_run_steps_lost", **labels) == run["steps_lost"]
+    assert value(samples, "ampwatch_run_last_step", **labels) == run["last_step"]
+
+
+def test_a_quiet_run_reads_stopped_as_the_api_says_then_drops_out(tmp_path):
     from ampwatch.server.app import close_app, create_app
     from ampwatch.server.settings import Settings
     from tests.conftest import judged_client
     from tests.utils import make_steps, post_batch, register_run
 
-    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}", live_seconds=3))
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}", live_seconds=4,
+                              metrics_stopped_seconds=8))
     with judged_client(app) as api:
         register_run(api, "quiet", n_layers=2)
         assert post_batch(api, "quiet", 0, make_steps(0, 10, 2)).status_code == 200
-        live = api.get("/metrics").text
-        assert 'ampwatch_run_last_step{project="tests",run="quiet"} 9.0' in live
-        time.sleep(3.2)
-        quiet = api.get("/metrics").text
-        assert 'run="quiet"' not in quiet and "ampwatch_live_runs 0.0" in quiet
+        # the agent's heartbeat: the loop reached step 15, steps 10..15 never arrive
+        assert api.post("/api/v1/runs/quiet/ranks/0/reached",
+                        json={"reached_step": 15}).status_code == 204
+        live = api.get("/api/v1/runs/quiet").json()
+        assert (live["reporting"], live["steps_lost"]) == ("live", 6)
+        samples = parsed(api.get("/metrics"))
+        reads_as_the_api(samples, live)
+        assert value(samples, "ampwatch_live_runs") == 1
+        assert value(samples, "ampwatch_stopped_runs") == 0
+
+        time.sleep(4.2)  # quiet past live_seconds, never finished: killed, hung, an eval
+        stopped = api.get("/api/v1/runs/quiet").json()
+        assert stopped["reporting"] == "stopped"
+        samples = parsed(api.get("/metrics"))
+        reads_as_the_api(samples, stopped)
+        labels = {"project": "tests", "run": "quiet"}
+        assert value(samples, "ampwatch_run_seconds_since_data", **labels) >= 4
+        assert value(samples, "ampwatch_live_runs") == 0
+        assert value(samples, "ampwatch_stopped_runs") == 1
+
+        time.sleep(4)  # its data is older than metrics_stopped_seconds: it is left out
+        samples = parsed(api.get("/metrics"))
+        assert not any(lab.get("run") == "quiet" for series in samples.values()
+                       for lab, _ in series)
+        assert value(samples, "ampwatch_stopped_runs") == 0
+        assert api.get("/api/v1/runs/quiet").json()["reporting"] == "stopped"
+    close_app(app)
+
+
+def test_a_finished_run_is_in_no_gauge_at_once(tmp_path):
+    from ampwatch.server.app import close_app, create_app
+    from ampwatch.server.settings import Settings
+    from tests.conftest import judged_client
+    from tests.utils import make_steps, post_batch, register_run
+
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'm.db'}"))
+    with judged_client(app) as api:
+        register_run(api, "done", n_layers=2)
+        assert post_batch(api, "done", 0, make_steps(0, 10, 2),
+                          events=[{"kind": "finished"}]).status_code == 200
+        assert api.get("/api/v1/runs/done").json()["reporting"] == "finished"
+        samples = parsed(api.get("/metrics"))
+        assert not any(lab.get("run") == "done" for series in samples.values()
+                       for lab, _ in series)
+        assert value(samples, "ampwatch_live_runs") == 0
+        assert value(samples, "ampwatch_stopped_runs") == 0
     close_app(app)

@@ -22,6 +22,7 @@ from playwright.sync_api import expect
 from tests.conftest import LiveServer
 from tests.server.pages.conftest import Browser, open_browser
 from tests.server.pages.training import Net, Trainer
+from tests.server.test_metrics import reads_as_the_api, scrape, value
 
 pytestmark = pytest.mark.browser
 LIVE_SECONDS = 3
@@ -104,6 +105,9 @@ def test_a_page_opened_before_the_first_batch_follows_the_run_through_a_pause(
     finally:
         trainer.close()
     expect(browser.page.locator(".run-title .finished")).to_have_count(1, timeout=20_000)
+    samples = scrape(quick_server.url)  # finished: in no gauge of /metrics
+    assert value(samples, "ampwatch_run_last_step", run="early-run") is None
+    assert value(samples, "ampwatch_run_reporting", run="early-run", state="live") is None
     browser.assert_clean()
     lister.assert_clean()
     lister.page.context.close()
@@ -161,6 +165,7 @@ def test_a_killed_training_process_is_told_apart_from_a_finished_run(
     run = api_run(quick_server, "killed-run")
     lost = max(reached - stored, run["missing_steps"])
     assert (run["reporting"], run["steps_lost"]) == ("stopped", lost)
+    reads_as_the_api(scrape(quick_server.url), run)  # /metrics: stopped, lost, last seen
     assert browser.page.locator("#steps-lost").inner_text() == (
         f"{lost:,} step{'' if lost == 1 else 's'} lost")
     assert browser.page.locator("#steps-in-memory").inner_text() == (
@@ -186,6 +191,7 @@ def test_a_killed_training_process_is_told_apart_from_a_finished_run(
     last_seen = datetime.fromisoformat(synced["last_seen_at"]).timestamp()
     assert last_seen < synced_at - LIVE_SECONDS  # the time of its data, not the sync's
     assert synced["steps_lost"] >= lost
+    reads_as_the_api(scrape(quick_server.url), synced)
     show = subprocess.run([sys.executable, "-m", "ampwatch.client.cli", "show", "killed-run"],
                           capture_output=True, text=True, env=env, check=True).stdout
     assert "stopped reporting" in show
