@@ -62,14 +62,29 @@ def sdpa_max_logit(query: torch.Tensor, key: torch.Tensor,
     return logits.abs().amax() * scale
 
 
-def mha_max_logit(module: nn.MultiheadAttention, args: tuple,
-                  kwargs: dict) -> torch.Tensor | None:
-    """The same for an `nn.MultiheadAttention` call, from its inputs (a forward pre-hook's
-    arguments): the sampled queries and all keys projected with the module's weights."""
+def scores_dtype(query: torch.Tensor, key: torch.Tensor) -> torch.dtype:
+    """The dtype q k^T is computed from: autocast's where it is on for the query's device
+    (it casts the inputs of the projections, of matmul and of scaled_dot_product_attention;
+    float64 it leaves alone), else the wider of the query's and the key's. Host only."""
+    device = query.device.type
+    if torch.is_autocast_enabled(device) and torch.float64 not in (query.dtype, key.dtype):
+        return torch.get_autocast_dtype(device)
+    return torch.promote_types(query.dtype, key.dtype)
+
+
+def mha_inputs(args: tuple, kwargs: dict) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(query, key) of an `nn.MultiheadAttention` call (a forward pre-hook's arguments)."""
     query = args[0] if args else kwargs.get("query")
     key = args[1] if len(args) > 1 else kwargs.get("key")
     if not isinstance(query, torch.Tensor) or not isinstance(key, torch.Tensor):
         return None
+    return query, key
+
+
+def mha_max_logit(module: nn.MultiheadAttention, query: torch.Tensor,
+                  key: torch.Tensor) -> torch.Tensor | None:
+    """The same for an `nn.MultiheadAttention` call, from its inputs (`mha_inputs`): the
+    sampled queries and all keys projected with the module's weights."""
     if query.dim() == 3:  # the first sequence of the batch
         query, key = (query[0], key[0]) if module.batch_first else (query[:, 0], key[:, 0])
     embed, heads = module.embed_dim, module.num_heads

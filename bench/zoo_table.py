@@ -78,10 +78,12 @@ def _truth(fault: Fault, truth: Truth) -> str:
     steps = truth.steps
     if fault is faults.LLAMA_ATTENTION:
         layer = "model.layers.1.self_attn"
-        at = first_precursor([s[layer] for s in truth.attention.steps])
-        return f"step {at}: attention logits of `{layer}` at 10x their level"
+        at = first_precursor([s[layer] for s in truth.attention.steps], fault.dtype)
+        return (f"step {at}: attention logits of `{layer}` at 10x their level, past what "
+                "their dtype resolves")
     if fault is faults.LLAMA_OUTPUT:
-        return f"step {first_precursor(truth.output_lse)}: `lm_head`'s log-partition at 10x"
+        at = first_precursor(truth.output_lse, fault.dtype)
+        return f"step {at}: `lm_head`'s log-partition at 10x, past what its dtype resolves"
     if fault is faults.GPT2_BAD_BATCH:
         return f"step {faults.BAD_BATCH_AT}: one batch of foreign tokens (loss jump)"
     for i, s in enumerate(steps):
@@ -116,10 +118,11 @@ def _right(fault: Fault, truth: Truth, serious: list[dict]) -> str:
 
     steps = truth.steps
     if fault is faults.LLAMA_ATTENTION:
-        at = first_precursor([s["model.layers.1.self_attn"] for s in truth.attention.steps])
+        at = first_precursor([s["model.layers.1.self_attn"] for s in truth.attention.steps],
+                             fault.dtype)
         want = ("spike_precursor", at, "model.layers.1.self_attn", "attention_logit_growth")
     elif fault is faults.LLAMA_OUTPUT:
-        want = ("spike_precursor", first_precursor(truth.output_lse), "lm_head",
+        want = ("spike_precursor", first_precursor(truth.output_lse, fault.dtype), "lm_head",
                 "output_logit_divergence")
     elif fault is faults.GPT2_BAD_BATCH:
         want = ("loss_spike", faults.BAD_BATCH_AT, None, "bad_batch")

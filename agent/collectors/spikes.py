@@ -31,9 +31,17 @@ from torch import nn
 
 from ampwatch.agent import distributed, errors, patches
 from ampwatch.agent.attention_calls import SDPA, interface_patch
-from ampwatch.agent.attention_logits import mha_max_logit, output_stats, sdpa_max_logit
+from ampwatch.agent.attention_logits import (
+    mha_inputs,
+    mha_max_logit,
+    output_stats,
+    scores_dtype,
+    sdpa_max_logit,
+)
 from ampwatch.agent.collectors.activations import first_float_tensor
 from ampwatch.agent.collectors.base import Collector, SampledHooks, device_tensor
+from ampwatch.agent.collectors.compute_dtype import narrower
+from ampwatch.agent.layers import dtype_name
 from ampwatch.agent.update_stats import N_SUMS, SUMS, kind_of, param_sums
 from ampwatch.wire import encode_float_array
 
@@ -86,6 +94,7 @@ class SpikeCollector(Collector):
         self._in_interface = 0  # inside a transformers attention function (it may call SDPA)
         self._attn: dict[int, torch.Tensor] = {}
         self._head: tuple[int, torch.Tensor] | None = None
+        self._logits_in: dict[int, torch.dtype] = {}  # this forward's, narrowest per layer
         self._sums: tuple[list[int], torch.Tensor] | None = None
         self._kind: str | None = None
         self._unsupported_named = False
@@ -144,11 +153,27 @@ class SpikeCollector(Collector):
             return max(ordered, key=lambda layer: layer.forward_index)
         return candidates[-1] if candidates else None
 
-    def _note_logit(self, index: int, value: torch.Tensor | None) -> None:
+    def _note_logit(self, index: int, value: torch.Tensor | None, dtype: torch.dtype) -> None:
         if value is None:
             return
         kept = self._attn.get(index)
         self._attn[index] = value if kept is None else torch.maximum(kept, value)
+        self._logits_in[index] = narrower(self._logits_in.get(index), dtype)
+
+    def on_forward_end(self, training: bool, output: Any) -> None:
+        """The dtype each measured layer's logits were computed in, into its layer table
+        entry (`attrs["logits_in"]`, narrowed only; the run is re-registered when one
+        narrowed): what the server judges their size by."""
+        seen, self._logits_in = self._logits_in, {}
+        changed = False
+        for index, dtype in seen.items():
+            attrs = self.watch.layers[index].attrs
+            kept = attrs.get("logits_in")
+            if kept is None or dtype.itemsize < getattr(torch, kept).itemsize:
+                attrs["logits_in"] = dtype_name(dtype)
+                changed = True
+        if changed:
+            self.watch.on_run_change()
 
     def _enter(self, index: int) -> Any:
         def hook(module: nn.Module, args: tuple) -> None:
@@ -167,8 +192,11 @@ class SpikeCollector(Collector):
             if _compiling() or not watch.in_training_forward:
                 return
             try:
-                with torch.no_grad():
-                    self._note_logit(index, mha_max_logit(module, args, kwargs))
+                inputs = mha_inputs(args, kwargs)
+                if inputs is not None:
+                    with torch.no_grad():
+                        self._note_logit(index, mha_max_logit(module, *inputs),
+                                         scores_dtype(*inputs))
             except Exception as exc:  # noqa: BLE001
                 errors.report("spikes.mha", exc)
         return hook
@@ -188,7 +216,8 @@ class SpikeCollector(Collector):
                     and isinstance(key, torch.Tensor)):
                 try:
                     with torch.no_grad():
-                        self._note_logit(index, sdpa_max_logit(query, key, kw.get("scaling")))
+                        self._note_logit(index, sdpa_max_logit(query, key, kw.get("scaling")),
+                                         scores_dtype(query, key))
                 except Exception as exc:  # noqa: BLE001
                     errors.report("spikes.attention", exc)
             self._in_interface += 1
@@ -207,7 +236,8 @@ class SpikeCollector(Collector):
         if isinstance(query, torch.Tensor) and isinstance(key, torch.Tensor):
             with torch.no_grad():
                 self._note_logit(self._stack[-1],
-                                 sdpa_max_logit(query, key, kwargs.get("scale")))
+                                 sdpa_max_logit(query, key, kwargs.get("scale")),
+                                 scores_dtype(query, key))
 
     def _output(self, index: int) -> Any:
         watch = self.watch
@@ -216,10 +246,12 @@ class SpikeCollector(Collector):
             if _compiling() or not watch.in_training_forward or self._head is not None:
                 return
             try:
+                logits = first_float_tensor(output)
                 with torch.no_grad():
-                    stats = output_stats(first_float_tensor(output))
+                    stats = output_stats(logits)
                 if stats is not None:
                     self._head = (index, stats)
+                    self._logits_in[index] = logits.dtype
             except Exception as exc:  # noqa: BLE001
                 errors.report("spikes.output", exc)
         return hook

@@ -99,6 +99,10 @@ class AnalysisSettings(BaseModel):
     precursor_factor: float = Field(
         10.0, gt=1, description="attention logit or log-partition this many times its level: "
         "a precursor warning before any spike")
+    precursor_logit_error: float = Field(
+        0.25, gt=0, description="... and its rounding error in the dtype it is computed in "
+        "(half an ulp, |x|*eps/2) at least this many nats, so softmax weights are off by up "
+        "to exp(this): 64 in bf16, 512 in fp16 (server/analysis/logit_floor.py)")
     adam_eps_share: float = Field(
         0.5, gt=0, le=1, description="share of a layer's elements with eps dominating sqrt(v)")
     adam_v_zero_share: float = Field(

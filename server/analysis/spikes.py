@@ -1,6 +1,7 @@
 """bf16-era findings: loss spikes with their likely cause (`loss_spike`, the cause as its
 code), precursors before any spike (`spike_precursor`: a layer's largest attention logit
-or the output log-partition grown `precursor_factor` times over its level), and optimizer
+or the output log-partition grown `precursor_factor` times over its level, to where its
+dtype's rounding matters: server/analysis/logit_floor.py), and optimizer
 states that silently lose updates (`optimizer_state`: eps-dominated or zero second
 moments). Judged on the loss series and the agent's sampled spike signals
 (server/store/spike_samples.py); docs/spikes.md says how each is found and fixed.
@@ -17,9 +18,10 @@ from typing import Any
 import numpy as np
 
 from ampwatch.server.analysis.causes import Cause
-from ampwatch.server.analysis.context import RunContext
+from ampwatch.server.analysis.context import RunContext, compute_dtype
 from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.kinds import FindingKind
+from ampwatch.server.analysis.logit_floor import logit_floor, logits_dtype
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_causes import FIXES, LEVEL_FLOOR, SpikeCause, label_spike
 from ampwatch.server.analysis.spike_finder import Spike, find_spikes
@@ -58,7 +60,7 @@ def detect_spikes(window: Window, settings: AnalysisSettings) -> Detection:
     drafts = [_spike_draft(spike, cause, run, last, settings, guarded)
               for spike, cause in labelled]
     warm = (int(series.steps[0]) + settings.spike_min_history if len(series.steps) else 0)
-    drafts += _precursors(signals, run, settings, labelled, warm)
+    drafts += _precursors(signals, run, settings, labelled, warm, compute_dtype(series, run))
     drafts += _optimizer_states(signals, run, settings, labelled)
     return Detection(drafts=drafts, covers=("spike_precursor:", "optimizer_state:"))
 
@@ -126,34 +128,42 @@ def _spike_after(labelled: list[tuple[Spike, SpikeCause]], label: str, layer: in
 
 
 def _precursors(signals: SpikeWindow, run: RunContext, settings: AnalysisSettings,
-                labelled: list[tuple[Spike, SpikeCause]], warm: int) -> list[FindingDraft]:
+                labelled: list[tuple[Spike, SpikeCause]], warm: int,
+                run_dtype: str | None) -> list[FindingDraft]:
     """A layer's largest attention logit, or the output log-partition, at
-    `precursor_factor` times its trained level: the median of the earliest third of its
-    samples from `warm` on (the window's first step + `spike_min_history`). A level read
-    before is the untrained model's: logits growing from their initial scale (an
-    encoder-decoder's from under 1 to 14) is learning, not a precursor."""
+    `precursor_factor` times its trained level and large enough to matter to the dtype it
+    is computed in (logit_floor.py; `run_dtype`: the run's autocast dtype). The level is
+    the median of the earliest third of its samples from `warm` on (the window's first
+    step + `spike_min_history`): a level read before is the untrained model's, and logits
+    growing from their initial scale (an encoder-decoder's from under 1 to 14) is
+    learning, not a precursor."""
     drafts = []
-    for code, names in (("attention_logit_growth", ("attn_max_logit",)),
-                        ("output_logit_divergence", ("logit_lse",))):
-        for name in names:
-            values = np.abs(signals.signal(name))
-            for layer in np.flatnonzero(np.isfinite(values).sum(axis=0) >= 3):
-                seen = np.isfinite(values[:, layer]) & (signals.steps >= warm)
-                if not seen.any():
-                    continue
-                steps, v = signals.steps[seen], values[seen, layer]
-                level = max(float(np.median(v[: max(1, v.size // 3)])), LEVEL_FLOOR[name])
-                over = v >= settings.precursor_factor * level
-                if not over.any():
-                    continue
-                drafts.append(_precursor_draft(code, name, int(layer), steps, v, over, level,
-                                               run, labelled))
+    for code, name in (("attention_logit_growth", "attn_max_logit"),
+                       ("output_logit_divergence", "logit_lse")):
+        values = np.abs(signals.signal(name))
+        for layer in np.flatnonzero(np.isfinite(values).sum(axis=0) >= 3):
+            seen = np.isfinite(values[:, layer]) & (signals.steps >= warm)
+            if not seen.any():
+                continue
+            steps, v = signals.steps[seen], values[seen, layer]
+            level = max(float(np.median(v[: max(1, v.size // 3)])), LEVEL_FLOOR[name])
+            info = run.layer(int(layer))
+            dtype = logits_dtype(info, run_dtype)
+            head_dim = (info.attrs.get("head_dim")
+                        if info is not None and name == "attn_max_logit" else None)
+            floor = logit_floor(dtype, settings, head_dim if isinstance(head_dim, int) else None)
+            over = (v >= settings.precursor_factor * level) & (v >= floor)
+            if not over.any():
+                continue
+            drafts.append(_precursor_draft(code, name, int(layer), steps, v, over, level,
+                                           (dtype, floor), run, labelled))
     return drafts
 
 
 def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.ndarray,
-                     over: np.ndarray, level: float, run: RunContext,
-                     labelled: list[tuple[Spike, SpikeCause]]) -> FindingDraft:
+                     over: np.ndarray, level: float, matters: tuple[str, float],
+                     run: RunContext, labelled: list[tuple[Spike, SpikeCause]]
+                     ) -> FindingDraft:
     flagged = steps[over]
     layer_name = run.layer_name(layer)
     first = int(flagged[0])
@@ -163,12 +173,14 @@ def _precursor_draft(code: str, name: str, layer: int, steps: np.ndarray, v: np.
     # a spike that came first: its story, not one still to come
     during = next((s.start for s, _ in reversed(labelled) if s.start <= first), None)
     message = (f"Layer {layer_name!r}: its {what} reached {float(v[over][-1]):.4g}, "
-               f"{float(v[over][-1]) / level:.0f}x its level of {level:.3g}, first at step "
+               f"{float(v[over][-1]) / level:.0f}x its level of {level:.3g} and past the "
+               f"{matters[1]:.4g} that matters in {matters[0]}, first at step "
                f"{first}" + (f"; the loss spiked at step {spike}" if spike is not None
                              else f"; after the loss spike of step {during}"
                              if during is not None else "; no loss spike yet")
                + f". Fix: {FIXES[code]}.")
-    evidence: dict[str, Any] = {"signal": name, "level": level, "latest": float(v[-1]),
+    evidence: dict[str, Any] = {"signal": name, "level": level, "computed_in": matters[0],
+                                "dtype_floor": matters[1], "latest": float(v[-1]),
                                 "peak": float(v.max()), "first_step": first,
                                 "steps": [int(s) for s in flagged[-20:]], "fix": FIXES[code]}
     if spike is not None:

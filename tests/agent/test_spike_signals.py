@@ -11,9 +11,10 @@ import pytest
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ampwatch.agent.collectors.spikes import SpikeCollector
-from tests.agent.factories import TinyGPT, spooled_steps
+from tests.agent.factories import TinyGPT, spooled, spooled_steps
 from tests.spikes.model import VOCAB, Attention, TinyLM, batch
 
 STEPS = 4
@@ -269,3 +270,52 @@ def test_the_update_is_read_every_twentieth_step(attach, offline: Path) -> None:
     assert [s["step"] for s in steps if "attn_max_logit" in s.get("spikes", {})] == [
         0, 10, 20, 30, 40]
     assert [s["step"] for s in steps if "update_ratio" in s.get("spikes", {})] == [0, 20, 40]
+
+
+class Fp32ScoresAttention(Attention):
+    """Attention that leaves autocast for its scores: q and k projected and met in fp32."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast("cpu", enabled=False):
+            x = x.float()
+            q, k, v = (self.split(proj(x)) for proj in (self.q, self.k, self.v))
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(x.shape))
+
+
+class KernelDtypes(TorchDispatchMode):
+    """The dtype each attention kernel's query reached it in, after autocast cast it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.seen: set[torch.dtype] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        if "scaled_dot_product" in func.overloadpacket.__name__:
+            self.seen.add(args[0].dtype)
+        return func(*args, **kwargs or {})
+
+
+@pytest.mark.parametrize(("autocast", "fp32_scores"), [
+    (True, False), (False, False), (True, True)], ids=["bf16", "fp32", "bf16-fp32-scores"])
+def test_logits_name_the_dtype_they_are_computed_in(attach, offline: Path, autocast: bool,
+                                                    fp32_scores: bool) -> None:
+    """The layer table's `logits_in`: the dtype the attention kernel's query reached it in
+    and the output layer's logits were in, as the test's own dispatch trace and hook saw
+    them."""
+    model = TinyLM()
+    if fp32_scores:
+        model.blocks[0].attn = Fp32ScoresAttention()
+    heads: set[torch.dtype] = set()
+    model.head.register_forward_hook(lambda m, a, out: heads.add(out.dtype) and None)
+    kernels = KernelDtypes()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast), kernels:
+        model(batch(0)[0])
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    run = f"spike-dtype-{autocast}-{fp32_scores}"
+    train(attach, model, optimizer, run, autocast=autocast)
+    table = {layer["name"]: layer["attrs"] for layer in spooled(offline, run)[-1]["run"]["layers"]}
+    (kernel,), (head,) = kernels.seen, heads
+    assert table["blocks.0.attn"]["logits_in"] == str(kernel).removeprefix("torch.")
+    assert table["head"]["logits_in"] == str(head).removeprefix("torch.")
+    assert kernel == (torch.float32 if fp32_scores or not autocast else torch.bfloat16)

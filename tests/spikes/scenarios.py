@@ -49,10 +49,13 @@ UPDATE_EVERY = 20  # the steps the agent rebuilds the optimizer's update on (its
 BATCH = 16
 LR = 3e-3
 # the truth's rules (docs/spikes.md): a spike is a loss over SPIKE_RISE x the median of the
-# 20 clean steps before; a precursor a signal at PRECURSOR x its level; the optimizer-state
+# 20 clean steps before; a precursor a signal at PRECURSOR x its level, large enough that
+# its dtype rounds it by LOGIT_ERROR nats (docs/diagnosis.md); the optimizer-state
 # shares as the server's defaults, on 3 consecutive sampled steps
 SPIKE_RISE = 1.5
 PRECURSOR = 10.0
+# ... and its rounding in the dtype it was computed in (half an ulp) this many nats
+LOGIT_ERROR = 0.25
 EPS_SHARE, V_ZERO_SHARE, STATE_SAMPLES = 0.5, 0.05, 3
 STEP_TOLERANCE = 8  # steps a found spike may start from the truth's first step
 # The CPU kernels every run of the suite uses, on any x86-64 host (read once per process):
@@ -106,6 +109,8 @@ class Truth:
     eps_share: list[dict[str, float]] = field(default_factory=list)  # layer -> share
     v_zero_share: list[dict[str, float]] = field(default_factory=list)
     bad_step: int | None = None
+    # layer -> the dtype its logits were computed in (attention: q's; "head": the logits')
+    logits_in: dict[str, str] = field(default_factory=dict)
 
 
 class Recorder:
@@ -128,8 +133,12 @@ class Recorder:
         def hook(module: Attention, args: tuple) -> None:
             with torch.no_grad():
                 x = args[0]
-                q = module.q_norm(module.split(module.q(x))).float()
-                k = module.k_norm(module.split(module.k(x))).float()
+                q = module.q_norm(module.split(module.q(x)))
+                k = module.k_norm(module.split(module.k(x)))
+                # the dtype q k^T comes out in under this forward's autocast, as SDPA's
+                met = (q @ k.transpose(-2, -1)).dtype
+                self.truth.logits_in[name] = str(met).removeprefix("torch.")
+                q, k = q.float(), k.float()
                 logits = q @ k.transpose(-2, -1) / math.sqrt(q.shape[-1])
                 self._attn[name] = float(logits.abs().max())
         return hook
@@ -137,6 +146,7 @@ class Recorder:
     def _output(self, module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         with torch.no_grad():
             self._lse = float(torch.logsumexp(output.float(), dim=-1).mean())
+        self.truth.logits_in["head"] = str(output.dtype).removeprefix("torch.")
 
     def before_step(self, loss: torch.Tensor) -> None:
         grads = [p.grad.float() for p in self.model.parameters() if p.grad is not None]
@@ -261,12 +271,15 @@ def truth_spikes(truth: Truth) -> list[int]:
     return out
 
 
-def _grew(series: list[float], at: int) -> bool:
+def _grew(series: list[float], at: int, dtype: str | None = None) -> bool:
     """|series| at a sampled step at or before `at` reached PRECURSOR x its level (the
-    median of the first third of the steps before `at`, floored at 1)."""
+    median of the first third of the steps before `at`, floored at 1); with `dtype` (a
+    precursor), on a step where half an ulp of it in that dtype is LOGIT_ERROR nats."""
     values = np.abs(np.array(series[: at + 1]))
     level = max(float(np.median(values[: max(1, values.size // 3)])), 1.0)
-    return bool((values[::SAMPLE_EVERY] >= PRECURSOR * level).any())
+    matters = 0.0 if dtype is None else 2 * LOGIT_ERROR / torch.finfo(getattr(torch, dtype)).eps
+    sampled = values[::SAMPLE_EVERY]
+    return bool(((sampled >= PRECURSOR * level) & (sampled >= matters)).any())
 
 
 def _states(shares: list[dict[str, float]], threshold: float) -> set[str]:
@@ -288,9 +301,10 @@ def expected(truth: Truth) -> tuple[set[Expected], list[tuple[int, str]]]:
     want: set[Expected] = set()
     spikes = []
     for name in {n for step in truth.attn for n in step}:
-        if _grew([step.get(name, 0.0) for step in truth.attn], len(truth.attn) - 1):
+        if _grew([step.get(name, 0.0) for step in truth.attn], len(truth.attn) - 1,
+                 truth.logits_in[name]):
             want.add(("spike_precursor", "attention_logit_growth", name))
-    lse_grew = _grew(truth.lse, len(truth.lse) - 1)
+    lse_grew = _grew(truth.lse, len(truth.lse) - 1, truth.logits_in["head"])
     if lse_grew:
         want.add(("spike_precursor", "output_logit_divergence", "head"))
     for name in _states(truth.v_zero_share, V_ZERO_SHARE):

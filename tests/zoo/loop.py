@@ -148,16 +148,18 @@ def train(fault: Fault, server: str, record: Path | None = None,
     return run_id, truth
 
 
-def first_precursor(values: list[float], factor: float = 10.0, floor: float = 1.0,
-                    warm: int = 20) -> int | None:
+def first_precursor(values: list[float], dtype: torch.dtype, factor: float = 10.0,
+                    floor: float = 1.0, warm: int = 20, error: float = 0.25) -> int | None:
     """The first sampled step (every SAMPLE_EVERY) whose value is `factor` times its
-    trained level: the median of the earliest third of the values sampled from step `warm`
-    on, at least `floor` (docs/spikes.md; the server's precursor_factor, LEVEL_FLOOR and
-    spike_min_history)."""
+    trained level (the median of the earliest third of the values sampled from step `warm`
+    on, at least `floor`) and large enough to matter to `dtype`: its rounding there, half
+    an ulp |v|*eps/2, at least `error` nats (docs/spikes.md; the server's
+    precursor_factor, LEVEL_FLOOR, spike_min_history and precursor_logit_error)."""
     sampled = [(i, v) for i, v in enumerate(values) if i % SAMPLE_EVERY == 0 and i >= warm]
     early = sorted(v for _, v in sampled[: max(1, len(sampled) // 3)])
     level = max(statistics.median(early), floor)
-    return next((i for i, v in sampled if v >= factor * level), None)
+    matters = 2 * error / torch.finfo(dtype).eps
+    return next((i for i, v in sampled if v >= factor * level and v >= matters), None)
 
 
 def step_is_finite(truth: Truth, step: int) -> bool:

@@ -180,7 +180,8 @@ def test_llama_attention_logit_growth(server: LiveServer,
     found in the module that ran them, at the first sampled step the truth calls grown."""
     run = _run(faults.LLAMA_ATTENTION, server, tmp_path_factory)
     layer = "model.layers.1.self_attn"
-    grown = first_precursor([step[layer] for step in run.truth.attention.steps])
+    grown = first_precursor([step[layer] for step in run.truth.attention.steps],
+                            run.fault.dtype)
     assert grown is not None, "the logits did not grow"
     assert _precursor(run, "attention_logit_growth") == (layer, grown)
 
@@ -188,7 +189,7 @@ def test_llama_attention_logit_growth(server: LiveServer,
 def test_llama_output_logit_growth(server: LiveServer,
                                    tmp_path_factory: pytest.TempPathFactory) -> None:
     run = _run(faults.LLAMA_OUTPUT, server, tmp_path_factory)
-    grown = first_precursor(run.truth.output_lse)
+    grown = first_precursor(run.truth.output_lse, run.fault.dtype)
     assert grown is not None, "the log-partition did not grow"
     assert _precursor(run, "output_logit_divergence") == ("lm_head", grown)
 

@@ -12,7 +12,7 @@ from ampwatch.server.analysis.spikes import detect_spikes
 from ampwatch.server.analysis.window import Window
 from ampwatch.server.findings.incidents import group_incidents
 from ampwatch.server.store.spike_samples import SIGNALS, SpikeWindow
-from tests.server.analysis.factories import SETTINGS, context, series, step
+from tests.server.analysis.factories import SETTINGS, context, linear, series, step
 
 N_LAYERS = 4
 ATTN, HEAD = 1, 3  # the attention layer and the output layer of these runs
@@ -215,9 +215,71 @@ def test_growth_before_any_spike_is_a_precursor_warning() -> None:
     (draft,) = found.drafts
     assert (draft.kind, draft.code, draft.layer, draft.severity) == (
         "spike_precursor", "attention_logit_growth", "fc1", "warning")
-    # 3.0 * 1.5**k >= 30 first at the sixth sample from step 100
-    assert draft.step == 150 and draft.active
+    # 3.0 * 1.5**k reaches 10x its level (30) at the sixth sample from step 100, bf16's
+    # floor (64: half an ulp is a quarter nat there) at the eighth
+    assert draft.step == 170 and draft.active
     assert "no loss spike yet" in draft.message
+    assert (draft.evidence["computed_in"], draft.evidence["dtype_floor"]) == ("bfloat16", 64)
+
+
+def precursors(samples: SpikeWindow, autocast: str | None = "bfloat16",
+               attn: dict | None = None) -> list[tuple]:
+    """(code, layer, step, severity) of each precursor of a spike-free run under
+    `autocast` (None: no autocast, and none in its environment); `attn`: the attention
+    layer's attrs."""
+    steps = series([step(s, N_LAYERS, loss=float(v), scaler=None, loss_scale=None,
+                         scale_after=None, autocast_dtype=autocast)
+                    for s, v in enumerate(losses())], N_LAYERS)
+    layers = [linear(i, **(attn or {}) if i == ATTN else {}) for i in range(N_LAYERS)]
+    run = context(layers, environment={"autocast_dtype": autocast})
+    found = detect_spikes(Window(steps, run, spikes=samples), SETTINGS)
+    return [(d.code, d.layer, d.step, d.severity) for d in found.drafts
+            if d.kind == "spike_precursor"]
+
+
+def logit(values: dict[int, float], name: str = "attn_max_logit",
+          layer: int = ATTN) -> SpikeWindow:
+    """Healthy signals with `name` of `layer` at 1.0 until a sampled step of `values`
+    (step -> value) sets it, kept after it."""
+    window = signals()
+    column = np.ones(window.steps.size)
+    for at, value in values.items():
+        column[window.steps >= at] = value
+    window.values[:, SIGNALS.index(name), layer] = column
+    return window
+
+
+def test_logits_grown_14x_that_bf16_resolves_are_no_precursor() -> None:
+    """A healthy encoder-decoder's logits, 1 -> 14 after the warm-up: 14x its level, but
+    bf16 holds 14 to within 0.055 nats (softmax weights off by 6% at most)."""
+    assert precursors(logit({100: 10.9, 150: 14.0})) == []
+    assert precursors(logit({100: 10.9, 150: 14.0}, "logit_lse", HEAD)) == []
+
+
+@pytest.mark.parametrize(("autocast", "attn", "values", "at"), [
+    # bf16: 2 * 0.25 / 2**-7 = 64; 63.9 is under it, 64 is the first step over
+    ("bfloat16", None, {100: 30.0, 130: 63.9, 160: 64.0}, 160),
+    # fp16 resolves 64 (512 is its floor): the same growth is nothing, 600 is over
+    ("float16", None, {100: 30.0, 130: 64.0, 160: 600.0}, 160),
+    # fp16 with 4096-wide heads: q.k before its 1/64 scaling is 65504/2 at 511.75
+    ("float16", {"head_dim": 4096}, {100: 30.0, 130: 511.0, 160: 511.75}, 160),
+    # no autocast: fp32, where no logit a model reaches is lost to rounding
+    (None, None, {100: 30.0, 130: 64.0, 160: 600.0}, None),
+    # bf16 autocast, but the attention computes its scores from fp32 q and k
+    ("bfloat16", {"logits_in": "float32"}, {100: 30.0, 130: 64.0, 160: 600.0}, None),
+    # no autocast, a model cast to fp16 whole: the agent saw q and k meet in fp16
+    (None, {"logits_in": "float16"}, {100: 30.0, 130: 64.0, 160: 600.0}, 160),
+])
+def test_a_precursor_starts_where_its_logit_first_matters_to_its_dtype(
+        autocast: str | None, attn: dict | None, values: dict, at: int | None) -> None:
+    want = [] if at is None else [("attention_logit_growth", "fc1", at, "warning")]
+    assert precursors(logit(values), autocast, attn) == want
+
+
+def test_an_output_log_partition_is_judged_by_the_same_floor() -> None:
+    window = logit({100: 30.0, 130: 63.0, 170: 70.0}, "logit_lse", HEAD)
+    assert precursors(window) == [("output_logit_divergence", "fc3", 170, "warning")]
+    assert precursors(window, "float16") == []
 
 
 def test_a_healthy_run_raises_nothing() -> None:
