@@ -38,9 +38,8 @@ own: forward hooks (the first layer whose output held inf/NaN), hooks on each la
 output gradient (the first, in backward execution order, that held inf/NaN), its own view
 of every attention call and of the output logits (tests/zoo/attention_truth.py), the
 optimizer's step hook and the scaler's scale. tests/zoo/test_faults.py asserts each row.
-A `scale_decline` warning two steps into a streak shows in some runs and not others: the
-server analyses as batches arrive, and a pass that sees the streak before it is 5 long
-reports the decline (the tests accept it: the same cause, told early). CPU fp16 autocast
+The verdicts do not depend on where the agent's timed flushes cut its batches (above:
+the same verdict whatever the batches). CPU fp16 autocast
 runs a norm fed an fp16 tensor in fp16 (CUDA autocast keeps norms in fp32), so the
 precision map's warning on BERT's and the UNet's healthy runs is true. The last column is
 computed, not written: "yes" when a finding at warning or worse names the truth's step,

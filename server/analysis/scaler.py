@@ -186,10 +186,17 @@ def _decline(series, loc, run, settings, uncounted) -> FindingDraft | None:
                    "loss_scale": float(before[np.isfinite(before)][-1])}, settings)
 
 
+def _trailing_skips(series: StepSeries) -> np.ndarray:
+    """Rows of the run of skipped steps the window ends on (none when its last step was
+    applied)."""
+    applied = np.flatnonzero(~series.skipped)
+    return np.arange(applied[-1] + 1 if applied.size else 0, len(series))
+
+
 def detect_scaler_divergence(window: Window, settings: AnalysisSettings) -> Detection:
     """The four scaler checks over the window. The slow ones (skip share, decline) stay
-    quiet while a collapse or a streak is active and ignore the skips of reported streaks:
-    they would repeat its story."""
+    quiet while a collapse or a streak is active and ignore the skips of reported streaks
+    and of the run of skips the window ends on: they would repeat a streak's story."""
     series, run = window.series, window.run
     covers = (f"{KIND}:",)
     if not len(series) or not series.has("loss_scale").any():
@@ -200,9 +207,12 @@ def detect_scaler_divergence(window: Window, settings: AnalysisSettings) -> Dete
                         _streak(series, loc, run, settings, calibrating)) if d]
     drafts = list(fast)
     if not any(d.active for d in fast):
-        # skips inside reported streaks are that finding's story, not a slow trend
+        # skips inside reported streaks are that finding's story, not a slow trend; so
+        # are the skips the window ends on: a streak in the making, judged once it ended
+        # or grew long enough to report (else the batch boundary decides the finding)
         uncounted = calibrating.copy()
         uncounted[streak_rows(series, calibrating, settings)[0]] = True
+        uncounted[_trailing_skips(series)] = True
         drafts += [d for d in (_skip_ratio(series, loc, run, settings, uncounted),
                                _decline(series, loc, run, settings, uncounted)) if d]
     return Detection(drafts=drafts, covers=covers)

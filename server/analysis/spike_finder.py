@@ -3,14 +3,20 @@
 A step's loss is a spike when it lies more than `spike_spread_factor` robust spreads (the
 median absolute deviation of the losses around their own recent trend, or around their
 median when smaller, scaled to a normal's sigma) over the median of the last
-`spike_reference_steps` clean steps, and at least `spike_min_rise` of the median over it.
+`spike_reference_steps` clean steps, and at least `spike_min_rise` of the median over it
+(and over median + 3 raw spreads: under that a loss is back, as an episode's end judges it).
 The spread has a floor (1% of the median) so a loss that has flattened out does not make
 every wobble a spike. The spike starts where the loss rose: the steps just before the one
 over the threshold that were already over median + 3 spreads are its own (a loss that
 steps up to just under the threshold and crosses it later broke at the step up). The
 episode runs on until the loss has stayed under median + 3 spreads for RECOVER_STEPS
 steps in a row (a run breaking down wobbles back and forth: one spike, not five); its
-steps never enter a later reference. Pure numpy; O(n * reference) per window.
+steps never enter a later reference, and the steps that showed the loss back do, unjudged
+(back under the end threshold, they start no spike of their own). Each step is judged by
+the steps before it alone, and an episode the window ends inside takes the window's
+remaining steps: a window that stops at a step finds what a longer one finds up to it,
+so the spikes do not depend on where a batch ended. Pure numpy; O(n * reference) per
+window.
 """
 
 from __future__ import annotations
@@ -86,15 +92,27 @@ def _spreads(rows: np.ndarray, median: np.ndarray) -> np.ndarray:
 
 def _may_spike(loss: np.ndarray, reference: int, min_history: int, spread_factor: float,
                min_rise: float) -> bool:
-    """Whether any loss could be a spike: the same test against the median and spread of
-    the `reference` losses before it, spikes included, at half the thresholds (a spike in
-    the reference moves a median little; halving covers it). Vectorised: on a healthy
-    window (nearly every batch) it is the only pass."""
+    """Whether any loss could be a spike: each loss from the `min_history`-th on (every one
+    `find_spikes` judges) tested against the median and spread of the up to `reference`
+    losses before it, spikes included, at half the thresholds (a spike in the reference
+    moves a median little; halving covers it). Every step is tested whatever the window's
+    length, so a spike is seen the same in a window that ends on it and in one that goes
+    on past it. Vectorised: on a healthy window (nearly every batch) it is the only pass."""
     if loss.size <= min_history:
         return False
-    width = min(reference, loss.size - 1)
-    windows = np.lib.stride_tricks.sliding_window_view(loss[:-1], width)
-    later = loss[width:]
+    # the losses judged before `reference` steps exist, each against all before it
+    for end in range(min_history, min(reference, loss.size)):
+        if _over_half(loss[None, :end], loss[end:end + 1], spread_factor, min_rise):
+            return True
+    if loss.size <= reference:
+        return False
+    windows = np.lib.stride_tricks.sliding_window_view(loss[:-1], reference)
+    return _over_half(windows, loss[reference:], spread_factor, min_rise)
+
+
+def _over_half(windows: np.ndarray, later: np.ndarray, spread_factor: float,
+               min_rise: float) -> bool:
+    """Whether a loss of `later` clears half the thresholds over its row of `windows`."""
     median = _row_medians(windows)
     # the rise over the median first: only its rows need a spread (a sort each)
     rising = later - median >= min_rise / 2 * np.abs(median)
@@ -131,7 +149,9 @@ def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_hist
                      SPREAD_FLOOR * abs(median), 1e-12)
         judged = min(spread, float(_spreads(ref[None, :], np.array([median]))[0]))
         x = float(loss[i])
-        if x <= median + spread_factor * judged or x - median < min_rise * abs(median):
+        # a loss under the end threshold is back, as an episode's end judges it: no spike
+        back = x <= median + END_SPREADS * spread
+        if back or x <= median + spread_factor * judged or x - median < min_rise * abs(median):
             clean.append(x)
             clean_at.append(i)
             i += 1
@@ -151,8 +171,16 @@ def find_spikes(steps: np.ndarray, loss: np.ndarray, *, reference: int, min_hist
                 if below >= RECOVER_STEPS:
                     break
         peak = start + int(np.argmax(loss[start: j + 1]))
+        recovered = below >= RECOVER_STEPS
         spikes.append(Spike(start=int(steps[start]), end=int(steps[j]), peak_step=int(steps[peak]),
                             peak=float(loss[peak]), median=median, spread=spread,
-                            recovered_at=int(steps[j + 1]) if below >= RECOVER_STEPS else None))
-        i = j + 1
+                            recovered_at=int(steps[j + 1]) if recovered else None))
+        if not recovered:  # the episode runs past the window: what follows is still its own
+            break
+        # the steps that showed the loss back are clean, as they were judged: back under
+        # the end threshold, they never start a spike of their own
+        recovery = range(j + 1, j + 1 + RECOVER_STEPS)
+        clean += [float(loss[k]) for k in recovery]
+        clean_at += list(recovery)
+        i = j + 1 + RECOVER_STEPS
     return spikes

@@ -113,10 +113,10 @@ def train(fault: Fault, server: str, record: Path | None = None,
     truth = Truth(model, optimizer, fault.arch)
     attachment = None
     if watch:
+        # the agent's default batching (timed flushes cut batches wherever the machine's
+        # load puts them): the diagnosis must not depend on it (test_batch_partitions.py)
         attachment = agent.attach(
-            # batches of exactly 10 steps (no timed flush): the server sees the same
-            # batches whatever the machine's load
-            model, scaler, run=run_id, server=server, flush_interval=30, max_batch_steps=10,
+            model, scaler, run=run_id, server=server,
             record={"mode": "local", "folder": record} if record is not None else False)
     for i in range(fault.steps):
         batch = fault.arch.batch(i)

@@ -159,3 +159,19 @@ def test_skips_of_a_reported_streak_are_not_counted_again():
     drafts = detect(steps)
     assert set(drafts) == {"scaler_divergence:skip_streak"}
     assert not drafts["scaler_divergence:skip_streak"].active
+
+
+def test_a_streak_judged_as_it_arrives_is_only_a_streak():
+    """A window that ends two or three skips into a streak (a batch cut there) does not
+    call its halvings a decline: the same findings whatever step the windows end on."""
+    steps = scaler_steps(60, overflow=range(20, 60), init_scale=2.0**60)
+    seen = {(key, draft.step) for end in range(1, len(steps) + 1)
+            for key, draft in detect(steps[:end]).items()}
+    assert seen == {("scaler_divergence:skip_streak", 20)}
+
+
+def test_a_slow_decline_is_told_at_the_same_step_whatever_the_window_ends_on():
+    steps = scaler_steps(400, overflow=range(100, 400, 50), growth_interval=2000)
+    seen = {(key, draft.step) for end in range(100, len(steps) + 1)
+            for key, draft in detect(steps[:end]).items()}
+    assert seen == {("scaler_divergence:scale_decline", 200)}

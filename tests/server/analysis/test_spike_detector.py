@@ -110,6 +110,33 @@ def test_a_lone_step_over_the_end_band_before_a_spike_is_not_its_start() -> None
                            spread_factor=6, min_rise=0.1)
     assert (spike.start, spike.end, spike.recovered_at) == (150, 152, 153)
 
+def starts(loss: np.ndarray) -> list[int]:
+    return [s.start for s in find_spikes(np.arange(loss.size), loss, reference=50,
+                                         min_history=20, spread_factor=6, min_rise=0.1)]
+
+
+def test_a_spike_early_in_a_window_shorter_than_the_reference_is_found() -> None:
+    """A window that goes on past a spike finds it (batches of any length: the run's
+    first batch can hold 45 steps with the spike at 30)."""
+    loss = losses(spikes={30: 4.0})
+    assert {end: starts(loss[:end]) for end in range(31, 60)} == {
+        end: [30] for end in range(31, 60)}
+
+
+def test_a_window_finds_the_spikes_a_longer_one_finds_up_to_its_end() -> None:
+    """Judged as batches arrive or all at once, the same spikes: a loss falling fast that
+    jumps 4x and settles above its level before (a learning rate raised for good) is one
+    spike in every window that ends after it; the steps that showed it back (under the
+    end band, though over 6 spreads around the steep trend) start none of their own."""
+    rng = np.random.default_rng(0)
+    loss = np.linspace(4.0, 1.0, 160) * (1 + 0.02 * rng.standard_normal(160))
+    settle = np.arange(60)
+    loss[100:] = 2.2 * (1 + 3 * np.exp(-settle / 6)) * (1 + 0.02 * rng.standard_normal(60))
+    assert starts(loss) == [100]
+    assert {end: starts(loss[:end]) for end in range(101, 161)} == {
+        end: [100] for end in range(101, 161)}
+
+
 def detect(steps, samples: SpikeWindow):
     return detect_spikes(Window(steps, context(N_LAYERS), spikes=samples), SETTINGS)
 
