@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 
-from ampwatch.server.analysis.context import LayerInfo
+from ampwatch.server.analysis.context import LayerInfo, RunContext
 from ampwatch.server.analysis.settings import AnalysisSettings
 
 # machine epsilon (the gap from 1 to the next value) of the dtypes logits are computed in
@@ -44,3 +44,14 @@ def logit_floor(dtype: str, settings: AnalysisSettings, head_dim: int | None = N
     if dtype == "float16" and head_dim:
         floor = min(floor, settings.fp16_max / settings.overflow_factor / math.sqrt(head_dim))
     return floor
+
+
+def layer_logit_floor(run: RunContext, layer: int, signal: str, run_dtype: str | None,
+                      settings: AnalysisSettings) -> tuple[str, float]:
+    """(dtype, floor) of one layer's logit signal (`attn_max_logit`: with the layer's
+    head_dim; `logit_lse`, `logit_absmax`: the output's)."""
+    info = run.layer(layer)
+    dtype = logits_dtype(info, run_dtype)
+    head_dim = info.attrs.get("head_dim") if info is not None and signal == "attn_max_logit" \
+        else None
+    return dtype, logit_floor(dtype, settings, head_dim if isinstance(head_dim, int) else None)

@@ -2,8 +2,9 @@
 
 Only samples strictly before the spike's first step count (that step's own forward and
 update are the spike, not its warning), and none from the run's first `spike_min_history`
-steps (the untrained model's logits and weights grow from their initial scale as it
-learns: a level read there makes healthy learning look like a precursor). A signal
+steps (the untrained model's logits grow from their initial scale as it learns: a level
+read there makes healthy learning look like a precursor; weights are told from learning
+by what the optimizer's own steps can move them, `weights.reach`, from step 0). A signal
 "grew" when its latest samples reach `spike_growth_factor` times its level at the start
 of the lookback (the median of the earliest third of the samples there, floored so a
 level near zero cannot make noise look like growth). The labels are tried in this
@@ -18,8 +19,11 @@ order, the first that holds wins:
    it (a steady growth, `weight_growth_factor` times rising on every sample, is tried
    after the logit growths below: a logit that grew names its own fix);
 1. attention_logit_growth or output_logit_divergence: a layer's largest attention logit,
-   or the output log-partition (|log Z|) or largest output logit, grew; when both did,
-   the one that grew more (a breaking output layer drags the attention logits along);
+   or the output log-partition (|log Z|) or largest output logit, grew to a value that
+   matters to the dtype it is computed in (logit_floor.py); when both did, the one that
+   grew more (a breaking output layer drags the attention logits along). A growth short
+   of that floor is a model learning sharper attention: it names the spike only when no
+   label below does (instead of unknown);
 3. second_moment_underflow: a layer's share of elements with a zero second moment and a
    gradient reached `adam_v_zero_share`;
 4. adam_epsilon: a layer's eps-dominated share reached `adam_eps_share`;
@@ -34,6 +38,7 @@ order, the first that holds wins:
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,7 +46,8 @@ import numpy as np
 
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_finder import Spike
-from ampwatch.server.analysis.weights import moved
+from ampwatch.server.analysis.weights import moved, reach
+from ampwatch.server.analysis.window import Window
 from ampwatch.server.store.series import StepSeries
 from ampwatch.server.store.spike_samples import SIGNALS, SpikeWindow
 
@@ -126,22 +132,27 @@ def _share_over(steps: np.ndarray, values: np.ndarray, threshold: float) -> Grow
     return Growth(layer, threshold, float(last_seen[layer]), int(steps[since]))
 
 
-def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
-                settings: AnalysisSettings) -> SpikeCause:
+def label_spike(spike: Spike, signals: SpikeWindow, window: Window,
+                settings: AnalysisSettings,
+                floor_of: Callable[[str, int], float] = lambda signal, layer: 0.0
+                ) -> SpikeCause:
     """The cause of `spike`, from the samples in its lookback and the per-step loss,
-    grad norm and learning rate of `series`."""
+    grad norm and learning rate of the window's steps. `floor_of(signal, layer)`: the smallest logit
+    that matters to the dtype that layer's logits are computed in (logit_floor.py); a
+    logit grown short of it names the spike only when nothing else does."""
     # a level read in the run's first steps is the untrained model's: logits and weights
     # growing from their initial scale is learning, not a precursor (the spike finder waits
     # as long)
+    series = window.series
     warm = int(series.steps[0]) + settings.spike_min_history if len(series.steps) else 0
     before = (signals.steps < spike.start) & (signals.steps >= warm) & (
         signals.steps >= spike.start - settings.spike_lookback_steps)
-    steps, window = signals.steps[before], signals.values[before]
+    steps, values = signals.steps[before], signals.values[before]
     factor = settings.spike_growth_factor
     seen: dict[str, Any] = {}
 
     def signal(name: str) -> np.ndarray:
-        return window[:, SIGNALS.index(name)]
+        return values[:, SIGNALS.index(name)]
 
     update_jumps = jumps(steps, signal("update_ratio"))
     if update_jumps:
@@ -151,7 +162,7 @@ def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
         jumped = [g for g in update_jumps if g.factor >= settings.spike_update_jump]
         lr["update_ratio_jumped"] = [len(jumped), len(update_jumps)]
         return SpikeCause("lr_change", precursor_step=lr["lr_step"], evidence={"seen": seen, **lr})
-    weights = _weights_moved(spike, signals, settings, warm)
+    weights = _weights_moved(spike, signals, window, settings)
     if weights is not None and weights["shape"] == "weight_jump":  # sudden: nothing else is
         return _weight_cause(weights, seen)
     attention = growth(steps, signal("attn_max_logit"), factor, LEVEL_FLOOR["attn_max_logit"])
@@ -166,9 +177,24 @@ def label_spike(spike: Spike, signals: SpikeWindow, series: StepSeries,
     grown = [(g.factor, label, g) for label, g in (("attention_logit_growth", attention),
                                                   ("output_logit_divergence", output))
              if g is not None and g.factor >= factor]
-    if grown:
+    matter = [item for item in grown if item[2].latest >= floor_of(
+        "attn_max_logit" if item[1] == "attention_logit_growth" else "logit_lse",
+        item[2].layer)]
+    if matter:
+        _, label, found = max(matter, key=lambda item: item[0])
+        return _cause(label, found, seen)
+    cause = _later_causes(spike, steps, signal, update_jumps, weights, series, settings, seen)
+    if cause.label == "unknown" and grown:  # a small growth is all there is to go by
         _, label, found = max(grown, key=lambda item: item[0])
         return _cause(label, found, seen)
+    return cause
+
+
+def _later_causes(spike: Spike, steps: np.ndarray, signal: Callable[[str], np.ndarray],
+                  update_jumps: list[Growth], weights: dict[str, Any] | None,
+                  series: StepSeries, settings: AnalysisSettings,
+                  seen: dict[str, Any]) -> SpikeCause:
+    """The labels after the logit growths (module docstring, 2 onwards)."""
     if weights is not None:  # a steady growth of a layer's weights, no logit grew
         return _weight_cause(weights, seen)
     v_zero = _share_over(steps, signal("adam_v_zero_share"), settings.adam_v_zero_share)
@@ -208,18 +234,21 @@ def jumps(steps: np.ndarray, values: np.ndarray) -> list[Growth]:
     return out
 
 
-def _weights_moved(spike: Spike, signals: SpikeWindow, settings: AnalysisSettings,
-                   warm: int) -> dict[str, Any] | None:
-    """The layer whose weight norm moved first into the spike (weights.py's rules on the
-    samples of the lookback, from `warm` on, up to the spike's first step), and where it
-    began."""
-    keep = (signals.steps <= spike.start) & (signals.steps >= warm) & (
+def _weights_moved(spike: Spike, signals: SpikeWindow, window: Window,
+                   settings: AnalysisSettings) -> dict[str, Any] | None:
+    """The layer whose weight norm moved first into the spike, and where it began:
+    weights.py's rules, with its bound on what the optimizer's own steps move (`reach`),
+    on the samples of the lookback up to the spike's first step. The bound, not a
+    warm-up, tells a model learning from its initial scale from weights that grow: a
+    growth begun at step 0 is seen whole."""
+    keep = (signals.steps <= spike.start) & (
         signals.steps >= spike.start - settings.spike_lookback_steps)
     norms = signals.signal("weight_norm")[keep]
     found = []
     for layer in np.flatnonzero(np.isfinite(norms).sum(axis=0) >= MIN_SAMPLES):
         seen = np.isfinite(norms[:, layer])
-        result = moved(signals.steps[keep][seen], norms[seen, layer], settings)
+        steps = signals.steps[keep][seen]
+        result = moved(steps, norms[seen, layer], settings, reach(window, steps, int(layer)))
         if result is not None:
             code, first, _, evidence, _ = result
             found.append({"layer": int(layer), "step": first, "shape": code,

@@ -21,7 +21,7 @@ from ampwatch.server.analysis.causes import Cause
 from ampwatch.server.analysis.context import RunContext, compute_dtype
 from ampwatch.server.analysis.draft import Detection, FindingDraft
 from ampwatch.server.analysis.kinds import FindingKind
-from ampwatch.server.analysis.logit_floor import logit_floor, logits_dtype
+from ampwatch.server.analysis.logit_floor import layer_logit_floor
 from ampwatch.server.analysis.settings import AnalysisSettings
 from ampwatch.server.analysis.spike_causes import FIXES, LEVEL_FLOOR, SpikeCause, label_spike
 from ampwatch.server.analysis.spike_finder import Spike, find_spikes
@@ -55,12 +55,18 @@ def detect_spikes(window: Window, settings: AnalysisSettings) -> Detection:
                          spread_factor=settings.spike_spread_factor,
                          min_rise=settings.spike_min_rise)
     last = int(series.steps[-1]) if len(series.steps) else 0
-    labelled = [(spike, label_spike(spike, signals, series, settings)) for spike in spikes]
+    run_dtype = compute_dtype(series, run)
+
+    def floor_of(signal: str, layer: int) -> float:
+        return layer_logit_floor(run, layer, signal, run_dtype, settings)[1]
+
+    labelled = [(spike, label_spike(spike, signals, window, settings, floor_of))
+                for spike in spikes]
     guarded = series.steps[series.guarded > 0]  # steps the agent's step guard left out
     drafts = [_spike_draft(spike, cause, run, last, settings, guarded)
               for spike, cause in labelled]
     warm = (int(series.steps[0]) + settings.spike_min_history if len(series.steps) else 0)
-    drafts += _precursors(signals, run, settings, labelled, warm, compute_dtype(series, run))
+    drafts += _precursors(signals, run, settings, labelled, warm, run_dtype)
     drafts += _optimizer_states(signals, run, settings, labelled)
     return Detection(drafts=drafts, covers=("spike_precursor:", "optimizer_state:"))
 
@@ -147,11 +153,7 @@ def _precursors(signals: SpikeWindow, run: RunContext, settings: AnalysisSetting
                 continue
             steps, v = signals.steps[seen], values[seen, layer]
             level = max(float(np.median(v[: max(1, v.size // 3)])), LEVEL_FLOOR[name])
-            info = run.layer(int(layer))
-            dtype = logits_dtype(info, run_dtype)
-            head_dim = (info.attrs.get("head_dim")
-                        if info is not None and name == "attn_max_logit" else None)
-            floor = logit_floor(dtype, settings, head_dim if isinstance(head_dim, int) else None)
+            dtype, floor = layer_logit_floor(run, int(layer), name, run_dtype, settings)
             over = (v >= settings.precursor_factor * level) & (v >= floor)
             if not over.any():
                 continue

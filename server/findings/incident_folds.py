@@ -74,7 +74,9 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
     the top card must name the layer where the growth starts, not the first one downstream
     to cross a line), in that layer or one after it in forward order (or with no layer; or
     before it, for a gradient's FP8 cast); for a growth, only in that layer or one whose
-    outputs grew with it. The larger weights explain them."""
+    outputs grew with it, or a gradient overflow of the layer just after one of those
+    (its weights' gradients are taken on the grown output). The larger weights explain
+    them."""
     jumps = [key for key in groups if key[0] != "finding" and key[2] == Cause.WEIGHT_JUMP]
     for key in sorted(jumps, key=lambda k: _first_step(groups[k]) or 0):
         if key not in groups:
@@ -107,8 +109,12 @@ def fold_into_weight_jumps(groups: dict[tuple, list[Any]], order: Mapping[str, i
                 ) and output in reach | {key[3]} or any(
                     key[3].startswith(f"{name}.") for name in named) or (
                     other[0] != "finding" and other[2] == Cause.GRAD_OVERFLOW
-                    and position is not None and order.get(layer) is not None
-                    and order[layer] <= position)
+                    and order.get(layer) is not None and (
+                        (position is not None and order[layer] <= position)
+                        # its weights' gradients are taken on an input that grew: the
+                        # output of the grown layer or of one carried, just before it
+                        or order[layer] - 1 in {order[n] for n in reach | {key[3]}
+                                                if n in order}))
             first = _first_step(members)
             if follows and downstream and first is not None and begun <= first <= end:
                 groups[key] += groups.pop(other)

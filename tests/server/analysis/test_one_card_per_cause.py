@@ -92,3 +92,19 @@ def test_a_learning_rate_change_is_one_card_with_what_it_grew():
     assert lr.step == 30 and lr.cause == "loss_spike"
     assert "the learning rate rose 50x, from 0.003 to 0.15 at step 30" in lr.headline
     assert earlier["id"] not in lr.findings
+
+
+def test_gradients_overflowing_on_a_grown_input_are_the_growths_card():
+    """fc2 grows from step 0 and fc3's output with it; head, just after fc3, takes its
+    weights' gradients on that grown output: they overflow at step 113, one card, fc2's.
+    A layer after head, on an input that did not grow, is its own."""
+    growth = {**_growth("fc2", 0, 10), "last_step": 219}
+    growth["evidence"]["carried"] = ["fc3"]
+    head = finding("nonfinite", 113, layer="head", cause="grad_overflow", last_step=216)
+    tail = finding("nonfinite", 120, layer="tail", cause="grad_overflow", last_step=216)
+    order = {"fc1": 0, "fc2": 1, "fc3": 2, "head": 3, "tail": 4}
+    cards = group_incidents([growth, head, tail], order)
+    (card,) = [c for c in cards if growth["id"] in c.findings]
+    assert sorted(card.findings) == sorted([growth["id"], head["id"]])
+    assert (card.cause, card.layer, card.step) == ("weight_jump", "fc2", 0)
+    assert len(cards) == 2

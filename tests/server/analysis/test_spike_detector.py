@@ -339,10 +339,33 @@ def test_logits_and_weights_growing_from_their_init_are_learning_not_a_precursor
     loss = losses(n=90, spikes={60: 6.0})
     grads = np.ones(loss.size)
     grads[60] = 5.0
-    assert labels(detect(run_series(loss, grads), window))["loss_spike"][:3] == (
+    # at Adam's pace: lr 5e-3 moves a 4,160-parameter layer's norm up to 6.5 in ten steps
+    rate = np.full(loss.size, 5e-3)
+    assert labels(detect(run_series(loss, grads, rate), window))["loss_spike"][:3] == (
         "bad_batch", None, 60)
-    # the same growth after the warm-up (spike_min_history steps) still names the cause
-    window.values[:, SIGNALS.index("logit_absmax"), HEAD] = 4.0 * 2.0 ** np.r_[0, 0, :7]
-    code, layer, at, evidence = labels(detect(run_series(loss, grads), window))["loss_spike"]
+    # faster than Adam's steps move it (lr 1e-3: 1.3 in ten steps), the weights grew
+    assert labels(detect(run_series(loss, grads), window))["loss_spike"][:3] == (
+        "weight_jump", "fc0", 60)
+    # the same growth after the warm-up (spike_min_history steps), to where fp16 rounds
+    # the logits by 0.25 nats or more (512), names the cause
+    window.values[:, SIGNALS.index("logit_absmax"), HEAD] = 10.0 * 2.0 ** np.r_[0, 0, :7]
+    code, layer, at, evidence = labels(detect(run_series(loss, grads, rate), window))[
+        "loss_spike"]
     assert (code, layer, at, evidence["precursor_step"]) == (
         "output_logit_divergence", "fc3", 60, 50)
+
+
+def test_a_logit_growth_that_does_not_matter_to_its_dtype_names_a_spike_last() -> None:
+    """Logits grown 16x after the warm-up, but to 64, which fp16 holds to 0.03 nats: with
+    the grad norm jumping with the loss the spike is a bad batch; with nothing else to go
+    by, the growth is still the best guess."""
+    window = signals(n=90)
+    window.values[:, SIGNALS.index("logit_absmax"), HEAD] = 4.0 * 2.0 ** np.r_[0, 0, :7] / 4
+    loss = losses(n=90, spikes={60: 6.0})
+    grads = np.ones(loss.size)
+    grads[60] = 5.0
+    assert labels(detect(run_series(loss, grads), window))["loss_spike"][:3] == (
+        "bad_batch", None, 60)
+    code, layer, at, _ = labels(detect(run_series(loss, np.ones(loss.size)), window))[
+        "loss_spike"]
+    assert (code, layer, at) == ("output_logit_divergence", "fc3", 60)
