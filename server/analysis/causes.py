@@ -26,5 +26,6 @@ class Cause(StrEnum):
     MISALIGNED = "misaligned"
     LOSS_SPIKE = "loss_spike"
     WEIGHT_JUMP = "weight_jump"
+    LR_CHANGE = "lr_change"  # the learning rate rose at one step (lr_changes.py)
     # the pitfall whose findings the starved optimizer states follow from (kinds.py)
     CLIP_BEFORE_UNSCALE = "clip_before_unscale"

@@ -35,6 +35,7 @@ class FindingKind(StrEnum):
     SPIKE_PRECURSOR = "spike_precursor"
     OPTIMIZER_STATE = "optimizer_state"
     WEIGHT_JUMP = "weight_jump"
+    LR_CHANGE = "lr_change"
 
 
 class Scope(StrEnum):
@@ -172,6 +173,12 @@ KINDS: dict[FindingKind, KindSpec] = {spec.kind: spec for spec in (
              Scope.LAYER, Section.OVERVIEW,
              "find what rescaled the layer's weights at that step (a loop, a load or one "
              "update); clip or lower the learning rate",
+             cause=FROM_EVIDENCE),
+    # server/analysis/lr_changes.py: a note, where a spike's or a growth's story starts
+    KindSpec(FindingKind.LR_CHANGE,
+             "the recorded learning rate rose 3x or more from one step to the next",
+             Scope.RANK, Section.OVERVIEW,
+             "if it was not meant, undo or soften the change (a warmup to the new rate)",
              cause=FROM_EVIDENCE),
 )}
 

@@ -13,6 +13,7 @@ from ampwatch.server.analysis.alignment import detect_misaligned_layers
 from ampwatch.server.analysis.draft import Detection
 from ampwatch.server.analysis.fp8 import detect_fp8
 from ampwatch.server.analysis.kinds import FindingKind
+from ampwatch.server.analysis.lr_changes import detect_lr_changes
 from ampwatch.server.analysis.nonfinite import detect_nonfinite
 from ampwatch.server.analysis.pitfalls import detect_loop_pitfalls, detect_setup_pitfalls
 from ampwatch.server.analysis.precision import detect_precision_map
@@ -55,6 +56,7 @@ DETECTORS: tuple[DetectorSpec, ...] = (
     DetectorSpec(detect_precision_map, Inputs.STEPS, (K.PRECISION_MAP,)),
     DetectorSpec(detect_loop_pitfalls, Inputs.STEPS, (K.PITFALL,)),
     DetectorSpec(detect_speed, Inputs.STEPS, (K.SPEED,)),
+    DetectorSpec(detect_lr_changes, Inputs.STEPS, (K.LR_CHANGE,)),
     DetectorSpec(detect_misaligned_layers, Inputs.SETUP, (K.MISALIGNED_LAYER,)),
     DetectorSpec(detect_setup_pitfalls, Inputs.SETUP, (K.PITFALL,)),
     DetectorSpec(detect_rank_findings, Inputs.RANKS, (K.RANKS,)),

@@ -143,20 +143,23 @@ def grown_layers(members: list[Any]) -> list[str]:
 
 
 def fold_into_lr_changes(groups: dict[tuple, list[Any]]) -> None:
-    """Move what a learning-rate change set off into the incident of the loss spike it is
-    named the cause of (`lr_change`, at `lr_step`): on its run and rank, the weight
-    growths that began between their last sample before the change and the first after
-    it (every layer the larger updates moved, with what they explain), and the groups
-    whose kinds may follow moved weights begun at or after the change, before the spike
-    ended or while it is open (the logits the larger updates grow). One change, one
+    """Move what a learning-rate change set off into one card. A loss spike named after the
+    change (`lr_change`, at `lr_step`) takes the change's own note, the weight growths that
+    began between their last sample before the change and the first after it (every
+    layer the larger updates moved, with what they explain), and the groups whose kinds
+    may follow moved weights begun at or after the change, before the spike ended or while
+    it is open (the logits the larger updates grow). A change no spike followed takes its
+    weight growths into its own note (server/analysis/lr_changes.py). One change, one
     card."""
-    changes = [key for key, members in groups.items()
-               if key[0] != "finding" and key[2] == Cause.LOSS_SPIKE
-               and _lr_step(members) is not None]
-    for key in changes:
+    spikes = [key for key, members in groups.items()
+              if key[0] != "finding" and key[2] == Cause.LOSS_SPIKE
+              and _lr_step(members) is not None]
+    notes = [key for key in groups if key[0] != "finding" and key[2] == Cause.LR_CHANGE]
+    for key in [*spikes, *notes]:
         if key not in groups:
             continue
         lead, changed, end = groups[key][0], _lr_step(groups[key]), _last_step(groups[key])
+        spiked = key[2] == Cause.LOSS_SPIKE
         still_open = any(_get(f, "status") == "open" for f in groups[key])
         for other in [k for k in groups if k != key]:
             members = groups[other]
@@ -165,10 +168,13 @@ def fold_into_lr_changes(groups: dict[tuple, list[Any]]) -> None:
                 continue
             growth = _growth_span(members)
             first = _first_step(members)
-            if growth is not None:
+            if other[0] != "finding" and other[2] == Cause.LR_CHANGE:
+                set_off = spiked and _lr_step(members) == changed
+            elif growth is not None:
                 set_off = growth[0] <= changed <= growth[1]
             else:
-                set_off = (other[0] == "finding" and may_follow(members, Cause.WEIGHT_JUMP)
+                set_off = (spiked and other[0] == "finding"
+                           and may_follow(members, Cause.WEIGHT_JUMP)
                            and first is not None and changed <= first
                            and (first <= end or still_open))
             if set_off:
@@ -176,10 +182,16 @@ def fold_into_lr_changes(groups: dict[tuple, list[Any]]) -> None:
 
 
 def _lr_step(members: list[Any]) -> int | None:
-    return next((evidence["lr_step"] for f in members
-                 if _get(f, "kind") == FindingKind.LOSS_SPIKE
-                 and (evidence := _get(f, "evidence") or {}).get("label") == "lr_change"
-                 and evidence.get("lr_step") is not None), None)
+    """The step of the learning-rate change a group is told from: its spike's cause, or
+    its own change note."""
+    for f in members:
+        evidence = _get(f, "evidence") or {}
+        if evidence.get("lr_step") is not None and (
+                _get(f, "kind") == FindingKind.LR_CHANGE
+                or (_get(f, "kind") == FindingKind.LOSS_SPIKE
+                    and evidence.get("label") == "lr_change")):
+            return evidence["lr_step"]
+    return None
 
 
 def _growth_span(members: list[Any]) -> tuple[int, int] | None:

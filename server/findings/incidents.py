@@ -55,6 +55,7 @@ STAGES = {
     (FindingKind.SCALER_DIVERGENCE, "skip_streak"): (3, "steps skipped in a row"),
     (FindingKind.SCALER_DIVERGENCE, "scale_collapse"): (4, "loss scale at or below 1"),
     (FindingKind.UNDERFLOW_RISK, None): (3, "gradients mostly exactly zero"),
+    (FindingKind.LR_CHANGE, None): (0, "the learning rate rose"),
 }
 # causes that are one cause seen at two stages: the layer's inf first absorbed by a later
 # op, then reaching the loss; grouped under the first name
@@ -123,6 +124,8 @@ def root_cause(finding: Any) -> tuple[str, str] | None:
     evidence = _get(finding, "evidence") or {}
     if evidence.get("cause") == Cause.LOSS_SPIKE:  # one incident per spike, named by its step
         return Cause.LOSS_SPIKE, f"step {evidence.get('spike_step')}"
+    if evidence.get("cause") == Cause.LR_CHANGE:  # one incident per change, named by its step
+        return Cause.LR_CHANGE, f"step {evidence.get('lr_step')}"
     if evidence.get("cause"):
         cause = evidence["cause"]
         culprit = evidence.get("layer") or layer
@@ -253,6 +256,10 @@ def _incident(members: list[Any], key: tuple) -> Incident:
             headline = HEADLINES[shape].format(layer=layer, step=_get(weights, "step"))
         fix = str(evidence.get("fix", ""))
         fix = fix[0].upper() + fix[1:] + "." if fix else None
+    elif cause is not None and cause[0] == Cause.LR_CHANGE:
+        # the change's step: the growths it set off began at the sample before it
+        layer, headline, fix = _lr_change_story(members)
+        steps = [_get(f, "step") for f in members if _get(f, "kind") == FindingKind.LR_CHANGE]
     elif cause is not None and cause[0] == Cause.LOSS_SPIKE:
         layer, headline, fix = spike_story([(_get(f, "kind"), _get(f, "layer"),
                                              _get(f, "evidence") or {}) for f in members])
@@ -276,6 +283,22 @@ def _incident(members: list[Any], key: tuple) -> Incident:
         headline=headline, fix=fix, findings=[_get(f, "id") for f in members],
         timeline=timeline,
     )
+
+
+def _lr_change_story(members: list[Any]) -> tuple[None, str, str | None]:
+    """(layer, headline, fix) of a learning-rate change's card: the change, and the layers
+    whose weights it set growing (folded in by `fold_into_lr_changes`)."""
+    change = next(f for f in members if _get(f, "kind") == FindingKind.LR_CHANGE)
+    evidence = _get(change, "evidence") or {}
+    headline = (f"The learning rate rose {float(evidence.get('lr_factor') or 0):.3g}x at step "
+                f"{_get(change, 'step')}")
+    moved = grown_layers(members)
+    if moved:
+        headline += (f"; the weights of {', '.join(repr(m) for m in moved[:3])}"
+                     + (f" and {len(moved) - 3} more" if len(moved) > 3 else "")
+                     + " grew from it")
+    fix = str(evidence.get("fix", ""))
+    return None, headline, (fix[0].upper() + fix[1:] + ".") if fix else None
 
 
 def _first_once(timeline: list[TimelineEntry]) -> list[TimelineEntry]:

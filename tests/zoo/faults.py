@@ -69,6 +69,11 @@ MISTRAL_LR_JUMP = Fault("mistral_lr_jump", models.MISTRAL,
                         "the learning rate x50 at step 30, loss still falling fast",
                         lr_jump=(LR_JUMP_AT, 50.0), steps=50, dtype=torch.bfloat16,
                         scaler=False, lr=3e-3)
+# the learning rate x10 at a rate low enough that no spike follows: a convnet, no attention
+CONVNEXT_LR_RISE = Fault("convnext_lr_rise", models.CONVNEXT,
+                         "the learning rate x10 at step 30, no loss spike",
+                         lr_jump=(LR_JUMP_AT, 10.0), steps=50, dtype=torch.bfloat16,
+                         scaler=False, lr=1e-4)
 # a slow growth that starts late: the MLP's output projection x1.06 a step from step 40
 GEMMA2_LATE_GROWTH = Fault(
     "gemma2_late_growth", models.GEMMA2, "layer 1's down_proj x1.06 a step from 40",

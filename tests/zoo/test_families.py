@@ -62,6 +62,21 @@ def test_a_learning_rate_jump_in_early_descent_is_its_own_card(server: LiveServe
     assert f"at step {at}" in card["headline"], card["headline"]
 
 
+def test_a_learning_rate_rise_no_spike_followed_is_a_note_of_its_own(
+        server: LiveServer) -> None:
+    fault = faults.CONVNEXT_LR_RISE
+    truth, items = cards(fault, server)
+    at, factor = fault.lr_jump  # the loop's own change
+    assert max(truth.losses[at:]) < 1.5 * max(truth.losses[at - 10: at])  # no spike
+    assert problems(items) == [], problems(items)
+    (note,) = [i for i in items if i["cause"] == "lr_change"]
+    assert (note["step"], note["severity"], note["layer"]) == (at, "info", None)
+    assert note["headline"].startswith(f"The learning rate rose {factor:g}x at step {at}")
+    # a growth the larger updates began is told on the change's card, not one of its own
+    assert not [i for i in items if i["cause"] == "weight_jump"
+                and i["step"] is not None and at - 10 <= i["step"] <= at + 10], items
+
+
 @pytest.mark.parametrize(("fault", "layer", "start"), [
     (faults.GEMMA2_LATE_GROWTH, "model.layers.1.mlp.down_proj", faults.LATE_GROWTH_FROM),
     (faults.MIXTRAL_QK, "model.layers.1.self_attn", faults.GROWTH_FROM),
