@@ -169,8 +169,9 @@ class SpikeCollector(Collector):
         for index, dtype in seen.items():
             attrs = self.watch.layers[index].attrs
             kept = attrs.get("logits_in")
-            if kept is None or dtype.itemsize < getattr(torch, kept).itemsize:
-                attrs["logits_in"] = dtype_name(dtype)
+            narrowest = narrower(None if kept is None else getattr(torch, kept), dtype)
+            if dtype_name(narrowest) != kept:
+                attrs["logits_in"] = dtype_name(narrowest)
                 changed = True
         if changed:
             self.watch.on_run_change()

@@ -134,8 +134,7 @@ def _share_over(steps: np.ndarray, values: np.ndarray, threshold: float) -> Grow
 
 def label_spike(spike: Spike, signals: SpikeWindow, window: Window,
                 settings: AnalysisSettings,
-                floor_of: Callable[[str, int], float] = lambda signal, layer: 0.0
-                ) -> SpikeCause:
+                floor_of: Callable[[str, int], float]) -> SpikeCause:
     """The cause of `spike`, from the samples in its lookback and the per-step loss,
     grad norm and learning rate of the window's steps. `floor_of(signal, layer)`: the smallest logit
     that matters to the dtype that layer's logits are computed in (logit_floor.py); a
