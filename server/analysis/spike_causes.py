@@ -211,7 +211,8 @@ def _later_causes(spike: Spike, steps: np.ndarray, signal: Callable[[str], np.nd
     if jumped:
         return _cause("update_ratio_spike", max(jumped, key=lambda g: g.factor), seen)
     loss_steps, grad_norm = series.steps, series.column("grad_norm")
-    grad_jump = _grad_jump(spike, loss_steps, grad_norm, settings.spike_reference_steps)
+    grad_jump = _grad_jump(spike, loss_steps, grad_norm, series.has("grad_norm"),
+                           settings.spike_reference_steps)
     if grad_jump is not None:
         seen["grad_norm_jump"] = grad_jump
         settled = spike.length == 1 or _settles(spike, loss_steps, series.column("loss"),
@@ -293,12 +294,16 @@ def _settles(spike: Spike, steps: np.ndarray, loss: np.ndarray, share: float) ->
 
 
 def _grad_jump(spike: Spike, steps: np.ndarray, grad_norm: np.ndarray,
-               reference: int) -> float | None:
-    """The grad norm at the spike's first step over the median of the steps before it."""
-    at = np.flatnonzero(steps == spike.start)
+               recorded: np.ndarray, reference: int) -> float | None:
+    """The grad norm at the spike's first step over the median of the steps before it;
+    infinite when that step's gradients overflowed (recorded as inf/NaN: under fp16 a
+    bad batch's gradients often do, and the scaler skips the step)."""
+    at = np.flatnonzero((steps == spike.start) & recorded)
     earlier = grad_norm[(steps < spike.start) & np.isfinite(grad_norm)][-reference:]
-    if not at.size or not np.isfinite(grad_norm[at[0]]) or earlier.size < MIN_SAMPLES:
+    if not at.size or earlier.size < MIN_SAMPLES:
         return None
+    if not np.isfinite(grad_norm[at[0]]):
+        return float("inf")
     median = float(np.median(earlier))
     return float(grad_norm[at[0]] / median) if median > 0 else None
 

@@ -369,3 +369,8 @@ def test_a_logit_growth_that_does_not_matter_to_its_dtype_names_a_spike_last() -
     code, layer, at, _ = labels(detect(run_series(loss, np.ones(loss.size)), window))[
         "loss_spike"]
     assert (code, layer, at) == ("output_logit_divergence", "fc3", 60)
+    # under fp16 the bad batch's gradients overflowed: the step's grad norm is inf (the
+    # scaler skipped it), the largest jump there is
+    grads[60] = np.inf
+    assert labels(detect(run_series(loss, grads), window))["loss_spike"][:3] == (
+        "bad_batch", None, 60)
